@@ -88,6 +88,10 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: missing tensor {name!r}")
         return info
 
+    def raw_file(self) -> np.ndarray:
+        """The whole file as a read-only uint8 memory map (slice it by absolute offsets)."""
+        return self._reader.data
+
     def raw(self, info: TensorInfo, offset: int | None = None, nbytes: int | None = None) -> np.ndarray:
         """The bytes of `info` (or of a sub-range given as an absolute offset) as a read-only uint8 view."""
         start = info.offset if offset is None else offset

@@ -1,0 +1,38 @@
+"""Gated DeltaNet, the linear-attention mixer of qwen35moe (as llama.cpp reads converted files).
+
+Conventions of converted files: ssm_a holds −exp(A_log); v head j reads q/k head j mod n_k_heads
+(v heads are stored in that tiled order); ssm_norm is used as stored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fomoepy.model.spec import DeltaNetSpec
+from fomoepy.model.state import DeltaNetState
+
+
+def deltanet_mixer(ops, w, dn: DeltaNetSpec, eps: float, x: np.ndarray, state: DeltaNetState) -> np.ndarray:
+    """x [T, D] (already normed) → [T, D]; advances the convolution and delta-rule states."""
+    T = x.shape[0]
+    Hk, Hv, dk, dv = dn.n_k_heads, dn.n_v_heads, dn.state_size, dn.v_head_dim
+
+    qkv, state.conv = ops.causal_conv1d(ops.linear(x, w.attn_qkv), state.conv, w.ssm_conv1d)
+    qkv = ops.silu(qkv)  # [T, 2·Hk·dk + Hv·dv]
+    q = qkv[:, : Hk * dk].reshape(T, Hk, dk)
+    k = qkv[:, Hk * dk : 2 * Hk * dk].reshape(T, Hk, dk)
+    v = qkv[:, 2 * Hk * dk :].reshape(T, Hv, dv)
+
+    q = ops.l2_norm(q, eps) * np.float32(1.0 / np.sqrt(dk))
+    k = ops.l2_norm(k, eps)
+    tile = np.arange(Hv) % Hk  # v head j ← q/k head j mod Hk
+    q, k = q[:, tile], k[:, tile]  # [T, Hv, dk]
+
+    beta = ops.sigmoid(ops.linear(x, w.ssm_beta))  # [T, Hv]
+    g = ops.softplus(ops.linear(x, w.ssm_alpha) + w.ssm_dt_bias) * w.ssm_a  # log-decay, [T, Hv]
+
+    o, state.ssm = ops.delta_rule(q, k, v, g, beta, state.ssm)  # [T, Hv, dv]
+
+    z = ops.linear(x, w.attn_gate).reshape(T, Hv, dv)
+    o = ops.rms_norm(o, w.ssm_norm, eps) * ops.silu(z)
+    return ops.linear(o.reshape(T, Hv * dv), w.ssm_out)

@@ -1,0 +1,21 @@
+"""The MoE feed-forward block shared by every architecture: router → top-k → experts (+ shared expert)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fomoepy.experts.routing import GATING_FUNCTIONS
+from fomoepy.model.spec import MoESpec
+
+
+def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray) -> np.ndarray:
+    """h [T, D] (already normed) → [T, D]."""
+    router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
+    ids, weights = GATING_FUNCTIONS[m.gating](router_logits, m.n_expert_used)  # [T, k], [T, k]
+    out = experts.ffn(layer, h, ids, weights)
+    if m.shared_ff:
+        shared = ops.swiglu_ffn(h, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)
+        if m.shared_gate:
+            shared = shared * ops.sigmoid(ops.linear(h, w.ffn_gate_inp_shexp[None, :]))  # [T, 1]
+        out = out + shared
+    return out

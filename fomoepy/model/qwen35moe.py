@@ -1,0 +1,21 @@
+"""qwen35moe (Qwen3.5 / 3.6, e.g. 397B-A17B): Gated DeltaNet layers with gated full attention every
+`full_attention_interval` layers, and a MoE FFN with a sigmoid-gated shared expert."""
+
+from __future__ import annotations
+
+from fomoepy.model.attention import attention_mixer
+from fomoepy.model.deltanet import deltanet_mixer
+from fomoepy.model.moe import moe_ffn
+from fomoepy.model.spec import ATTENTION
+
+
+def qwen35moe_layer(model, il: int, x, state):
+    ops, spec, w = model.ops, model.spec, model.weights.layer(il)
+    eps = spec.rms_eps
+    xn = ops.rms_norm(x, w.attn_norm, eps)
+    if spec.layer_kinds[il] == ATTENTION:
+        x = x + attention_mixer(ops, w, spec.attention, eps, xn, state.layers[il], state.n_past)
+    else:
+        x = x + deltanet_mixer(ops, w, spec.deltanet, eps, xn, state.layers[il])
+    x = x + moe_ffn(ops, w, spec.moe, model.experts, il, ops.rms_norm(x, w.post_attention_norm, eps))
+    return x

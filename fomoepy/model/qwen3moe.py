@@ -1,0 +1,14 @@
+"""qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B): pre-norm blocks of GQA attention and a MoE FFN."""
+
+from __future__ import annotations
+
+from fomoepy.model.attention import attention_mixer
+from fomoepy.model.moe import moe_ffn
+
+
+def qwen3moe_layer(model, il: int, x, state):
+    ops, spec, w = model.ops, model.spec, model.weights.layer(il)
+    eps = spec.rms_eps
+    x = x + attention_mixer(ops, w, spec.attention, eps, ops.rms_norm(x, w.attn_norm, eps), state.layers[il], state.n_past)
+    x = x + moe_ffn(ops, w, spec.moe, model.experts, il, ops.rms_norm(x, w.ffn_norm, eps))
+    return x

@@ -1,0 +1,79 @@
+"""Next-token sampling: greedy, or a seeded chain of repetition penalty → top-k → top-p → min-p → temperature.
+
+The chain order is llama.cpp's default sampler order, so the same settings mean the same thing in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from fomoepy.errors import FomoeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8  # <= 0 means greedy (argmax)
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1.0 = off
+    min_p: float = 0.05  # 0.0 = off
+    repeat_penalty: float = 1.0  # 1.0 = off
+    repeat_last_n: int = 64  # how many recent tokens the penalty looks at
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
+            (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise FomoeError(f"bad sampling parameter: {message}")
+
+    @classmethod
+    def greedy(cls) -> SamplingParams:
+        return cls(temperature=0.0)
+
+
+class Sampler:
+    """Stateful only through its random generator: same seed, same logits → same tokens."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        p = self.params
+        z = np.asarray(logits, dtype=np.float64).copy()  # [V]
+        if p.repeat_penalty != 1.0 and p.repeat_last_n and len(history):
+            recent = np.unique(np.asarray(history[-p.repeat_last_n :], dtype=np.int64))
+            # llama.cpp: divide positive logits, multiply negative ones, so the penalty always lowers them
+            z[recent] = np.where(z[recent] > 0, z[recent] / p.repeat_penalty, z[recent] * p.repeat_penalty)
+        if p.temperature <= 0:
+            return int(np.argmax(z))
+
+        order = np.argsort(-z, kind="stable")  # candidates, best first
+        if p.top_k:
+            order = order[: p.top_k]
+        probs = _softmax(z[order])
+        if p.top_p < 1.0:
+            # keep the smallest prefix whose mass reaches top_p (at least one token)
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            order = order[:keep]
+            probs = probs[:keep]
+        if p.min_p > 0.0:
+            keep_mask = probs >= p.min_p * probs[0]
+            order = order[keep_mask]
+        probs = _softmax(z[order] / p.temperature)
+        return int(order[self.rng.choice(len(order), p=probs)])
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()

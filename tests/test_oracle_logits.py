@@ -1,0 +1,56 @@
+"""Rung 2 of the correctness ladder: the numpy forward pass against llama.cpp's and the exact logits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import ORACLE, open_oracle_engine
+
+MODELS = sorted(json.loads((ORACLE / "MANIFEST.json").read_text())["models"])
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def run(request):
+    name = request.param
+    engine = open_oracle_engine(name)
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    return name, engine, tokens, engine.logits(tokens)
+
+
+def test_logits_within_1e3_std_of_exact(run):
+    name, _, _, logits = run
+    exact = np.load(ORACLE / f"{name}.exact.npy")
+    assert logits.shape == exact.shape
+    err = np.abs(logits - exact).max() / exact.std()
+    assert err <= 1e-3, f"{name}: max |ours - exact| = {err:.2e} x std"
+
+
+def test_strict_models_match_llamacpp_and_others_agree_on_argmax(run, manifest):
+    name, _, _, logits = run
+    info = manifest["models"][name]
+    exact = np.load(ORACLE / f"{name}.exact.npy")
+    llama = np.load(ORACLE / f"{name}.llamacpp.npy")
+    if info["strict"]:
+        assert np.abs(logits - llama).max() <= 1e-3 * exact.std()
+    agreement = np.mean(logits.argmax(-1) == llama.argmax(-1))
+    assert agreement >= info["argmax_agreement"], f"{name}: argmax agreement {agreement:.3f}"
+
+
+def test_prefill_equals_token_by_token_decode(run):
+    name, engine, tokens, logits = run
+    state = engine.new_state()
+    stepped = np.concatenate([engine.eval(state, tokens[i : i + 1], all_logits=True) for i in range(len(tokens))])
+    rel = np.abs(stepped - logits).max() / np.abs(logits).max()
+    assert rel <= 1e-5, f"{name}: prefill vs decode differ by {rel:.2e} of the largest logit"
+
+
+def test_prefill_in_uneven_chunks_equals_one_batch(run):
+    name, engine, tokens, logits = run
+    state = engine.new_state()
+    cuts = [0, 3, 4, 17, len(tokens)]
+    parts = [engine.eval(state, tokens[a:b], all_logits=True) for a, b in zip(cuts, cuts[1:])]
+    rel = np.abs(np.concatenate(parts) - logits).max() / np.abs(logits).max()
+    assert rel <= 1e-5
