@@ -130,3 +130,29 @@ def test_inconsistent_shape(tmp_path):
     _rewrite(ORACLE / "qwen3moe_f32.gguf", dst, more_heads)
     with pytest.raises(ModelFileError, match=r"tensor blk\.0\.attn_q\.weight has shape \(128, 128\), expected \(256, 128\)"):
         ModelSpec.from_gguf(GGUFFile(dst))
+
+
+def test_unsupported_quant_type_is_refused_at_load(tmp_path):
+    src = ORACLE / "qwen3moe_f32.gguf"
+    dst = tmp_path / "q4_1.gguf"
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, arch="qwen3moe")
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.name == "blk.1.ffn_up_exps.weight":
+            q = gguf.quants.quantize(np.asarray(t.data), gguf.GGMLQuantizationType.Q4_1)
+            w.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        else:
+            w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from fomoepy.errors import UnsupportedQuantType
+
+    with pytest.raises(UnsupportedQuantType, match=r"q4_1\.gguf: tensor blk\.1\.ffn_up_exps\.weight has type Q4_1, which fomoepy does not support"):
+        ModelSpec.from_gguf(GGUFFile(dst))

@@ -12,7 +12,8 @@ from typing import Any
 
 from gguf import Keys
 
-from fomoepy.errors import ModelFileError
+from fomoepy import quants
+from fomoepy.errors import ModelFileError, UnsupportedQuantType
 from fomoepy.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("qwen3moe", "qwen35moe")
@@ -121,6 +122,8 @@ class _SpecReader:
             raise ModelFileError(
                 f"{gf.path}: architecture {self.arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        if not gf.tensors:
+            raise ModelFileError(f"{gf.path}: has no tensors (a vocabulary-only GGUF?), so it cannot be run")
         n_embd = self.int(Keys.LLM.EMBEDDING_LENGTH)
         n_layer = self.int(Keys.LLM.BLOCK_COUNT)
         n_head = self.int(Keys.Attention.HEAD_COUNT)
@@ -193,11 +196,16 @@ class _SpecReader:
         return spec
 
     def check_tensor_shapes(self, spec: ModelSpec) -> None:
-        """Every tensor the forward pass reads exists with the shape the hyper-parameters imply."""
+        """Every tensor the forward pass reads exists, has the shape the hyper-parameters imply, and has
+        a type we can decode: refused at load, not half-way through a generation."""
         for name, shape in expected_tensor_shapes(spec).items():
             info = self.gf.tensor(name)
             if info.shape != shape:
                 raise ModelFileError(f"{self.gf.path}: tensor {name} has shape {info.shape}, expected {shape}")
+            try:
+                quants.require_format(info.qtype, name)
+            except UnsupportedQuantType as e:
+                raise UnsupportedQuantType(f"{self.gf.path}: {e}") from None
 
 
 def expected_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
