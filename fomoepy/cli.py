@@ -14,6 +14,7 @@ import numpy as np
 
 from fomoepy import __version__
 from fomoepy.errors import FomoeError
+from fomoepy.options import add_engine_options, open_engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,18 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-generation token")
     add_engine_options(p)
     p.set_defaults(handler=cmd_generate)
+    register_subsystem_commands(sub)
     return parser
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="cpu", choices=["cpu"], help="compute backend")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
+# Commands that live with their subsystem: each module has register(subparsers), which adds its
+# parsers with set_defaults(handler=...). Imported here only, so subsystems never import the CLI.
+SUBSYSTEM_COMMANDS = ()
 
 
-def open_engine(args: argparse.Namespace):
-    from fomoepy.engine import Engine, EngineOptions
+def register_subsystem_commands(sub) -> None:
+    import importlib
 
-    return Engine(args.model, EngineOptions(backend=args.backend, n_ctx=args.ctx_size))
+    for module in SUBSYSTEM_COMMANDS:
+        importlib.import_module(module).register(sub)
 
 
 # -- commands --------------------------------------------------------------------------------------
