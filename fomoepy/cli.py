@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands that live with their subsystem: each module has register(subparsers), which adds its
 # parsers with set_defaults(handler=...). Imported here only, so subsystems never import the CLI.
-SUBSYSTEM_COMMANDS = ()
+SUBSYSTEM_COMMANDS = ("fomoepy.experts.commands", "fomoepy.serve.commands", "fomoepy.eval.commands")
 
 
 def register_subsystem_commands(sub) -> None:
