@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fomoepy.devtools.make_test_model import PRESETS, make_model
+from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine
 
 HERE = Path(__file__).parent
@@ -33,7 +33,7 @@ def ensure_model() -> Path:
     if not MODEL.exists():
         MODEL.parent.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
-        make_model(MODEL, **PRESETS["bench-qwen3moe"])
+        make_model(MODEL, preset="bench-qwen3moe")
         print(f"wrote {MODEL} ({MODEL.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     return MODEL
 

@@ -15,8 +15,8 @@ search like llama.cpp's, but always valid blocks with a small error. The other e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import gguf.quants
 import numpy as np
@@ -49,7 +49,7 @@ class QuantFormat:
 
 def _f16(cols: np.ndarray) -> np.ndarray:
     """[n, 2k] uint8 (k little-endian fp16 fields) -> [n, k] float32."""
-    return np.ascontiguousarray(cols).view(np.float16).astype(np.float32)
+    return np.ascontiguousarray(cols).view("<f2").astype(np.float32)
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
@@ -80,7 +80,7 @@ def _safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 
 
 def _dequant_f32(b: np.ndarray) -> np.ndarray:
-    return b.view(np.float32)
+    return b.view("<f4")
 
 
 def _quant_f32(x: np.ndarray) -> np.ndarray:
@@ -101,7 +101,7 @@ def _quant_f16(x: np.ndarray) -> np.ndarray:
 
 def _dequant_bf16(b: np.ndarray) -> np.ndarray:
     # bf16 is the top half of a float32
-    return (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return (b.view("<u2").astype(np.uint32) << 16).view(np.float32)
 
 
 # --- 32-element blocks --------------------------------------------------------------------------------
@@ -317,7 +317,9 @@ def require_format(qtype: int, tensor_name: str | None = None) -> QuantFormat:
         type_name = f"unknown type id {int(qtype)}"
     subject = f"tensor {tensor_name}" if tensor_name else "a tensor"
     supported = ", ".join(t.name for t in SUPPORTED)
-    raise UnsupportedQuantType(f"{subject} has type {type_name}, which fomoepy does not support (supported: {supported})")
+    raise UnsupportedQuantType(
+        f"{subject} has type {type_name}, which fomoepy does not support (supported: {supported})"
+    )
 
 
 def row_nbytes(qtype: int, n_cols: int, tensor_name: str | None = None) -> int:

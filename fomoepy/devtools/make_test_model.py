@@ -13,9 +13,9 @@ are stored as used (`x̂ · w`, around 1); `ssm_a` is stored as `−exp(A_log)`,
 
 Weights are drawn so that activations stay O(1) and logits have std ~1: matrices N(0, 1/fan_in),
 embeddings N(0, 1), norms 1 + 0.1·N(0, 1), and the router scaled by `router_scale` so that its top-k
-choices are rarely near-ties. Every tensor chunk (one expert, or a whole non-expert tensor) has its own
-generator seeded from (seed, tensor index, chunk index): chunks are made in parallel threads and the
-file is still byte-identical for the same arguments.
+choices are rarely near-ties. Every tensor chunk (one expert, a block of rows of a large matrix, or a
+whole small tensor) has its own generator seeded from (seed, tensor index, chunk index): chunks are made
+in parallel threads and the file is still byte-identical for the same arguments.
 """
 
 from __future__ import annotations
@@ -23,19 +23,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from gguf import (
-    GGUFWriter,
-    GGMLQuantizationType,
-    Keys,
-    LlamaFileType,
     MODEL_TENSOR,
     TENSOR_NAMES,
+    GGMLQuantizationType,
+    GGUFWriter,
+    Keys,
+    LlamaFileType,
 )
 
 from fomoepy import quants
@@ -80,6 +81,10 @@ class ModelSpec:
     shared_expert_ff: int = 64
 
     def __post_init__(self) -> None:
+        # accept lists and plain ints from callers; store the canonical, hashable form
+        object.__setattr__(self, "expert_types", tuple(Q(t) for t in self.expert_types))
+        object.__setattr__(self, "dense_type", Q(self.dense_type))
+        object.__setattr__(self, "rope_sections", tuple(int(n) for n in self.rope_sections))
         if self.arch not in ARCHS:
             raise ValueError(f"arch: expected one of {', '.join(ARCHS)}, got {self.arch!r}")
         if self.n_head % self.n_head_kv:
@@ -181,8 +186,12 @@ def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
             plan += [
                 linear(T.ATTN_QKV, il, conv_channels, E),
                 linear(T.ATTN_GATE, il, inner, E),
-                TensorPlan(_name(T.SSM_CONV1D, il), (conv_channels, spec.ssm_conv_kernel), F32,
-                           _normal(spec.ssm_conv_kernel**-0.5)),
+                TensorPlan(
+                    _name(T.SSM_CONV1D, il),
+                    (conv_channels, spec.ssm_conv_kernel),
+                    F32,
+                    _normal(spec.ssm_conv_kernel**-0.5),
+                ),
                 TensorPlan(_name(T.SSM_DT, il, ".bias"), (n_v_heads,), F32, _normal(0.5)),
                 TensorPlan(_name(T.SSM_A, il, ""), (n_v_heads,), F32, _ssm_a),
                 linear(T.SSM_BETA, il, n_v_heads, E),
@@ -247,7 +256,7 @@ def _write_metadata(w: GGUFWriter, spec: ModelSpec) -> None:
     w.add_uint32(L.EXPERT_COUNT.format(arch=a), spec.n_expert)
     w.add_uint32(L.EXPERT_USED_COUNT.format(arch=a), spec.n_expert_used)
     w.add_uint32(L.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), spec.expert_ff)
-    w.add_uint32(Keys.General.FILE_TYPE, _FILE_TYPES.get(tuple(spec.expert_types), LlamaFileType.GUESSED))
+    w.add_uint32(Keys.General.FILE_TYPE, _FILE_TYPES.get(spec.expert_types, LlamaFileType.GUESSED))
 
     vocab = byte_level_bpe(spec.n_vocab)
     w.add_string(Tk.MODEL, "gpt2")
@@ -318,20 +327,30 @@ def _tensor_bytes(spec: ModelSpec, index: int, t: TensorPlan, pool: ThreadPoolEx
 
 
 def write_model(path: str | os.PathLike[str], spec: ModelSpec, threads: int | None = None) -> ModelSummary:
-    """Write `spec` as a GGUF file at `path`, streaming one tensor at a time."""
+    """Write `spec` as a GGUF file at `path`, streaming one tensor at a time.
+
+    The file is written under a temporary name and renamed at the end, so `path` never holds half a model.
+    """
     path = Path(path)
+    partial = path.with_name(path.name + ".partial")
     plan = tensor_plan(spec)
-    w = GGUFWriter(path, spec.arch)
-    _write_metadata(w, spec)
-    for t in plan:
-        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-        for index, t in enumerate(plan):
-            w.write_tensor_data(_tensor_bytes(spec, index, t, pool))
+    w = GGUFWriter(partial, spec.arch)
+    try:
+        _write_metadata(w, spec)
+        for t in plan:
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            for index, t in enumerate(plan):
+                w.write_tensor_data(_tensor_bytes(spec, index, t, pool))
+    except BaseException:
+        w.close()
+        partial.unlink(missing_ok=True)
+        raise
     w.close()
+    os.replace(partial, path)
     return summarize(spec, path)
 
 
@@ -347,23 +366,39 @@ def summarize(spec: ModelSpec, path: Path) -> ModelSummary:
 # --- presets, make_model, CLI -------------------------------------------------------------------------
 
 _Q4KM = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
-_QWEN35 = dict(arch="qwen35moe", rope_freq_base=1e7, n_layer=4)
+_QWEN35 = {"arch": "qwen35moe", "rope_freq_base": 1e7, "n_layer": 4}
+_WIDE = {"n_embd": 256, "n_head": 8}
 
 # The six tiny ones have the hyperparameters and types of the oracle fixtures of the same kind.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen3moe": {},
-    "tiny-qwen3moe-q8_0": dict(n_embd=256, n_head=8, expert_ff=128, expert_types=(Q.Q8_0,) * 3),
-    "tiny-qwen3moe-q4km": dict(n_embd=256, n_layer=3, n_head=8, expert_ff=256, expert_types=_Q4KM, dense_type=Q.Q8_0),
-    "tiny-qwen3moe-q6k": dict(n_embd=256, n_head=8, expert_ff=256, expert_types=(Q.Q6_K,) * 3, dense_type=Q.F16),
-    "tiny-qwen35moe": dict(_QWEN35, expert_ff=32),
-    "tiny-qwen35moe-q4k": dict(
-        _QWEN35, n_embd=256, n_head=8, n_expert=8, n_expert_used=2, expert_ff=256, expert_types=(Q.Q4_K,) * 3
-    ),
+    "tiny-qwen3moe-q8_0": {**_WIDE, "expert_ff": 128, "expert_types": (Q.Q8_0,) * 3},
+    "tiny-qwen3moe-q4km": {**_WIDE, "n_layer": 3, "expert_ff": 256, "expert_types": _Q4KM, "dense_type": Q.Q8_0},
+    "tiny-qwen3moe-q6k": {**_WIDE, "expert_ff": 256, "expert_types": (Q.Q6_K,) * 3, "dense_type": Q.F16},
+    "tiny-qwen35moe": {**_QWEN35, "expert_ff": 32},
+    "tiny-qwen35moe-q4k": {
+        **_QWEN35,
+        **_WIDE,
+        "n_expert": 8,
+        "n_expert_used": 2,
+        "expert_ff": 256,
+        "expert_types": (Q.Q4_K,) * 3,
+    },
     # ~0.6 GB: 8 layers x 64 experts of 3 x 512 x 1024, for throughput measurements
-    "bench-qwen3moe": dict(
-        n_vocab=32000, n_embd=1024, n_layer=8, n_head=16, n_head_kv=4, head_dim=64, n_expert=64,
-        n_expert_used=8, expert_ff=512, context_length=4096, expert_types=_Q4KM, dense_type=Q.Q8_0,
-    ),
+    "bench-qwen3moe": {
+        "n_vocab": 32000,
+        "n_embd": 1024,
+        "n_layer": 8,
+        "n_head": 16,
+        "n_head_kv": 4,
+        "head_dim": 64,
+        "n_expert": 64,
+        "n_expert_used": 8,
+        "expert_ff": 512,
+        "context_length": 4096,
+        "expert_types": _Q4KM,
+        "dense_type": Q.Q8_0,
+    },
 }
 
 
@@ -420,8 +455,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
     for f in dataclasses.fields(ModelSpec):
         parse = _FIELD_PARSERS.get(f.name) or type(f.default)
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse, default=None,
-                       help=f"default {f.default!r}" if f.name not in _FIELD_PARSERS else "comma-separated")
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=parse,
+            default=None,
+            help=f"default {f.default!r}" if f.name not in _FIELD_PARSERS else "comma-separated",
+        )
     return p
 
 
@@ -434,4 +474,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"make_test_model: {e}") from None
     print(write_model(args.out, spec, threads=args.threads).line())
     return 0
-
