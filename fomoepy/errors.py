@@ -11,3 +11,7 @@ class ModelFileError(FomoeError):
 
 class UnsupportedQuantType(FomoeError):
     """A tensor type for which we have no dequantiser or kernel: never guessed, always refused."""
+
+
+class StoreError(FomoeError):
+    """An expert store that is missing, incomplete, damaged, or prepared from another GGUF: never read as weights."""
