@@ -1,0 +1,255 @@
+"""The expert cache: where each routed expert of a layer comes from, and what the tiers keep.
+
+Two tiers over the NVMe store, each under one byte budget for all layers:
+
+    device  VRAM (on the CPU backend: the compute-ready tier); admits every expert that is used
+    host    DRAM; admits what was read from NVMe (the disk holds everything)
+
+A query/command pair drives it, so the decision is testable without any device:
+
+    plan = cache.plan(layer, ids)   # query: sources, admissions and evictions; changes nothing
+    cache.commit(plan)              # command: apply them, pin the plan's experts, count stats
+    ... runtime copies bytes ...;   cache.mark_ready(plan)   # admitted slots LOADING → READY
+    ... experts computed ...;       cache.release(plan)      # unpin: they may be evicted again
+
+A plan is valid only until the next commit (commit refuses a stale one). The experts of a
+committed plan stay pinned until released, so planning the next layer while this one computes
+never evicts what it reads. `access(layer, ids)` does all four at once (synchronous paths, the
+simulator). A device-resident expert still LOADING counts as a DEVICE hit: the runtime waits for it.
+Logical time, used by the policies, is the engine's token count: call `tick(n)` after each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+import numpy as np
+
+from fomoepy.experts.cache_stats import CacheStats
+from fomoepy.experts.policy import EvictionPolicy, Key, LRUPolicy
+from fomoepy.experts.tiers import SlotState, TierDirectory
+
+
+class Source(Enum):
+    DEVICE = "device"  # hit: already in a device slot
+    HOST = "host"  # in a DRAM slot: copy up
+    DISK = "disk"  # read from the NVMe store
+
+
+class PlanItem(NamedTuple):  # a NamedTuple: plans are built per layer per token, so construction cost counts
+    expert: int
+    source: Source
+    nbytes: int
+    to_device: bool  # gets a device slot (the copy or read lands there); False: streamed via scratch
+    to_host: bool  # a disk read that gets a host slot
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one MoE layer step needs: each distinct expert once, ascending id."""
+
+    layer: int
+    items: tuple[PlanItem, ...]
+    device_evictions: tuple[Key, ...]
+    host_evictions: tuple[Key, ...]
+    generation: int
+
+    @property
+    def experts(self) -> tuple[int, ...]:
+        return tuple(item.expert for item in self.items)
+
+    def from_source(self, source: Source) -> tuple[PlanItem, ...]:
+        return tuple(item for item in self.items if item.source is source)
+
+
+class StalePlanError(RuntimeError):
+    """A plan committed after another commit changed the cache it was made against."""
+
+
+class ExpertCache:
+    """Device and host tiers of routed experts; `expert_bytes[layer]` is one expert's size in that layer."""
+
+    def __init__(
+        self,
+        n_expert: int,
+        expert_bytes: Sequence[int],
+        device_bytes: int,
+        host_bytes: int,
+        device_policy: EvictionPolicy | None = None,
+        host_policy: EvictionPolicy | None = None,
+    ):
+        if any(b <= 0 for b in expert_bytes):
+            raise ValueError(f"expected every expert size > 0 bytes, got {list(expert_bytes)}")
+        self.n_expert = n_expert
+        self.expert_bytes = tuple(int(b) for b in expert_bytes)
+        self.n_layer = len(self.expert_bytes)
+        # `is None`, not `or`: a policy with nothing tracked has len 0 and is falsy
+        self.device = TierDirectory("device", device_bytes, LRUPolicy() if device_policy is None else device_policy)
+        self.host = TierDirectory("host", host_bytes, LRUPolicy() if host_policy is None else host_policy)
+        self.stats = CacheStats(self.n_layer, self.device.enabled, self.host.enabled)
+        self.now = 0
+        self.generation = 0
+
+    def tick(self, n_tokens: int = 1) -> None:
+        """Advance logical time by the tokens just processed (frequency decay counts tokens)."""
+        self.now += n_tokens
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    def plan(self, layer: int, ids: Iterable[int] | np.ndarray) -> Plan:
+        """Sources and tier changes for the union of `ids` (any shape, e.g. [T, k] for T tokens)."""
+        experts = [int(e) for e in np.unique(np.asarray(ids, dtype=np.int64))]
+        if not 0 <= layer < self.n_layer:
+            raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
+        if experts and not (0 <= experts[0] and experts[-1] < self.n_expert):
+            raise ValueError(f"layer {layer}: expected expert ids in [0, {self.n_expert}), got {experts}")
+        size = self.expert_bytes[layer]
+        keys = [(layer, e) for e in experts]
+        protected = set(keys)
+        sources = [self._source(key) for key in keys]
+        to_device, device_victims = self.device.plan_admissions(
+            [(key, size) for key, src in zip(keys, sources) if src is not Source.DEVICE], protected
+        )
+        to_host, host_victims = self.host.plan_admissions(
+            [(key, size) for key, src in zip(keys, sources) if src is Source.DISK], protected
+        )
+        device_set, host_set = set(to_device), set(to_host)
+        items = tuple(
+            PlanItem(key[1], src, size, key in device_set, key in host_set) for key, src in zip(keys, sources)
+        )
+        return Plan(layer, items, tuple(device_victims), tuple(host_victims), self.generation)
+
+    def _source(self, key: Key) -> Source:
+        if key in self.device:
+            return Source.DEVICE
+        if key in self.host:
+            return Source.HOST
+        return Source.DISK
+
+    def resident(self, layer: int, tier: str = "device") -> frozenset[int]:
+        """Experts of `layer` held (LOADING or READY) in `tier` ("device" or "host")."""
+        return frozenset(self._tier(tier).experts_in(layer))
+
+    def cached_mask(self, layer: int, tier: str = "device") -> np.ndarray:
+        """bool [n_expert]: experts of `layer` held in `tier`, the form cache-aware routing takes."""
+        mask = np.zeros(self.n_expert, dtype=bool)
+        held = self._tier(tier).experts_in(layer)
+        if held:
+            mask[list(held)] = True
+        return mask
+
+    def _tier(self, name: str) -> TierDirectory:
+        if name not in ("device", "host"):
+            raise ValueError(f"expected tier 'device' or 'host', got {name!r}")
+        return self.device if name == "device" else self.host
+
+    # -- commands ----------------------------------------------------------------------------------
+
+    def commit(self, plan: Plan) -> None:
+        """Apply plan's evictions and admissions (admitted slots LOADING), pin its experts, count it."""
+        if plan.generation != self.generation:
+            raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
+        self.generation += 1
+        layer, now = plan.layer, self.now
+        for tier, victims, counters in (
+            (self.device, plan.device_evictions, self.stats.device),
+            (self.host, plan.host_evictions, self.stats.host),
+        ):
+            for key in victims:
+                freed = tier.evict(key)
+                counters[key[0]].evicted += 1
+                counters[key[0]].evicted_bytes += freed
+        device, host = self.device, self.host
+        for item in plan.items:
+            key = (layer, item.expert)
+            # pin every slot of this expert the step reads or writes, so no later plan evicts it
+            if item.to_host:
+                host.admit(key, item.nbytes, now)
+                host.pin(key)
+            elif item.source is Source.HOST:
+                host.touch(key, now)
+                host.pin(key)
+            if item.to_device:
+                device.admit(key, item.nbytes, now)
+                device.pin(key)
+            elif item.source is Source.DEVICE:
+                device.touch(key, now)
+                device.pin(key)
+            self._count(layer, item)
+
+    def _count(self, layer: int, item: PlanItem) -> None:
+        dev, host, disk, n = self.stats.device[layer], self.stats.host[layer], self.stats.disk[layer], item.nbytes
+        if item.source is Source.DEVICE:
+            dev.hits += 1
+            dev.hit_bytes += n
+            return
+        if self.device.enabled:
+            dev.misses += 1
+            dev.miss_bytes += n
+        if item.to_device:
+            dev.admitted += 1
+            dev.admitted_bytes += n
+        if item.source is Source.HOST:
+            host.hits += 1
+            host.hit_bytes += n
+            return
+        if self.host.enabled:
+            host.misses += 1
+            host.miss_bytes += n
+        if item.to_host:
+            host.admitted += 1
+            host.admitted_bytes += n
+        disk.reads += 1
+        disk.read_bytes += n
+
+    def mark_ready(self, plan: Plan) -> None:
+        """The bytes of every slot the plan admitted have arrived."""
+        for item in plan.items:
+            key = (plan.layer, item.expert)
+            if item.to_device:
+                self.device.mark_ready(key)
+            if item.to_host:
+                self.host.mark_ready(key)
+
+    def release(self, plan: Plan) -> None:
+        """The step that used plan's experts is done: unpin them."""
+        for item in plan.items:
+            key = (plan.layer, item.expert)
+            if item.to_host or item.source is Source.HOST:
+                self.host.unpin(key)
+            if item.to_device or item.source is Source.DEVICE:
+                self.device.unpin(key)
+
+    def access(self, layer: int, ids: Iterable[int] | np.ndarray) -> Plan:
+        """plan + commit + mark_ready + release, for synchronous callers."""
+        plan = self.plan(layer, ids)
+        self.commit(plan)
+        self.mark_ready(plan)
+        self.release(plan)
+        return plan
+
+    def seed(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
+        """Fill the device tier, then the host tier, with keys in order (e.g. a profile's seed_order).
+
+        Keys that do not fit are skipped; nothing is evicted; a key goes to one tier only, so the
+        host holds the next-most-wanted experts. Seeded slots are READY (start-up loads them
+        before the first token). Returns (device keys, host keys) for the runtime to load.
+        """
+        placed: tuple[list[Key], list[Key]] = ([], [])
+        for key in keys:
+            layer, expert = key
+            if not (0 <= layer < self.n_layer and 0 <= expert < self.n_expert):
+                raise ValueError(f"seed key {key} outside {self.n_layer} layers x {self.n_expert} experts")
+            size = self.expert_bytes[layer]
+            for tier, out in zip((self.device, self.host), placed):
+                if key in tier:
+                    break
+                if size <= tier.free:
+                    tier.admit(key, size, self.now, SlotState.READY)
+                    out.append(key)
+                    break
+        self.generation += 1
+        return placed

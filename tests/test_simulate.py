@@ -1,0 +1,221 @@
+"""Routing traces, Belady's optimum and the cache simulator (`fomoe simulate`)."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fomoepy.cli import main
+from fomoepy.errors import FomoeError
+from fomoepy.experts.belady import belady
+from fomoepy.experts.car import CarConfig
+from fomoepy.experts.policy import POLICIES
+from fomoepy.experts.profile import profile_from_trace, seed_order, write_freq
+from fomoepy.experts.routing import softmax_topk_renorm
+from fomoepy.experts.simulate import access_sequence, belady_for, simulate
+from fomoepy.experts.trace import TraceHeader, TraceWriter, read_trace
+
+L, E, K = 3, 16, 2
+
+
+def write_trace(path, n_tokens=60, skew=0.0, seed=0, probs=True, sizes=(100, 100, 100), batch=1):
+    """A synthetic trace: router logits favour low ids with Zipf exponent `skew` (0 = uniform)."""
+    rng = np.random.default_rng(seed)
+    prior = np.log(1.0 / np.arange(1, E + 1) ** skew)
+    with TraceWriter(path, TraceHeader(L, E, K, sizes, "synthetic")) as w:
+        for t in range(0, n_tokens, batch):
+            for layer in range(L):
+                logits = prior + rng.gumbel(size=(batch, E))
+                ids, _ = softmax_topk_renorm(logits, K)
+                p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+                p /= p.sum(axis=-1, keepdims=True)
+                w.write(t, layer, ids, np.take_along_axis(p, ids, axis=1), p if probs else None)
+    return path
+
+
+# -- traces ----------------------------------------------------------------------------------------
+
+
+def test_trace_round_trip(tmp_path):
+    path = tmp_path / "a.trace"
+    ids = np.array([[3, 1], [0, 15]])
+    scores = np.array([[0.5, 0.25], [0.375, 0.125]], dtype=np.float32)
+    probs = np.full((2, E), 1 / E, dtype=np.float32)
+    with TraceWriter(path, TraceHeader(L, E, K, (10, 20, 30), "m")) as w:
+        w.write(7, 2, ids, scores, probs)
+        w.write(9, 0, ids[:1], scores[:1])
+    trace = read_trace(path)
+    assert trace.header == TraceHeader(L, E, K, (10, 20, 30), "m") and not trace.truncated
+    a, b = trace.records
+    assert (a.token, a.layer, a.ids.tolist(), a.scores.tolist()) == (7, 2, ids.tolist(), scores.tolist())
+    assert a.probs.dtype == np.float16 and np.allclose(a.probs, probs)
+    assert (b.token, b.layer, b.n_tokens, b.probs) == (9, 0, 1, None)
+    assert trace.n_tokens == 3 and not trace.has_probs
+
+
+def test_a_killed_run_loses_only_its_partial_last_record(tmp_path):
+    path = write_trace(tmp_path / "a.trace", n_tokens=3)
+    data = path.read_bytes()
+    full = read_trace(path)
+    records = len(full.records)
+    # a record holds ≥ 2·16 bytes of f16 probabilities: cutting up to 39 bytes stays inside the last one
+    for cut in range(1, 40):
+        path.write_bytes(data[:-cut])
+        trace = read_trace(path)
+        assert trace.truncated and len(trace.records) == records - 1
+        assert all(np.array_equal(x.ids, y.ids) for x, y in zip(trace.records, full.records))
+
+
+def test_damaged_traces_are_refused_clearly(tmp_path):
+    path = tmp_path / "bad.trace"
+    path.write_bytes(b"")
+    with pytest.raises(FomoeError, match="no header"):
+        read_trace(path)
+    path.write_bytes(msgpack.packb({"format": "something-else"}))
+    with pytest.raises(FomoeError, match="not a fomoe trace"):
+        read_trace(path)
+    path.write_bytes(msgpack.packb({"format": "fomoe-trace", "version": 9}))
+    with pytest.raises(FomoeError, match="expected trace version 1, got 9"):
+        read_trace(path)
+    good = write_trace(tmp_path / "good.trace", n_tokens=2).read_bytes()
+    header_len = len(msgpack.packb(TraceHeader(L, E, K, (100, 100, 100), "synthetic").to_msgpack()))
+    path.write_bytes(good[:header_len] + b"\xc1" + good[header_len:])  # 0xc1: never valid msgpack
+    with pytest.raises(FomoeError, match=f"at byte {header_len}"):
+        read_trace(path)
+    path.write_bytes(good[:header_len] + msgpack.packb({"t": 0, "l": 0, "n": 1, "k": 2, "ids": b"\0", "s": b""}))
+    with pytest.raises(FomoeError, match="expected 4 bytes of ids"):
+        read_trace(path)
+    with pytest.raises(FomoeError, match="cannot read"):
+        read_trace(tmp_path / "missing.trace")
+
+
+# -- Belady ----------------------------------------------------------------------------------------
+
+
+def brute_force_hits(seq, capacity) -> int:
+    """The best hit count over every choice a cache could make (admit or not; which key to evict)."""
+
+    @cache
+    def best(i: int, held: frozenset) -> int:
+        if i == len(seq):
+            return 0
+        key = seq[i]
+        if key in held:
+            return 1 + best(i + 1, held)
+        options = [best(i + 1, held)]  # bypass
+        if len(held) < capacity:
+            options.append(best(i + 1, held | {key}))
+        else:
+            options += [best(i + 1, (held - {old}) | {key}) for old in held]
+        return max(options)
+
+    return best(0, frozenset())
+
+
+@settings(max_examples=300, deadline=None)
+@given(seq=st.lists(st.integers(0, 5), min_size=1, max_size=14), capacity=st.integers(1, 4))
+def test_belady_equals_the_brute_force_optimum_with_equal_sizes(seq, capacity):
+    assert belady(seq, lambda key: 1, capacity).hits == brute_force_hits(tuple(seq), capacity)
+
+
+def test_belady_with_a_seeded_start_and_oversized_items():
+    assert belady(["a", "b", "a"], lambda key: 1, 1).hits == 1  # bypassing b keeps a
+    assert belady(["a", "b", "a"], lambda key: 1, 1, initial=["a"]).hits == 2
+    assert belady(["x", "x"], lambda key: 5, 4).hits == 0
+
+
+@pytest.mark.parametrize("skew", [0.0, 1.2])  # random, Zipf
+@pytest.mark.parametrize("device_slots, host_slots", [(2, 4), (6, 0), (0, 5), (8, 16), (1, 1)])
+def test_belady_beats_every_policy(tmp_path, skew, device_slots, host_slots):
+    trace = read_trace(write_trace(tmp_path / "t.trace", n_tokens=120, skew=skew, seed=int(skew * 10)))
+    sizes = (100, 100, 100)
+    best_device = belady_for(trace, sizes, device_slots * 100).hit_rate
+    best_memory = belady_for(trace, sizes, (device_slots + host_slots) * 100).hit_rate
+    for policy in POLICIES:
+        r = simulate(trace, sizes, device_slots * 100, host_slots * 100, policy, half_life_tokens=16)
+        assert r.device_hit_rate <= best_device + 1e-12
+        assert r.memory_hit_rate <= best_memory + 1e-12
+    assert best_memory >= best_device
+
+
+def test_zipf_traces_are_kinder_to_caches_than_uniform_ones(tmp_path):
+    uniform = read_trace(write_trace(tmp_path / "u.trace", n_tokens=150, skew=0.0))
+    zipf = read_trace(write_trace(tmp_path / "z.trace", n_tokens=150, skew=1.5))
+    sizes = (100, 100, 100)
+    for policy in ("lru", "lfu-decay"):
+        hit = [simulate(t, sizes, 1200, 0, policy).device_hit_rate for t in (uniform, zipf)]
+        assert hit[1] > hit[0]
+
+
+def test_replay_plans_each_record_as_one_step(tmp_path):
+    trace = read_trace(write_trace(tmp_path / "b.trace", n_tokens=40, batch=8))
+    r = simulate(trace, (100, 100, 100), 10_000, 0)
+    assert r.summary["accesses"] == len(access_sequence(trace))
+    assert r.summary["accesses"] < 40 * L * K  # experts shared within a batch are fetched once
+
+
+def test_car_replay_reports_a_substitution_rate(tmp_path):
+    trace = read_trace(write_trace(tmp_path / "c.trace", n_tokens=80, skew=0.5))
+    exact = simulate(trace, (100, 100, 100), 600, 0)
+    off = simulate(trace, (100, 100, 100), 600, 0, car=CarConfig(threshold=0))
+    assert off.summary == exact.summary and off.car is None
+    on = simulate(trace, (100, 100, 100), 600, 0, car=CarConfig(threshold=0.3))
+    assert 0 < on.car.rate < 1
+    assert on.device_hit_rate > exact.device_hit_rate
+    no_probs = read_trace(write_trace(tmp_path / "d.trace", n_tokens=4, probs=False))
+    with pytest.raises(FomoeError, match="full probabilities"):
+        simulate(no_probs, (100, 100, 100), 600, 0, car=CarConfig(threshold=0.3))
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+def test_fomoe_simulate_prints_policies_next_to_belady(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.trace", n_tokens=50, skew=1.0)
+    assert main(["simulate", str(path), "--vram", "800", "--ram-mb", "0.001", "--policy", "lru,lfu-decay"]) == 0
+    out = capsys.readouterr().out
+    assert "lru " in out and "lfu-decay" in out and "belady" in out
+    assert main(["simulate", str(path), "--vram-mb", "0", "--ram", "1K", "--policy", "all", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["policies"]) == set(POLICIES) and result["device_bytes"] == 0
+    assert result["belady_memory_hit_rate"] >= max(p["memory_hit_rate"] for p in result["policies"].values())
+
+
+def test_fomoe_simulate_with_a_profile_and_car(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.trace", n_tokens=50, skew=1.0)
+    write_freq(tmp_path / "p.freq", profile_from_trace(read_trace(path)))
+    args = ["simulate", str(path), "--vram", "600", "--ram", "600", "--profile", str(tmp_path / "p.freq"),
+            "--policy", "lru-pinned", "--car-threshold", "0.5", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)["policies"]["lru-pinned"]
+    assert "car_substitution_rate" in result
+
+
+def test_fomoe_simulate_errors_are_one_line(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.trace", n_tokens=5, sizes=())
+    assert main(["simulate", str(path), "--vram", "1K", "--ram", "0"]) == 1
+    assert "no expert sizes; give --expert-bytes" in capsys.readouterr().err
+    assert main(["simulate", str(path), "--vram", "1K", "--ram", "0", "--expert-bytes", "100"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(path), "--vram", "1Q", "--ram", "0", "--expert-bytes", "100"]) == 1
+    assert "expected a size" in capsys.readouterr().err
+    assert main(["simulate", str(path), "--vram", "1K", "--ram", "0", "--expert-bytes", "9", "--policy", "x"]) == 1
+    assert "unknown cache policy 'x'" in capsys.readouterr().err
+
+
+def test_seeding_from_a_profile_helps_and_belady_starts_seeded_too(tmp_path):
+    trace = read_trace(write_trace(tmp_path / "t.trace", n_tokens=60, skew=1.2))
+    sizes = (100, 100, 100)
+    order = seed_order(profile_from_trace(trace))
+    cold = simulate(trace, sizes, 500, 500, "lru")
+    warm = simulate(trace, sizes, 500, 500, "lru", seed=order)
+    assert warm.memory_hit_rate >= cold.memory_hit_rate
+    dev_seed, host_seed = warm.seeded
+    assert len(dev_seed) == 5 and len(host_seed) == 5 and list(dev_seed) == order[:5]
+    assert warm.device_hit_rate <= belady_for(trace, sizes, 500, dev_seed).hit_rate
