@@ -195,6 +195,8 @@ def cmd_logits(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     np.save(args.out, logits)
     print(f"fomoe: {tokens.size} tokens in {elapsed:.2f} s ({tokens.size / elapsed:.1f} tok/s) -> {args.out}", file=sys.stderr)
+    report_streaming(engine)
+    engine.close()
     return 0
 
 
@@ -246,12 +248,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     write(decoder.flush() + "\n")
     t_end = time.perf_counter()
     report_speed(len(prompt), n, t0, t_first, t_end)
+    report_streaming(engine)
+    engine.close()
     return 0
 
 
 def write(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def report_streaming(engine) -> None:
+    for line in engine.stats_lines():
+        print(f"fomoe: {line}", file=sys.stderr)
 
 
 def report_speed(n_prompt: int, n_gen: int, t0: float, t_first: float | None, t_end: float) -> None:

@@ -8,20 +8,22 @@ prefill (every prompt token in one batched pass) and then one-token decode steps
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from fomoepy.errors import FomoeError
-from fomoepy.experts.source import GGUFExpertSource
+from fomoepy.experts.car import CarConfig
+from fomoepy.experts.source import GGUFExpertSource, LayerExperts
+from fomoepy.experts.streamer import ExpertStreamer, StreamingOptions
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec
 from fomoepy.model.state import InferenceState
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer
 from fomoepy.runtime.cpu import CpuBackend
-from fomoepy.runtime.cpu_experts import CpuExperts
+from fomoepy.runtime.cpu_experts import CpuExperts, ready_expert_nbytes
 from fomoepy.sampling import Sampler, SamplingParams
 
 BACKENDS = {"cpu": CpuBackend}
@@ -31,7 +33,16 @@ BACKENDS = {"cpu": CpuBackend}
 class EngineOptions:
     backend: str = "cpu"
     n_ctx: int | None = None  # None: the model's training context
-    ready_cache_bytes: int | None = None  # CPU compute-ready expert tier; None: sized from free memory
+    store: tuple[str, ...] = ()  # expert store directories; empty: read experts from the GGUF (mmap)
+    vram_cache: int | None = None  # device tier bytes (CPU: compute-ready experts); None: automatic
+    ram_cache: int | None = None  # host tier bytes (store-form experts); None: automatic
+    cache_policy: str = "lru"
+    car: CarConfig = field(default_factory=CarConfig)
+    backfill: str = "thread"
+    backfill_per_token: int = 4
+    prefetch: bool = True
+    freq_profile: str | None = None
+    trace: str | None = None
 
 
 class Engine:
@@ -46,12 +57,54 @@ class Engine:
         if self.n_ctx < 1:
             raise FomoeError(f"context size must be >= 1, got {self.n_ctx}")
         self.ops = BACKENDS[options.backend]()
-        source = GGUFExpertSource(self.file, self.spec)
-        budget = options.ready_cache_bytes
-        if budget is None:
-            budget = default_ready_budget(self.spec)
-        self.experts = CpuExperts(source, budget)
+        if options.store:
+            from fomoepy.experts.store_reader import ExpertStore
+
+            self.source = ExpertStore.open(list(options.store), self.file)
+        else:
+            self.source = GGUFExpertSource(self.file, self.spec)
+        self.experts = self._open_experts()
         self.model = Transformer(self.file, self.spec, self.ops, self.experts)
+
+    def _open_experts(self) -> CpuExperts:
+        o = self.options
+        layers = self.source.layers
+        device_unit = [ready_expert_nbytes(layer) for layer in layers]
+        device = o.vram_cache if o.vram_cache is not None else default_device_bytes(device_unit, self.spec)
+        host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store))
+        streaming = StreamingOptions(
+            device_bytes=device,
+            host_bytes=host,
+            policy=o.cache_policy,
+            car=o.car,
+            backfill=o.backfill,
+            backfill_per_token=o.backfill_per_token,
+            prefetch=o.prefetch,
+            trace_path=o.trace,
+            freq_profile=o.freq_profile,
+        )
+        streamer = ExpertStreamer(self.source, self.spec.moe.n_expert, self.spec.moe.n_expert_used, device_unit, streaming, self.spec.name)
+        return CpuExperts(streamer)
+
+    def reset_expert_cache(self) -> None:
+        """Empty every expert tier (cold-start measurements); traces and counters carry on."""
+        old = self.experts
+        old.streamer.close()
+        self.experts = self._open_experts()
+        self.experts.routers = old.routers
+        self.model.experts = self.experts
+
+    def stats(self) -> dict:
+        return self.experts.streamer.stats()
+
+    def stats_lines(self) -> list[str]:
+        return self.experts.streamer.lines()
+
+    def close(self) -> None:
+        self.experts.streamer.close()
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
 
     def new_state(self) -> InferenceState:
         return InferenceState.new(self.spec, self.n_ctx)
@@ -96,12 +149,19 @@ class Engine:
             logits = self.eval(state, [token])[-1]
 
 
-def default_ready_budget(spec: ModelSpec) -> int:
-    """All experts compute-ready if they fit in half of the available memory, else as many as do."""
-    m = spec.moe
-    per_expert = 3 * m.expert_ff * spec.n_embd * 4
-    wanted = per_expert * m.n_expert * spec.n_layer
+def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:
+    """CPU device tier: every expert compute-ready if that fits in half the available memory."""
+    wanted = sum(unit) * spec.moe.n_expert
     return min(wanted, available_memory_bytes() // 2)
+
+
+def default_host_bytes(layers: tuple[LayerExperts, ...], spec: ModelSpec, from_store: bool) -> int:
+    """DRAM tier: with a store, every expert if that fits in a quarter of the available memory;
+    without one the GGUF is memory-mapped and the page cache already plays this part."""
+    if not from_store:
+        return 0
+    wanted = sum(layer.expert_nbytes for layer in layers) * spec.moe.n_expert
+    return min(wanted, available_memory_bytes() // 4)
 
 
 def available_memory_bytes() -> int:

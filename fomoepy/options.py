@@ -7,14 +7,69 @@ from __future__ import annotations
 
 import argparse
 
+from fomoepy.errors import FomoeError
+
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", choices=["cpu"], help="compute backend")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
+    g = p.add_argument_group("expert streaming")
+    g.add_argument("--store", nargs="+", metavar="DIR", default=[], help="expert store directories (fomoe prepare)")
+    g.add_argument(
+        "--vram-cache", metavar="SIZE", default=None,
+        help="device tier, e.g. 0, 48K, 512M, 16G (0 = off; CPU backend: compute-ready float32 experts); default: automatic",
+    )  # fmt: skip
+    g.add_argument("--ram-cache", metavar="SIZE", default=None, help="host (DRAM) tier of store bytes; default: automatic")
+    g.add_argument("--cache-policy", default="lru", help="eviction policy: lru, lfu-decay, lru-pinned, lfu-decay-pinned")
+    g.add_argument("--freq-profile", metavar="F", default=None, help=".freq profile that seeds VRAM, then DRAM")
+    g.add_argument("--trace", metavar="FILE", default=None, help="record every routing decision (for fomoe simulate)")
+    g.add_argument("--no-prefetch", action="store_true", help="do not predict and prefetch the next layer's experts")
+    g = p.add_argument_group("cache-aware routing (off by default: the exact model)")
+    g.add_argument("--car-threshold", type=float, default=None, metavar="T",
+                   help="substitute a cached expert when p(substitute)/p(original) >= T")  # fmt: skip
+    g.add_argument("--car-dampen", action="store_true", help="a substitute weighs its own probability, not the original's")
+    g.add_argument("--car-warmup", type=int, default=0, metavar="N", help="no substitution for the first N tokens")
+    g.add_argument("--car-protect-first", type=int, default=0, metavar="N", help="no substitution in the first N layers")
+    g.add_argument("--car-protect-last", type=int, default=0, metavar="N", help="no substitution in the last N layers")
+    g.add_argument("--backfill", default="thread", choices=["off", "thread", "sync"],
+                   help="reload substituted originals: in a background thread, or N per token (repeatable)")  # fmt: skip
+    g.add_argument("--backfill-per-token", type=int, default=4, metavar="N", help="with --backfill sync")
+
+
+def engine_options(args: argparse.Namespace):
+    from fomoepy.engine import EngineOptions
+    from fomoepy.experts.car import CarConfig
+    from fomoepy.experts.policy import POLICIES
+    from fomoepy.experts.sizes import parse_size
+
+    if args.cache_policy not in POLICIES:
+        raise FomoeError(f"--cache-policy {args.cache_policy!r} is unknown (known: {', '.join(POLICIES)})")
+    if args.backfill_per_token < 0:
+        raise FomoeError(f"--backfill-per-token must be >= 0, got {args.backfill_per_token}")
+    return EngineOptions(
+        backend=args.backend,
+        n_ctx=args.ctx_size,
+        store=tuple(args.store),
+        vram_cache=None if args.vram_cache is None else parse_size(args.vram_cache),
+        ram_cache=None if args.ram_cache is None else parse_size(args.ram_cache),
+        cache_policy=args.cache_policy,
+        car=CarConfig(
+            threshold=args.car_threshold,
+            dampen=args.car_dampen,
+            warmup_tokens=args.car_warmup,
+            protect_first=args.car_protect_first,
+            protect_last=args.car_protect_last,
+        ),
+        backfill=args.backfill,
+        backfill_per_token=args.backfill_per_token,
+        prefetch=not args.no_prefetch,
+        freq_profile=args.freq_profile,
+        trace=args.trace,
+    )
 
 
 def open_engine(args: argparse.Namespace):
     """An Engine for args.model with the options add_engine_options parsed."""
-    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.engine import Engine
 
-    return Engine(args.model, EngineOptions(backend=args.backend, n_ctx=args.ctx_size))
+    return Engine(args.model, engine_options(args))

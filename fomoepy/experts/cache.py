@@ -80,11 +80,17 @@ class ExpertCache:
         host_bytes: int,
         device_policy: EvictionPolicy | None = None,
         host_policy: EvictionPolicy | None = None,
+        device_expert_bytes: Sequence[int] | None = None,
     ):
+        """`device_expert_bytes`: one expert's size in the device tier's form when it differs from the
+        store's (the CPU backend's device tier holds dequantised float32); default: `expert_bytes`."""
         if any(b <= 0 for b in expert_bytes):
             raise ValueError(f"expected every expert size > 0 bytes, got {list(expert_bytes)}")
         self.n_expert = n_expert
         self.expert_bytes = tuple(int(b) for b in expert_bytes)
+        self.device_expert_bytes = tuple(int(b) for b in (device_expert_bytes or expert_bytes))
+        if len(self.device_expert_bytes) != len(self.expert_bytes):
+            raise ValueError("expected one device expert size per layer")
         self.n_layer = len(self.expert_bytes)
         # `is None`, not `or`: a policy with nothing tracked has len 0 and is falsy
         self.device = TierDirectory("device", device_bytes, LRUPolicy() if device_policy is None else device_policy)
@@ -111,7 +117,8 @@ class ExpertCache:
         protected = set(keys)
         sources = [self._source(key) for key in keys]
         to_device, device_victims = self.device.plan_admissions(
-            [(key, size) for key, src in zip(keys, sources) if src is not Source.DEVICE], protected
+            [(key, self.device_expert_bytes[layer]) for key, src in zip(keys, sources) if src is not Source.DEVICE],
+            protected,
         )
         to_host, host_victims = self.host.plan_admissions(
             [(key, size) for key, src in zip(keys, sources) if src is Source.DISK], protected
@@ -231,6 +238,25 @@ class ExpertCache:
         self.release(plan)
         return plan
 
+    def admit_host(self, key: Key) -> list[Key] | None:
+        """Put an expert read outside any plan (prefetch, backfill) into the host tier, READY.
+
+        Evicts unpinned experts by the host policy to make room. Returns the evicted keys, or None
+        when the expert is already held in a tier or cannot get a slot (nothing changes then).
+        """
+        if key in self.device or key in self.host or not self.host.enabled:
+            return None
+        admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]])], {key})
+        if key not in set(admitted):
+            return None
+        for victim in victims:
+            freed = self.host.evict(victim)
+            self.stats.host[victim[0]].evicted += 1
+            self.stats.host[victim[0]].evicted_bytes += freed
+        self.host.admit(key, self.expert_bytes[key[0]], self.now, SlotState.READY)
+        self.generation += 1
+        return list(victims)
+
     def seed(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
         """Fill the device tier, then the host tier, with keys in order (e.g. a profile's seed_order).
 
@@ -243,8 +269,8 @@ class ExpertCache:
             layer, expert = key
             if not (0 <= layer < self.n_layer and 0 <= expert < self.n_expert):
                 raise ValueError(f"seed key {key} outside {self.n_layer} layers x {self.n_expert} experts")
-            size = self.expert_bytes[layer]
-            for tier, out in zip((self.device, self.host), placed):
+            sizes = (self.device_expert_bytes[layer], self.expert_bytes[layer])
+            for tier, size, out in zip((self.device, self.host), sizes, placed):
                 if key in tier:
                     break
                 if size <= tier.free:

@@ -1,27 +1,44 @@
 """Expert selection from router logits, as each architecture defines it.
 
-Pure numpy over small arrays ([T, E] logits); no weights. Cache-aware routing (CAR) builds on the
-exact selection made here.
+Pure numpy over small arrays ([T, E] logits); no weights. Cache-aware routing (CAR) starts from
+the exact selection made here, and needs the full distribution too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
-def softmax_topk_renorm(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Qwen3 / Qwen3.5: softmax over all experts, the k largest, their weights renormalised to sum 1.
+@dataclass(frozen=True)
+class Routing:
+    ids: np.ndarray  # [T, k] int64, by descending score
+    weights: np.ndarray  # [T, k] float32, as the architecture normalises them
+    probs: np.ndarray  # [T, E] float32, the distribution the selection was made from
 
-    logits [T, E] → ids [T, k] (int64, by descending score), weights [T, k] (float32).
-    """
+
+def softmax_probs(logits: np.ndarray) -> np.ndarray:
     z = logits.astype(np.float32)
     probs = np.exp(z - z.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def softmax_route(logits: np.ndarray, k: int) -> Routing:
+    """Qwen3 / Qwen3.5: softmax over all experts, the k largest, their weights renormalised to sum 1."""
+    probs = softmax_probs(logits)
     # stable sort on −p: ties (which the test models avoid) go to the lower expert id, deterministically
     ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     top = np.take_along_axis(probs, ids, axis=-1)
-    weights = top / top.sum(axis=-1, keepdims=True)
-    return ids, weights.astype(np.float32)
+    weights = (top / top.sum(axis=-1, keepdims=True)).astype(np.float32)
+    return Routing(ids, weights, probs)
 
 
-GATING_FUNCTIONS = {"softmax": softmax_topk_renorm}
+def softmax_topk_renorm(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """logits [T, E] → ids [T, k], weights [T, k] (see softmax_route)."""
+    r = softmax_route(logits, k)
+    return r.ids, r.weights
+
+
+GATING_FUNCTIONS = {"softmax": softmax_route}

@@ -26,6 +26,7 @@ class Transformer:
         self.experts = experts
         self.weights = ResidentWeights(gf, spec, ops)
         self.layer_fn = LAYER_FUNCTIONS[spec.arch]
+        experts.routers = [self.weights[f"blk.{il}.ffn_gate_inp.weight"] for il in range(spec.n_layer)]
 
     def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True) -> np.ndarray:
         """Evaluate `tokens` after the state's past; logits [T, V] (or [1, V] for the last token)."""
@@ -38,8 +39,10 @@ class Transformer:
         state.reserve(len(tokens))
         ops, w = self.ops, self.weights
         x = self.weights.embedding(tokens)  # [T, D]
+        self.experts.begin_step(state.n_past, len(tokens))
         for il in range(self.spec.n_layer):
             x = self.layer_fn(self, il, x, state)
+        self.experts.end_step(len(tokens))
         state.n_past += len(tokens)
         state.tokens.extend(tokens.tolist())
         if not all_logits:

@@ -1,29 +1,22 @@
 """Routed-expert FFN on the CPU: each selected expert computed once for all tokens that chose it.
 
-On the CPU the fast tier holds experts in compute-ready form (dequantised float32, gate and up
-stacked into one matrix), so a hit costs two matmuls and no decoding. The tier is an LRU under a
-byte budget; what fills it comes from an expert source (the GGUF itself, or the expert store).
+On the CPU the device tier holds experts in compute-ready form (dequantised float32, gate and up
+stacked into one matrix), so a hit costs two matmuls and no decoding. Which experts it holds is
+the expert cache's decision (fomoepy.experts.streamer); this module only fills and reads it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Callable, Protocol
-
 import numpy as np
 
 from fomoepy import quants
+from fomoepy.experts.routing import Routing, softmax_route
 from fomoepy.experts.source import LayerExperts
+from fomoepy.experts.streamer import ExpertStreamer
 
 F32 = np.float32
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-class ExpertReader(Protocol):
-    layers: tuple[LayerExperts, ...]
-
-    def read(self, layer: int, expert: int) -> ExpertBytes: ...
 
 
 class ReadyExpert:
@@ -48,67 +41,80 @@ def make_ready(layout: LayerExperts, raw: ExpertBytes) -> ReadyExpert:
     return ReadyExpert(np.concatenate([gate, up], axis=0), np.ascontiguousarray(down))
 
 
-class ReadyExpertCache:
-    """LRU of compute-ready experts under a byte budget (0 = keep nothing between calls)."""
-
-    def __init__(self, budget_bytes: int):
-        self.budget = budget_bytes
-        self.used = 0
-        self._items: OrderedDict[tuple[int, int], ReadyExpert] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: tuple[int, int], load: Callable[[], ReadyExpert]) -> ReadyExpert:
-        item = self._items.get(key)
-        if item is not None:
-            self._items.move_to_end(key)
-            self.hits += 1
-            return item
-        self.misses += 1
-        item = load()
-        if item.nbytes <= self.budget:
-            while self.used + item.nbytes > self.budget:
-                _, old = self._items.popitem(last=False)
-                self.used -= old.nbytes
-            self._items[key] = item
-            self.used += item.nbytes
-        return item
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 class CpuExperts:
-    """The routed-expert half of a MoE layer: out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(h[t])."""
+    """The routed-expert half of a MoE layer: out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]).
 
-    def __init__(self, reader: ExpertReader, ready_budget_bytes: int):
-        self.reader = reader
-        self.ready = ReadyExpertCache(ready_budget_bytes)
+    The streamer decides where each expert comes from; this class holds the device tier's contents
+    (compute-ready experts) and does the arithmetic.
+    """
 
-    def expert(self, layer: int, expert: int) -> ReadyExpert:
-        return self.ready.get(
-            (layer, expert), lambda: make_ready(self.reader.layers[layer], self.reader.read(layer, expert))
-        )
+    def __init__(self, streamer: ExpertStreamer, routers: list[np.ndarray] | None = None):
+        self.streamer = streamer
+        self.layers = streamer.layers
+        self.ready: dict[tuple[int, int], ReadyExpert] = {}
+        self.routers = routers  # every layer's router, to predict the next layer's experts
+        for key in streamer.seed_from_profile():
+            self.ready[key] = make_ready(self.layers[key[0]], streamer.source.read(*key))
+
+    def begin_step(self, n_past: int, n_tokens: int) -> None:
+        self.streamer.begin_step(n_past, n_tokens)
+
+    def end_step(self, n_tokens: int) -> None:
+        self.streamer.end_step(n_tokens)
+
+    def route(self, layer: int, h: np.ndarray, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
+        ids, weights = self.streamer.route(layer, exact)
+        nxt = layer + 1
+        if self.routers is not None and nxt < len(self.routers) and h.shape[0] == 1:
+            # decode only: a prefill batch's union of predictions would be most of the layer
+            predicted = softmax_route(h @ self.routers[nxt].T, exact.ids.shape[1]).ids
+            self.streamer.predict(nxt, predicted)
+        return ids, weights
 
     def ffn(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """h [T, D], ids/weights [T, k] → [T, D].
 
         Experts are visited in ascending id order, so each token's k contributions are added in the
-        same order whether it is decoded alone or prefilled with others.
+        same order whether it is decoded alone or prefilled with others, and whatever the cache held.
         """
+        plan, fetched = self.streamer.acquire(layer, ids)
+        try:
+            for victim in plan.device_evictions:
+                self.ready.pop(victim, None)
+            ready: dict[int, ReadyExpert] = {}
+            for item in plan.items:
+                key = (layer, item.expert)
+                x = self.ready.get(key)
+                if x is None:
+                    x = make_ready(self.layers[layer], fetched[item.expert])
+                    if item.to_device:
+                        self.ready[key] = x
+                ready[item.expert] = x
+            return self._compute(h, ids, weights, ready)
+        finally:
+            self.streamer.release(plan)
+
+    @staticmethod
+    def _compute(h: np.ndarray, ids: np.ndarray, weights: np.ndarray, ready: dict[int, ReadyExpert]) -> np.ndarray:
         out = np.zeros_like(h)
         flat_ids = ids.reshape(-1)
+        flat_w = weights.reshape(-1)
         order = np.argsort(flat_ids, kind="stable")
-        sorted_ids = flat_ids[order]
-        bounds = np.flatnonzero(np.diff(sorted_ids)) + 1
+        bounds = np.flatnonzero(np.diff(flat_ids[order])) + 1
         k = ids.shape[1]
         for group in np.split(order, bounds):
-            e = int(flat_ids[group[0]])
-            rows = group // k  # tokens that chose e (each chooses it at most once)
-            x = self.expert(layer, e)
+            x = ready[int(flat_ids[group[0]])]
+            rows = group // k  # tokens that chose this expert (each chooses it at most once)
             gu = h[rows] @ x.gate_up.T  # [n, 2F]
             F = x.down.shape[1]
             act = gu[:, :F] / (F32(1) + np.exp(-gu[:, :F])) * gu[:, F:]
-            y = act @ x.down.T  # [n, D]
-            out[rows] += y * weights.reshape(-1)[group][:, None]
+            out[rows] += (act @ x.down.T) * flat_w[group][:, None]  # [n, D]
         return out
+
+    def ready_nbytes(self, layer: int) -> int:
+        """Bytes of one compute-ready expert of `layer` (the device tier's unit on this backend)."""
+        return ready_expert_nbytes(self.layers[layer])
+
+
+def ready_expert_nbytes(layout: LayerExperts) -> int:
+    return sum(p.shape[0] * p.shape[1] for p in layout.parts) * 4

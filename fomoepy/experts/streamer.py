@@ -1,0 +1,284 @@
+"""ExpertStreamer: everything between the router and the expert kernels that is not arithmetic.
+
+Per MoE layer step the inference thread calls
+
+    ids, weights = streamer.route(layer, exact)      # trace + profile counts + cache-aware routing
+    plan, fetched = streamer.acquire(layer, ids)     # cache plan; host bytes and disk reads gathered
+    ... backend computes, filling its device tier for plan items with to_device ...
+    streamer.release(plan)
+
+and `begin_step` / `end_step` around each batch of tokens. The streamer owns the cache
+bookkeeping, the host (DRAM) tier's bytes, the reads from the expert source, prefetch and
+backfill; the backend owns the device tier's contents (it alone knows their form). Only the
+inference thread calls in here; the backfill thread and the reader pool hand results back
+through futures and a queue.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from fomoepy.errors import FomoeError
+from fomoepy.experts.backfill import BackfillQueue, BackfillThread
+from fomoepy.experts.cache import ExpertCache, Plan, Source
+from fomoepy.experts.car import CarConfig, CarStats, cache_aware_route
+from fomoepy.experts.policy import Key, PolicyOptions, make_policy
+from fomoepy.experts.profile import ExpertCounter, read_freq, seed_order
+from fomoepy.experts.routing import Routing
+from fomoepy.experts.source import LayerExperts
+from fomoepy.experts.trace import TraceHeader, TraceWriter
+
+ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
+BACKFILL_MODES = ("off", "thread", "sync")
+
+
+class ExpertSourceLike(Protocol):
+    layers: tuple[LayerExperts, ...]
+
+    def read(self, layer: int, expert: int) -> ExpertBytes: ...
+
+
+@dataclass(frozen=True)
+class StreamingOptions:
+    device_bytes: int  # the device tier (VRAM; the compute-ready tier on the CPU backend)
+    host_bytes: int  # the host tier (DRAM) of store-form bytes
+    policy: str = "lru"
+    half_life_tokens: float = 256.0
+    car: CarConfig = field(default_factory=CarConfig)
+    backfill: str = "thread"  # off | thread | sync (used only when CAR substitutes)
+    backfill_per_token: int = 4  # sync mode
+    backfill_max_age: int = 64  # tokens
+    prefetch: bool = True
+    trace_path: str | None = None
+    freq_profile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backfill not in BACKFILL_MODES:
+            raise FomoeError(f"backfill must be one of {', '.join(BACKFILL_MODES)}, got {self.backfill!r}")
+        if self.device_bytes < 0 or self.host_bytes < 0:
+            raise FomoeError("cache sizes must be >= 0")
+
+
+@dataclass
+class PrefetchStats:
+    predicted: int = 0  # experts predicted for the next layer
+    correct: int = 0  # of those, selected by the router there
+    issued: int = 0  # reads started because a prediction was not cached
+    admitted: int = 0  # prefetched experts that got a host slot
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.predicted if self.predicted else 0.0
+
+
+class ExpertStreamer:
+    def __init__(
+        self,
+        source: ExpertSourceLike,
+        n_expert: int,
+        n_expert_used: int,
+        device_expert_bytes: list[int],
+        options: StreamingOptions,
+        model_name: str = "",
+    ):
+        self.source = source
+        self.options = options
+        self.layers = source.layers
+        self.n_layer = len(self.layers)
+        self.n_expert = n_expert
+        policy = PolicyOptions(half_life_tokens=options.half_life_tokens)
+        self.cache = ExpertCache(
+            n_expert,
+            [layer.expert_nbytes for layer in self.layers],
+            options.device_bytes,
+            options.host_bytes,
+            device_policy=make_policy(options.policy, policy),
+            host_policy=make_policy(options.policy, policy),
+            device_expert_bytes=device_expert_bytes,
+        )
+        self.host_slots: dict[Key, ExpertBytes] = {}
+        self.car_stats = CarStats()
+        self.prefetch_stats = PrefetchStats()
+        self.counter = ExpertCounter(self.n_layer, n_expert)
+        self.tokens_seen = 0  # tokens fully processed; the running index for warmup and traces
+        self._predicted: dict[int, np.ndarray] = {}
+        self._inflight: dict[Key, Future] = {}
+        self.trace: TraceWriter | None = None
+        if options.trace_path:
+            header = TraceHeader(self.n_layer, n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name)
+            self.trace = TraceWriter(options.trace_path, header)
+        self._backfill_queue: BackfillQueue | None = None
+        self._backfill_thread: BackfillThread | None = None
+        if options.car.enabled and options.backfill == "thread":
+            self._backfill_thread = BackfillThread(source.read, options.backfill_max_age)
+        elif options.car.enabled and options.backfill == "sync":
+            self._backfill_queue = BackfillQueue(options.backfill_max_age)
+        self.backfilled = 0
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def seed_from_profile(self) -> list[Key]:
+        """Fill the tiers with the profile's most frequent experts; returns the device tier's keys
+        (the backend loads those into its own form); host keys are read here."""
+        if not self.options.freq_profile:
+            return []
+        profile = read_freq(self.options.freq_profile, self.n_layer, self.n_expert)
+        device_keys, host_keys = self.cache.seed(seed_order(profile))
+        for key in host_keys:
+            self.host_slots[key] = self.source.read(*key)
+        return device_keys
+
+    # -- per batch of tokens -----------------------------------------------------------------------
+    def begin_step(self, n_past: int, n_tokens: int) -> None:
+        self._first_token = self.tokens_seen
+
+    def end_step(self, n_tokens: int) -> None:
+        self.tokens_seen += n_tokens
+        self.cache.tick(n_tokens)
+        if self._backfill_queue is not None:
+            for _ in range(self.options.backfill_per_token * n_tokens):
+                key = self._backfill_queue.pop(self.tokens_seen)
+                if key is None:
+                    break
+                self._admit_host(key, self.source.read(*key))
+
+    # -- per MoE layer -----------------------------------------------------------------------------
+    def route(self, layer: int, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
+        """The experts to compute: the exact selection, or CAR's substitutions when it is on."""
+        self.counter.add(layer, exact.ids)
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            actual = np.unique(exact.ids)
+            self.prefetch_stats.predicted += len(predicted)
+            self.prefetch_stats.correct += int(np.isin(predicted, actual).sum())
+        if self.trace is not None:
+            top_scores = np.take_along_axis(exact.probs, exact.ids, axis=-1)
+            self.trace.write(self._first_token, layer, exact.ids, top_scores, exact.probs)
+        if not self.options.car.enabled:
+            return exact.ids, exact.weights
+        cached = self.cache.cached_mask(layer, "device") | self.cache.cached_mask(layer, "host")
+        result = cache_aware_route(
+            exact.ids, exact.weights, exact.probs, cached, self.options.car,
+            layer=layer, n_layer=self.n_layer, first_token=self._first_token,
+        )  # fmt: skip
+        self.car_stats.record(layer, result)
+        if result.substitutions:
+            self._request_backfill(layer, exact, result.substitutions)
+        return result.ids, result.weights
+
+    def _request_backfill(self, layer: int, exact: Routing, pairs: list[tuple[int, int]]) -> None:
+        score = exact.probs.max(axis=0)  # an original's priority: its best probability in the batch
+        for original, _ in pairs:
+            key = (layer, int(original))
+            if self._backfill_thread is not None:
+                self._backfill_thread.request(key, float(score[original]), self.tokens_seen)
+            elif self._backfill_queue is not None:
+                self._backfill_queue.add(key, float(score[original]), self.tokens_seen)
+
+    def predict(self, layer: int, ids: np.ndarray) -> None:
+        """Start reading the experts predicted for `layer` that no tier holds (a guess: costs
+        bandwidth if wrong, never correctness)."""
+        if not 0 <= layer < self.n_layer:
+            return
+        predicted = np.unique(ids)
+        self._predicted[layer] = predicted
+        submit = getattr(self.source, "submit", None)
+        if not self.options.prefetch or submit is None or not self.cache.host.enabled:
+            return
+        for e in predicted.tolist():
+            key = (layer, e)
+            if key in self._inflight or key in self.cache.device or key in self.cache.host:
+                continue
+            self._inflight[key] = submit(layer, e)
+            self.prefetch_stats.issued += 1
+
+    def acquire(self, layer: int, ids: np.ndarray) -> tuple[Plan, dict[int, ExpertBytes]]:
+        """Plan and commit this step; the store-form bytes of every expert not already in the device tier."""
+        self._collect_background()
+        plan = self.cache.plan(layer, ids)
+        self.cache.commit(plan)
+        for victim in plan.host_evictions:
+            self.host_slots.pop(victim, None)
+        if self._backfill_thread is not None:
+            self._backfill_thread.set_io_busy(True, self.tokens_seen)
+        fetched: dict[int, ExpertBytes] = {}
+        reads: dict[int, Future | None] = {}
+        for item in plan.items:
+            key = (layer, item.expert)
+            if item.source is Source.HOST:
+                fetched[item.expert] = self.host_slots[key]
+            elif item.source is Source.DISK:
+                reads[item.expert] = None
+        if reads:
+            submit = getattr(self.source, "submit", None)
+            if submit is not None:  # issue every read before waiting on any
+                reads = {e: submit(layer, e) for e in reads}
+            for e, f in reads.items():
+                fetched[e] = f.result() if f is not None else self.source.read(layer, e)
+        for item in plan.items:
+            if item.to_host:
+                self.host_slots[(layer, item.expert)] = fetched[item.expert]
+        self.cache.mark_ready(plan)
+        if self._backfill_thread is not None:
+            self._backfill_thread.set_io_busy(False, self.tokens_seen)
+        return plan, fetched
+
+    def release(self, plan: Plan) -> None:
+        self.cache.release(plan)
+
+    # -- background results -----------------------------------------------------------------------
+    def _collect_background(self) -> None:
+        # Prefetched reads were issued a layer ago for exactly this step: wait for all of them, so
+        # what the cache holds never depends on thread timing (runs stay repeatable).
+        for key in list(self._inflight):
+            self._admit_host(key, self._inflight.pop(key).result(), prefetched=True)
+        if self._backfill_thread is not None:
+            while not self._backfill_thread.done.empty():
+                key, result = self._backfill_thread.done.get()
+                if isinstance(result, BaseException):
+                    raise result
+                self._admit_host(key, result)
+
+    def _admit_host(self, key: Key, data: ExpertBytes, prefetched: bool = False) -> None:
+        evicted = self.cache.admit_host(key)
+        if evicted is None:
+            return
+        for victim in evicted:
+            self.host_slots.pop(victim, None)
+        self.host_slots[key] = data
+        if prefetched:
+            self.prefetch_stats.admitted += 1
+        else:
+            self.backfilled += 1
+
+    # -- reporting and lifetime --------------------------------------------------------------------
+    def stats(self) -> dict:
+        out = {"cache": self.cache.stats.summary(), "tokens": self.tokens_seen}
+        if self.options.car.enabled:
+            out["car"] = {"substitution_rate": self.car_stats.rate, "line": self.car_stats.line()}
+            out["backfilled"] = self.backfilled
+        p = self.prefetch_stats
+        out["prefetch"] = {"predicted": p.predicted, "accuracy": p.accuracy, "issued": p.issued, "admitted": p.admitted}
+        return out
+
+    def lines(self) -> list[str]:
+        lines = [self.cache.stats.line()]
+        if self.options.car.enabled:
+            lines.append(self.car_stats.line() + f"; backfilled {self.backfilled}")
+        p = self.prefetch_stats
+        if p.predicted:
+            lines.append(f"prefetch: next-layer prediction accuracy {p.accuracy:.1%}, reads issued {p.issued}, admitted {p.admitted}")
+        return lines
+
+    def close(self) -> None:
+        if self._backfill_thread is not None:
+            self._backfill_thread.close()
+        for f in self._inflight.values():
+            f.cancel()
+        self._inflight.clear()
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None

@@ -1,0 +1,140 @@
+"""Rung 4 of the correctness ladder: the streamed path (any tier mix, CAR off) equals the all-resident
+path bit for bit on the CPU backend; and the streaming features (store, CAR, backfill, prefetch,
+traces, profiles) work end to end through the engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import ORACLE
+from fomoepy.engine import Engine, EngineOptions
+from fomoepy.experts.car import CarConfig
+from fomoepy.experts.profile import read_freq, write_freq
+from fomoepy.experts.store_writer import prepare_store
+from fomoepy.experts.trace import read_trace
+from fomoepy.runtime.cpu_experts import ready_expert_nbytes
+from fomoepy.sampling import SamplingParams
+
+MODELS = ["qwen3moe_q4_k_m", "qwen35moe_q4_k"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request, tmp_path_factory):
+    name = request.param
+    path = ORACLE / f"{name}.gguf"
+    store = tmp_path_factory.mktemp(f"store-{name}")
+    prepare_store(path, [store / "a", store / "b"], progress=False)
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    resident = Engine(path, EngineOptions()).logits(tokens)  # every expert compute-ready
+    return path, [str(store / "a"), str(store / "b")], tokens, resident
+
+
+def one_expert(path) -> tuple[int, int]:
+    e = Engine(path, EngineOptions(vram_cache=0))
+    layer = e.source.layers[0]
+    return ready_expert_nbytes(layer), layer.expert_nbytes
+
+
+@pytest.mark.parametrize(
+    "vram, ram, policy, use_store",
+    [
+        (0, 0, "lru", False),
+        (1, 0, "lru", False),
+        (1, 1, "lru", True),
+        (0, 1, "lfu-decay", True),
+        (3, 5, "lfu-decay", True),
+        (None, None, "lru", True),
+    ],
+)
+def test_streamed_logits_equal_all_resident_bit_for_bit(model, vram, ram, policy, use_store):
+    path, store, tokens, resident = model
+    dev_unit, host_unit = one_expert(path)
+    opts = EngineOptions(
+        store=tuple(store) if use_store else (),
+        vram_cache=None if vram is None else vram * dev_unit,
+        ram_cache=None if ram is None else ram * host_unit,
+        cache_policy=policy,
+    )
+    engine = Engine(path, opts)
+    # prefill once, then token by token through the same small cache
+    assert np.array_equal(engine.logits(tokens), resident)
+    state = engine.new_state()
+    half = len(tokens) // 2
+    stepped = [engine.eval(state, tokens[:half], all_logits=True)]
+    stepped += [engine.eval(state, tokens[i : i + 1], all_logits=True) for i in range(half, len(tokens))]
+    reference_state = Engine(path, EngineOptions()).new_state()
+    ref = Engine(path, EngineOptions())
+    expected = [ref.eval(reference_state, tokens[:half], all_logits=True)]
+    expected += [ref.eval(reference_state, tokens[i : i + 1], all_logits=True) for i in range(half, len(tokens))]
+    assert np.array_equal(np.concatenate(stepped), np.concatenate(expected))
+    stats = engine.stats()["cache"]
+    assert stats  # per-tier counters are reported
+    engine.close()
+
+
+def test_small_cache_misses_and_reports_hit_rates(model):
+    path, store, tokens, _ = model
+    dev_unit, host_unit = one_expert(path)
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=2 * dev_unit, ram_cache=4 * host_unit))
+    engine.logits(tokens)
+    lines = engine.stats_lines()
+    assert "device" in lines[0] and "disk" in lines[0]
+    engine.close()
+
+
+def greedy_tokens(path, opts: EngineOptions, prompt, n=24):
+    engine = Engine(path, opts)
+    out = list(engine.generate(prompt, n, SamplingParams(temperature=0.9, seed=5), stop_at_eog=False))
+    stats = engine.stats()
+    engine.close()
+    return out, stats
+
+
+def test_car_with_sync_backfill_is_repeatable_and_reports_substitutions(model):
+    path, store, tokens, _ = model
+    dev_unit, host_unit = one_expert(path)
+    opts = EngineOptions(
+        store=tuple(store),
+        vram_cache=4 * dev_unit,
+        ram_cache=12 * host_unit,
+        # the test models' routers are sharp (no near-ties), so only a low threshold substitutes
+        car=CarConfig(threshold=1e-4, dampen=True),
+        backfill="sync",
+        backfill_per_token=2,
+    )
+    a, stats_a = greedy_tokens(path, opts, tokens[:8].tolist())
+    b, stats_b = greedy_tokens(path, opts, tokens[:8].tolist())
+    assert a == b
+    assert stats_a["car"]["substitution_rate"] > 0
+    assert stats_a == stats_b
+
+
+def test_car_off_generates_the_exact_model_tokens(model):
+    path, store, tokens, _ = model
+    dev_unit, host_unit = one_expert(path)
+    exact, _ = greedy_tokens(path, EngineOptions(), tokens[:8].tolist())
+    small, _ = greedy_tokens(path, EngineOptions(store=tuple(store), vram_cache=dev_unit, ram_cache=host_unit), tokens[:8].tolist())
+    assert exact == small
+
+
+def test_trace_records_original_choices_and_profile_seeds_the_device_tier(model, tmp_path):
+    path, store, tokens, _ = model
+    trace_path = tmp_path / "t.trace"
+    engine = Engine(path, EngineOptions(trace=str(trace_path)))
+    engine.logits(tokens[:10])
+    profile = engine.experts.streamer.counter.profile()
+    engine.close()
+    trace = read_trace(trace_path)
+    assert trace.n_tokens == 10
+    assert len(trace.records) == engine.spec.n_layer
+    assert not trace.truncated
+
+    freq = tmp_path / "m.freq"
+    write_freq(freq, profile)
+    loaded = read_freq(freq, engine.spec.n_layer, engine.spec.moe.n_expert)
+    dev_unit, _ = one_expert(path)
+    seeded = Engine(path, EngineOptions(vram_cache=3 * dev_unit, freq_profile=str(freq)))
+    top3 = [(int(l), int(e)) for l, e, _ in loaded.items()[:3]]
+    assert sorted(seeded.experts.ready) == sorted(top3)
+    seeded.close()
