@@ -114,12 +114,12 @@ def test_records_are_aligned_and_striped_evenly(tmp_path):
 
 
 def test_store_is_a_drop_in_source_for_the_engine(striped):
-    engine = Engine(Q4KM, EngineOptions(ready_cache_bytes=0))
     tokens = np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")[:12]
-    want = engine.logits(tokens)
-    with ExpertStore.open(striped, engine.file) as store:
-        engine.experts.reader = store
-        got = engine.logits(tokens)
+    want = Engine(Q4KM, EngineOptions(vram_cache=0)).logits(tokens)
+    engine = Engine(Q4KM, EngineOptions(store=tuple(str(d) for d in striped), vram_cache=0, ram_cache=0))
+    assert isinstance(engine.source, ExpertStore)
+    got = engine.logits(tokens)
+    engine.close()
     assert np.array_equal(got, want)  # bit for bit
 
 

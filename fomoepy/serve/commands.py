@@ -1,7 +1,97 @@
-"""`fomoe` subcommands of this subsystem (registered by fomoepy.cli)."""
+"""`fomoe serve` and `fomoe chat` (registered by fomoepy.cli)."""
 
 from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from fomoepy.options import add_engine_options, open_engine
 
 
 def register(sub) -> None:
     """Add this subsystem's subcommands to the `fomoe` parser."""
+    from fomoepy.serve.config import DaemonConfig
+
+    d = DaemonConfig()
+    p = sub.add_parser("serve", help="run the chat daemon on a Unix socket (systemd socket activation and notify aware)")
+    p.add_argument("model")
+    p.add_argument("--socket", help="socket path (default: $XDG_RUNTIME_DIR/fomoe.sock, else /run/fomoe/fomoe.sock)")
+    p.add_argument("--socket-group", help="make the socket 0660 and owned by this group (default: 0600, owner only)")
+    p.add_argument("--max-frame-bytes", type=int, default=d.max_frame, help=f"largest request frame (default {d.max_frame})")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help=f"chat sessions whose cache is kept, LRU (default {d.max_sessions})")  # fmt: skip
+    p.add_argument("--max-queue", type=int, default=d.max_queue, help=f"generation requests waiting, all clients (default {d.max_queue})")  # fmt: skip
+    p.add_argument("--pause-timeout", type=float, default=d.pause_timeout,
+                   help=f"seconds a generation paused by a client that does not read waits before it is cancelled (default {d.pause_timeout:g})")  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_options(p)
+    p.set_defaults(handler=cmd_serve)
+
+    p = sub.add_parser("chat", help="chat with the daemon (interactive, or one answer with -p)")
+    p.add_argument("--socket", help="socket path (default: as fomoe serve)")
+    p.add_argument("-p", "--prompt", help="send this one message, print the answer, exit")
+    p.add_argument("-n", "--n-predict", type=int, default=512, help="maximum tokens per answer (default 512)")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--raw", action="store_true", help="with -p: send the text as a raw prompt, not a chat message")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repeat-penalty", type=float, default=None)
+    p.set_defaults(handler=cmd_chat)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from fomoepy.serve.chat import cmd_chat as run
+
+    return run(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from fomoepy.serve.config import DaemonConfig
+    from fomoepy.serve.daemon import Daemon
+    from fomoepy.serve.listen import (
+        Listener,
+        bind_unix,
+        check_not_live,
+        inherited_socket,
+        notify,
+    )
+    from fomoepy.serve.protocol import default_socket_path
+
+    logging.basicConfig(level=args.log_level.upper(), format="fomoe serve: %(levelname)s: %(message)s", stream=sys.stderr)
+    log = logging.getLogger("fomoe.serve")
+    config = DaemonConfig(
+        max_frame=args.max_frame_bytes,
+        max_sessions=args.max_sessions,
+        max_queue=args.max_queue,
+        pause_timeout=args.pause_timeout,
+    )
+    path = args.socket or default_socket_path()
+    inherited = inherited_socket()
+    if inherited is None:
+        check_not_live(path)  # cheap, before a long model load
+    notify(f"STATUS=loading {args.model}")
+    log.info("loading %s", args.model)
+    engine = open_engine(args)  # the model is loaded before the socket is bound
+    listener = Listener(inherited, None) if inherited is not None else bind_unix(path, args.socket_group)
+
+    def force_exit() -> None:
+        listener.remove_file()
+        logging.shutdown()
+        os._exit(1)  # the inference thread may be inside a long step; do not wait for it
+
+    daemon = Daemon(engine, config)
+    try:
+        uvloop.run(daemon.serve(listener, on_force_exit=force_exit))
+    finally:
+        listener.remove_file()
+        listener.sock.close()
+        close = getattr(engine, "close", None)  # our own engine: its expert tiers and I/O threads
+        if close is not None:
+            close()
+    return 0

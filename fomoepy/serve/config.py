@@ -1,0 +1,26 @@
+"""The daemon's limits: one frozen dataclass, validated once (kept light: the CLI reads its defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fomoepy.errors import FomoeError
+from fomoepy.serve.protocol import DEFAULT_MAX_FRAME
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    max_frame: int = DEFAULT_MAX_FRAME  # bytes of one request frame
+    max_sessions: int = 8  # chat sessions whose state is kept (LRU)
+    max_pending: int = 16  # unfinished requests per connection
+    max_queue: int = 256  # generation requests waiting for the engine, all clients together
+    write_buffer: int = 64 << 10  # bytes a client may leave unread before its generation pauses
+    pause_timeout: float = 60.0  # seconds a paused generation waits for its client before it is cancelled
+    drain_timeout: float = 5.0  # seconds shutdown waits for clients to take their last messages
+
+    def __post_init__(self) -> None:
+        for name in ("max_frame", "max_sessions", "max_pending", "max_queue", "write_buffer"):
+            if getattr(self, name) < 1:
+                raise FomoeError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pause_timeout <= 0:
+            raise FomoeError(f"pause_timeout must be > 0, got {self.pause_timeout}")

@@ -1,0 +1,213 @@
+"""The inference worker: one thread owns the engine; generation jobs run one at a time, first come first served.
+
+Scheduling lives on the event loop (plain deques, no locks); the inference thread only runs one engine
+step at a time (`Job.step`: the prefill with the first token, then one token). Between steps the loop
+checks the running job:
+
+- cancelled (a `cancel` request, a client that went away, shutdown): it ends with `done`/`cancelled`;
+- its client is not reading (the connection's write buffer is over its limit): the job is *paused*:
+  set aside with its state, and the engine moves on to the next job. When the client has drained its
+  buffer the job goes back to the end of the queue; a job paused longer than `pause_timeout` is
+  cancelled. So a slow reader never blocks the engine, and its buffer grows by at most one frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fomoepy.errors import FomoeError
+from fomoepy.serve.jobs import Job, JobState, Sessions, Sink
+
+log = logging.getLogger("fomoe.serve")
+
+
+@dataclasses.dataclass
+class Totals:
+    requests: int = 0
+    prompt_tokens: int = 0  # evaluated by prefill (cached tokens not counted)
+    prefill_s: float = 0.0
+    completion_tokens: int = 0
+    decode_tokens: int = 0  # tokens of decode steps (the first token of a request comes with its prefill)
+    decode_s: float = 0.0
+
+
+class InferenceWorker:
+    def __init__(self, engine, *, max_sessions: int = 8, pause_timeout: float = 60.0):
+        self.engine = engine
+        self.sessions = Sessions(max_sessions)
+        self.pause_timeout = pause_timeout
+        self.totals = Totals()
+        self.running: Job | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fomoe-engine")
+        self._ready: deque[Job] = deque()
+        self._paused: dict[Job, asyncio.TimerHandle] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._ready)
+
+    @property
+    def paused_count(self) -> int:
+        return len(self._paused)
+
+    @property
+    def backlog(self) -> int:
+        """Jobs waiting for the engine: queued, paused and running."""
+        return len(self._ready) + len(self._paused) + (self.running is not None)
+
+    # -- commands (loop thread) --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="fomoe-worker")
+
+    def submit(self, job: Job) -> None:
+        job.state = JobState.QUEUED
+        self._ready.append(job)
+        self.totals.requests += 1
+        self._wake.set()
+
+    def cancel(self, job: Job) -> bool:
+        """Cancel a job at its next token (running) or now (queued, paused); False if already done."""
+        if job.state is JobState.DONE:
+            return False
+        if job is self.running or job.state is JobState.PREPARING:  # preparing: its owner ends it
+            job.cancel_requested = True
+        elif job.state is JobState.PAUSED:
+            self._paused.pop(job).cancel()
+            job.finish("cancelled", self.sessions)
+        else:
+            self._ready.remove(job)
+            job.finish("cancelled", self.sessions)
+        return True
+
+    def resume(self, sink: Sink) -> None:
+        """The sink's client reads again: its paused jobs go back to the end of the queue."""
+        for job in [j for j in self._paused if j.sink is sink]:
+            self._paused.pop(job).cancel()
+            job.state = JobState.QUEUED
+            self._ready.append(job)
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """Cancel every job (each gets its final message) and wait for the running one to end."""
+        self._stopping = True
+        for job in [*self._ready, *self._paused]:
+            self.cancel(job)
+        if self.running is not None:
+            self.running.cancel_requested = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+
+    def close(self) -> None:
+        """Release the engine thread and the kept states (after stop)."""
+        self._thread.shutdown(wait=True)
+        self.sessions.clear()
+
+    async def engine_stats(self) -> Any:
+        """The engine's own statistics (tiers, hit rates) as plain data, read on the inference thread."""
+        stats = getattr(self.engine, "stats", None)
+        if stats is None:
+            return None
+        loop = asyncio.get_running_loop()
+        value = await loop.run_in_executor(self._thread, lambda: stats() if callable(stats) else stats)
+        return plain(value)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            while not self._ready:
+                if self._stopping:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+            job = self._ready.popleft()
+            self.running = job
+            try:
+                await self._drive(job)
+            finally:
+                self.running = None
+
+    async def _drive(self, job: Job) -> None:
+        """Run the job until it ends or pauses."""
+        try:
+            reason = await self._steps(job)
+            if reason is not None:
+                job.finish(reason, self.sessions)
+        except FomoeError as e:
+            job.fail("bad_request", str(e))
+        except Exception as e:  # a bug in a step must end this request, not the daemon
+            log.exception("request %r failed", job.id)
+            job.fail("internal", f"internal error: {type(e).__name__}: {e}")
+
+    async def _steps(self, job: Job) -> str | None:
+        """Engine steps until a finish reason, or None when the job was paused."""
+        loop = asyncio.get_running_loop()
+        if job.t_start is None:
+            job.begin(self.engine, self.sessions)
+        job.state = JobState.RUNNING
+        while True:
+            if job.cancel_requested:
+                return "cancelled"
+            if job.sink.write_paused and not self._stopping:
+                self._park(job)
+                return None
+            prefill = job.t_first is None
+            t0 = time.perf_counter()
+            token = await loop.run_in_executor(self._thread, job.step)
+            self._account(job, prefill, time.perf_counter() - t0, token is not None)
+            if token is None:
+                return "length"  # max_tokens reached or the context is full
+            reason = job.accept(token)
+            if reason is not None:
+                return reason
+
+    def _account(self, job: Job, prefill: bool, seconds: float, produced: bool) -> None:
+        t = self.totals
+        if prefill:
+            t.prompt_tokens += len(job.prompt) - job.cached
+            t.prefill_s += seconds
+        else:
+            t.decode_s += seconds
+            t.decode_tokens += produced
+        t.completion_tokens += produced
+
+    def _park(self, job: Job) -> None:
+        job.state = JobState.PAUSED
+        loop = asyncio.get_running_loop()
+        self._paused[job] = loop.call_later(self.pause_timeout, self._pause_expired, job)
+        log.info("request %r paused: its client is not reading", job.id)
+
+    def _pause_expired(self, job: Job) -> None:
+        if job in self._paused:
+            log.info("request %r cancelled: its client read nothing for %.0f s", job.id, self.pause_timeout)
+            self.cancel(job)
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    """Data for msgpack: dataclasses and mappings become maps, sequences lists, other objects repr()."""
+    if depth > 16:
+        return repr(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v, depth + 1) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return plain(value.item(), depth + 1)
+    return repr(value)
