@@ -33,6 +33,7 @@ BACKENDS = {"cpu": CpuBackend}
 class EngineOptions:
     backend: str = "cpu"
     n_ctx: int | None = None  # None: the model's training context
+    threads: int | None = None  # CPU backend BLAS threads; None: automatic (see blas_threads)
     store: tuple[str, ...] = ()  # expert store directories; empty: read experts from the GGUF (mmap)
     vram_cache: int | None = None  # device tier bytes (CPU: compute-ready experts); None: automatic
     ram_cache: int | None = None  # host tier bytes (store-form experts); None: automatic
@@ -56,7 +57,7 @@ class Engine:
         self.n_ctx = options.n_ctx or self.spec.context_length
         if self.n_ctx < 1:
             raise FomoeError(f"context size must be >= 1, got {self.n_ctx}")
-        self.ops = BACKENDS[options.backend]()
+        self.ops = BACKENDS[options.backend](threads=blas_threads(self.spec, options.threads))
         if options.store:
             from fomoepy.experts.store_reader import ExpertStore
 
@@ -147,6 +148,18 @@ class Engine:
             if state.n_past >= state.n_ctx:
                 return
             logits = self.eval(state, [token])[-1]
+
+
+def blas_threads(spec: ModelSpec, requested: int | None) -> int:
+    """One thread for small models (thread hand-offs cost more than they save on small matrices),
+    every core for models whose expert matrices are large enough to split."""
+    if requested is not None:
+        if requested < 1:
+            raise FomoeError(f"--threads must be >= 1, got {requested}")
+        return requested
+    if spec.n_embd * spec.moe.expert_ff < 1 << 19:
+        return 1
+    return os.cpu_count() or 1
 
 
 def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:

@@ -13,6 +13,7 @@ from fomoepy.errors import FomoeError
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", choices=["cpu"], help="compute backend")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU backend BLAS threads (default: by model size)")
     g = p.add_argument_group("expert streaming")
     g.add_argument("--store", nargs="+", metavar="DIR", default=[], help="expert store directories (fomoe prepare)")
     g.add_argument(
@@ -49,6 +50,7 @@ def engine_options(args: argparse.Namespace):
     return EngineOptions(
         backend=args.backend,
         n_ctx=args.ctx_size,
+        threads=args.threads,
         store=tuple(args.store),
         vram_cache=None if args.vram_cache is None else parse_size(args.vram_cache),
         ram_cache=None if args.ram_cache is None else parse_size(args.ram_cache),
