@@ -1,0 +1,249 @@
+"""Routed experts on the GPU: the device tier's slots hold each expert's store bytes (quantised), and
+one grouped launch per stage computes every selected expert of a layer straight from its slot.
+
+The same ExpertStreamer as on the CPU decides where each expert comes from; this class only fills
+and reads device slots. A miss is copied host → device on the copy stream through a ring of pinned
+staging buffers (the host side packs buffer i+1 while buffer i crosses PCIe), and the compute
+stream waits on an event, not the host. Slot layout, mirrored in the staging buffers so one copy
+moves an expert:
+
+    | gate (F rows) | pad to 256 | up (F rows) | pad to 256 | down (D rows) |
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from fomoepy.errors import UnsupportedQuantType
+from fomoepy.experts.policy import Key
+from fomoepy.experts.routing import Routing
+from fomoepy.experts.source import LayerExperts
+from fomoepy.experts.streamer import ExpertStreamer
+from fomoepy.runtime import kernels
+from fomoepy.runtime.gpu import GpuBackend
+from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
+
+ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+SLOT_ALIGN = 256
+MOE_TILE = 8  # pairs per work item (MOE_TILE in hip_kernels/experts.hip)
+DOWN_SUM_MAX_TOKENS = 4  # up to this many tokens the fused down + weighted-sum kernel is used
+STAGING_BUFFERS = 4
+
+# hip_kernels/experts.hip: struct ExpertWork (64 B) and struct PairInfo (16 B)
+EXPERT_WORK_DTYPE = np.dtype(
+    [("gate", "<u8"), ("up", "<u8"), ("down", "<u8"), ("n_pairs", "<i4"), ("pad", "<i4"), ("pair", "<i4", (MOE_TILE,))]
+)
+PAIR_DTYPE = np.dtype([("down", "<u8"), ("weight", "<f4"), ("pad", "<i4")])
+
+
+def _align(n: int) -> int:
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where gate, up and down sit in one slot of a layer."""
+
+    offsets: tuple[int, int, int]
+    nbytes: int
+
+    @classmethod
+    def of(cls, layout: LayerExperts) -> SlotLayout:
+        g, u, d = (p.nbytes for p in layout.parts)
+        up = _align(g)
+        down = up + _align(u)
+        return cls((0, up, down), _align(down + d))
+
+
+def gpu_expert_nbytes(layout: LayerExperts) -> int:
+    """Bytes of one device slot of `layout`'s layer (the device tier's unit on this backend)."""
+    return SlotLayout.of(layout).nbytes
+
+
+class _Staging:
+    """Pinned host buffers in a ring; each is reused only after its last copy has completed."""
+
+    def __init__(self, dev: GpuBackend, nbytes: int, count: int = STAGING_BUFFERS):
+        self.rt = dev.rt
+        self.buffers = [self.rt.host_alloc(nbytes) for _ in range(count)]
+        self.events = [self.rt.event() for _ in range(count)]
+        self.used = [False] * count
+        self.nbytes = nbytes
+        self.next = 0
+
+    def take(self) -> tuple[int, np.ndarray, object]:
+        i = self.next
+        self.next = (i + 1) % len(self.buffers)
+        if self.used[i]:
+            self.rt.event_sync(self.events[i])
+        self.used[i] = True
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.buffers[i]))
+        return self.buffers[i], view, self.events[i]
+
+    def close(self) -> None:
+        for i, ptr in enumerate(self.buffers):
+            if self.used[i]:
+                self.rt.event_sync(self.events[i])
+            self.rt.host_free(ptr)
+        self.buffers = []
+
+
+class GpuExperts:
+    """The routed-expert half of a MoE layer on the GPU; the interface of CpuExperts."""
+
+    def __init__(self, streamer: ExpertStreamer, dev: GpuBackend, routers: list | None = None):
+        self.streamer = streamer
+        self.dev = dev
+        self.rt = dev.rt
+        self.layers = streamer.layers
+        self.routers = routers
+        self.slot_layouts = [SlotLayout.of(layer) for layer in self.layers]
+        for layer in self.layers:
+            gate, up, down = layer.parts
+            if gate.qtype != up.qtype:
+                raise UnsupportedQuantType(
+                    f"layer {layer.layer}: gate is {gate.qtype.name} and up is {up.qtype.name}; the grouped expert kernel needs one type for both"
+                )
+            kernels.kernel_name("moe_gate_up", gate.qtype, gate.tensor)
+            kernels.kernel_name("moe_down", down.qtype, down.tensor)
+        self.resident: dict[Key, DeviceBuffer] = {}
+        self._free: dict[int, list[DeviceBuffer]] = {}  # evicted or temporary slots by size, for reuse
+        self.staging = _Staging(dev, max(s.nbytes for s in self.slot_layouts))
+        self.copied = self.rt.event()  # the uploads of the current layer are done
+        self.computed = self.rt.event()  # the last grouped launch is done with its slots
+        self._pending_uploads = 0  # copies issued for the layer being prepared
+        self.uploads = 0
+        self.rt.record(self.computed, dev.stream)
+        for key in streamer.seed_from_profile():
+            self.resident[key] = self._upload(key[0], streamer.source.read(*key))
+        self.rt.sync(dev.copy_stream)
+        self._pending_uploads = 0
+
+    # -- the CpuExperts interface -------------------------------------------------------------------
+    def begin_step(self, n_past: int, n_tokens: int) -> None:
+        self.streamer.begin_step(n_past, n_tokens)
+
+    def end_step(self, n_tokens: int) -> None:
+        self.streamer.end_step(n_tokens)
+
+    def route(self, layer: int, h, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
+        ids, weights = self.streamer.route(layer, exact)
+        nxt = layer + 1
+        if self.routers is not None and nxt < len(self.routers) and h.shape[0] == 1:
+            logits = self.dev.linear(h, self.routers[nxt])
+            self.streamer.predict(nxt, self.dev.route(logits, "softmax", exact.ids.shape[1]).ids)
+        return ids, weights
+
+    def ffn(self, layer: int, h, ids: np.ndarray, weights: np.ndarray) -> DeviceArray:
+        """h [T, D], ids/weights [T, k] → [T, D] on the device."""
+        plan, fetched = self.streamer.acquire(layer, ids)
+        try:
+            for victim in plan.device_evictions:
+                buf = self.resident.pop(victim, None)
+                if buf is not None:
+                    self._free.setdefault(buf.nbytes, []).append(buf)
+            slots: dict[int, DeviceBuffer] = {}
+            temporary: list[DeviceBuffer] = []
+            for item in plan.items:
+                key = (layer, item.expert)
+                buf = self.resident.get(key)
+                if buf is None:
+                    buf = self._upload(layer, fetched[item.expert])
+                    if item.to_device:
+                        self.resident[key] = buf
+                    else:
+                        temporary.append(buf)  # streamed through a slot that is free again after this layer
+                slots[item.expert] = buf
+            if self._pending_uploads:
+                self.rt.record(self.copied, self.dev.copy_stream)
+                self.rt.wait(self.dev.stream, self.copied)
+                self._pending_uploads = 0
+            out = self._compute(layer, self.dev.asdevice(h).contiguous(), ids, weights, slots)
+            self.rt.record(self.computed, self.dev.stream)
+            for buf in temporary:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+            return out
+        finally:
+            self.streamer.release(plan)
+
+    def ready_nbytes(self, layer: int) -> int:
+        return self.slot_layouts[layer].nbytes
+
+    def close(self) -> None:
+        """Free the pinned staging buffers and every device slot (the engine's reset and close)."""
+        self.staging.close()
+        self.resident.clear()
+        self._free.clear()
+
+    # -- copies -------------------------------------------------------------------------------------
+    def _slot(self, nbytes: int) -> DeviceBuffer:
+        stack = self._free.get(nbytes)
+        if stack:
+            return stack.pop()
+        return DeviceBuffer(self.dev._direct, self.rt.malloc(nbytes), nbytes)
+
+    def _upload(self, layer: int, parts: ExpertBytes) -> DeviceBuffer:
+        """Pack the expert into a pinned staging buffer and copy it into a slot on the copy stream."""
+        layout = self.slot_layouts[layer]
+        buf = self._slot(layout.nbytes)
+        if not self._pending_uploads:
+            # a reused slot may still be read by the last grouped launch: copies wait for it
+            self.rt.wait(self.dev.copy_stream, self.computed)
+        host_ptr, view, done = self.staging.take()
+        for offset, part in zip(layout.offsets, parts):
+            raw = np.frombuffer(np.ascontiguousarray(part), np.uint8)
+            view[offset : offset + raw.size] = raw
+        end = layout.offsets[2] + parts[2].nbytes
+        self.rt.htod(buf.ptr, host_ptr, end, self.dev.copy_stream)
+        self.rt.record(done, self.dev.copy_stream)
+        self._pending_uploads += 1
+        self.uploads += 1  # experts copied host -> device so far (a device-tier hit copies nothing)
+        return buf
+
+    # -- arithmetic ---------------------------------------------------------------------------------
+    def _compute(self, layer: int, h: DeviceArray, ids: np.ndarray, weights: np.ndarray, slots: dict[int, DeviceBuffer]) -> DeviceArray:
+        gate_m, _, down_m = self.layers[layer].parts
+        T, k = ids.shape
+        F, D = gate_m.shape[0], down_m.shape[0]
+        offsets = self.slot_layouts[layer].offsets
+        # each token's choices by ascending expert id: the order the CPU backend adds them in
+        order = np.argsort(ids, axis=1, kind="stable")
+        ids_s = np.take_along_axis(ids, order, axis=1)
+        w_s = np.take_along_axis(weights, order, axis=1).astype(np.float32)
+        flat = ids_s.reshape(-1)
+
+        pairs = np.zeros(T * k, PAIR_DTYPE)
+        pairs["down"] = [slots[int(e)].ptr + offsets[2] for e in flat]
+        pairs["weight"] = w_s.reshape(-1)
+        work_rows = []
+        for e in np.unique(flat).tolist():
+            ps = np.flatnonzero(flat == e)
+            base = slots[e].ptr
+            for start in range(0, len(ps), MOE_TILE):
+                chunk = ps[start : start + MOE_TILE]
+                pair = np.zeros(MOE_TILE, np.int32)
+                pair[: len(chunk)] = chunk
+                work_rows.append((base + offsets[0], base + offsets[1], base + offsets[2], len(chunk), 0, pair))
+        work = np.array(work_rows, EXPERT_WORK_DTYPE)
+        tile = 1 if all(r[3] == 1 for r in work_rows) else MOE_TILE
+        dev = self.dev
+        work_d, pairs_d = dev.upload(work.view(np.uint8)), dev.upload(pairs.view(np.uint8))
+
+        act = dev.empty((T * k, F))
+        gate_up = f"{kernels.kernel_name('moe_gate_up', gate_m.qtype, gate_m.tensor)}_t{tile}"
+        dev.launch(gate_up, (-(-F // 4), len(work)), 128, work_d.ptr, h.ptr, D, F, k, gate_m.nbytes // F, act.ptr)
+        out = dev.empty((T, D))
+        down_rb = down_m.nbytes // D
+        if T <= DOWN_SUM_MAX_TOKENS:
+            name = kernels.kernel_name("moe_down_sum", down_m.qtype, down_m.tensor)
+            dev.launch(name, (-(-D // 4), T), 128, pairs_d.ptr, act.ptr, D, F, k, down_rb, out.ptr)
+        else:
+            part = dev.empty((T * k, D))
+            name = kernels.kernel_name("moe_down", down_m.qtype, down_m.tensor)
+            dev.launch(name, (-(-D // 4), len(work)), 128, work_d.ptr, act.ptr, D, F, down_rb, part.ptr)
+            dev.launch("moe_combine", (-(-(T * D) // 256),), 256, pairs_d.ptr, part.ptr, T, D, k, out.ptr)
+        return out

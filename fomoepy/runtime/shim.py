@@ -1,0 +1,246 @@
+"""The GPU runtime shim: the dozen driver calls fomoepy makes, for CUDA (cuda-python) and HIP (hip-python).
+
+The two bindings differ only in names (cuMemAlloc / hipMalloc, cuLaunchKernel / hipModuleLaunchKernel,
+...), so `DriverShim` implements every call once over a table of names (`ApiNames`), and
+shim_cuda.py / shim_hip.py supply the table plus the few lines that really differ: opening the
+device and naming its architecture. Everything above this module is vendor-neutral.
+
+Device pointers, pinned host pointers and kernel parameter blocks are plain ints; streams, events,
+modules and functions are the bindings' handle objects, passed back untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fomoepy.errors import FomoeError
+
+VENDORS = ("cuda", "hip")
+
+
+class GpuError(FomoeError):
+    """A driver call that failed (out of memory, a bad launch, no device); the message names the call."""
+
+
+@dataclass(frozen=True)
+class ApiNames:
+    """The binding's name for each call; the argument order is the same in both APIs."""
+
+    malloc: str
+    free: str
+    host_alloc: str
+    host_free: str
+    host_register: str
+    host_unregister: str
+    stream_create: str
+    stream_sync: str
+    stream_wait_event: str
+    event_create: str
+    event_record: str
+    event_sync: str
+    event_elapsed: str
+    memcpy_htod: str
+    memcpy_dtoh: str
+    memcpy_dtod: str
+    memset_d32: str
+    module_load: str
+    module_function: str
+    launch: str
+    mem_info: str
+    driver_version: str
+    error_string: str
+
+
+# flag values shared by both APIs (CU_STREAM_NON_BLOCKING == hipStreamNonBlocking, ...)
+STREAM_NON_BLOCKING = 1
+EVENT_DEFAULT = 0
+EVENT_DISABLE_TIMING = 2
+
+
+def address(handle: Any) -> int:
+    """The integer address behind a binding's pointer object (CUdeviceptr, hip-python's pointers)."""
+    if handle is None:
+        return 0
+    try:
+        return int(handle)
+    except TypeError:
+        return handle.as_c_void_p().value or 0
+
+
+class DriverShim:
+    """One device of one vendor. Calls raise `GpuError` naming the call and the driver's message."""
+
+    vendor: str
+    names: ApiNames
+    launch_extra: Any = None  # the `extra` argument of a launch meaning "none"
+    device_name: str
+    arch: str  # what the kernel compiler targets: "sm_90", "gfx1201"
+    total_memory: int
+
+    def __init__(self, api: Any, device: int = 0):
+        self.api = api
+        self.device = device
+        self._local = threading.local()
+
+    # -- what differs: set in the vendor modules --------------------------------------------------------
+    def _make_current(self) -> None:
+        """Bind this device to the calling thread (a context on CUDA, the current device on HIP)."""
+        raise NotImplementedError
+
+    def _host_alloc_args(self, nbytes: int) -> tuple:
+        return (nbytes,)
+
+    # -- calls ------------------------------------------------------------------------------------------
+    def call(self, name: str, *args: Any) -> Any:
+        """api.<name>(*args) with its status checked; returns the remaining results (None, one, or a tuple)."""
+        if not getattr(self._local, "current", False):
+            self._local.current = True
+            self._make_current()
+        result = getattr(self.api, name)(*args)
+        status, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+        if int(status) != 0:
+            raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(status)}")
+        if not rest:
+            return None
+        return rest[0] if len(rest) == 1 else rest
+
+    def error_string(self, status: Any) -> str:
+        try:
+            result = getattr(self.api, self.names.error_string)(status)
+            text = result[-1] if isinstance(result, tuple) else result
+            text = text.decode() if isinstance(text, bytes) else str(text)
+        except Exception:  # the message is a courtesy; the status below is the fact
+            text = "unknown error"
+        return f"{text} ({getattr(status, 'name', status)})"
+
+    # memory
+    def malloc(self, nbytes: int) -> int:
+        return address(self.call(self.names.malloc, max(1, nbytes)))
+
+    def free(self, ptr: int) -> None:
+        self.call(self.names.free, ptr)
+
+    def host_alloc(self, nbytes: int) -> int:
+        """Pinned (page-locked) host memory: the source of asynchronous host-to-device copies."""
+        return address(self.call(self.names.host_alloc, *self._host_alloc_args(max(1, nbytes))))
+
+    def host_free(self, ptr: int) -> None:
+        self.call(self.names.host_free, ptr)
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        self.call(self.names.host_register, ptr, nbytes, 0)
+
+    def host_unregister(self, ptr: int) -> None:
+        self.call(self.names.host_unregister, ptr)
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = self.call(self.names.mem_info)
+        return int(free), int(total)
+
+    # streams and events
+    def stream(self) -> Any:
+        return self.call(self.names.stream_create, STREAM_NON_BLOCKING)
+
+    def sync(self, stream: Any) -> None:
+        self.call(self.names.stream_sync, stream)
+
+    def event(self, timing: bool = False) -> Any:
+        return self.call(self.names.event_create, EVENT_DEFAULT if timing else EVENT_DISABLE_TIMING)
+
+    def record(self, event: Any, stream: Any) -> None:
+        self.call(self.names.event_record, event, stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Work queued on `stream` after this waits for `event` (no host synchronisation)."""
+        self.call(self.names.stream_wait_event, stream, event, 0)
+
+    def event_sync(self, event: Any) -> None:
+        self.call(self.names.event_sync, event)
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(self.call(self.names.event_elapsed, start, end))
+
+    # copies: device pointers and host pointers are ints
+    def htod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        if nbytes:
+            self.call(self.names.memcpy_htod, dst, src, nbytes, stream)
+
+    def dtoh(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        if nbytes:
+            self.call(self.names.memcpy_dtoh, dst, src, nbytes, stream)
+
+    def dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        if nbytes:
+            self.call(self.names.memcpy_dtod, dst, src, nbytes, stream)
+
+    def memset32(self, dst: int, value: int, count: int, stream: Any) -> None:
+        if count:
+            self.call(self.names.memset_d32, dst, value & 0xFFFFFFFF, count, stream)
+
+    # modules and launches
+    def load_module(self, binary: bytes) -> Any:
+        return self.call(self.names.module_load, binary)
+
+    def function(self, module: Any, name: str) -> Any:
+        return self.call(self.names.module_function, module, name.encode())
+
+    def launch(self, function: Any, grid: Sequence[int], block: Sequence[int], shared: int, stream: Any, params: int) -> None:
+        gx, gy, gz = (list(grid) + [1, 1])[:3]
+        bx, by, bz = (list(block) + [1, 1])[:3]
+        self.call(self.names.launch, function, gx, gy, gz, bx, by, bz, shared, stream, params, self.launch_extra)
+
+    def driver_version(self) -> int:
+        return int(self.call(self.names.driver_version))
+
+
+# -- kernel parameters ---------------------------------------------------------------------------------
+
+
+class Dims4(ctypes.Structure):
+    """hip_kernels/elementwise.hip's Dims4, passed by value."""
+
+    _fields_ = [("n", ctypes.c_int64 * 4), ("so", ctypes.c_int64 * 4), ("sa", ctypes.c_int64 * 4), ("sb", ctypes.c_int64 * 4)]
+
+
+# one letter per C parameter type of a kernel signature (KERNEL_SIGNATURES in kernels.py)
+PARAM_TYPES: dict[str, Any] = {
+    "p": ctypes.c_uint64,  # any pointer
+    "i": ctypes.c_int32,
+    "l": ctypes.c_int64,
+    "f": ctypes.c_float,
+    "d": ctypes.c_double,
+    "D": Dims4,
+}
+
+
+class PackedParams:
+    """The `void* params[]` block of a launch: each argument in its C type, and the array of their addresses."""
+
+    __slots__ = ("array", "values")
+
+    def __init__(self, signature: str, args: Sequence[Any]):
+        if len(signature) != len(args):
+            raise TypeError(f"kernel takes {len(signature)} arguments ({signature}), got {len(args)}")
+        self.values = [a if code == "D" else PARAM_TYPES[code](a) for code, a in zip(signature, args)]
+        self.array = (ctypes.c_void_p * len(args))(*[ctypes.addressof(v) for v in self.values])
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.array)
+
+
+def open_runtime(vendor: str, device: int = 0) -> DriverShim:
+    """The shim for `vendor` ("cuda" or "hip"), or one FomoeError naming what to install."""
+    if vendor == "cuda":
+        from fomoepy.runtime.shim_cuda import open_cuda
+
+        return open_cuda(device)
+    if vendor == "hip":
+        from fomoepy.runtime.shim_hip import open_hip
+
+        return open_hip(device)
+    raise FomoeError(f"GPU vendor {vendor!r} is unknown (known: {', '.join(VENDORS)})")

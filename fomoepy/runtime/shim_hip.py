@@ -1,0 +1,74 @@
+"""HIP through hip-python (`hip.hip`): the names, the device's gfx architecture, and nothing else."""
+
+from __future__ import annotations
+
+from fomoepy.errors import FomoeError
+from fomoepy.runtime.shim import ApiNames, DriverShim
+
+INSTALL = "pip install 'fomoepy[hip]'"
+
+HIP_NAMES = ApiNames(
+    malloc="hipMalloc",
+    free="hipFree",
+    host_alloc="hipHostMalloc",
+    host_free="hipHostFree",
+    host_register="hipHostRegister",
+    host_unregister="hipHostUnregister",
+    stream_create="hipStreamCreateWithFlags",
+    stream_sync="hipStreamSynchronize",
+    stream_wait_event="hipStreamWaitEvent",
+    event_create="hipEventCreateWithFlags",
+    event_record="hipEventRecord",
+    event_sync="hipEventSynchronize",
+    event_elapsed="hipEventElapsedTime",
+    memcpy_htod="hipMemcpyHtoDAsync",
+    memcpy_dtoh="hipMemcpyDtoHAsync",
+    memcpy_dtod="hipMemcpyDtoDAsync",
+    memset_d32="hipMemsetD32Async",
+    module_load="hipModuleLoadData",
+    module_function="hipModuleGetFunction",
+    launch="hipModuleLaunchKernel",
+    mem_info="hipMemGetInfo",
+    driver_version="hipDriverGetVersion",
+    error_string="hipGetErrorString",
+)
+
+
+class HipShim(DriverShim):
+    vendor = "hip"
+    names = HIP_NAMES
+
+    def __init__(self, api, device: int = 0):
+        super().__init__(api, device)
+        props = api.hipDeviceProp_t()
+        self.call("hipGetDeviceProperties", props, device)
+        self.arch = _text(props.gcnArchName).split(":")[0]  # "gfx1201:sramecc-:xnack-" -> "gfx1201"
+        self.device_name = _text(props.name)
+        self.total_memory = int(props.totalGlobalMem)
+
+    def _make_current(self) -> None:
+        self.api.hipSetDevice(self.device)
+
+    def _host_alloc_args(self, nbytes: int) -> tuple:
+        return (nbytes, 0)  # hipHostMallocDefault
+
+
+def _text(value) -> str:
+    return (value.split(b"\0")[0].decode() if isinstance(value, bytes) else str(value)).strip()
+
+
+def open_hip(device: int = 0) -> HipShim:
+    try:
+        from hip import hip
+    except ImportError as e:
+        raise FomoeError(f"the HIP backend needs hip-python: {INSTALL}") from e
+    try:
+        (status,) = hip.hipInit(0)
+    except Exception as e:  # hip-python raises when libamdhip64.so cannot be opened
+        raise FomoeError(f"no ROCm HIP runtime found (libamdhip64.so could not be loaded: install ROCm and the amdgpu driver): {e}") from e
+    if int(status) != 0:
+        raise FomoeError(f"no usable HIP device: hipInit failed with {getattr(status, 'name', status)}")
+    status, count = hip.hipGetDeviceCount()
+    if int(status) != 0 or count <= device:
+        raise FomoeError(f"no HIP device {device}: the runtime reports {count if int(status) == 0 else 0} device(s)")
+    return HipShim(hip, device)

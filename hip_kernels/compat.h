@@ -1,0 +1,104 @@
+// compat.h: the few things HIP (hiprtc, AMD RDNA wave32) and CUDA (NVRTC, NVIDIA) spell differently.
+// Every kernel source includes this and nothing else from a toolkit: no <cstdint>, no fp16 headers,
+// so the same text compiles with both run-time compilers and no include paths.
+#pragma once
+
+#if defined(__HIPCC_RTC__) || defined(__HIP__) || defined(__HIP_DEVICE_COMPILE__)
+#define FOMOE_HIP 1
+#else
+#define FOMOE_CUDA 1
+#endif
+
+// Warp = 32 lanes everywhere. RDNA runs wave32; a wave64 target (GCN/CDNA) would break every warp
+// reduction here, so refuse it at compile time rather than compute garbage.
+#define WARP 32
+#if defined(__AMDGCN_WAVEFRONT_SIZE) && (__AMDGCN_WAVEFRONT_SIZE != 32)
+#error "fomoepy kernels need a wave32 target (RDNA); this target runs wave64"
+#endif
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define KERNEL extern "C" __global__
+#define LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#define DEVINL __device__ __forceinline__
+
+#ifdef FOMOE_HIP
+#define SHFL_XOR(v, m) __shfl_xor((v), (m), WARP)
+#define SHFL(v, src) __shfl((v), (src), WARP)
+#else
+#define SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m), WARP)
+#define SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src), WARP)
+#endif
+
+// IEEE binary16 and bfloat16 bits -> float32 (exact conversions; no toolkit half types needed).
+#ifdef FOMOE_HIP
+DEVINL float f16_to_f32(u16 h) {
+    _Float16 v;
+    __builtin_memcpy(&v, &h, 2);
+    return (float)v;
+}
+#else
+DEVINL float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+#endif
+
+DEVINL float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+#define NEG_INF __int_as_float(0xff800000)
+
+DEVINL u16 ld_u16(const u8* p) { return (u16)(p[0] | (p[1] << 8)); }
+
+// Error flags a kernel raises instead of reading out of bounds; the host checks them at its syncs.
+#define ERR_CONTEXT 1   // a KV position at or past the cache's n_ctx
+#define ERR_INDEX 2     // a token id or gather index outside its table
+#define ERR_SHAPE 4     // a dimension beyond what the kernel was built for (head dim, state size, ...)
+
+DEVINL void raise_error(i32* err, i32 code) {
+    if (err) atomicOr(err, code);
+}
+
+DEVINL float warp_sum(float v) {
+#pragma unroll
+    for (int m = WARP / 2; m > 0; m >>= 1) v += SHFL_XOR(v, m);
+    return v;
+}
+
+DEVINL float warp_max(float v) {
+#pragma unroll
+    for (int m = WARP / 2; m > 0; m >>= 1) v = fmaxf(v, SHFL_XOR(v, m));
+    return v;
+}
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024); every thread gets the result.
+// `scratch` holds 32 floats of shared memory; the block must not reuse it until all threads return.
+DEVINL float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, n_warps = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+DEVINL float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, n_warps = blockDim.x / WARP;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : NEG_INF;
+    return warp_max(v);
+}
+
+DEVINL float silu_f(float x) { return x / (1.0f + expf(-x)); }
+DEVINL float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -1,0 +1,98 @@
+"""Rung 5, whole model: the GPU backend (dense ops + GpuExperts streaming through the expert cache)
+against the CPU backend on the oracle models, with the device tier at several sizes and CAR off.
+
+The GPU model is assembled the way the engine will assemble it once `--backend cuda|hip|auto` is
+wired (see fomoepy/runtime/select.py): device-resident KV caches and recurrent states, routing on
+the device (`GpuBackend.route`, patched in here for the softmax gating that moe.py looks up).
+Runs on the emulated device in CI and, marked `gpu`, on a real one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import ORACLE, open_oracle_engine
+from test_gpu_emulator import emulated_backend
+
+from fomoepy.errors import FomoeError
+from fomoepy.experts import routing
+from fomoepy.experts.source import GGUFExpertSource
+from fomoepy.experts.streamer import ExpertStreamer, StreamingOptions
+from fomoepy.model.gguf_file import GGUFFile
+from fomoepy.model.spec import ATTENTION, ModelSpec
+from fomoepy.model.state import DeltaNetState, InferenceState, KVCache
+from fomoepy.model.transformer import Transformer
+from fomoepy.runtime.gpu_arrays import DeviceArray
+from fomoepy.runtime.gpu_experts import GpuExperts, gpu_expert_nbytes
+from fomoepy.runtime.select import open_gpu
+
+MODELS = sorted(json.loads((ORACLE / "MANIFEST.json").read_text())["models"])
+CACHE_FRACTIONS = [0.0, 0.3, 1.0]  # device tier as a share of all experts
+LOGIT_TOL = 1e-3  # max |gpu - cpu| / std(cpu logits), the ladder's tolerance against the exact logits
+
+
+@pytest.fixture(scope="module", params=["emulated", pytest.param("device", marks=pytest.mark.gpu)])
+def dev(request):
+    if request.param == "emulated":
+        return emulated_backend()
+    try:
+        return open_gpu("auto")
+    except FomoeError as e:
+        pytest.skip(f"no GPU device ({str(e)[:90]}...)")
+
+
+@pytest.fixture(autouse=True)
+def route_on_device(monkeypatch, dev):
+    cpu_route = routing.GATING_FUNCTIONS["softmax"]
+
+    def route(logits, k):
+        return dev.route(logits, "softmax", k) if isinstance(logits, DeviceArray) else cpu_route(logits, k)
+
+    monkeypatch.setitem(routing.GATING_FUNCTIONS, "softmax", route)
+
+
+def gpu_model(dev, name: str, cache_fraction: float):
+    gf = GGUFFile(ORACLE / f"{name}.gguf")
+    spec = ModelSpec.from_gguf(gf)
+    source = GGUFExpertSource(gf, spec)
+    unit = [gpu_expert_nbytes(layer) for layer in source.layers]
+    budget = int(sum(unit) * spec.moe.n_expert * cache_fraction)
+    streamer = ExpertStreamer(source, spec.moe.n_expert, spec.moe.n_expert_used, unit, StreamingOptions(budget, 0))
+    experts = GpuExperts(streamer, dev)
+    return Transformer(gf, spec, dev, experts), spec, experts
+
+
+def device_state(dev, spec: ModelSpec, n_ctx: int) -> InferenceState:
+    a, dn = spec.attention, spec.deltanet
+    layers = []
+    for kind in spec.layer_kinds:
+        if kind == ATTENTION:
+            shape = (n_ctx, a.n_head_kv, a.head_dim)
+            layers.append(KVCache(dev.zeros(shape), dev.zeros(shape)))
+        else:
+            layers.append(DeltaNetState(dev.zeros((dn.conv_kernel - 1, dn.conv_channels)),
+                                        dev.zeros((dn.n_v_heads, dn.state_size, dn.v_head_dim))))  # fmt: skip
+    return InferenceState(n_ctx=n_ctx, layers=layers)
+
+
+@pytest.mark.parametrize("fraction", CACHE_FRACTIONS)
+@pytest.mark.parametrize("name", MODELS)
+def test_gpu_model_equals_cpu_model_prefill_then_decode(dev, name, fraction):
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    cpu = open_oracle_engine(name).logits(tokens)
+    model, spec, experts = gpu_model(dev, name, fraction)
+    state = device_state(dev, spec, 64)
+    half = len(tokens) // 2
+    parts = [np.asarray(model.forward(tokens[:half], state, all_logits=True))]  # prefill: tiled expert kernels
+    for t in tokens[half:]:  # decode: one token, the fused down + weighted-sum kernel
+        parts.append(np.asarray(model.forward(np.array([t]), state, all_logits=True)))
+    gpu = np.concatenate(parts)
+    err = np.abs(gpu - cpu).max() / cpu.std()
+    assert err <= LOGIT_TOL, f"{name}, device tier {fraction:.0%}: max |gpu - cpu| = {err:.2e} x std"
+    assert np.array_equal(gpu.argmax(-1), cpu.argmax(-1))
+    if fraction == 1.0:  # every expert now in a device slot: running again copies none
+        before = experts.uploads
+        model.forward(tokens[:half], device_state(dev, spec, 64))
+        assert experts.uploads == before

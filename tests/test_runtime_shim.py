@@ -1,0 +1,109 @@
+"""The runtime shim without a GPU: clear errors when a driver or package is missing, checked calls,
+and kernel parameter blocks laid out as the C ABI expects."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import pytest
+
+from fomoepy.errors import FomoeError
+from fomoepy.runtime import shim
+from fomoepy.runtime.shim_cuda import CUDA_NAMES
+from fomoepy.runtime.shim_hip import HIP_NAMES
+
+
+def _has_device(vendor: str) -> bool:
+    try:
+        shim.open_runtime(vendor)
+    except FomoeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("vendor,says", [
+    ("cuda", r"NVIDIA driver|fomoepy\[cuda\]|CUDA device"),
+    ("hip", r"ROCm|fomoepy\[hip\]|HIP device"),
+])  # fmt: skip
+def test_no_driver_is_one_clear_error(vendor, says):
+    if _has_device(vendor):
+        pytest.skip(f"a {vendor} device is present")
+    with pytest.raises(FomoeError, match=says):
+        shim.open_runtime(vendor)
+
+
+@pytest.mark.parametrize("vendor,module,says", [
+    ("cuda", "cuda.bindings", r"pip install 'fomoepy\[cuda\]'"),
+    ("hip", "hip", r"pip install 'fomoepy\[hip\]'"),
+])  # fmt: skip
+def test_a_missing_package_names_the_extra_to_install(monkeypatch, vendor, module, says):
+    monkeypatch.setitem(sys.modules, module, None)  # import of it now raises ImportError
+    with pytest.raises(FomoeError, match=says):
+        shim.open_runtime(vendor)
+
+
+def test_unknown_vendor():
+    with pytest.raises(FomoeError, match="unknown"):
+        shim.open_runtime("metal")
+
+
+def test_both_vendors_name_every_call():
+    for names in (CUDA_NAMES, HIP_NAMES):
+        assert all(getattr(names, f) for f in names.__dataclass_fields__)
+
+
+class _FakeApi:
+    def cuMemAlloc(self, n):
+        return (0, 0x1000 + n)
+
+    def cuMemFree(self, ptr):
+        return (2,)  # CUDA_ERROR_OUT_OF_MEMORY
+
+    def cuGetErrorString(self, status):
+        return (0, b"out of memory")
+
+
+class _Shim(shim.DriverShim):
+    vendor = "cuda"
+    names = CUDA_NAMES
+
+    def _make_current(self):
+        pass
+
+
+def test_calls_are_checked_and_name_the_call():
+    s = _Shim(_FakeApi())
+    assert s.malloc(16) == 0x1010
+    with pytest.raises(shim.GpuError, match="cuMemFree failed: out of memory"):
+        s.free(0x1010)
+
+
+def test_kernel_parameters_are_packed_in_their_c_types():
+    dims = shim.Dims4()
+    dims.n[:] = [1, 2, 3, 4]
+    packed = shim.PackedParams("pilfdD", [0xDEADBEEF, -3, 1 << 40, 0.5, 2.25, dims])
+    addrs = [packed.array[i] for i in range(6)]
+    assert ctypes.c_uint64.from_address(addrs[0]).value == 0xDEADBEEF
+    assert ctypes.c_int32.from_address(addrs[1]).value == -3
+    assert ctypes.c_int64.from_address(addrs[2]).value == 1 << 40
+    assert ctypes.c_float.from_address(addrs[3]).value == 0.5
+    assert ctypes.c_double.from_address(addrs[4]).value == 2.25
+    assert list(shim.Dims4.from_address(addrs[5]).n) == [1, 2, 3, 4]
+    assert ctypes.sizeof(shim.Dims4) == 128
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        shim.PackedParams("pi", [1])
+
+
+def test_backend_selection_without_a_gpu():
+    from fomoepy.runtime.cpu import CpuBackend
+    from fomoepy.runtime.select import make_backend
+
+    if _has_device("cuda") or _has_device("hip"):
+        pytest.skip("a GPU is present")
+    assert isinstance(make_backend("auto"), CpuBackend)
+    assert isinstance(make_backend("cpu"), CpuBackend)
+    with pytest.raises(FomoeError, match="no GPU backend could start: cuda: "):
+        make_backend("cuda")
+    with pytest.raises(FomoeError, match="not available"):
+        make_backend("tpu")
