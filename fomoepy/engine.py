@@ -22,11 +22,8 @@ from fomoepy.model.spec import ModelSpec
 from fomoepy.model.state import InferenceState
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer
-from fomoepy.runtime.cpu import CpuBackend
-from fomoepy.runtime.cpu_experts import CpuExperts, ready_expert_nbytes
+from fomoepy.runtime.select import BACKEND_NAMES, device_expert_nbytes, make_backend, make_experts
 from fomoepy.sampling import Sampler, SamplingParams
-
-BACKENDS = {"cpu": CpuBackend}
 
 
 @dataclass(frozen=True)
@@ -48,8 +45,8 @@ class EngineOptions:
 
 class Engine:
     def __init__(self, model_path: str | os.PathLike[str], options: EngineOptions = EngineOptions()):
-        if options.backend not in BACKENDS:
-            raise FomoeError(f"backend {options.backend!r} is not available (available: {', '.join(BACKENDS)})")
+        if options.backend not in BACKEND_NAMES:
+            raise FomoeError(f"backend {options.backend!r} is not available (available: {', '.join(BACKEND_NAMES)})")
         self.options = options
         self.file = GGUFFile(model_path)
         self.spec = ModelSpec.from_gguf(self.file)
@@ -57,7 +54,7 @@ class Engine:
         self.n_ctx = options.n_ctx or self.spec.context_length
         if self.n_ctx < 1:
             raise FomoeError(f"context size must be >= 1, got {self.n_ctx}")
-        self.ops = BACKENDS[options.backend](threads=blas_threads(self.spec, options.threads))
+        self.ops = make_backend(options.backend, blas_threads(self.spec, options.threads))
         if options.store:
             from fomoepy.experts.store_reader import ExpertStore
 
@@ -67,11 +64,11 @@ class Engine:
         self.experts = self._open_experts()
         self.model = Transformer(self.file, self.spec, self.ops, self.experts)
 
-    def _open_experts(self) -> CpuExperts:
+    def _open_experts(self):
         o = self.options
         layers = self.source.layers
-        device_unit = [ready_expert_nbytes(layer) for layer in layers]
-        device = o.vram_cache if o.vram_cache is not None else default_device_bytes(device_unit, self.spec)
+        device_unit = [device_expert_nbytes(self.ops, layer) for layer in layers]
+        device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
         host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store))
         streaming = StreamingOptions(
             device_bytes=device,
@@ -85,12 +82,25 @@ class Engine:
             freq_profile=o.freq_profile,
         )
         streamer = ExpertStreamer(self.source, self.spec.moe.n_expert, self.spec.moe.n_expert_used, device_unit, streaming, self.spec.name)
-        return CpuExperts(streamer)
+        return make_experts(self.ops, streamer)
+
+    def _default_device_bytes(self, unit: list[int]) -> int:
+        mem_info = getattr(getattr(self.ops, "rt", None), "mem_info", None)
+        if mem_info is None:
+            return default_device_bytes(unit, self.spec)
+        # GPU: what is free now, less the resident weights still to load (their file bytes, twice
+        # for dequantised copies), the KV cache of the whole context, and 1 GiB of workspace
+        free, _ = mem_info()
+        expert_tensors = {p.tensor for layer in self.source.layers for p in layer.parts}
+        dense = sum(t.nbytes for name, t in self.file.tensors.items() if name not in expert_tensors)
+        a = self.spec.attention
+        kv = 2 * self.n_ctx * a.n_head_kv * a.head_dim * 4 * self.spec.layer_kinds.count("attention")
+        return max(0, min(sum(unit) * self.spec.moe.n_expert, free - 2 * dense - kv - (1 << 30)))
 
     def reset_expert_cache(self) -> None:
         """Empty every expert tier (cold-start measurements); traces and counters carry on."""
         old = self.experts
-        old.streamer.close()
+        self._close_experts()
         self.experts = self._open_experts()
         self.experts.routers = old.routers
         self.model.experts = self.experts
@@ -101,18 +111,24 @@ class Engine:
     def stats_lines(self) -> list[str]:
         return self.experts.streamer.lines()
 
-    def close(self) -> None:
+    def _close_experts(self) -> None:
+        close = getattr(self.experts, "close", None)
+        if close is not None:
+            close()
         self.experts.streamer.close()
+
+    def close(self) -> None:
+        self._close_experts()
         close = getattr(self.source, "close", None)
         if close is not None:
             close()
 
     def new_state(self) -> InferenceState:
-        return InferenceState.new(self.spec, self.n_ctx)
+        return InferenceState.new(self.spec, self.n_ctx, zeros=getattr(self.ops, "zeros", np.zeros))
 
     def eval(self, state: InferenceState, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Append tokens to the sequence; logits of every new position, or of the last one only."""
-        return self.model.forward(np.asarray(tokens, dtype=np.int64), state, all_logits=all_logits)
+        return np.asarray(self.model.forward(np.asarray(tokens, dtype=np.int64), state, all_logits=all_logits))
 
     def logits(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """float32 [T, n_vocab]: row i scores the token after tokens[0..i], from an empty state."""

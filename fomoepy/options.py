@@ -11,7 +11,8 @@ from fomoepy.errors import FomoeError
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="cpu", choices=["cpu"], help="compute backend")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip", "auto"],
+                   help="compute backend (auto: a GPU if one works, else the CPU)")  # fmt: skip
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU backend BLAS threads (default: by model size)")
     g = p.add_argument_group("expert streaming")

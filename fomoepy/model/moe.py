@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from fomoepy.experts.routing import GATING_FUNCTIONS
 from fomoepy.model.spec import MoESpec
 
 
 def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray) -> np.ndarray:
     """h [T, D] (already normed) → [T, D]."""
     router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
-    exact = GATING_FUNCTIONS[m.gating](router_logits, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
+    exact = ops.route(router_logits, m.gating, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
     ids, weights = experts.route(layer, h, exact)  # cache-aware routing may swap ids; off: exact ones
     out = experts.ffn(layer, h, ids, weights)
     if m.shared_ff:

@@ -34,19 +34,20 @@ class InferenceState:
     tokens: list[int] = field(default_factory=list)  # every token evaluated so far, in order
 
     @classmethod
-    def new(cls, spec: ModelSpec, n_ctx: int) -> InferenceState:
+    def new(cls, spec: ModelSpec, n_ctx: int, zeros=np.zeros) -> InferenceState:
+        """zeros(shape, dtype) allocates on the backend (numpy here; device memory on a GPU)."""
         a, dn = spec.attention, spec.deltanet
         layers: list[KVCache | DeltaNetState] = []
         for kind in spec.layer_kinds:
             if kind == ATTENTION:
                 shape = (n_ctx, a.n_head_kv, a.head_dim)
-                layers.append(KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32)))
+                layers.append(KVCache(zeros(shape, np.float32), zeros(shape, np.float32)))
             else:
                 assert dn is not None  # the spec has DELTANET layers only with a DeltaNetSpec
                 layers.append(
                     DeltaNetState(
-                        conv=np.zeros((dn.conv_kernel - 1, dn.conv_channels), np.float32),
-                        ssm=np.zeros((dn.n_v_heads, dn.state_size, dn.v_head_dim), np.float32),
+                        conv=zeros((dn.conv_kernel - 1, dn.conv_channels), np.float32),
+                        ssm=zeros((dn.n_v_heads, dn.state_size, dn.v_head_dim), np.float32),
                     )
                 )
         return cls(n_ctx=n_ctx, layers=layers)

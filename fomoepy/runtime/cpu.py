@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from fomoepy import quants
+from fomoepy.experts.routing import GATING_FUNCTIONS, Routing
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 
 F32 = np.float32
@@ -78,6 +79,11 @@ class CpuBackend:
 
     def embed(self, table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         return table[tokens]
+
+    # -- routing -----------------------------------------------------------------------------------
+    @staticmethod
+    def route(logits: np.ndarray, gating: str, k: int) -> Routing:
+        return GATING_FUNCTIONS[gating](logits, k)
 
     # -- rotary embedding --------------------------------------------------------------------------
     @staticmethod

@@ -25,14 +25,14 @@ def open_gpu(vendor: str = "auto", device: int = 0):
     raise FomoeError("no GPU backend could start: " + "; ".join(reasons))
 
 
-def make_backend(name: str):
-    """The ops object for a --backend value."""
+def make_backend(name: str, cpu_threads: int | None = None):
+    """The ops object for a --backend value (cpu_threads: BLAS threads if it is the CPU)."""
     if name not in BACKEND_NAMES:
         raise FomoeError(f"backend {name!r} is not available (available: {', '.join(BACKEND_NAMES)})")
     if name == "cpu":
         from fomoepy.runtime.cpu import CpuBackend
 
-        return CpuBackend()
+        return CpuBackend(cpu_threads)
     if name == "auto":
         try:
             return open_gpu("auto")
@@ -40,7 +40,7 @@ def make_backend(name: str):
             log.info("backend auto: using the CPU (%s)", e)
             from fomoepy.runtime.cpu import CpuBackend
 
-            return CpuBackend()
+            return CpuBackend(cpu_threads)
     return open_gpu(name)
 
 
