@@ -1,0 +1,94 @@
+"""`fomoe ppl` speed: batched prefill (one eval call per chunk) against token-by-token evaluation.
+
+Both rows run the real ppl loop (`PplRun`) on the same backend, model, text and chunks; only `--batch`
+differs: B = ctx evaluates each chunk in one call, B = 1 feeds it one token at a time (decode steps).
+One chunk is evaluated first, untimed, so both rows find the compute-ready expert tier warm. The PPLs of
+the two rows agree to float32 rounding (the same function, summed in another order).
+
+The default model is the mid-size qwen3moe of bench/cpu_decode.py (n_embd 1024, 8 layers, 64 experts
+top-8, Q4_K/Q6_K experts, ≈ 0.6 GB, written once under bench/models/).
+
+    python bench/ppl_speed.py [--model M.gguf] [--ctx 128] [--chunks 2] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import platform
+import re
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from fomoepy.devtools.make_test_model import make_model
+from fomoepy.engine import Engine, EngineOptions
+from fomoepy.eval.ppl_run import PplRequest, PplRun
+
+HERE = Path(__file__).parent
+MODEL = HERE / "models" / "bench-qwen3moe.gguf"
+TEXT = HERE.parent / "tests" / "fixtures" / "oracle" / "ppl.txt"
+
+
+def ensure_model() -> Path:
+    if not MODEL.exists():
+        MODEL.parent.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        make_model(MODEL, preset="bench-qwen3moe")
+        print(f"wrote {MODEL} ({MODEL.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    return MODEL
+
+
+def timed_ppl(engine: Engine, model: str, text: str, ctx: int, chunks: int, batch: int) -> tuple[float, float]:
+    """(tokens per second of chunk evaluation, final PPL) of one `fomoe ppl` run."""
+    req = PplRequest(model=model, text_file=text, n_ctx=ctx, n_batch=batch, max_chunks=chunks)
+    run = PplRun(engine, req, out=io.StringIO(), err=io.StringIO())
+    run.run()
+    final = re.search(r"Final estimate: PPL = ([0-9.]+)", run.out.getvalue())
+    assert final is not None
+    return run.n_evaluated * ctx / run.eval_seconds, float(final.group(1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF model (default: the bench-qwen3moe model)")
+    ap.add_argument("--text", default=str(TEXT), help="UTF-8 text (default: the oracle's ppl.txt)")
+    ap.add_argument("--ctx", type=int, default=128, help="tokens per chunk")
+    ap.add_argument("--chunks", type=int, default=2, help="chunks per row")
+    ap.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
+    args = ap.parse_args()
+
+    model = Path(args.model) if args.model else ensure_model()
+    load_avg = os.getloadavg()[0]  # other work on the machine skews both rows (numpy's BLAS threads spin)
+    t = time.perf_counter()
+    engine = Engine(model, EngineOptions(n_ctx=args.ctx))
+    load_s = time.perf_counter() - t
+    timed_ppl(engine, str(model), args.text, args.ctx, 1, args.ctx)  # warm the compute-ready expert tier
+    batched = timed_ppl(engine, str(model), args.text, args.ctx, args.chunks, args.ctx)
+    stepped = timed_ppl(engine, str(model), args.text, args.ctx, args.chunks, 1)
+    rows = [
+        f"| batched prefill (`--batch {args.ctx}`) | 1 | {batched[0]:.1f} | {batched[1]:.4f} |",
+        f"| token by token (`--batch 1`) | {args.ctx} | {stepped[0]:.1f} | {stepped[1]:.4f} |",
+    ]
+    header = (
+        f"### ppl_speed — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
+        f"`python bench/ppl_speed.py --ctx {args.ctx} --chunks {args.chunks}`{' --model ' + str(model) if args.model else ''}; "
+        f"model {model.name} ({engine.spec.n_embd} embd, {engine.spec.n_layer} layers, "
+        f"{engine.spec.moe.n_expert} experts top-{engine.spec.moe.n_expert_used}), load {load_s:.1f} s, "
+        f"text {Path(args.text).name}, CPU backend, experts warm, load average {load_avg:.1f} at start\n\n"
+        "| evaluation | eval calls per chunk | tok/s | PPL |\n|---|---|---|---|\n"
+    )
+    footer = f"\nbatched / token by token: {batched[0] / stepped[0]:.1f}x\n"
+    report = header + "\n".join(rows) + "\n" + footer
+    print(report)
+    if args.record:
+        results = HERE / "RESULTS.md"
+        existing = results.read_text() if results.exists() else "# Benchmark results\n"
+        results.write_text(existing.rstrip("\n") + "\n\n" + report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
