@@ -138,3 +138,14 @@ def test_trace_records_original_choices_and_profile_seeds_the_device_tier(model,
     top3 = [(int(l), int(e)) for l, e, _ in loaded.items()[:3]]
     assert sorted(seeded.experts.ready) == sorted(top3)
     seeded.close()
+
+
+def test_device_tier_holds_what_its_budget_allows_in_compute_ready_bytes(model):
+    path, store, tokens, _ = model
+    dev_unit, _ = one_expert(path)
+    engine = Engine(path, EngineOptions(vram_cache=3 * dev_unit))
+    engine.logits(tokens)
+    tier = engine.experts.streamer.cache.device
+    assert len(engine.experts.ready) == len(tier) == 3
+    assert tier.used == 3 * dev_unit <= tier.capacity
+    engine.close()

@@ -21,6 +21,7 @@ Logical time, used by the policies, is the engine's token count: call `tick(n)` 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -81,9 +82,14 @@ class ExpertCache:
         device_policy: EvictionPolicy | None = None,
         host_policy: EvictionPolicy | None = None,
         device_expert_bytes: Sequence[int] | None = None,
+        device_of_layer: Sequence[int] | None = None,
     ):
         """`device_expert_bytes`: one expert's size in the device tier's form when it differs from the
-        store's (the CPU backend's device tier holds dequantised float32); default: `expert_bytes`."""
+        store's (the CPU backend's device tier holds dequantised float32); default: `expert_bytes`.
+
+        `device_of_layer`: with several devices (the scheduler's placement), each device has its own
+        device tier of `device_bytes` holding only its layers' experts; the host tier stays one.
+        """
         if any(b <= 0 for b in expert_bytes):
             raise ValueError(f"expected every expert size > 0 bytes, got {list(expert_bytes)}")
         self.n_expert = n_expert
@@ -93,9 +99,21 @@ class ExpertCache:
             raise ValueError("expected one device expert size per layer")
         self.n_layer = len(self.expert_bytes)
         # `is None`, not `or`: a policy with nothing tracked has len 0 and is falsy
-        self.device = TierDirectory("device", device_bytes, LRUPolicy() if device_policy is None else device_policy)
+        self.device_of_layer = tuple(device_of_layer) if device_of_layer is not None else (0,) * self.n_layer
+        if len(self.device_of_layer) != self.n_layer:
+            raise ValueError(f"expected a device for each of {self.n_layer} layers, got {len(self.device_of_layer)}")
+        n_devices = max(self.device_of_layer) + 1
+        self.devices = [
+            TierDirectory(
+                "device" if n_devices == 1 else f"device{d}",
+                device_bytes,
+                (LRUPolicy() if device_policy is None else device_policy) if d == 0 else _same_kind(device_policy),
+            )
+            for d in range(n_devices)
+        ]
+        self.device = self.devices[0]  # the device tier when there is one device
         self.host = TierDirectory("host", host_bytes, LRUPolicy() if host_policy is None else host_policy)
-        self.stats = CacheStats(self.n_layer, self.device.enabled, self.host.enabled)
+        self.stats = CacheStats(self.n_layer, device_bytes > 0, self.host.enabled)
         self.now = 0
         self.generation = 0
 
@@ -116,7 +134,7 @@ class ExpertCache:
         keys = [(layer, e) for e in experts]
         protected = set(keys)
         sources = [self._source(key) for key in keys]
-        to_device, device_victims = self.device.plan_admissions(
+        to_device, device_victims = self._dev(layer).plan_admissions(
             [(key, self.device_expert_bytes[layer]) for key, src in zip(keys, sources) if src is not Source.DEVICE],
             protected,
         )
@@ -129,8 +147,14 @@ class ExpertCache:
         )
         return Plan(layer, items, tuple(device_victims), tuple(host_victims), self.generation)
 
+    def _dev(self, layer: int) -> TierDirectory:
+        return self.devices[self.device_of_layer[layer]]
+
+    def on_device(self, key: Key) -> bool:
+        return key in self._dev(key[0])
+
     def _source(self, key: Key) -> Source:
-        if key in self.device:
+        if key in self._dev(key[0]):
             return Source.DEVICE
         if key in self.host:
             return Source.HOST
@@ -138,20 +162,20 @@ class ExpertCache:
 
     def resident(self, layer: int, tier: str = "device") -> frozenset[int]:
         """Experts of `layer` held (LOADING or READY) in `tier` ("device" or "host")."""
-        return frozenset(self._tier(tier).experts_in(layer))
+        return frozenset(self._tier(tier, layer).experts_in(layer))
 
     def cached_mask(self, layer: int, tier: str = "device") -> np.ndarray:
         """bool [n_expert]: experts of `layer` held in `tier`, the form cache-aware routing takes."""
         mask = np.zeros(self.n_expert, dtype=bool)
-        held = self._tier(tier).experts_in(layer)
+        held = self._tier(tier, layer).experts_in(layer)
         if held:
             mask[list(held)] = True
         return mask
 
-    def _tier(self, name: str) -> TierDirectory:
+    def _tier(self, name: str, layer: int) -> TierDirectory:
         if name not in ("device", "host"):
             raise ValueError(f"expected tier 'device' or 'host', got {name!r}")
-        return self.device if name == "device" else self.host
+        return self._dev(layer) if name == "device" else self.host
 
     # -- commands ----------------------------------------------------------------------------------
 
@@ -162,14 +186,14 @@ class ExpertCache:
         self.generation += 1
         layer, now = plan.layer, self.now
         for tier, victims, counters in (
-            (self.device, plan.device_evictions, self.stats.device),
+            (self._dev(layer), plan.device_evictions, self.stats.device),
             (self.host, plan.host_evictions, self.stats.host),
         ):
             for key in victims:
                 freed = tier.evict(key)
                 counters[key[0]].evicted += 1
                 counters[key[0]].evicted_bytes += freed
-        device, host = self.device, self.host
+        device, host = self._dev(layer), self.host
         for item in plan.items:
             key = (layer, item.expert)
             # pin every slot of this expert the step reads or writes, so no later plan evicts it
@@ -180,7 +204,7 @@ class ExpertCache:
                 host.touch(key, now)
                 host.pin(key)
             if item.to_device:
-                device.admit(key, item.nbytes, now)
+                device.admit(key, self.device_expert_bytes[layer], now)
                 device.pin(key)
             elif item.source is Source.DEVICE:
                 device.touch(key, now)
@@ -193,7 +217,7 @@ class ExpertCache:
             dev.hits += 1
             dev.hit_bytes += n
             return
-        if self.device.enabled:
+        if self._dev(layer).enabled:
             dev.misses += 1
             dev.miss_bytes += n
         if item.to_device:
@@ -217,7 +241,7 @@ class ExpertCache:
         for item in plan.items:
             key = (plan.layer, item.expert)
             if item.to_device:
-                self.device.mark_ready(key)
+                self._dev(plan.layer).mark_ready(key)
             if item.to_host:
                 self.host.mark_ready(key)
 
@@ -228,7 +252,7 @@ class ExpertCache:
             if item.to_host or item.source is Source.HOST:
                 self.host.unpin(key)
             if item.to_device or item.source is Source.DEVICE:
-                self.device.unpin(key)
+                self._dev(plan.layer).unpin(key)
 
     def access(self, layer: int, ids: Iterable[int] | np.ndarray) -> Plan:
         """plan + commit + mark_ready + release, for synchronous callers."""
@@ -244,7 +268,7 @@ class ExpertCache:
         Evicts unpinned experts by the host policy to make room. Returns the evicted keys, or None
         when the expert is already held in a tier or cannot get a slot (nothing changes then).
         """
-        if key in self.device or key in self.host or not self.host.enabled:
+        if key in self._dev(key[0]) or key in self.host or not self.host.enabled:
             return None
         admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]])], {key})
         if key not in set(admitted):
@@ -270,7 +294,7 @@ class ExpertCache:
             if not (0 <= layer < self.n_layer and 0 <= expert < self.n_expert):
                 raise ValueError(f"seed key {key} outside {self.n_layer} layers x {self.n_expert} experts")
             sizes = (self.device_expert_bytes[layer], self.expert_bytes[layer])
-            for tier, size, out in zip((self.device, self.host), sizes, placed):
+            for tier, size, out in zip((self._dev(layer), self.host), sizes, placed):
                 if key in tier:
                     break
                 if size <= tier.free:
@@ -279,3 +303,9 @@ class ExpertCache:
                     break
         self.generation += 1
         return placed
+
+
+def _same_kind(policy: EvictionPolicy | None) -> EvictionPolicy:
+    """An independent copy of a not-yet-used policy for another device's tier (policies hold
+    per-tier state; at construction it is empty, so a deep copy is a fresh one)."""
+    return LRUPolicy() if policy is None else copy.deepcopy(policy)

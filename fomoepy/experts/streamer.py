@@ -190,7 +190,7 @@ class ExpertStreamer:
             return
         for e in predicted.tolist():
             key = (layer, e)
-            if key in self._inflight or key in self.cache.device or key in self.cache.host:
+            if key in self._inflight or self.cache.on_device(key) or key in self.cache.host:
                 continue
             self._inflight[key] = submit(layer, e)
             self.prefetch_stats.issued += 1
