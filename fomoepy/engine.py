@@ -22,6 +22,9 @@ from fomoepy.model.spec import ModelSpec
 from fomoepy.model.state import InferenceState
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer
+from fomoepy.runtime.cpu import CpuBackend
+from fomoepy.scheduler import Placement
+from fomoepy.timing import LayerTimer
 from fomoepy.runtime.select import BACKEND_NAMES, device_expert_nbytes, make_backend, make_experts
 from fomoepy.sampling import Sampler, SamplingParams
 
@@ -31,6 +34,9 @@ class EngineOptions:
     backend: str = "cpu"
     n_ctx: int | None = None  # None: the model's training context
     threads: int | None = None  # CPU backend BLAS threads; None: automatic (see blas_threads)
+    devices: int = 1  # logical devices the layers are placed on
+    placement: str = "pingpong"  # pingpong | blocks | one device index per layer
+    profile_timing: bool = False
     store: tuple[str, ...] = ()  # expert store directories; empty: read experts from the GGUF (mmap)
     vram_cache: int | None = None  # device tier bytes (CPU: compute-ready experts); None: automatic
     ram_cache: int | None = None  # host tier bytes (store-form experts); None: automatic
@@ -54,7 +60,12 @@ class Engine:
         self.n_ctx = options.n_ctx or self.spec.context_length
         if self.n_ctx < 1:
             raise FomoeError(f"context size must be >= 1, got {self.n_ctx}")
-        self.ops = make_backend(options.backend, blas_threads(self.spec, options.threads))
+        self.placement = Placement.parse(options.placement, self.spec.n_layer, options.devices)
+        threads = blas_threads(self.spec, options.threads)
+        self.devices = [make_backend(options.backend, threads) for _ in range(options.devices)]
+        if options.devices > 1 and not isinstance(self.devices[0], CpuBackend):
+            raise FomoeError("several devices work on the CPU backend only so far (GPU placement is not yet done)")
+        self.ops = self.devices[0]
         if options.store:
             from fomoepy.experts.store_reader import ExpertStore
 
@@ -62,7 +73,10 @@ class Engine:
         else:
             self.source = GGUFExpertSource(self.file, self.spec)
         self.experts = self._open_experts()
-        self.model = Transformer(self.file, self.spec, self.ops, self.experts)
+        self.model = Transformer(self.file, self.spec, self.devices, self.experts, self.placement)
+        self.timer = LayerTimer(self.spec.n_layer) if options.profile_timing else None
+        self.model.timer = self.timer
+        self.experts.timer = self.timer
 
     def _open_experts(self):
         o = self.options
@@ -81,7 +95,10 @@ class Engine:
             trace_path=o.trace,
             freq_profile=o.freq_profile,
         )
-        streamer = ExpertStreamer(self.source, self.spec.moe.n_expert, self.spec.moe.n_expert_used, device_unit, streaming, self.spec.name)
+        streamer = ExpertStreamer(
+            self.source, self.spec.moe.n_expert, self.spec.moe.n_expert_used, device_unit, streaming, self.spec.name,
+            device_of_layer=self.placement.device_of_layer,
+        )  # fmt: skip
         return make_experts(self.ops, streamer)
 
     def _default_device_bytes(self, unit: list[int]) -> int:
@@ -103,13 +120,19 @@ class Engine:
         self._close_experts()
         self.experts = self._open_experts()
         self.experts.routers = old.routers
+        self.experts.timer = self.timer
         self.model.experts = self.experts
 
     def stats(self) -> dict:
         return self.experts.streamer.stats()
 
     def stats_lines(self) -> list[str]:
-        return self.experts.streamer.lines()
+        lines = self.experts.streamer.lines()
+        if self.placement.n_devices > 1:
+            lines.append(f"placement: {self.placement.n_devices} devices, {self.placement.relays()} relays per token")
+        if self.timer is not None:
+            lines += ["host time per MoE layer step (µs):", *self.timer.report()]
+        return lines
 
     def _close_experts(self) -> None:
         close = getattr(self.experts, "close", None)
@@ -124,7 +147,10 @@ class Engine:
             close()
 
     def new_state(self) -> InferenceState:
-        return InferenceState.new(self.spec, self.n_ctx, zeros=getattr(self.ops, "zeros", np.zeros))
+        owner = self.placement.device_of_layer
+        return InferenceState.new(
+            self.spec, self.n_ctx, zeros_of_layer=lambda il: getattr(self.devices[owner[il]], "zeros", np.zeros)
+        )
 
     def eval(self, state: InferenceState, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Append tokens to the sequence; logits of every new position, or of the last one only."""

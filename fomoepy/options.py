@@ -14,6 +14,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip", "auto"],
                    help="compute backend (auto: a GPU if one works, else the CPU)")  # fmt: skip
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--devices", type=int, default=1, help="logical devices to place the layers on")
+    p.add_argument("--placement", default="pingpong",
+                   help="pingpong (layer L on device L mod N), blocks, or one device index per layer: 0,0,1,1")  # fmt: skip
+    p.add_argument("--profile-timing", action="store_true", help="host time per MoE layer by phase, on stderr at the end")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU backend BLAS threads (default: by model size)")
     g = p.add_argument_group("expert streaming")
     g.add_argument("--store", nargs="+", metavar="DIR", default=[], help="expert store directories (fomoe prepare)")
@@ -52,6 +56,9 @@ def engine_options(args: argparse.Namespace):
         backend=args.backend,
         n_ctx=args.ctx_size,
         threads=args.threads,
+        devices=args.devices,
+        placement=args.placement,
+        profile_timing=args.profile_timing,
         store=tuple(args.store),
         vram_cache=None if args.vram_cache is None else parse_size(args.vram_cache),
         ram_cache=None if args.ram_cache is None else parse_size(args.ram_cache),

@@ -84,6 +84,7 @@ class ExpertStreamer:
         device_expert_bytes: list[int],
         options: StreamingOptions,
         model_name: str = "",
+        device_of_layer: tuple[int, ...] | None = None,
     ):
         self.source = source
         self.options = options
@@ -99,6 +100,7 @@ class ExpertStreamer:
             device_policy=make_policy(options.policy, policy),
             host_policy=make_policy(options.policy, policy),
             device_expert_bytes=device_expert_bytes,
+            device_of_layer=device_of_layer,
         )
         self.host_slots: dict[Key, ExpertBytes] = {}
         self.car_stats = CarStats()

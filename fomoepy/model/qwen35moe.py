@@ -10,7 +10,7 @@ from fomoepy.model.spec import ATTENTION
 
 
 def qwen35moe_layer(model, il: int, x, state):
-    ops, spec, w = model.ops, model.spec, model.weights.layer(il)
+    ops, spec, w = model.layer_ops(il), model.spec, model.weights.layer(il)
     eps = spec.rms_eps
     xn = ops.rms_norm(x, w.attn_norm, eps)
     if spec.layer_kinds[il] == ATTENTION:

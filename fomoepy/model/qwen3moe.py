@@ -7,7 +7,7 @@ from fomoepy.model.moe import moe_ffn
 
 
 def qwen3moe_layer(model, il: int, x, state):
-    ops, spec, w = model.ops, model.spec, model.weights.layer(il)
+    ops, spec, w = model.layer_ops(il), model.spec, model.weights.layer(il)
     eps = spec.rms_eps
     x = x + attention_mixer(ops, w, spec.attention, eps, ops.rms_norm(x, w.attn_norm, eps), state.layers[il], state.n_past)
     x = x + moe_ffn(ops, w, spec.moe, model.experts, il, ops.rms_norm(x, w.ffn_norm, eps))

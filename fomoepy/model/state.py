@@ -34,11 +34,14 @@ class InferenceState:
     tokens: list[int] = field(default_factory=list)  # every token evaluated so far, in order
 
     @classmethod
-    def new(cls, spec: ModelSpec, n_ctx: int, zeros=np.zeros) -> InferenceState:
-        """zeros(shape, dtype) allocates on the backend (numpy here; device memory on a GPU)."""
+    def new(cls, spec: ModelSpec, n_ctx: int, zeros=np.zeros, zeros_of_layer=None) -> InferenceState:
+        """zeros(shape, dtype) allocates on the backend (numpy here; device memory on a GPU);
+        zeros_of_layer(il) gives the allocator of the device that owns layer il."""
         a, dn = spec.attention, spec.deltanet
         layers: list[KVCache | DeltaNetState] = []
-        for kind in spec.layer_kinds:
+        for il, kind in enumerate(spec.layer_kinds):
+            if zeros_of_layer is not None:
+                zeros = zeros_of_layer(il)
             if kind == ATTENTION:
                 shape = (n_ctx, a.n_head_kv, a.head_dim)
                 layers.append(KVCache(zeros(shape, np.float32), zeros(shape, np.float32)))

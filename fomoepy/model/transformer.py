@@ -12,6 +12,8 @@ from fomoepy.model.qwen3moe import qwen3moe_layer
 from fomoepy.model.spec import ModelSpec
 from fomoepy.model.state import InferenceState
 from fomoepy.model.weights import ResidentWeights
+from fomoepy.scheduler import Placement, relay
+from fomoepy.timing import LayerTimer
 
 LAYER_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "qwen3moe": qwen3moe_layer,
@@ -20,13 +22,28 @@ LAYER_FUNCTIONS: dict[str, Callable[..., Any]] = {
 
 
 class Transformer:
-    def __init__(self, gf: GGUFFile, spec: ModelSpec, ops: Any, experts: Any):
+    """`ops` is one backend, or one per device with `placement` saying which owns each layer."""
+
+    def __init__(self, gf: GGUFFile, spec: ModelSpec, ops: Any, experts: Any, placement: Placement | None = None):
         self.spec = spec
-        self.ops = ops
+        self.devices = list(ops) if isinstance(ops, (list, tuple)) else [ops]
+        self.placement = placement or Placement.single(spec.n_layer)
+        if self.placement.n_devices != len(self.devices):
+            raise ValueError(f"placement over {self.placement.n_devices} devices, got {len(self.devices)} backends")
+        self.ops = self.devices[self.placement.device_of_layer[-1]]  # owns the output head
         self.experts = experts
-        self.weights = ResidentWeights(gf, spec, ops)
+        self.weights = ResidentWeights(gf, spec, self.backend_of_tensor)
         self.layer_fn = LAYER_FUNCTIONS[spec.arch]
+        self.timer: LayerTimer | None = None
         experts.routers = [self.weights[f"blk.{il}.ffn_gate_inp.weight"] for il in range(spec.n_layer)]
+
+    def layer_ops(self, il: int) -> Any:
+        return self.devices[self.placement.device_of_layer[il]]
+
+    def backend_of_tensor(self, name: str) -> Any:
+        if name.startswith("blk."):
+            return self.layer_ops(int(name.split(".")[1]))
+        return self.ops
 
     def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True) -> np.ndarray:
         """Evaluate `tokens` after the state's past; logits [T, V] (or [1, V] for the last token)."""
@@ -40,8 +57,16 @@ class Transformer:
         ops, w = self.ops, self.weights
         x = self.weights.embedding(tokens)  # [T, D]
         self.experts.begin_step(state.n_past, len(tokens))
+        here = self.devices[0]
         for il in range(self.spec.n_layer):
-            x = self.layer_fn(self, il, x, state)
+            owner = self.layer_ops(il)
+            if owner is not here:  # the hidden state moves to the device that owns this layer
+                x, here = relay(x, here, owner), owner
+            if self.timer is None:
+                x = self.layer_fn(self, il, x, state)
+            else:
+                with self.timer.layer(il):
+                    x = self.layer_fn(self, il, x, state)
         self.experts.end_step(len(tokens))
         state.n_past += len(tokens)
         state.tokens.extend(tokens.tolist())

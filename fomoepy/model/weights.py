@@ -30,6 +30,8 @@ class ResidentWeights:
     """Dense weights loaded into the backend once, by their GGUF names."""
 
     def __init__(self, gf: GGUFFile, spec: ModelSpec, backend: Any):
+        """backend: the backend that loads every tensor, or a function name -> backend (placement)."""
+        backend_of = backend if callable(backend) and not hasattr(backend, "load_weight") else (lambda name: backend)
         self.embedding = TokenEmbedding(gf, spec)
         expert_suffixes = tuple(f".{p}.weight" for p in EXPERT_PARTS)
         self.tensors: dict[str, Any] = {}
@@ -38,7 +40,7 @@ class ResidentWeights:
                 continue
             if name.endswith(expert_suffixes):
                 continue
-            self.tensors[name] = backend.load_weight(gf, gf.tensor(name))
+            self.tensors[name] = backend_of(name).load_weight(gf, gf.tensor(name))
         if spec.tied_embeddings:
             self.tensors["output.weight"] = self.tensors.pop("token_embd.weight")
         self.nbytes = sum(getattr(t, "nbytes", 0) for t in self.tensors.values())

@@ -7,6 +7,8 @@ the expert cache's decision (fomoepy.experts.streamer); this module only fills a
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from fomoepy import quants
@@ -53,6 +55,7 @@ class CpuExperts:
         self.layers = streamer.layers
         self.ready: dict[tuple[int, int], ReadyExpert] = {}
         self.routers = routers  # every layer's router, to predict the next layer's experts
+        self.timer = None  # a fomoepy.timing.LayerTimer when --profile-timing is on
         for key in streamer.seed_from_profile():
             self.ready[key] = make_ready(self.layers[key[0]], streamer.source.read(*key))
 
@@ -63,12 +66,15 @@ class CpuExperts:
         self.streamer.end_step(n_tokens)
 
     def route(self, layer: int, h: np.ndarray, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
         ids, weights = self.streamer.route(layer, exact)
         nxt = layer + 1
         if self.routers is not None and nxt < len(self.routers) and h.shape[0] == 1:
             # decode only: a prefill batch's union of predictions would be most of the layer
             predicted = softmax_route(h @ self.routers[nxt].T, exact.ids.shape[1]).ids
             self.streamer.predict(nxt, predicted)
+        if self.timer is not None:
+            self.timer.add("router", layer, time.perf_counter() - t0)
         return ids, weights
 
     def ffn(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -77,7 +83,9 @@ class CpuExperts:
         Experts are visited in ascending id order, so each token's k contributions are added in the
         same order whether it is decoded alone or prefilled with others, and whatever the cache held.
         """
+        t0 = time.perf_counter()
         plan, fetched = self.streamer.acquire(layer, ids)
+        t1 = time.perf_counter()
         try:
             for victim in plan.device_evictions:
                 self.ready.pop(victim, None)
@@ -93,6 +101,9 @@ class CpuExperts:
             return self._compute(h, ids, weights, ready)
         finally:
             self.streamer.release(plan)
+            if self.timer is not None:
+                self.timer.add("plan", layer, t1 - t0)
+                self.timer.add("experts", layer, time.perf_counter() - t1)
 
     @staticmethod
     def _compute(h: np.ndarray, ids: np.ndarray, weights: np.ndarray, ready: dict[int, ReadyExpert]) -> np.ndarray:
