@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_logits)
 
     p = sub.add_parser("generate", help="stream generated text to stdout")
-    p.add_argument("model")
+    p.add_argument("model", nargs="?", help="the GGUF model (default: the embedded demo model)")
     p.add_argument("-p", "--prompt", required=True)
     p.add_argument("-n", "--n-predict", type=int, default=128, help="maximum tokens to generate")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")

@@ -6,6 +6,8 @@ The flag names are a contract: other programs pass them.
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from fomoepy.errors import FomoeError
 
@@ -79,7 +81,47 @@ def engine_options(args: argparse.Namespace):
 
 
 def open_engine(args: argparse.Namespace):
-    """An Engine for args.model with the options add_engine_options parsed."""
+    """An Engine for args.model (the demo model when none is given) with the parsed engine options."""
     from fomoepy.engine import Engine
 
+    resolve_model(args)
     return Engine(args.model, engine_options(args))
+
+
+def resolve_model(args: argparse.Namespace) -> bool:
+    """No MODEL given: use the embedded demo model, reading its experts from a store prepared on
+    first use in the user's cache directory. Returns whether the demo model was chosen."""
+    if getattr(args, "model", None):
+        return False
+    from fomoepy.data import demo_model_path
+
+    try:
+        path = demo_model_path()
+    except FileNotFoundError as e:
+        raise FomoeError(f"no MODEL given and the embedded demo model is missing ({e})") from None
+    args.model = str(path)
+    if not getattr(args, "store", None):
+        args.store = [str(ensure_demo_store(path))]
+    return True
+
+
+def ensure_demo_store(model: Path) -> Path:
+    """The demo model's expert store under $XDG_CACHE_HOME/fomoepy (made, or finished, on first use).
+
+    The directory name carries a digest of the model file, so a new demo model gets a new store."""
+    import hashlib
+    import sys
+
+    from fomoepy.experts.store_format import MANIFEST_NAME
+    from fomoepy.experts.store_writer import prepare_store
+
+    digest = hashlib.sha256()
+    with open(model, "rb") as f:
+        digest.update(f.read(1 << 20))
+    digest.update(str(model.stat().st_size).encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    store = cache / "fomoepy" / "stores" / f"{model.stem}-{digest.hexdigest()[:12]}"
+    if not (store / MANIFEST_NAME).exists():
+        print(f"fomoe: preparing the demo model's expert store in {store} (first use)", file=sys.stderr)
+        prepare_store(model, [store], progress=False)
+    return store

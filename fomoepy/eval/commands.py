@@ -6,7 +6,7 @@ import argparse
 
 from fomoepy.errors import FomoeError
 from fomoepy.eval.ppl import DEFAULT_BATCH, DEFAULT_CTX, check_ctx
-from fomoepy.options import add_engine_options, open_engine
+from fomoepy.options import add_engine_options, open_engine, resolve_model
 
 PPL_DESCRIPTION = """\
 Perplexity of a text file by llama.cpp's llama-perplexity method, with its flags and output: the text (minus one
@@ -89,8 +89,10 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     if args.model and args.model_flag and args.model != args.model_flag:
         raise FomoeError(f"two models given: {args.model} and -m {args.model_flag}")
     args.model = args.model or args.model_flag
-    if not args.model:
-        raise FomoeError("no model given (fomoe ppl MODEL.gguf --file TEXT)")
+    if resolve_model(args) and args.file is None and args.kl is None and args.kl_divergence_base is None:
+        from fomoepy.data import demo_heldout_path
+
+        args.file = str(demo_heldout_path())  # the demo model's held-out text
     kl_out, kl_in = args.kl_base, args.kl
     if args.kl_divergence_base is not None:
         if kl_out is not None or kl_in is not None:

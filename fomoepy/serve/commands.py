@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from fomoepy.options import add_engine_options, open_engine
+from fomoepy.options import add_engine_options, open_engine, resolve_model
 
 
 def register(sub) -> None:
@@ -16,7 +16,7 @@ def register(sub) -> None:
 
     d = DaemonConfig()
     p = sub.add_parser("serve", help="run the chat daemon on a Unix socket (systemd socket activation and notify aware)")
-    p.add_argument("model")
+    p.add_argument("model", nargs="?", help="the GGUF model (default: the embedded demo model)")
     p.add_argument("--socket", help="socket path (default: $XDG_RUNTIME_DIR/fomoe.sock, else /run/fomoe/fomoe.sock)")
     p.add_argument("--socket-group", help="make the socket 0660 and owned by this group (default: 0600, owner only)")
     p.add_argument("--max-frame-bytes", type=int, default=d.max_frame, help=f"largest request frame (default {d.max_frame})")
@@ -75,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     inherited = inherited_socket()
     if inherited is None:
         check_not_live(path)  # cheap, before a long model load
+    resolve_model(args)
     notify(f"STATUS=loading {args.model}")
     log.info("loading %s", args.model)
     engine = open_engine(args)  # the model is loaded before the socket is bound
