@@ -42,6 +42,10 @@ def register(sub) -> None:
     p.add_argument("--repeat-penalty", type=float, default=None)
     p.set_defaults(handler=cmd_chat)
 
+    from fomoepy.serve.demo import add_demo_command
+
+    add_demo_command(sub)
+
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from fomoepy.serve.chat import cmd_chat as run
