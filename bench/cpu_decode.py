@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from fomoepy.devtools.make_test_model import make_model
-from fomoepy.engine import Engine
+from fomoepy.engine import Engine, EngineOptions
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -54,12 +54,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
     ap.add_argument("--decode", type=int, default=64, help="decoded tokens")
+    ap.add_argument("--threads", type=int, default=None, help="BLAS threads (default: the engine's choice)")
     ap.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = ap.parse_args()
 
     path = ensure_model()
     t = time.perf_counter()
-    engine = Engine(path)
+    engine = Engine(path, EngineOptions(threads=args.threads))
     load_s = time.perf_counter() - t
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, engine.spec.n_vocab - 3, size=args.prompt)
@@ -72,7 +73,9 @@ def main() -> int:
     ]
     header = (
         f"### cpu_decode — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
-        f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode}`; model load {load_s:.1f} s, "
+        f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode}"
+        + (f" --threads {args.threads}" if args.threads else "")
+        + f"`; BLAS threads {engine.ops.threads}; model load {load_s:.1f} s, "
         f"compute-ready experts held: {len(engine.experts.ready)}\n\n"
         "| run | prefill tok/s | decode tok/s |\n|---|---|---|\n"
     )

@@ -193,15 +193,17 @@ class Engine:
 
 
 def blas_threads(spec: ModelSpec, requested: int | None) -> int:
-    """One thread for small models (thread hand-offs cost more than they save on small matrices),
-    every core for models whose expert matrices are large enough to split."""
+    """One thread for small models (thread hand-offs cost more than they save on small matrices);
+    for larger ones every core but one, which the reader pool, backfill and the daemon's event loop
+    need: OpenBLAS threads that lose their core spin, and on the 2-core bench machine with one core
+    busy elsewhere, two threads decoded at 5 tok/s where one did 17 (bench/cpu_decode.py)."""
     if requested is not None:
         if requested < 1:
             raise FomoeError(f"--threads must be >= 1, got {requested}")
         return requested
     if spec.n_embd * spec.moe.expert_ff < 1 << 19:
         return 1
-    return os.cpu_count() or 1
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:
