@@ -23,6 +23,7 @@ import numpy as np
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
+from results import record
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -82,9 +83,7 @@ def main() -> int:
     report = header + "\n".join(rows) + "\n"
     print(report)
     if args.record:
-        results = HERE / "RESULTS.md"
-        existing = results.read_text() if results.exists() else "# Benchmark results\n"
-        results.write_text(existing.rstrip("\n") + "\n\n" + report)
+        record(report)
     return 0
 
 

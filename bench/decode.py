@@ -36,6 +36,7 @@ from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
 from fomoepy.experts.store_reader import ExpertStore
 from fomoepy.experts.store_writer import prepare_store
 from fomoepy.runtime.select import device_expert_nbytes
+from results import record
 
 HERE = Path(__file__).parent
 SHAPES = {
@@ -167,9 +168,7 @@ def main() -> int:
     )
     print(report)
     if args.record:
-        results = HERE / "RESULTS.md"
-        existing = results.read_text() if results.exists() else "# Benchmark results\n"
-        results.write_text(existing.rstrip("\n") + "\n\n" + report)
+        record(report)
     return 0
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.eval.ppl_run import PplRequest, PplRun
+from results import record
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -84,9 +85,7 @@ def main() -> int:
     report = header + "\n".join(rows) + "\n" + footer
     print(report)
     if args.record:
-        results = HERE / "RESULTS.md"
-        existing = results.read_text() if results.exists() else "# Benchmark results\n"
-        results.write_text(existing.rstrip("\n") + "\n\n" + report)
+        record(report)
     return 0
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from fomoepy.cli import main as fomoe
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.sampling import SamplingParams
+from results import record
 
 HERE = Path(__file__).parent
 FRACTIONS = [(0.05, 0.10), (0.10, 0.25), (0.25, 0.25), (0.50, 0.25)]
@@ -94,9 +95,7 @@ def main() -> int:
     )
     print(report)
     if args.record:
-        results = HERE / "RESULTS.md"
-        existing = results.read_text() if results.exists() else "# Benchmark results\n"
-        results.write_text(existing.rstrip("\n") + "\n\n" + report)
+        record(report)
     return 0
 
 

@@ -32,6 +32,7 @@ from fomoepy.devtools.make_test_model import make_model
 from fomoepy.errors import StoreError
 from fomoepy.experts.store_reader import O_DIRECT, ExpertStore, aligned_empty
 from fomoepy.experts.store_writer import prepare_store
+from results import record
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -195,9 +196,7 @@ def main() -> int:
     raw.close()
     store.close()
     if args.record:
-        results = HERE / "RESULTS.md"
-        existing = results.read_text() if results.exists() else "# Benchmark results\n"
-        results.write_text(existing.rstrip("\n") + "\n\n" + report)
+        record(report)
     return 0
 
 
