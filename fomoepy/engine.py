@@ -7,6 +7,7 @@ prefill (every prompt token in one batched pass) and then one-token decode steps
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -56,7 +57,6 @@ class Engine:
         self.options = options
         self.file = GGUFFile(model_path)
         self.spec = ModelSpec.from_gguf(self.file)
-        self.tokenizer = Tokenizer.from_metadata(self.file.metadata, str(self.file.path))
         self.n_ctx = options.n_ctx or self.spec.context_length
         if self.n_ctx < 1:
             raise FomoeError(f"context size must be >= 1, got {self.n_ctx}")
@@ -145,6 +145,11 @@ class Engine:
         close = getattr(self.source, "close", None)
         if close is not None:
             close()
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """Built on first use: scoring token ids (`fomoe logits`) needs no vocabulary."""
+        return Tokenizer.from_metadata(self.file.metadata, str(self.file.path))
 
     def new_state(self) -> InferenceState:
         owner = self.placement.device_of_layer
