@@ -198,17 +198,18 @@ class Engine:
 
 
 def blas_threads(spec: ModelSpec, requested: int | None) -> int:
-    """One thread for small models (thread hand-offs cost more than they save on small matrices);
-    for larger ones every core but one, which the reader pool, backfill and the daemon's event loop
-    need: OpenBLAS threads that lose their core spin, and on the 2-core bench machine with one core
-    busy elsewhere, two threads decoded at 5 tok/s where one did 17 (bench/cpu_decode.py)."""
+    """One thread for small models (thread hand-offs cost more than they save on small matrices),
+    every core for larger ones. On the 2-core bench machine, idle, two threads decode the mid-size
+    model at 22.9 tok/s and one at 15.3; but with another process busy on one core two threads
+    fall to 5 tok/s (OpenBLAS threads that lose their core spin) where one keeps 16.4: pass
+    `-t` when the machine is shared (bench/cpu_decode.py, bench/RESULTS.md)."""
     if requested is not None:
         if requested < 1:
             raise FomoeError(f"--threads must be >= 1, got {requested}")
         return requested
     if spec.n_embd * spec.moe.expert_ff < 1 << 19:
         return 1
-    return max(1, (os.cpu_count() or 1) - 1)
+    return os.cpu_count() or 1
 
 
 def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:
