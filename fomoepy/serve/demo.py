@@ -23,6 +23,8 @@ def add_demo_command(sub) -> None:
     p.add_argument("-p", "--prompt", action="append", help="a message to send (repeatable; default: two examples)")
     p.add_argument("-n", "--n-predict", type=int, default=48, help="maximum tokens per answer")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat-penalty", type=float, default=1.15)
     add_engine_options(p)
     p.set_defaults(handler=cmd_demo)
 
@@ -42,7 +44,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 out.write(f"\n>>> {prompt}\n")
                 completion = None
                 for msg in client.stream(
-                    prompt=prompt, max_tokens=args.n_predict, temperature=args.temp, session=f"demo-{i}"
+                    prompt=prompt, max_tokens=args.n_predict, temperature=args.temp, seed=args.seed,
+                    repeat_penalty=args.repeat_penalty, session=f"demo-{i}",
                 ):
                     if msg.get("type") == "delta":
                         out.write(msg["text"])
