@@ -13,6 +13,8 @@ loading). Time is logical: the number of tokens the engine has processed.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import heapq
 import math
 from collections import OrderedDict
@@ -25,7 +27,7 @@ from fomoepy.errors import FomoeError
 Key = tuple[int, int]  # (layer, expert)
 
 
-class EvictionPolicy:
+class EvictionPolicy(ABC):
     """The interface every policy implements.
 
     `eviction_order()` is a lazy generator; the caller must finish or close it before the next
@@ -34,20 +36,21 @@ class EvictionPolicy:
 
     name = "base"
 
+    @abstractmethod
     def touch(self, key: Key, now: int) -> None:
         """key was admitted, or used while resident, at logical time `now` (tokens; never decreasing)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def forget(self, key: Key) -> None:
         """key left the tier: it is no longer a candidate (a no-op for keys not tracked)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def eviction_order(self) -> Generator[Key, None, None]:
         """Every tracked key, best victim first."""
-        raise NotImplementedError
 
+    @abstractmethod
     def __len__(self) -> int:
-        raise NotImplementedError
+        """How many keys the policy tracks."""
 
     def victim(self, evictable: Callable[[Key], bool] = lambda key: True) -> Key | None:
         """The first key in eviction order that `evictable` accepts, or None."""

@@ -11,6 +11,8 @@ modules and functions are the bindings' handle objects, passed back untouched.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import ctypes
 import threading
 from collections.abc import Sequence
@@ -71,7 +73,7 @@ def address(handle: Any) -> int:
         return handle.as_c_void_p().value or 0
 
 
-class DriverShim:
+class DriverShim(ABC):
     """One device of one vendor. Calls raise `GpuError` naming the call and the driver's message."""
 
     vendor: str
@@ -87,9 +89,9 @@ class DriverShim:
         self._local = threading.local()
 
     # -- what differs: set in the vendor modules --------------------------------------------------------
+    @abstractmethod
     def _make_current(self) -> None:
         """Bind this device to the calling thread (a context on CUDA, the current device on HIP)."""
-        raise NotImplementedError
 
     def _host_alloc_args(self, nbytes: int) -> tuple:
         return (nbytes,)
