@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, Keys, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
 from fomoepy import quants
 from fomoepy.devtools.bpe_vocab import CHATML_TEMPLATE, Vocab
@@ -28,6 +28,7 @@ from fomoepy.devtools.make_test_model import (
     summarize,
     tensor_plan,
 )
+from fomoepy.devtools.make_test_model import write_metadata as mtm_write_metadata
 
 Q = GGMLQuantizationType
 QK_K = 256
@@ -47,40 +48,12 @@ def k_quant_mix(n_embd: int, expert_ff: int) -> dict[str, object]:
 
 
 def write_metadata(w: GGUFWriter, spec: ModelSpec, vocab: Vocab, chat_template: str) -> None:
-    """qwen3moe key-value pairs in make_test_model's order, with `vocab` as the tokenizer."""
-    a = spec.arch
-    L, A, R, Tk = Keys.LLM, Keys.Attention, Keys.Rope, Keys.Tokenizer
-    w.add_string(Keys.General.NAME, spec.general_name)
-    w.add_uint32(L.CONTEXT_LENGTH.format(arch=a), spec.context_length)
-    w.add_uint32(L.EMBEDDING_LENGTH.format(arch=a), spec.n_embd)
-    w.add_uint32(L.BLOCK_COUNT.format(arch=a), spec.n_layer)
-    w.add_uint32(L.FEED_FORWARD_LENGTH.format(arch=a), spec.n_expert_used * spec.expert_ff)
-    w.add_uint32(A.HEAD_COUNT.format(arch=a), spec.n_head)
-    w.add_uint32(A.HEAD_COUNT_KV.format(arch=a), spec.n_head_kv)
-    w.add_uint32(A.KEY_LENGTH.format(arch=a), spec.head_dim)
-    w.add_uint32(A.VALUE_LENGTH.format(arch=a), spec.head_dim)
-    w.add_float32(A.LAYERNORM_RMS_EPS.format(arch=a), spec.rms_eps)
-    w.add_float32(R.FREQ_BASE.format(arch=a), spec.rope_freq_base)
-    w.add_uint32(L.EXPERT_COUNT.format(arch=a), spec.n_expert)
-    w.add_uint32(L.EXPERT_USED_COUNT.format(arch=a), spec.n_expert_used)
-    w.add_uint32(L.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), spec.expert_ff)
+    """make_test_model's qwen3moe key-value pairs, with `vocab` as the tokenizer."""
     # llama-quantize names the file by the mix it was asked for, whatever fallbacks it applied
     mix = _FILE_TYPES.get(spec.expert_types)
     if mix is None and spec.expert_types[:2] == (Q.Q4_K, Q.Q4_K):
         mix = LlamaFileType.MOSTLY_Q4_K_M
-    w.add_uint32(Keys.General.FILE_TYPE, mix if mix is not None else LlamaFileType.GUESSED)
-
-    w.add_string(Tk.MODEL, "gpt2")
-    w.add_string(Tk.PRE, "qwen2")
-    w.add_array(Tk.LIST, list(vocab.tokens))
-    w.add_array(Tk.TOKEN_TYPE, list(vocab.token_types))
-    w.add_array(Tk.MERGES, list(vocab.merges))
-    w.add_uint32(Tk.EOS_ID, vocab.eos_id)
-    w.add_uint32(Tk.BOS_ID, vocab.bos_id)
-    w.add_uint32(Tk.PAD_ID, vocab.pad_id)
-    w.add_bool(Tk.ADD_BOS, False)
-    w.add_string(Tk.CHAT_TEMPLATE, chat_template)
-    w.add_uint32(R.DIMENSION_COUNT.format(arch=a), spec.head_dim)
+    mtm_write_metadata(w, spec, vocab, chat_template, mix if mix is not None else LlamaFileType.GUESSED)
 
 
 def write_qwen3moe(

@@ -40,7 +40,7 @@ from gguf import (
 )
 
 from fomoepy import quants
-from fomoepy.devtools.bpe_vocab import CHATML_TEMPLATE, byte_level_bpe
+from fomoepy.devtools.bpe_vocab import CHATML_TEMPLATE, Vocab, byte_level_bpe
 
 Q = GGMLQuantizationType
 F32 = Q.F32
@@ -238,8 +238,17 @@ _FILE_TYPES: dict[tuple[GGMLQuantizationType, ...], LlamaFileType] = {
 }
 
 
-def _write_metadata(w: GGUFWriter, spec: ModelSpec) -> None:
-    """Key-value pairs in the oracle files' order (general.architecture is written by GGUFWriter itself)."""
+def write_metadata(
+    w: GGUFWriter,
+    spec: ModelSpec,
+    vocab: Vocab | None = None,
+    chat_template: str = CHATML_TEMPLATE,
+    file_type: LlamaFileType | None = None,
+) -> None:
+    """Key-value pairs in the oracle files' order (general.architecture is written by GGUFWriter itself).
+
+    vocab: the tokenizer to embed (default: the built-in byte-level BPE of spec.n_vocab tokens);
+    file_type: general.file_type (default: named from the expert types, as llama-quantize would)."""
     a = spec.arch
     L, A, R, S, Tk = Keys.LLM, Keys.Attention, Keys.Rope, Keys.SSM, Keys.Tokenizer
     w.add_string(Keys.General.NAME, spec.general_name)
@@ -256,9 +265,12 @@ def _write_metadata(w: GGUFWriter, spec: ModelSpec) -> None:
     w.add_uint32(L.EXPERT_COUNT.format(arch=a), spec.n_expert)
     w.add_uint32(L.EXPERT_USED_COUNT.format(arch=a), spec.n_expert_used)
     w.add_uint32(L.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), spec.expert_ff)
-    w.add_uint32(Keys.General.FILE_TYPE, _FILE_TYPES.get(spec.expert_types, LlamaFileType.GUESSED))
+    if file_type is None:
+        file_type = _FILE_TYPES.get(spec.expert_types, LlamaFileType.GUESSED)
+    w.add_uint32(Keys.General.FILE_TYPE, file_type)
 
-    vocab = byte_level_bpe(spec.n_vocab)
+    if vocab is None:
+        vocab = byte_level_bpe(spec.n_vocab)
     w.add_string(Tk.MODEL, "gpt2")
     w.add_string(Tk.PRE, "qwen2")
     w.add_array(Tk.LIST, list(vocab.tokens))
@@ -268,7 +280,7 @@ def _write_metadata(w: GGUFWriter, spec: ModelSpec) -> None:
     w.add_uint32(Tk.BOS_ID, vocab.bos_id)
     w.add_uint32(Tk.PAD_ID, vocab.pad_id)
     w.add_bool(Tk.ADD_BOS, False)
-    w.add_string(Tk.CHAT_TEMPLATE, CHATML_TEMPLATE)
+    w.add_string(Tk.CHAT_TEMPLATE, chat_template)
 
     if a == "qwen3moe":
         w.add_uint32(R.DIMENSION_COUNT.format(arch=a), spec.head_dim)
@@ -336,7 +348,7 @@ def write_model(path: str | os.PathLike[str], spec: ModelSpec, threads: int | No
     plan = tensor_plan(spec)
     w = GGUFWriter(partial, spec.arch)
     try:
-        _write_metadata(w, spec)
+        write_metadata(w, spec)
         for t in plan:
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
         w.write_header_to_file()
