@@ -27,11 +27,12 @@ from fomoepy.sampling import SamplingParams
 
 Q = GGMLQuantizationType
 
-# Measured on the shipped model (tools/train_demo_model.py output), bounds set with margin:
-# 64 held-out tokens, quantised vs unquantised logits: argmax agreement 0.97, max |d|/std 0.21, median 0.024.
+# Measured on the shipped model, quantised vs unquantised logits of the check file's 64 held-out tokens:
+# argmax agreement 1.0, max |d|/std 0.092, median |d|/std 0.0056 (over 256 tokens the training script saw
+# 0.988, 0.41 and 0.0067: a rare flipped expert choice moves one position a lot). Bounds with margin:
 MIN_ARGMAX_AGREEMENT = 0.90
-MAX_REL_ERROR = 0.45
-MAX_MEDIAN_REL_ERROR = 0.05
+MAX_REL_ERROR = 0.25
+MAX_MEDIAN_REL_ERROR = 0.015
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,7 @@ def test_expert_usage_is_skewed_but_not_collapsed():
     engine.logits(np.asarray(engine.tokenizer.encode(text, parse_special=False)[:384]))
     counts = engine.experts.streamer.counter.counts  # [L, X] routed slots of the exact router
     X = counts.shape[1]
+    # measured: top 3 of 32 take 19-29% per layer (uniform 9.4%), the largest 7-13%, 31-32 experts used
     for layer, c in enumerate(counts):
         share = np.sort(c / c.sum())[::-1]
         assert share[: round(X / 10)].sum() >= 1.3 * round(X / 10) / X, layer  # skewed: top 10% well above uniform
