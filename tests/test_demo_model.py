@@ -14,6 +14,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from float32_bounds import reorder_bound
 from gguf import GGMLQuantizationType, TokenType
 
 from fomoepy.data import demo_check_path, demo_heldout_path, demo_model_path
@@ -191,8 +192,10 @@ def test_pytorch_model_computes_what_the_engine_computes(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 300, 48)
     with torch.no_grad():
         ref = model(torch.from_numpy(tokens)[None])[0][0].numpy()
-    ours = Engine(tmp_path / "m.gguf").logits(tokens)
-    assert np.abs(ours - ref).max() <= 1e-4 * ref.std()
+    engine = Engine(tmp_path / "m.gguf")
+    ours = engine.logits(tokens)
+    # PyTorch and numpy compute the same float32 function with their own summation orders
+    assert np.abs(ours - ref).max() <= reorder_bound(engine.spec, len(tokens)) * np.abs(ref).max()
 
 
 def test_torch_model_weights_have_gguf_names_and_shapes():

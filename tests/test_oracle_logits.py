@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import ORACLE, open_oracle_engine
+from float32_bounds import reorder_bound
 
 MODELS = sorted(json.loads((ORACLE / "MANIFEST.json").read_text())["models"])
 
@@ -44,7 +45,8 @@ def test_prefill_equals_token_by_token_decode(run):
     state = engine.new_state()
     stepped = np.concatenate([engine.eval(state, tokens[i : i + 1], all_logits=True) for i in range(len(tokens))])
     rel = np.abs(stepped - logits).max() / np.abs(logits).max()
-    assert rel <= 1e-5, f"{name}: prefill vs decode differ by {rel:.2e} of the largest logit"
+    bound = reorder_bound(engine.spec, len(tokens))  # only the order of float32 sums differs
+    assert rel <= bound, f"{name}: prefill vs decode differ by {rel:.2e} of the largest logit (bound {bound:.2e})"
 
 
 def test_prefill_in_uneven_chunks_equals_one_batch(run):
@@ -53,4 +55,5 @@ def test_prefill_in_uneven_chunks_equals_one_batch(run):
     cuts = [0, 3, 4, 17, len(tokens)]
     parts = [engine.eval(state, tokens[a:b], all_logits=True) for a, b in zip(cuts, cuts[1:])]
     rel = np.abs(np.concatenate(parts) - logits).max() / np.abs(logits).max()
-    assert rel <= 1e-5
+    bound = reorder_bound(engine.spec, len(tokens))
+    assert rel <= bound, f"{name}: uneven chunks vs one batch differ by {rel:.2e} of the largest logit (bound {bound:.2e})"
