@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Make both run-time kernel compilers available on a machine without a GPU, for the compile checks
-# (tests/test_kernels_compile.py) and for CI (.ci/run):
+# Make the kernel compilers available on a machine without a GPU, for the compile checks
+# (tests/test_kernels_compile.py, tests/test_kernels_amdgpu.py) and for CI (.ci/run):
 #   NVRTC  - cuda-python + the nvidia-cuda-nvrtc wheel (the `cuda` extra of pyproject.toml), via pip
+#   clang  - Debian's clang-19 and ROCm 5.2 HIP headers (apt-get install, as root): the AMDGPU back end
+#            that knows RDNA4 (gfx1200/gfx1201), for code generation and resource checks
 #   hiprtc - Debian's ROCm runtime packages, downloaded with apt-get and unpacked (dpkg-deb -x) into
 #            a cache directory: nothing is installed system-wide; tests load it with ctypes
 # Idempotent and cached: a second run does nothing. Prints "hiprtc: <dir>" with the libraries' path.
@@ -27,6 +29,20 @@ PY
     "$PYTHON" -m pip install --quiet --disable-pip-version-check "${CUDA_PINS[@]}"
 fi
 "$PYTHON" -c "from cuda.bindings import nvrtc; print('nvrtc: %d.%d' % nvrtc.nvrtcVersion()[1:])"
+
+# --- clang for AMDGPU code generation -------------------------------------------------------------------
+# Debian 12's ROCm 5.2 hiprtc aborts for gfx11/gfx12; its clang-19 compiles them. Not fatal: the
+# code generation tests skip, saying why, where this cannot be installed.
+if ! command -v clang-19 >/dev/null || [ ! -f /usr/include/hip/hip_runtime.h ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        install_clang() { DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends clang-19 libamdhip64-dev; }
+        install_clang >/tmp/fomoepy-clang.log 2>&1 || { apt-get update >/dev/null 2>&1; install_clang >/tmp/fomoepy-clang.log 2>&1; } \
+            || echo "amdgpu clang: apt-get install clang-19 libamdhip64-dev failed (see /tmp/fomoepy-clang.log)" >&2
+    else
+        echo "amdgpu clang: unavailable (needs root and apt-get: apt-get install clang-19 libamdhip64-dev)" >&2
+    fi
+fi
+if command -v clang-19 >/dev/null; then echo "amdgpu-clang: $(command -v clang-19)"; fi
 
 # --- hiprtc --------------------------------------------------------------------------------------------
 HIP_DIR="$CACHE/hiprtc"
