@@ -5,6 +5,7 @@ The chain order is llama.cpp's default sampler order, so the same settings mean 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -13,28 +14,51 @@ import numpy as np
 from fomoepy.errors import FomoeError
 
 
+GREEDY_BELOW = 1e-6  # a temperature under this samples like temperature 0 (argmax)
+MAX_PENALTY = 1e6  # repeat_penalty range [1/MAX_PENALTY, MAX_PENALTY]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.8  # <= 0 means greedy (argmax)
-    top_k: int = 40  # 0 = off
-    top_p: float = 0.95  # 1.0 = off
-    min_p: float = 0.05  # 0.0 = off
-    repeat_penalty: float = 1.0  # 1.0 = off
+    """Each value has a range, and each range's edge a meaning, so that no value the protocol accepts can
+    make a logit infinite or a probability NaN (sampling works in float64; logits are below ~1e4):
+
+    temperature     finite, >= 0; below GREEDY_BELOW it is greedy (z / 1e-6 stays finite, but the
+                    distribution is argmax's already)
+    top_k           >= 0 (0: off)
+    top_p           (0, 1] (1: off)
+    min_p           [0, 1] (0: off)
+    repeat_penalty  [1e-6, 1e6] (1: off): z / 1e-6 and z · 1e6 stay far inside float64
+    repeat_last_n   >= 0
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
     repeat_last_n: int = 64  # how many recent tokens the penalty looks at
     seed: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
+            (1 / MAX_PENALTY <= self.repeat_penalty <= MAX_PENALTY, f"repeat_penalty must be in [{1 / MAX_PENALTY:g}, {MAX_PENALTY:g}]"),
             (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
-                raise FomoeError(f"bad sampling parameter: {message}")
+                raise FomoeError(f"bad sampling parameter: {message}, got {self._value_of(message)!r}")
+
+    def _value_of(self, message: str) -> object:
+        return getattr(self, message.split(" ", 1)[0])
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def greedy(cls) -> SamplingParams:
@@ -55,7 +79,7 @@ class Sampler:
             recent = np.unique(np.asarray(history[-p.repeat_last_n :], dtype=np.int64))
             # llama.cpp: divide positive logits, multiply negative ones, so the penalty always lowers them
             z[recent] = np.where(z[recent] > 0, z[recent] / p.repeat_penalty, z[recent] * p.repeat_penalty)
-        if p.temperature <= 0:
+        if p.is_greedy:
             return int(np.argmax(z))
 
         order = np.argsort(-z, kind="stable")  # candidates, best first

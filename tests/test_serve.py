@@ -190,6 +190,8 @@ def test_cancel_stops_a_generation_at_the_next_token(served):
     async def run():
         async with await AsyncClient.connect(served.path) as c:
             stream = c.stream(prompt=prompt_text(1), max_tokens=400, temperature=0, ignore_eos=True)
+            queued = await stream.__anext__()
+            assert (queued["type"], queued["position"]) == ("queued", 0)  # nothing else waits
             first = await stream.__anext__()
             assert first["type"] == "delta"
             assert await c.cancel(first["id"]) is True
@@ -206,8 +208,8 @@ def test_disconnect_mid_generation_cancels_it_and_the_queue_moves_on(served):
     before = served.call(served.daemon.stats)["completion_tokens"]
     a = raw_connect(served.path)
     a.sendall(encode_frame({"op": "generate", "id": 1, "prompt": prompt_text(2), "max_tokens": 500, "ignore_eos": True}))
-    first = read_until(a, FrameDecoder(1 << 20), lambda m: True)
-    assert first[0]["type"] == "delta"
+    first = read_until(a, FrameDecoder(1 << 20), lambda m: m["type"] == "delta")
+    assert [m["type"] for m in first] == ["queued", "delta"]
     a.close()
     t0 = time.monotonic()
     with Client(served.path, timeout=30) as b:

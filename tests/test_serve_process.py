@@ -91,7 +91,7 @@ def test_sigterm_cancels_in_flight_work_with_a_final_message_and_removes_the_soc
 
         with Client(path, timeout=30) as c:
             stream = c.stream(prompt="fox", max_tokens=450, ignore_eos=True)
-            assert next(stream)["type"] == "delta"
+            assert [next(stream)["type"] for _ in range(2)] == ["queued", "delta"]
             proc.send_signal(signal.SIGTERM)
             rest = list(stream)
         assert rest[-1]["type"] == "done" and rest[-1]["finish_reason"] == "cancelled"

@@ -122,7 +122,7 @@ def stream_answer(client: Client, messages: list[dict[str, str]], session: str, 
             if msg["type"] == "delta":
                 parts.append(msg["text"])
                 write(msg["text"])
-            else:
+            elif msg["type"] == "done":
                 reason = msg["finish_reason"]
     finally:
         signal.signal(signal.SIGINT, previous)

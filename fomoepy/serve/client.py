@@ -3,7 +3,7 @@
     with Client() as c:                                  # $XDG_RUNTIME_DIR/fomoe.sock or /run/fomoe/fomoe.sock
         print(c.complete(prompt="Hello", max_tokens=32, temperature=0).text)
         for msg in c.stream(messages=[{"role": "user", "content": "Hi"}]):
-            print(msg.get("text", ""), end="")           # "delta" messages, then "done"
+            print(msg.get("text", ""), end="")           # "queued" and "delta" messages, then "done"
 
     async with await AsyncClient.connect() as c:         # many requests at once on one connection
         answers = await asyncio.gather(*(c.complete(prompt=p, max_tokens=16) for p in prompts))
@@ -26,6 +26,7 @@ from typing import Any
 from fomoepy.errors import FomoeError
 from fomoepy.serve.protocol import (
     CLIENT_MAX_FRAME,
+    PROGRESS,
     FrameDecoder,
     RequestId,
     decode_payload,
@@ -166,7 +167,7 @@ class Client:
         cancel_when: Callable[[], bool] | None = None,
         **fields: Any,
     ) -> Iterator[dict[str, Any]]:
-        """`delta` messages as they come, then the `done` message. `cancel_when` is polled every 0.1 s
+        """`queued` and `delta` messages as they come, then the `done` message. `cancel_when` is polled every 0.1 s
         (and between messages); once it returns true the generation is cancelled (it still ends with done)."""
         id = self.send("generate", **_generate_fields(prompt, messages, {**fields, "stream": True}))
         cancelled = finished = False
@@ -182,7 +183,7 @@ class Client:
                 msg = self.receive(id, poll=poll)
                 if msg is None:
                     continue
-                finished = msg["type"] != "delta"
+                finished = msg["type"] not in PROGRESS
                 self._check(msg)
                 yield msg
                 if finished:
@@ -193,7 +194,11 @@ class Client:
 
     def complete(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **fields: Any) -> Completion:
         """The whole answer at once."""
-        return Completion.from_done(self.request("generate", **_generate_fields(prompt, messages, {**fields, "stream": False})))
+        id = self.send("generate", **_generate_fields(prompt, messages, {**fields, "stream": False}))
+        while True:
+            msg = self._check(self.receive(id))
+            if msg["type"] not in PROGRESS:
+                return Completion.from_done(msg)
 
     def _abandon(self, id: RequestId) -> None:
         self._inbox = deque(m for m in self._inbox if m.get("id") != id)
@@ -238,7 +243,7 @@ class Client:
         for payload in self._frames.feed(data):
             msg = _message(payload)
             if msg.get("id") in self._ignored:
-                if msg.get("type") != "delta":
+                if msg.get("type") not in PROGRESS:
                     self._ignored.discard(msg.get("id"))
                 continue
             self._inbox.append(msg)
@@ -323,13 +328,13 @@ class AsyncClient:
 
     async def stream(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
                      **fields: Any) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
-        """`delta` messages, then `done`. The request id is in each message (for `cancel`)."""
+        """`queued` and `delta` messages, then `done`. The request id is in each message (for `cancel`)."""
         id = await self.send("generate", **_generate_fields(prompt, messages, {**fields, "stream": True}))
         finished = False
         try:
             while True:
                 msg = await self.receive(id)
-                finished = msg["type"] != "delta"
+                finished = msg["type"] not in PROGRESS
                 yield Client._check(msg)
                 if finished:
                     return

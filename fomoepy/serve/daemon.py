@@ -21,7 +21,7 @@ from typing import Any
 from fomoepy.errors import FomoeError
 from fomoepy.sampling import SamplingParams
 from fomoepy.serve.config import DaemonConfig
-from fomoepy.serve.jobs import Job, prompt_ids
+from fomoepy.serve.jobs import Job, check_fits_context, prompt_text
 from fomoepy.serve.listen import Listener, notify
 from fomoepy.serve.protocol import (
     Cancel,
@@ -149,6 +149,10 @@ class Daemon:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._on_force_exit: Callable[[], None] | None = None
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fomoe-prep")  # tokenize, render
+        # what the limits count: every generation from its arrival to its final message, each once, and
+        # apart from it the cheap requests (tokenize, stats) that are still being answered
+        self.generations: set[Job] = set()
+        self.cheap_pending = 0
         # the allow-list: request type → handler; nothing a client sends names code
         self.handlers: dict[type, Callable[[Connection, Any], None]] = {
             Generate: self.on_generate,
@@ -237,7 +241,7 @@ class Daemon:
         conn.send({"type": "ok", "id": req.id, "cancelled": cancelled})
 
     def on_generate(self, conn: Connection, req: Generate) -> None:
-        refusal = self._refusal(conn)
+        refusal = self._refusal(conn, len(self.generations), "generation requests")
         if refusal is not None:
             conn.send(error_reply(req.id, *refusal))
             return
@@ -246,24 +250,31 @@ class Daemon:
         except FomoeError as e:
             conn.send(error_reply(req.id, "bad_request", f"generate: {e}"))
             return
-        job = Job(req, conn, params)
+        job = Job(req, conn, params, on_end=self.generations.discard)
+        self.generations.add(job)
         conn.pending[req.id] = job
         self._spawn(self._prepare(conn, job))
 
-    def _refusal(self, conn: Connection) -> tuple[str, str] | None:
+    def _refusal(self, conn: Connection, in_flight: int, what: str) -> tuple[str, str] | None:
         if self.stopping:
             return "shutting_down", "the daemon is shutting down"
         if len(conn.pending) >= self.config.max_pending:
             return "busy", f"too many unfinished requests on this connection (limit {self.config.max_pending})"
-        if self.worker.backlog + len(self.state.tasks) >= self.config.max_queue:
-            return "busy", f"the queue is full ({self.config.max_queue} requests)"
+        if in_flight >= self.config.max_queue:
+            return "busy", f"the queue is full ({self.config.max_queue} unfinished {what})"
         return None
 
     async def _prepare(self, conn: Connection, job: Job) -> None:
         req = job.request
         loop = asyncio.get_running_loop()
+
+        def tokenize() -> list[int]:
+            text = prompt_text(self.engine, req.prompt, req.messages)
+            check_fits_context(self.engine, text)  # before the tokenizer spends seconds on it
+            return self.engine.tokenizer.encode(text)
+
         try:
-            ids = await loop.run_in_executor(self._prep, lambda: prompt_ids(self.engine, req.prompt, req.messages))
+            ids = await loop.run_in_executor(self._prep, tokenize)
             self._check_prompt(ids)
         except FomoeError as e:
             job.fail("bad_request", f"generate: {e}")
@@ -286,36 +297,48 @@ class Daemon:
         if len(ids) > self.engine.n_ctx:
             raise FomoeError(f"the prompt has {len(ids)} tokens, more than the context of {self.engine.n_ctx}")
 
+    def _cheap(self, conn: Connection, req: Any, answer) -> None:
+        """tokenize and stats: the same limits as a generation, counted apart from generations."""
+        refusal = self._refusal(conn, self.cheap_pending, "tokenize/stats requests")
+        if refusal is not None:
+            conn.send(error_reply(req.id, *refusal))
+            return
+        self.cheap_pending += 1
+
+        async def run() -> None:
+            try:
+                await answer(conn, req)
+            finally:
+                self.cheap_pending -= 1
+                conn.finished(req.id)
+
+        conn.pending[req.id] = self._spawn(run())
+
     def on_tokenize(self, conn: Connection, req: Tokenize) -> None:
-        conn.pending[req.id] = self._spawn(self._tokenize(conn, req))
+        self._cheap(conn, req, self._tokenize)
 
     async def _tokenize(self, conn: Connection, req: Tokenize) -> None:
         loop = asyncio.get_running_loop()
+
+        def tokenize() -> list[int]:
+            text = prompt_text(self.engine, req.text, req.messages)
+            return self.engine.tokenizer.encode(text, add_special=req.add_special, parse_special=req.parse_special)
+
         try:
-            ids = await loop.run_in_executor(
-                self._prep,
-                lambda: prompt_ids(
-                    self.engine, req.text, req.messages, add_special=req.add_special, parse_special=req.parse_special
-                ),
-            )
+            ids = await loop.run_in_executor(self._prep, tokenize)
         except (FomoeError, ValueError) as e:
             conn.send(error_reply(req.id, "bad_request", f"tokenize: {e}"))
         else:
             conn.send({"type": "tokens", "id": req.id, "tokens": ids, "count": len(ids)})
-        finally:
-            conn.finished(req.id)
 
     def on_stats(self, conn: Connection, req: Stats) -> None:
-        conn.pending[req.id] = self._spawn(self._stats(conn, req))
+        self._cheap(conn, req, self._stats)
 
     async def _stats(self, conn: Connection, req: Stats) -> None:
-        try:
-            engine_stats = await self.worker.engine_stats()
-            conn.send({"type": "stats", "id": req.id, "stats": self.stats(engine_stats)})
-        finally:
-            conn.finished(req.id)
+        engine_stats, age = self.worker.engine_stats()  # never waits for an engine step
+        conn.send({"type": "stats", "id": req.id, "stats": self.stats(engine_stats, age)})
 
-    def stats(self, engine_stats: Any = None) -> dict[str, Any]:
+    def stats(self, engine_stats: Any = None, engine_stats_age: float = 0.0) -> dict[str, Any]:
         t = self.worker.totals
         return {
             "uptime_s": round(time.monotonic() - self.state.started, 3),
@@ -332,4 +355,5 @@ class Daemon:
             "prefill_tok_per_s": round(t.prompt_tokens / t.prefill_s, 3) if t.prefill_s > 0 else 0.0,
             "decode_tok_per_s": round(t.decode_tokens / t.decode_s, 3) if t.decode_s > 0 else 0.0,
             "engine": engine_stats,
+            "engine_stats_age_s": round(engine_stats_age, 3),
         }

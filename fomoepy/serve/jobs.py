@@ -10,9 +10,10 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+from fomoepy.errors import FomoeError
 from fomoepy.model.chat import render_chat
 from fomoepy.model.state import DeltaNetState, InferenceState
 from fomoepy.sampling import SamplingParams
@@ -116,29 +117,43 @@ class Sessions:
         return len(self._states)
 
 
-def prompt_ids(engine, text: str | None, messages: list[dict[str, str]] | None, *,
-               add_special: bool = True, parse_special: bool = True) -> list[int]:  # fmt: skip
-    """Token ids of a raw prompt, or of messages rendered by the model's chat template (FomoeError if bad)."""
+def prompt_text(engine, text: str | None, messages: list[dict[str, str]] | None) -> str:
+    """A raw prompt as it is, or messages rendered by the model's chat template (FomoeError if bad)."""
+    if messages is None:
+        assert text is not None  # the protocol requires one of the two
+        return text
     tok = engine.tokenizer
-    if messages is not None:
-        text = render_chat(
-            messages,
-            template=engine.file.get("tokenizer.chat_template"),
-            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+    return render_chat(
+        messages,
+        template=engine.file.get("tokenizer.chat_template"),
+        bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+        eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+    )
+
+
+def check_fits_context(engine, text: str) -> None:
+    """Refuse, before tokenizing it, a prompt that has more tokens than the context whatever its text:
+    tokens >= UTF-8 bytes / the longest token's bytes (Tokenizer.min_token_count). A 4 MB prompt against a
+    512-token context is refused in milliseconds instead of after seconds of tokenizing."""
+    least = engine.tokenizer.min_token_count(text)
+    if least > engine.n_ctx:
+        raise FomoeError(
+            f"the prompt has at least {least} tokens ({len(text.encode('utf-8', 'surrogatepass'))} bytes, "
+            f"at most {engine.tokenizer.max_token_bytes} per token), more than the context of {engine.n_ctx}"
         )
-    assert text is not None  # the protocol requires one of the two
-    return tok.encode(text, add_special=add_special, parse_special=parse_special)
 
 
 # -- the job ---------------------------------------------------------------------------------------
 
 
 class Job:
-    def __init__(self, request: Generate, sink: Sink, params: SamplingParams):
+    def __init__(self, request: Generate, sink: Sink, params: SamplingParams,
+                 on_end: Callable[[Job], None] | None = None):  # fmt: skip
         self.request = request
         self.sink = sink
         self.params = params
+        self._on_end = on_end  # called once, when the final message (done or error) has been sent
+        self.queue_position: int | None = None  # the last position sent in a `queued` message
         self.prompt: list[int] = []  # set once prepared
         self.state = JobState.PREPARING
         self.cancel_requested = False
@@ -237,7 +252,7 @@ class Job:
         if self.request.return_tokens:
             done["tokens"] = list(self.completion)
         self.sink.send(done)
-        self.sink.finished(self.id)
+        self._ended()
         return timings
 
     def fail(self, code: str, message: str) -> None:
@@ -248,7 +263,23 @@ class Job:
         self._inference = None
         self.state = JobState.DONE
         self.sink.send({"type": "error", "id": self.id, "code": code, "message": message})
+        self._ended()
+
+    def tell_position(self, position: int) -> None:
+        """A `queued` message: `position` requests will start before this one. Sent when the job is
+        queued, then only when the position has moved materially: by a quarter of the last one sent, or
+        to any of the last four places, so a long queue does not turn into a stream of messages."""
+        last = self.queue_position
+        if last is not None and (position == last or (abs(position - last) < max(1, last // 4) and position > 3)):
+            return
+        self.queue_position = position
+        self.sink.send({"type": "queued", "id": self.id, "position": position})
+
+    def _ended(self) -> None:
         self.sink.finished(self.id)
+        if self._on_end is not None:
+            on_end, self._on_end = self._on_end, None
+            on_end(self)
 
     def _emit(self, text: str) -> None:
         if not text:

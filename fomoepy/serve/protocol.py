@@ -17,7 +17,7 @@ request carries it. Unknown keys are errors.
 
 | op | fields (default) |
 |---|---|
-| `generate` | exactly one of `prompt` (str, tokenized with special-token parsing, BOS where the GGUF asks for one) or `messages` ([{role: str, content: str}], rendered by the model's chat template with the assistant turn opened); `max_tokens` int ≥ 0 (256); `stream` bool (true); `stop` str or [str] (≤ 8 strings of 1..256 chars); `session` str 1..128 chars (none); `return_tokens` bool (false); `ignore_eos` bool (false); sampling: `temperature` (0.8, 0 = greedy), `top_k` (40), `top_p` (0.95), `min_p` (0.05), `repeat_penalty` (1.0), `repeat_last_n` (64), `seed` (int ≥ 0 or nil) |
+| `generate` | exactly one of `prompt` (str, tokenized with special-token parsing, BOS where the GGUF asks for one) or `messages` ([{role: str, content: str}], rendered by the model's chat template with the assistant turn opened); `max_tokens` int ≥ 0 (256); `stream` bool (true); `stop` str or [str] (≤ 8 strings of 1..256 chars); `session` str 1..128 chars (none); `return_tokens` bool (false); `ignore_eos` bool (false); sampling (ranges and edges in fomoepy.sampling.SamplingParams): `temperature` (0.8; finite ≥ 0, below 1e-6 greedy), `top_k` (40), `top_p` (0.95; (0, 1]), `min_p` (0.05; [0, 1]), `repeat_penalty` (1.0; [1e-6, 1e6]), `repeat_last_n` (64), `seed` (int ≥ 0 or nil) |
 | `cancel` | `target`: the id of an unfinished `generate` of this connection |
 | `tokenize` | `text` (str) or `messages` (as above); `add_special` bool (true); `parse_special` bool (true) |
 | `stats` | — |
@@ -27,17 +27,20 @@ Replies (daemon → client), each a map with `type` and `id`:
 
 | type | fields | in answer to |
 |---|---|---|
+| `queued` | `position`: how many requests will start before this one (clients take turns, one request each); sent when it is queued and when the position moves by a quarter, or within the last four places | `generate`, zero or more, before its first `delta` |
 | `delta` | `text`: the next piece of text (complete UTF-8 characters only) | `generate` with `stream` on, zero or more |
 | `done` | `finish_reason` (`eog` end-of-generation token, `length` max_tokens or context full, `stop` a stop string, `cancelled`); `usage` {`prompt_tokens`, `completion_tokens`, `cached_tokens`}; `timings` {`queued_s`, `prefill_s`, `decode_s`, `decode_tok_per_s`}; `text` (stream off); `tokens` (return_tokens) | `generate`, last (or an `error`) |
 | `tokens` | `tokens` [int], `count` | `tokenize` |
-| `stats` | `stats` map: `uptime_s`, `model`, `n_ctx`, `queue_length`, `running`, `paused`, `connections`, `sessions`, `requests`, `prompt_tokens`, `completion_tokens`, `prefill_tok_per_s`, `decode_tok_per_s`, `engine` (the engine's own statistics: tiers, hit rates; nil until it has them) | `stats` |
+| `stats` | `stats` map: `uptime_s`, `model`, `n_ctx`, `queue_length`, `running`, `paused`, `connections`, `sessions`, `requests`, `prompt_tokens`, `completion_tokens`, `prefill_tok_per_s`, `decode_tok_per_s`, `engine` (the engine's own statistics: tiers, hit rates; nil until it has them), `engine_stats_age_s` (answered without waiting for the engine: while a step runs, the copy taken after the previous one) | `stats` |
 | `pong` | — | `ping` |
 | `ok` | `cancelled` bool (false: the target had already finished) | `cancel` |
 | `error` | `code`, `message` (one line naming the problem); `id` nil when the frame had no usable id | anything |
 
 Error codes: `bad_frame` (not a msgpack map), `frame_too_large` (then closed), `bad_request` (a field is
-missing, unknown, of the wrong type or out of range; an unknown op; a prompt longer than the context),
-`busy` (too many unfinished requests), `shutting_down`, `internal` (a bug: logged by the daemon).
+missing, unknown, of the wrong type or out of range; an unknown op; a prompt longer than the context,
+refused before tokenizing when its byte count already rules it out), `busy` (too many unfinished requests
+on the connection, or `max_queue` unfinished generations, or as many unfinished tokenize/stats requests,
+daemon-wide), `shutting_down`, `internal` (a bug: logged by the daemon).
 
 Closing the connection (or half-closing it) cancels its unfinished generations. A client that does not
 read its replies has its generation paused, not the engine (see fomoepy.serve.worker).
@@ -57,6 +60,9 @@ import msgpack
 from fomoepy.errors import FomoeError
 
 HEADER = struct.Struct(">I")
+# messages that report progress on a request; any other type is its final reply
+PROGRESS = frozenset({"queued", "delta"})
+
 DEFAULT_MAX_FRAME = 4 << 20  # what the daemon accepts by default: a 256k-token prompt is ~1 MiB of text
 CLIENT_MAX_FRAME = 256 << 20  # what a client accepts: a non-streamed answer or a token list can be long
 

@@ -1,14 +1,21 @@
-"""The inference worker: one thread owns the engine; generation jobs run one at a time, first come first served.
+"""The inference worker: one thread owns the engine; generation jobs take turns, round-robin across clients.
 
 Scheduling lives on the event loop (plain deques, no locks); the inference thread only runs one engine
-step at a time (`Job.step`: the prefill with the first token, then one token). Between steps the loop
-checks the running job:
+step at a time (`Job.step`: the prefill with the first token, then one token). Turns: each client
+(sink) has its own first-come-first-served queue, and the clients take turns, one request each, so one
+connection's pipeline of long requests delays another client's request by at most the one running
+when it arrived. Every queued job is told its place (`queued` messages) as the queue moves.
+
+Between steps the loop checks the running job:
 
 - cancelled (a `cancel` request, a client that went away, shutdown): it ends with `done`/`cancelled`;
 - its client is not reading (the connection's write buffer is over its limit): the job is *paused*:
   set aside with its state, and the engine moves on to the next job. When the client has drained its
-  buffer the job goes back to the end of the queue; a job paused longer than `pause_timeout` is
-  cancelled. So a slow reader never blocks the engine, and its buffer grows by at most one frame.
+  buffer the job goes back to the end of its client's queue; a job paused longer than `pause_timeout`
+  is cancelled. So a slow reader never blocks the engine, and its buffer grows by at most one frame.
+
+The engine's statistics are read on the loop thread, never queued behind engine work: directly while no
+step is in flight, else the copy taken after the last step (refreshed at most every SNAPSHOT_EVERY s).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,6 +45,47 @@ class Totals:
     decode_s: float = 0.0
 
 
+SNAPSHOT_EVERY = 0.25  # seconds between copies of the engine's statistics while it runs
+
+
+class FairQueue:
+    """Ready jobs: one FIFO per sink, the sinks served round-robin (the one served goes to the back)."""
+
+    def __init__(self) -> None:
+        self._queues: OrderedDict[Sink, deque[Job]] = OrderedDict()
+
+    def push(self, job: Job) -> None:
+        self._queues.setdefault(job.sink, deque()).append(job)
+
+    def pop(self) -> Job:
+        sink, queue = next(iter(self._queues.items()))
+        job = queue.popleft()
+        del self._queues[sink]
+        if queue:
+            self._queues[sink] = queue  # its next request waits for every other client's turn
+        return job
+
+    def remove(self, job: Job) -> None:
+        queue = self._queues[job.sink]
+        queue.remove(job)
+        if not queue:
+            del self._queues[job.sink]
+
+    def order(self) -> list[Job]:
+        """Every job, in the order they would start if nothing else arrived."""
+        queues = list(self._queues.values())
+        out: list[Job] = []
+        for depth in range(max((len(q) for q in queues), default=0)):
+            out.extend(q[depth] for q in queues if len(q) > depth)
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self.order())
+
+
 class InferenceWorker:
     def __init__(self, engine, *, max_sessions: int = 8, pause_timeout: float = 60.0):
         self.engine = engine
@@ -45,7 +94,10 @@ class InferenceWorker:
         self.totals = Totals()
         self.running: Job | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fomoe-engine")
-        self._ready: deque[Job] = deque()
+        self._ready = FairQueue()
+        self._stepping = False  # an engine step is in flight on the inference thread
+        self._snapshot: Any = None
+        self._snapshot_t = 0.0
         self._paused: dict[Job, asyncio.TimerHandle] = {}
         self._wake = asyncio.Event()
         self._stopping = False
@@ -73,8 +125,9 @@ class InferenceWorker:
 
     def submit(self, job: Job) -> None:
         job.state = JobState.QUEUED
-        self._ready.append(job)
+        self._ready.push(job)
         self.totals.requests += 1
+        self._tell_positions()
         self._wake.set()
 
     def cancel(self, job: Job) -> bool:
@@ -89,6 +142,7 @@ class InferenceWorker:
         else:
             self._ready.remove(job)
             job.finish("cancelled", self.sessions)
+            self._tell_positions()
         return True
 
     def resume(self, sink: Sink) -> None:
@@ -96,7 +150,8 @@ class InferenceWorker:
         for job in [j for j in self._paused if j.sink is sink]:
             self._paused.pop(job).cancel()
             job.state = JobState.QUEUED
-            self._ready.append(job)
+            self._ready.push(job)
+        self._tell_positions()
         self._wake.set()
 
     async def stop(self) -> None:
@@ -115,14 +170,20 @@ class InferenceWorker:
         self._thread.shutdown(wait=True)
         self.sessions.clear()
 
-    async def engine_stats(self) -> Any:
-        """The engine's own statistics (tiers, hit rates) as plain data, read on the inference thread."""
+    def engine_stats(self) -> tuple[Any, float]:
+        """(the engine's statistics as plain data, their age in seconds), without waiting for the engine."""
+        if not self._stepping or self._snapshot_t == 0.0:
+            self._take_snapshot()
+        return self._snapshot, time.monotonic() - self._snapshot_t
+
+    def _take_snapshot(self) -> None:
         stats = getattr(self.engine, "stats", None)
-        if stats is None:
-            return None
-        loop = asyncio.get_running_loop()
-        value = await loop.run_in_executor(self._thread, lambda: stats() if callable(stats) else stats)
-        return plain(value)
+        self._snapshot = plain(stats() if callable(stats) else stats)
+        self._snapshot_t = time.monotonic()
+
+    def _tell_positions(self) -> None:
+        for position, job in enumerate(self._ready.order()):
+            job.tell_position(position)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -133,8 +194,9 @@ class InferenceWorker:
                     return
                 self._wake.clear()
                 await self._wake.wait()
-            job = self._ready.popleft()
+            job = self._ready.pop()
             self.running = job
+            self._tell_positions()
             try:
                 await self._drive(job)
             finally:
@@ -166,7 +228,13 @@ class InferenceWorker:
                 return None
             prefill = job.t_first is None
             t0 = time.perf_counter()
-            token = await loop.run_in_executor(self._thread, job.step)
+            self._stepping = True
+            try:
+                token = await loop.run_in_executor(self._thread, job.step)
+            finally:
+                self._stepping = False
+            if time.monotonic() - self._snapshot_t >= SNAPSHOT_EVERY:
+                self._take_snapshot()
             self._account(job, prefill, time.perf_counter() - t0, token is not None)
             if token is None:
                 return "length"  # max_tokens reached or the context is full
