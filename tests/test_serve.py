@@ -30,7 +30,7 @@ from fomoepy.serve.protocol import FrameDecoder, encode_frame
 from fomoepy.serve.thread import DaemonThread
 
 MODEL = "qwen3moe_q4_k_m"
-REPLY_TYPES = {"delta", "done", "tokens", "stats", "pong", "ok", "error"}
+REPLY_TYPES = {"queued", "delta", "done", "tokens", "stats", "pong", "ok", "error"}
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
-from collections import OrderedDict, deque
+import weakref
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -49,34 +51,53 @@ SNAPSHOT_EVERY = 0.25  # seconds between copies of the engine's statistics while
 
 
 class FairQueue:
-    """Ready jobs: one FIFO per sink, the sinks served round-robin (the one served goes to the back)."""
+    """Ready jobs: one FIFO per sink; the next job is the head of the sink served longest ago (a sink
+    never served first; ties by arrival). So clients take turns one request each: a connection that
+    pipelines many requests and one that sends one at a time alternate, and a newcomer goes next.
+    """
 
     def __init__(self) -> None:
-        self._queues: OrderedDict[Sink, deque[Job]] = OrderedDict()
+        self._queues: dict[Sink, deque[tuple[int, Job]]] = {}
+        self._last_turn: weakref.WeakKeyDictionary[Sink, int] = weakref.WeakKeyDictionary()
+        self._arrivals = itertools.count()
+        self._turn = 0  # turns given so far
 
     def push(self, job: Job) -> None:
-        self._queues.setdefault(job.sink, deque()).append(job)
+        self._queues.setdefault(job.sink, deque()).append((next(self._arrivals), job))
 
     def pop(self) -> Job:
-        sink, queue = next(iter(self._queues.items()))
-        job = queue.popleft()
-        del self._queues[sink]
-        if queue:
-            self._queues[sink] = queue  # its next request waits for every other client's turn
+        sink = self._next(self._queues, self._last_turn)
+        queue = self._queues[sink]
+        _, job = queue.popleft()
+        if not queue:
+            del self._queues[sink]
+        self._last_turn[sink] = self._turn
+        self._turn += 1
         return job
 
     def remove(self, job: Job) -> None:
         queue = self._queues[job.sink]
-        queue.remove(job)
+        queue.remove(next(item for item in queue if item[1] is job))
         if not queue:
             del self._queues[job.sink]
 
+    @staticmethod
+    def _next(queues: dict[Sink, deque[tuple[int, Job]]], last_turn: Any) -> Sink:
+        return min(queues, key=lambda s: (last_turn.get(s, -1), queues[s][0][0]))
+
     def order(self) -> list[Job]:
         """Every job, in the order they would start if nothing else arrived."""
-        queues = list(self._queues.values())
+        queues = {s: deque(q) for s, q in self._queues.items()}
+        last = dict(self._last_turn.items())
         out: list[Job] = []
-        for depth in range(max((len(q) for q in queues), default=0)):
-            out.extend(q[depth] for q in queues if len(q) > depth)
+        turn = self._turn
+        while queues:
+            sink = self._next(queues, last)
+            out.append(queues[sink].popleft()[1])
+            if not queues[sink]:
+                del queues[sink]
+            last[sink] = turn
+            turn += 1
         return out
 
     def __len__(self) -> int:
