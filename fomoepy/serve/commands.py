@@ -21,7 +21,8 @@ def register(sub) -> None:
     p.add_argument("--socket-group", help="make the socket 0660 and owned by this group (default: 0600, owner only)")
     p.add_argument("--max-frame-bytes", type=int, default=d.max_frame, help=f"largest request frame (default {d.max_frame})")
     p.add_argument("--max-sessions", type=int, default=d.max_sessions, help=f"chat sessions whose cache is kept, LRU (default {d.max_sessions})")  # fmt: skip
-    p.add_argument("--max-queue", type=int, default=d.max_queue, help=f"generation requests waiting, all clients (default {d.max_queue})")  # fmt: skip
+    p.add_argument("--max-queue", type=int, default=d.max_queue, help=f"unfinished generation requests, all clients (default {d.max_queue}; as many tokenize/stats, counted apart)")  # fmt: skip
+    p.add_argument("--max-pending", type=int, default=d.max_pending, help=f"unfinished requests per connection (default {d.max_pending})")  # fmt: skip
     p.add_argument("--pause-timeout", type=float, default=d.pause_timeout,
                    help=f"seconds a generation paused by a client that does not read waits before it is cancelled (default {d.pause_timeout:g})")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -73,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_frame=args.max_frame_bytes,
         max_sessions=args.max_sessions,
         max_queue=args.max_queue,
+        max_pending=args.max_pending,
         pause_timeout=args.pause_timeout,
     )
     path = args.socket or default_socket_path()

@@ -13,7 +13,7 @@ class DaemonConfig:
     max_frame: int = DEFAULT_MAX_FRAME  # bytes of one request frame
     max_sessions: int = 8  # chat sessions whose state is kept (LRU)
     max_pending: int = 16  # unfinished requests per connection
-    max_queue: int = 256  # generation requests waiting for the engine, all clients together
+    max_queue: int = 256  # unfinished generation requests, all clients together (and as many tokenize/stats)
     write_buffer: int = 64 << 10  # bytes a client may leave unread before its generation pauses
     pause_timeout: float = 60.0  # seconds a paused generation waits for its client before it is cancelled
     drain_timeout: float = 5.0  # seconds shutdown waits for clients to take their last messages
