@@ -54,6 +54,17 @@ def test_no_daemon_is_one_error_line_and_exit_1(capsys):
         Client("/tmp/fomoe-no-such-dir/x.sock")
 
 
+def test_stats_as_lines_and_as_json(served, capsys):
+    import json
+
+    assert cli.main(["chat", "--socket", served.path, "--stats"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("speed: prefill") and lines[1].startswith("queue: ") and len(lines) <= 8
+    assert cli.main(["chat", "--socket", served.path, "--stats", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["n_ctx"] > 0 and "cache" in stats["engine"] and stats["engine_lines"] == lines[2:]
+
+
 def test_interactive_keeps_history_in_one_session_and_handles_commands(served, capsys, monkeypatch):
     lines = iter(["Hi", "/stats", "tell me \\", "more", "/reset", '"""', "block", '"""', "/quit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
@@ -71,7 +82,9 @@ def test_interactive_keeps_history_in_one_session_and_handles_commands(served, c
     monkeypatch.setattr(Client, "stream", spy)
     assert cli.main(["chat", "--socket", served.path, "-n", "3", "--temp", "0"]) == 0
     out = capsys.readouterr().out
-    assert "queue_length" in out and "(conversation reset)" in out
+    # /stats: readable lines (speed, queue, the engine's tier line), not a dump of the dict
+    assert "speed: prefill" in out and "queue: 0 waiting" in out and "experts:" in out and "queue_length" not in out
+    assert "(conversation reset)" in out
     assert [m["content"] for m in sent[0]["messages"]] == ["Hi"]
     assert [m["content"] for m in sent[1]["messages"]][::2] == ["Hi", "tell me \nmore"]
     assert sent[1]["messages"][1]["role"] == "assistant"

@@ -9,6 +9,7 @@ written (what was written stays in the history) or clears the input; /quit or Ct
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import uuid
@@ -16,9 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fomoepy.serve.client import Client, ServerError
+from fomoepy.serve.summary import summary_lines
 
 HELP = """commands:
-  /stats   the daemon's statistics
+  /stats   the daemon's statistics: speed, queue, expert tiers, CAR, prefetch
   /reset   forget the conversation (a new session)
   /quit    leave (also Ctrl-D)
   /help    this text
@@ -88,6 +90,10 @@ def write(text: str) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     with Client(args.socket) as client:
+        if args.stats:
+            stats = client.stats()
+            print(json.dumps(stats, indent=1, sort_keys=True) if args.json else "\n".join(summary_lines(stats)))
+            return 0
         if args.prompt is not None:
             return one_shot(client, args)
         return interactive(client, args)
@@ -164,8 +170,8 @@ def interactive(client: Client, args: argparse.Namespace) -> int:
             print("(conversation reset)")
             continue
         if command == "/stats":
-            for key, value in client.stats().items():
-                print(f"  {key:18s} {value}")
+            for line in summary_lines(client.stats()):
+                print(f"  {line}")
             continue
         if not command:
             continue

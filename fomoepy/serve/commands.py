@@ -41,6 +41,8 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--repeat-penalty", type=float, default=None)
+    p.add_argument("--stats", action="store_true", help="print the daemon's statistics and exit")
+    p.add_argument("--json", action="store_true", help="with --stats: the whole statistics as JSON, for scripts")
     p.set_defaults(handler=cmd_chat)
 
     from fomoepy.serve.demo import add_demo_command

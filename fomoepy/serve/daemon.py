@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -153,6 +154,7 @@ class Daemon:
         # apart from it the cheap requests (tokenize, stats) that are still being answered
         self.generations: set[Job] = set()
         self.cheap_pending = 0
+        self.outcomes: Counter[str] = Counter()  # how generations ended: done reasons, error codes
         # the allow-list: request type → handler; nothing a client sends names code
         self.handlers: dict[type, Callable[[Connection, Any], None]] = {
             Generate: self.on_generate,
@@ -250,10 +252,14 @@ class Daemon:
         except FomoeError as e:
             conn.send(error_reply(req.id, "bad_request", f"generate: {e}"))
             return
-        job = Job(req, conn, params, on_end=self.generations.discard)
+        job = Job(req, conn, params, on_end=self._generation_ended)
         self.generations.add(job)
         conn.pending[req.id] = job
         self._spawn(self._prepare(conn, job))
+
+    def _generation_ended(self, job: Job) -> None:
+        self.generations.discard(job)
+        self.outcomes[job.outcome or "unknown"] += 1
 
     def _refusal(self, conn: Connection, in_flight: int, what: str) -> tuple[str, str] | None:
         if self.stopping:
@@ -335,10 +341,11 @@ class Daemon:
         self._cheap(conn, req, self._stats)
 
     async def _stats(self, conn: Connection, req: Stats) -> None:
-        engine_stats, age = self.worker.engine_stats()  # never waits for an engine step
-        conn.send({"type": "stats", "id": req.id, "stats": self.stats(engine_stats, age)})
+        conn.send({"type": "stats", "id": req.id, "stats": self.stats()})
 
-    def stats(self, engine_stats: Any = None, engine_stats_age: float = 0.0) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
+        """The daemon's and the engine's statistics, never waiting for an engine step."""
+        engine_stats, engine_lines, age = self.worker.engine_stats()
         t = self.worker.totals
         return {
             "uptime_s": round(time.monotonic() - self.state.started, 3),
@@ -355,5 +362,7 @@ class Daemon:
             "prefill_tok_per_s": round(t.prompt_tokens / t.prefill_s, 3) if t.prefill_s > 0 else 0.0,
             "decode_tok_per_s": round(t.decode_tokens / t.decode_s, 3) if t.decode_s > 0 else 0.0,
             "engine": engine_stats,
-            "engine_stats_age_s": round(engine_stats_age, 3),
+            "engine_lines": engine_lines,
+            "engine_stats_age_s": round(age, 3),
+            "outcomes": dict(self.outcomes),
         }

@@ -154,6 +154,7 @@ class Job:
         self.params = params
         self._on_end = on_end  # called once, when the final message (done or error) has been sent
         self.queue_position: int | None = None  # the last position sent in a `queued` message
+        self.outcome: str | None = None  # the finish reason, or the error code
         self.prompt: list[int] = []  # set once prepared
         self.state = JobState.PREPARING
         self.cancel_requested = False
@@ -216,6 +217,7 @@ class Job:
 
     def finish(self, reason: str, sessions: Sessions | None) -> dict[str, Any]:
         """Send the final message; return the state to the session (None: drop it). Returns timings."""
+        self.outcome = reason
         if self._gen is not None:
             self._gen.close()  # suspended between steps, so this runs no engine code
             self._gen = None
@@ -257,6 +259,7 @@ class Job:
 
     def fail(self, code: str, message: str) -> None:
         """End with an error reply instead of `done`; the state, possibly half-updated, is dropped."""
+        self.outcome = code
         if self._gen is not None:
             self._gen.close()
             self._gen = None

@@ -191,15 +191,18 @@ class InferenceWorker:
         self._thread.shutdown(wait=True)
         self.sessions.clear()
 
-    def engine_stats(self) -> tuple[Any, float]:
-        """(the engine's statistics as plain data, their age in seconds), without waiting for the engine."""
+    def engine_stats(self) -> tuple[Any, list[str], float]:
+        """(the engine's statistics as plain data, its summary lines, their age in seconds), without
+        waiting for the engine."""
         if not self._stepping or self._snapshot_t == 0.0:
             self._take_snapshot()
-        return self._snapshot, time.monotonic() - self._snapshot_t
+        stats, lines = self._snapshot
+        return stats, lines, time.monotonic() - self._snapshot_t
 
     def _take_snapshot(self) -> None:
         stats = getattr(self.engine, "stats", None)
-        self._snapshot = plain(stats() if callable(stats) else stats)
+        lines = getattr(self.engine, "stats_lines", None)
+        self._snapshot = (plain(stats() if callable(stats) else stats), [str(x) for x in lines()] if callable(lines) else [])
         self._snapshot_t = time.monotonic()
 
     def _tell_positions(self) -> None:
