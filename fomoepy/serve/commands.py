@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from fomoepy.errors import FomoeError
 from fomoepy.options import add_engine_options, open_engine, resolve_model
 
 
@@ -25,6 +26,11 @@ def register(sub) -> None:
     p.add_argument("--max-pending", type=int, default=d.max_pending, help=f"unfinished requests per connection (default {d.max_pending})")  # fmt: skip
     p.add_argument("--pause-timeout", type=float, default=d.pause_timeout,
                    help=f"seconds a generation paused by a client that does not read waits before it is cancelled (default {d.pause_timeout:g})")  # fmt: skip
+    p.add_argument("--http", metavar="[HOST:]PORT", help="also serve the OpenAI-compatible HTTP API (HOST default 127.0.0.1; off by default)")
+    p.add_argument("--api-key", default=os.environ.get("FOMOE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $FOMOE_API_KEY)")  # fmt: skip
+    p.add_argument("--http-allow-unauthenticated", action="store_true",
+                   help="serve HTTP on a non-loopback address without an API key (refused otherwise)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_options(p)
     p.set_defaults(handler=cmd_serve)
@@ -48,6 +54,15 @@ def register(sub) -> None:
     from fomoepy.serve.demo import add_demo_command
 
     add_demo_command(sub)
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """"8080" → ("127.0.0.1", 8080); "0.0.0.0:8080"; "[::1]:8080"."""
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]") if sep else "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535 or (sep and not host):
+        raise FomoeError(f"--http: expected [HOST:]PORT, got {value!r}")
+    return host, int(port)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -79,6 +94,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pending=args.max_pending,
         pause_timeout=args.pause_timeout,
     )
+    http = parse_host_port(args.http) if args.http else None
+    if http is not None:
+        from fomoepy.serve.http import check_exposure
+
+        check_exposure(http[0], args.api_key, args.http_allow_unauthenticated)  # before a long model load
     path = args.socket or default_socket_path()
     inherited = inherited_socket()
     if inherited is None:
@@ -95,8 +115,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os._exit(1)  # the inference thread may be inside a long step; do not wait for it
 
     daemon = Daemon(engine, config)
+    fronts = []
+    if http is not None:
+        from fomoepy.serve.http import HttpFront
+
+        fronts.append(HttpFront(daemon, *http, api_key=args.api_key, allow_unauthenticated=args.http_allow_unauthenticated))
     try:
-        uvloop.run(daemon.serve(listener, on_force_exit=force_exit))
+        uvloop.run(daemon.serve(listener, on_force_exit=force_exit, fronts=fronts))
     finally:
         listener.remove_file()
         listener.sock.close()

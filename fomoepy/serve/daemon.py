@@ -14,7 +14,7 @@ import logging
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +155,7 @@ class Daemon:
         self.generations: set[Job] = set()
         self.cheap_pending = 0
         self.outcomes: Counter[str] = Counter()  # how generations ended: done reasons, error codes
+        self.fronts: list[Any] = []
         # the allow-list: request type → handler; nothing a client sends names code
         self.handlers: dict[type, Callable[[Connection, Any], None]] = {
             Generate: self.on_generate,
@@ -167,11 +168,12 @@ class Daemon:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def serve(self, listener: Listener, *, on_force_exit: Callable[[], None] | None = None,
-                    on_ready: Callable[[], None] | None = None) -> None:  # fmt: skip
+                    on_ready: Callable[[], None] | None = None, fronts: Sequence[Any] = ()) -> None:  # fmt: skip
         """Serve until `should_exit` (set by `handle_exit` or a caller), then shut down gracefully.
 
         With `on_force_exit`, SIGTERM/SIGINT are handled (main thread only): the first is graceful, the
-        second calls on_force_exit. `on_ready` is called once connections are accepted.
+        second calls on_force_exit. `on_ready` is called once connections are accepted. `fronts` are more
+        listeners on the same daemon (the HTTP front): started with it, stopped after its generations end.
         """
         loop = self.loop = asyncio.get_running_loop()
         self._on_force_exit = on_force_exit
@@ -180,6 +182,9 @@ class Daemon:
                 loop.add_signal_handler(sig, self.handle_exit, sig)
         self.worker.start()
         server = await loop.create_unix_server(lambda: Connection(self), sock=listener.sock)
+        self.fronts = list(fronts)
+        for front in self.fronts:
+            await front.start()
         log.info("ready: listening on %s (context %d tokens)", listener.description, self.engine.n_ctx)
         notify("READY=1", f"STATUS=ready: listening on {listener.description}")
         if on_ready is not None:
@@ -214,6 +219,8 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self.state.tasks, return_exceptions=True)
         await self.worker.stop()  # every generation ends with its final message
+        for front in self.fronts:
+            await front.stop()  # its open streams write that last message first
         for conn in list(self.state.connections):
             conn.close()
         deadline = time.monotonic() + self.config.drain_timeout
@@ -245,6 +252,7 @@ class Daemon:
     def on_generate(self, conn: Connection, req: Generate) -> None:
         refusal = self._refusal(conn, len(self.generations), "generation requests")
         if refusal is not None:
+            self.outcomes[f"refused_{refusal[0]}"] += 1
             conn.send(error_reply(req.id, *refusal))
             return
         try:

@@ -19,10 +19,17 @@ from fomoepy.serve.listen import bind_unix
 
 
 class DaemonThread:
-    def __init__(self, engine, path: str, config: DaemonConfig | None = None, group: str | None = None):
+    def __init__(self, engine, path: str, config: DaemonConfig | None = None, group: str | None = None, *,
+                 http: tuple[str, int] | None = None, api_key: str | None = None):  # fmt: skip
+        """http: (host, port) of an HTTP front too (port 0: any free one; `http_url` says which)."""
         self.path = path
         self.listener = bind_unix(path, group)
         self.daemon = Daemon(engine, config)
+        self.http = None
+        if http is not None:
+            from fomoepy.serve.http import HttpFront
+
+            self.http = HttpFront(self.daemon, *http, api_key=api_key)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="fomoe-daemon", daemon=True)
@@ -51,6 +58,11 @@ class DaemonThread:
         return asyncio.run_coroutine_threadsafe(run(), self.daemon.loop).result(timeout)
 
     @property
+    def http_url(self) -> str:
+        assert self.http is not None
+        return self.http.description
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -71,4 +83,4 @@ class DaemonThread:
             self.listener.sock.close()
 
     async def _serve(self) -> None:
-        await self.daemon.serve(self.listener, on_ready=self._ready.set)
+        await self.daemon.serve(self.listener, on_ready=self._ready.set, fronts=[self.http] if self.http else [])
