@@ -50,7 +50,8 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 HIGH_WATER, LOW_WATER = 256, 64  # messages queued for one HTTP client before its generation pauses
 STATUS = {"bad_request": 400, "busy": 429, "shutting_down": 503}
 FINISH = {"eog": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
-SAMPLING = ("temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty", "repeat_last_n")
+# passed through to the socket protocol: OpenAI's sampling fields, and llama-server's extensions
+PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos")
 
 
 class ApiError(Exception):
@@ -150,7 +151,7 @@ def generate_request(body: Any, *, chat: bool, n_ctx: int) -> tuple[dict[str, An
         request["prompt"] = prompt
     if body.get("stop") is not None:
         request["stop"] = body["stop"]
-    for key in SAMPLING:
+    for key in PASSED:
         if body.get(key) is not None:
             request[key] = body[key]
     try:

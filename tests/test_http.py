@@ -1,0 +1,298 @@
+"""The OpenAI-compatible HTTP front, driven by the official `openai` client against a live daemon on
+loopback, and compared with what the engine itself generates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from conftest import ORACLE
+from prometheus_client.parser import text_string_to_metric_families
+
+from fomoepy.engine import Engine
+from fomoepy.errors import FomoeError
+from fomoepy.sampling import SamplingParams
+from fomoepy.serve.commands import parse_host_port
+from fomoepy.serve.http import check_exposure
+from fomoepy.serve.jobs import prompt_text
+from fomoepy.serve.thread import DaemonThread
+
+MODEL = "qwen3moe_q4_k_m"
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def ref() -> Engine:
+    return Engine(ORACLE / f"{MODEL}.gguf")
+
+
+@pytest.fixture(scope="module")
+def served():
+    d = tempfile.mkdtemp(dir="/tmp", prefix="fomoe-h-")
+    with DaemonThread(Engine(ORACLE / f"{MODEL}.gguf"), f"{d}/d.sock", http=("127.0.0.1", 0), api_key=KEY) as t:
+        yield t
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.http_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def expected_text(ref: Engine, n: int, prompt: str | None = None, messages=None) -> str:
+    ids = ref.tokenizer.encode(prompt_text(ref, prompt, messages))
+    tokens = list(ref.generate(ids, n, SamplingParams.greedy()))
+    if tokens and tokens[-1] in ref.tokenizer.eog_ids:
+        tokens = tokens[:-1]
+    return ref.tokenizer.decode(tokens)
+
+
+def post(url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def chat(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"fox {i}"}]
+
+
+# -- routes -----------------------------------------------------------------------------------------
+
+
+def test_models_and_health(served, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [f"{MODEL}.gguf"]
+    with urllib.request.urlopen(served.http_url + "/health") as r:  # no key needed
+        assert json.loads(r.read()) == {"status": "ok"}
+
+
+def test_chat_completion_plain_and_streamed_give_the_engines_text(client, ref):
+    want = expected_text(ref, 12, messages=chat(1))
+    whole = client.chat.completions.create(model="m", messages=chat(1), max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == want and whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens <= 12 and whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="m", messages=chat(1), max_tokens=12, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_text_completion(client, ref):
+    r = client.completions.create(model="m", prompt="fox 7", max_tokens=6, temperature=0)
+    assert r.choices[0].text == expected_text(ref, 6, prompt="fox 7")
+    assert r.object == "text_completion" and r.usage.completion_tokens <= 6
+
+
+@pytest.mark.parametrize("n", [8, 32])
+def test_concurrent_greedy_streams_each_give_the_engines_text(served, ref, n):
+    async def one(c: openai.AsyncOpenAI, i: int) -> str:
+        stream = await c.chat.completions.create(model="m", messages=chat(i), max_tokens=6, temperature=0, stream=True)
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=served.http_url + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(n)))
+
+    assert asyncio.run(run()) == [expected_text(ref, 6, messages=chat(i)) for i in range(n)]
+
+
+def test_a_wrong_or_missing_key_gets_401(served):
+    bad = openai.OpenAI(base_url=served.http_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    status, body = post(served.http_url + "/v1/completions", b'{"prompt": "x"}', key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b'{"messages": [{"role": "user", "content": "hi"}', "not valid JSON"),
+        (json.dumps({"messages": chat(0), "temperature": "hot"}).encode(), "temperature"),
+        (json.dumps({"messages": chat(0), "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({"messages": "hi"}).encode(), "messages"),
+        (json.dumps({"messages": chat(0), "n": 2}).encode(), "n = 1"),
+        (json.dumps({"messages": [{"role": "user", "content": "fox " * 3000}]}).encode(), "context"),
+    ],
+)
+def test_bad_input_gets_400_and_the_server_goes_on(served, client, body, says):
+    status, reply = post(served.http_url + "/v1/chat/completions", body)
+    assert status == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error" and says in reply["error"]["message"]
+    assert client.chat.completions.create(model="m", messages=chat(2), max_tokens=2, temperature=0).choices
+
+
+def test_metrics_parse_as_prometheus_text(served, client):
+    client.chat.completions.create(model="m", messages=chat(3), max_tokens=3, temperature=0)
+    req = urllib.request.Request(served.http_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req) as r:
+        text = r.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("fomoe_tokens_per_second", "fomoe_queue_length", "fomoe_expert_tier_hit_rate",
+                 "fomoe_car_substitution_rate", "fomoe_prefetch_accuracy", "fomoe_requests"):  # fmt: skip
+        assert name in families, name
+    tiers = {s.labels["tier"]: s.value for s in families["fomoe_expert_tier_hit_rate"].samples}
+    stats = served.call(served.daemon.stats)
+    assert tiers["device"] == pytest.approx(stats["engine"]["cache"]["device"]["hit_rate"])
+    done = {s.labels["outcome"]: s.value for s in families["fomoe_requests"].samples if s.name == "fomoe_requests_total"}
+    assert sum(done.values()) >= 1
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_generation(served):
+    before = served.call(lambda: served.daemon.outcomes["cancelled"])
+    host, port = served.http.host, served.http.port
+    body = json.dumps({"messages": chat(4), "max_tokens": 400, "stream": True}).encode()
+    s = socket.create_connection((host, port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(4096)
+    s.close()
+    deadline = time.monotonic() + 20
+    while served.call(lambda: served.daemon.outcomes["cancelled"]) == before:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.05)
+    stats = served.call(served.daemon.stats)
+    assert stats["running"] == 0 and stats["completion_tokens"] < 10_000
+
+
+def test_bounded_load_every_request_completes_or_is_cancelled_by_its_client(served):
+    # 8 clients for 3 s: streams read to the end, or dropped by the client after a few chunks
+    async def worker(c: openai.AsyncOpenAI, k: int, until: float, tally: dict) -> None:
+        i = 0
+        while time.monotonic() < until:
+            i += 1
+            stream = await c.chat.completions.create(model="m", messages=chat(k * 100 + i), max_tokens=12,
+                                                     temperature=0.7, stream=True)  # fmt: skip
+            if (k + i) % 3 == 0:
+                async for _ in stream:
+                    break
+                await stream.close()
+                tally["cancelled"] += 1
+            else:
+                chunks = [ch async for ch in stream]
+                assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+                tally["completed"] += 1
+
+    async def run() -> dict:
+        tally = {"completed": 0, "cancelled": 0}
+        until = time.monotonic() + 3.0
+        async with openai.AsyncOpenAI(base_url=served.http_url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+            await asyncio.gather(*(worker(c, k, until, tally) for k in range(8)))
+        return tally
+
+    tally = asyncio.run(run())
+    assert tally["completed"] > 0 and tally["cancelled"] > 0
+    deadline = time.monotonic() + 20
+    while served.call(lambda: (len(served.daemon.generations), served.daemon.worker.queue_length)) != (0, 0):
+        assert time.monotonic() < deadline, "requests left behind"
+        time.sleep(0.05)
+
+
+# -- the CLI -------------------------------------------------------------------------------------
+
+
+def test_host_port_and_exposure_rules():
+    assert parse_host_port("8080") == ("127.0.0.1", 8080)
+    assert parse_host_port("0.0.0.0:80") == ("0.0.0.0", 80)
+    assert parse_host_port("[::1]:9000") == ("::1", 9000)
+    for bad in ("x", ":80", "1.2.3.4:99999"):
+        with pytest.raises(FomoeError):
+            parse_host_port(bad)
+    check_exposure("127.0.0.1", None, False)
+    check_exposure("0.0.0.0", "k", False)
+    check_exposure("0.0.0.0", None, True)
+    with pytest.raises(FomoeError, match="--http-allow-unauthenticated"):
+        check_exposure("0.0.0.0", None, False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_ends_open_streams_with_a_final_chunk_exits_0_and_removes_the_socket(tmp_path):
+    d = tempfile.mkdtemp(dir="/tmp", prefix="fomoe-h-")
+    sock, port = f"{d}/d.sock", free_port()
+    env = {**os.environ, "FOMOE_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "fomoepy.cli", "serve", str(ORACLE / f"{MODEL}.gguf"), "--socket", sock,
+                             "--http", f"127.0.0.1:{port}", "--log-level", "warning"], env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        stream = c.chat.completions.create(model="m", messages=chat(5), max_tokens=2000, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        first = next(iter(stream))
+        assert first.choices[0].delta.role == "assistant"
+        proc.send_signal(signal.SIGTERM)
+        rest = list(stream)  # ends: the final chunk, then [DONE]
+        assert rest[-1].choices[0].finish_reason == "cancelled"
+        assert proc.wait(30) == 0
+        assert not os.path.exists(sock)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# -- the page ------------------------------------------------------------------------------------
+
+
+def chromium() -> tuple[str, str] | None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+@pytest.mark.skipif(chromium() is None, reason="no chromium + chromedriver (Debian: apt-get install chromium chromium-driver)")
+def test_the_page_streams_an_answer_and_its_charts_update(served):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser, driver_path = chromium()
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    try:
+        driver.get(served.http_url + "/")
+        driver.find_element(By.ID, "key").send_keys(KEY)
+        driver.find_element(By.ID, "msg").send_keys("fox fox")
+        driver.find_element(By.ID, "send").click()
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant").text.strip() != "")
+        wait.until(lambda d: "tokens" in d.find_element(By.ID, "status").text)  # the stream's usage chunk
+        wait.until(lambda d: int(d.find_element(By.ID, "speed").get_attribute("data-points") or 0) >= 1)
+        assert int(driver.find_element(By.ID, "hits").get_attribute("data-points")) >= 1
+        wait.until(lambda d: f"{MODEL}.gguf" in d.find_element(By.ID, "model").text)
+    finally:
+        driver.quit()
