@@ -78,7 +78,7 @@ class Engine:
         self.model.timer = self.timer
         self.experts.timer = self.timer
 
-    def _open_experts(self):
+    def _open_experts(self, trace: bool = True):
         o = self.options
         layers = self.source.layers
         device_unit = [device_expert_nbytes(self.ops, layer) for layer in layers]
@@ -92,7 +92,7 @@ class Engine:
             backfill=o.backfill,
             backfill_per_token=o.backfill_per_token,
             prefetch=o.prefetch,
-            trace_path=o.trace,
+            trace_path=o.trace if trace else None,
             freq_profile=o.freq_profile,
         )
         streamer = ExpertStreamer(
@@ -117,8 +117,10 @@ class Engine:
     def reset_expert_cache(self) -> None:
         """Empty every expert tier (cold-start measurements); traces and counters carry on."""
         old = self.experts
+        trace, old.streamer.trace = old.streamer.trace, None  # stays open across the reset
         self._close_experts()
-        self.experts = self._open_experts()
+        self.experts = self._open_experts(trace=False)
+        self.experts.streamer.carry_over_from(old.streamer, trace)
         self.experts.routers = old.routers
         self.experts.timer = self.timer
         self.model.experts = self.experts

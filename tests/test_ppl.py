@@ -479,14 +479,6 @@ def test_llama_perplexity_base_files_are_read(tmp_path):
 
 
 def test_kl_with_car_is_positive(capsys, tmp_path):
-    import argparse
-
-    from fomoepy.options import add_engine_options
-
-    probe = argparse.ArgumentParser()
-    add_engine_options(probe)
-    if "car_threshold" not in vars(probe.parse_args([])):
-        pytest.skip("the engine has no CAR option (--car-threshold) yet")
     base = tmp_path / "base.kl"
     model = model_path("qwen3moe_q4_k_m")
     assert run_cli(capsys, model, "-f", PPL_TXT, "--ctx", "128", "--chunks", "2", "--kl-base", str(base))[0] == 0
@@ -504,56 +496,56 @@ def test_kl_with_car_is_positive(capsys, tmp_path):
 # -- caches and stats ---------------------------------------------------------------------------------------
 
 
-class EngineWithCaches:
-    """The real engine with the optional hooks ppl uses: a counting reset_expert_cache and a plain stats()."""
-
-    def __init__(self, engine):
-        self._engine = engine
-        self.resets = 0
-
-    def __getattr__(self, name):
-        if name in ("reset_expert_cache", "stats_lines"):
-            raise AttributeError(name)  # hide the real engine's, if it has them
-        return getattr(self._engine, name)
-
-    def reset_expert_cache(self):
-        self.resets += 1
-
-    def stats(self):
-        return {"expert cache hit rate": "97.5 %", "CAR substitution rate": "0.0 %"}
-
-
-class EngineWithoutCaches:
-    """The real engine as one without expert caches: no reset_expert_cache, no stats."""
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        if name in ("reset_expert_cache", "stats_lines", "stats"):
-            raise AttributeError(name)
-        return getattr(self._engine, name)
-
-
 def ppl_run_with(engine, **kw) -> PplRun:
-    req = PplRequest(model=model_path("qwen35moe_f32"), text_file=PPL_TXT, n_ctx=128, n_batch=2048, max_chunks=3, **kw)
+    req = PplRequest(model=model_path("qwen3moe_q4_k_m"), text_file=PPL_TXT, n_ctx=128, n_batch=2048, max_chunks=3, **kw)
     run = PplRun(engine, req, out=io.StringIO(), err=io.StringIO())
     assert run.run() == 0
     return run
 
 
-def test_reset_cache_per_chunk_says_which_reset_ran():
-    engine = EngineWithCaches(open_oracle_engine("qwen35moe_f32"))
-    log = ppl_run_with(engine, reset_cache_per_chunk=True).err.getvalue()
-    assert engine.resets == 3
-    assert "KV and expert caches reset per chunk" in log
-    assert "fomoe ppl: expert cache hit rate: 97.5 %" in log and "CAR substitution rate: 0.0 %" in log
+def test_reset_cache_per_chunk_empties_the_tiers_each_chunk_and_counts_the_whole_run():
+    from fomoepy.engine import Engine, EngineOptions
 
-    engine.resets = 0
-    log = ppl_run_with(engine).err.getvalue()
-    assert engine.resets == 0 and "KV cache reset per chunk; expert caches carried over\n" in log
+    # a device tier that holds every expert of the model (3 layers x 16): carried over, chunks 2 and 3 hit
+    # it entirely; reset per chunk, every use is a miss, and the counters still cover all three chunks
+    runs = {}
+    for reset in (False, True):
+        engine = Engine(ORACLE / "qwen3moe_q4_k_m.gguf", EngineOptions(vram_cache=64 << 20))
+        run = ppl_run_with(engine, reset_cache_per_chunk=reset)
+        runs[reset] = (run, engine.stats()["cache"])
+    (warm, carried), (cold, reset) = runs[False], runs[True]
+    assert warm.out.getvalue() == cold.out.getvalue()  # CAR off: where experts come from changes nothing
+    assert "KV and expert caches reset per chunk" in cold.err.getvalue()
+    assert "KV cache reset per chunk; expert caches carried over\n" in warm.err.getvalue()
+    assert carried["accesses"] == reset["accesses"] == 3 * 3 * 16  # chunks x layers x experts (a batch uses all)
+    assert carried["device"]["misses"] == 3 * 16 and carried["device"]["hits"] == 2 * 3 * 16
+    assert reset["device"]["hits"] == 0 and reset["device"]["misses"] == 3 * 3 * 16
+    line = next(x for x in cold.err.getvalue().splitlines() if "experts:" in x)
+    assert "144 uses" in line and "device 0.0% hit" in line
 
-    log = ppl_run_with(EngineWithoutCaches(open_oracle_engine("qwen35moe_f32")), reset_cache_per_chunk=True).err.getvalue()
+
+def test_a_trace_runs_on_across_cache_resets(tmp_path):
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.experts.trace import read_trace
+
+    path = tmp_path / "run.trace"
+    engine = Engine(ORACLE / "qwen3moe_q4_k_m.gguf", EngineOptions(vram_cache=8 << 20, trace=str(path)))
+    ppl_run_with(engine, reset_cache_per_chunk=True)
+    engine.close()
+    assert read_trace(path).n_tokens == 3 * 128  # every chunk's tokens, not only the last chunk's
+
+
+def test_an_engine_without_an_expert_cache_reset_says_so():
+    class WithoutReset:  # an engine of another kind: no reset_expert_cache
+        def __init__(self, engine):
+            self._engine = engine
+
+        def __getattr__(self, name):
+            if name == "reset_expert_cache":
+                raise AttributeError(name)
+            return getattr(self._engine, name)
+
+    log = ppl_run_with(WithoutReset(open_oracle_engine("qwen3moe_q4_k_m")), reset_cache_per_chunk=True).err.getvalue()
     assert "KV cache reset per chunk; expert caches carried over (this engine has no expert-cache reset)" in log
 
 

@@ -122,6 +122,14 @@ class ExpertStreamer:
         self.backfilled = 0
 
     # -- start-up ----------------------------------------------------------------------------------
+    def carry_over_from(self, old: ExpertStreamer, trace: TraceWriter | None) -> None:
+        """Continue a closed streamer's counters and token index, and its trace (a reset empties the tiers,
+        not the record of the run)."""
+        self.cache.stats = old.cache.stats
+        self.car_stats, self.prefetch_stats, self.counter = old.car_stats, old.prefetch_stats, old.counter
+        self.tokens_seen, self.backfilled = old.tokens_seen, old.backfilled
+        self.trace = trace
+
     def seed_from_profile(self) -> list[Key]:
         """Fill the tiers with the profile's most frequent experts; returns the device tier's keys
         (the backend loads those into its own form); host keys are read here."""

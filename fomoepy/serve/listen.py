@@ -158,11 +158,3 @@ def bind_unix(path: str, group: str | None = None) -> Listener:
         raise FomoeError(f"cannot set up socket {path}: {e.strerror}") from None
     sock.setblocking(False)
     return listener
-
-
-def open_listener(path: str, group: str | None = None) -> Listener:
-    """systemd's socket when socket-activated, else our own at `path`."""
-    sock = inherited_socket()
-    if sock is not None:
-        return Listener(sock, None)
-    return bind_unix(path, group)
