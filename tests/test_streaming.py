@@ -68,18 +68,40 @@ def test_streamed_logits_equal_all_resident_bit_for_bit(model, vram, ram, policy
     expected = [ref.eval(reference_state, tokens[:half], all_logits=True)]
     expected += [ref.eval(reference_state, tokens[i : i + 1], all_logits=True) for i in range(half, len(tokens))]
     assert np.array_equal(np.concatenate(stepped), np.concatenate(expected))
-    stats = engine.stats()["cache"]
-    assert stats  # per-tier counters are reported
+    assert_conserved(engine.stats()["cache"])
     engine.close()
+
+
+def assert_conserved(s: dict) -> None:
+    """Every expert use is a hit or a miss of the first enabled tier; each miss of a tier is a hit or a
+    miss of the next enabled one; each miss of the last one is one disk read."""
+    assert s["accesses"] > 0
+    reaching = s["accesses"]
+    for tier in ("device", "host"):
+        if s[tier]["enabled"]:
+            assert s[tier]["hits"] + s[tier]["misses"] == reaching, tier
+            reaching = s[tier]["misses"]
+        else:
+            assert s[tier]["hits"] == s[tier]["misses"] == 0, tier
+    assert s["disk"]["reads"] == reaching
 
 
 def test_small_cache_misses_and_reports_hit_rates(model):
     path, store, tokens, _ = model
     dev_unit, host_unit = one_expert(path)
     engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=2 * dev_unit, ram_cache=4 * host_unit))
-    engine.logits(tokens)
-    lines = engine.stats_lines()
-    assert "device" in lines[0] and "disk" in lines[0]
+    state = engine.new_state()
+    for t in tokens[:12]:  # token by token: n_expert_used experts per MoE layer per token
+        engine.eval(state, np.array([t]))
+    s = engine.stats()["cache"]
+    n_moe = engine.spec.n_layer
+    assert s["accesses"] == 12 * n_moe * engine.spec.moe.n_expert_used
+    assert_conserved(s)
+    # 2 experts fit the device tier and 4 the host tier, of n_layer x n_expert: most uses go to the disk
+    assert s["device"]["admitted"] - s["device"]["evicted"] <= 2 and s["disk"]["reads"] > s["accesses"] // 2
+    line = engine.stats_lines()[0]  # what `fomoe generate` prints: the same figures
+    assert f"{s['accesses']} uses" in line and f"device {s['device']['hit_rate']:.1%} hit" in line
+    assert f"host {s['host']['hit_rate']:.1%} hit" in line and f"({s['disk']['reads']} reads" in line
     engine.close()
 
 
