@@ -1,11 +1,12 @@
-"""Cache policies against Belady's optimum on a routing trace recorded from a real run.
+"""Cache policies against Belady's optimum on token-by-token routing traces of the demo model.
 
-Records a trace (`--trace`) while the model generates from a few prompts, then replays it with
-`fomoe simulate` at several cache capacities, given as fractions of all routed-expert bytes (store
-form). Uses the shipped demo model when it exists (trained, so its routing is skewed the way real
-models' is), else the mid-size random bench model (near-uniform routing: a hard case for caches).
+The traces are the packed ones in profiles/traces/ (tools/record_traces.py records them, deterministic):
+`demo-project` (the demo model over this project's Python sources) is what the default policy was tuned
+on; `demo-heldout` (over the 22 standard-library files the model never trained on) is what it is scored
+on. Each is replayed with `fomoe simulate --policy all` at several capacities, given as fractions of all
+routed-expert bytes (store form).
 
-    python bench/simulate_trace.py [--model M.gguf] [--tokens 256] [--record]
+    python bench/simulate_trace.py [--trace profiles/traces/X.npz ...] [--record]
 """
 
 from __future__ import annotations
@@ -14,88 +15,59 @@ import argparse
 import contextlib
 import io
 import json
+import os
+import platform
+import shlex
 import sys
-import tempfile
 from datetime import date
 from pathlib import Path
 
-import numpy as np
-
 from fomoepy.cli import main as fomoe
-from fomoepy.engine import Engine, EngineOptions
-from fomoepy.sampling import SamplingParams
+from fomoepy.experts import trace_pack
+from fomoepy.experts.policy import DEFAULT_POLICY
 from results import record
 
-HERE = Path(__file__).parent
+TRACES = Path(__file__).resolve().parents[1] / "profiles" / "traces"
 FRACTIONS = [(0.05, 0.10), (0.10, 0.25), (0.25, 0.25), (0.50, 0.25)]
 
 
-def default_model() -> Path:
-    try:
-        from fomoepy.data import demo_model_path
-
-        path = Path(demo_model_path())
-        if path.exists():
-            return path
-    except ImportError:
-        pass
-    from fomoepy.devtools.make_test_model import make_model
-
-    path = HERE / "models" / "bench-qwen3moe.gguf"  # the model bench/cpu_decode.py builds
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        make_model(path, preset="bench-qwen3moe")
-    return path
-
-
-def record_trace(model: Path, trace: Path, n_tokens: int) -> tuple[int, int]:
-    engine = Engine(model, EngineOptions(trace=str(trace), vram_cache=0))
-    rng = np.random.default_rng(0)
-    produced = 0
-    while produced < n_tokens:
-        prompt = engine.tokenizer.encode("def main(argv):\n    ") or [0]
-        prompt = prompt + rng.integers(0, engine.spec.n_vocab - 3, size=4).tolist()
-        out = list(engine.generate(prompt, 32, SamplingParams(temperature=0.8, seed=produced), stop_at_eog=False))
-        produced += len(prompt) + len(out)
-    total = sum(layer.expert_nbytes for layer in engine.source.layers) * engine.spec.moe.n_expert
-    engine.close()
-    return produced, total
+def table(path: Path) -> list[str]:
+    trace = trace_pack.load(path)
+    total = sum(trace.header.expert_bytes) * trace.header.n_expert
+    lines = [f"#### {path.name}: {len(trace.records) // trace.header.n_layer} tokens, {trace.header.n_layer} layers x "
+             f"{trace.header.n_expert} experts (top-{trace.header.n_expert_used}), {total / 1e6:.1f} MB of experts", "",
+             "| VRAM + DRAM | policy | device hit | Belady | memory hit | Belady | of Belady |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for dev_frac, host_frac in FRACTIONS:
+        vram, ram = int(total * dev_frac), int(total * host_frac)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            fomoe(["simulate", str(path), "--vram", str(vram), "--ram", str(ram), "--policy", "all", "--json"])
+        out = json.loads(buf.getvalue())
+        best = out["belady_memory_hit_rate"]
+        for name, p in out["policies"].items():
+            mark = " (default)" if name == DEFAULT_POLICY else ""
+            lines.append(f"| {dev_frac:.0%} + {host_frac:.0%} | {name}{mark} | {p['device']['hit_rate']:.1%} | "
+                         f"{out['belady_device_hit_rate']:.1%} | {p['memory_hit_rate']:.1%} | {best:.1%} | "
+                         f"{p['memory_hit_rate'] / best:.2f} |")  # fmt: skip
+    return lines
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--tokens", type=int, default=256, help="tokens to run while recording")
-    ap.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, action="append", help="packed traces (default: demo-heldout and demo-project)")
+    ap.add_argument("--record", action="store_true", help="append the tables to bench/RESULTS.md")
     args = ap.parse_args()
-    model = args.model or default_model()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "run.trace"
-        n_tokens, total = record_trace(model, trace, args.tokens)
-        rows = []
-        for dev_frac, host_frac in FRACTIONS:
-            vram, ram = int(total * dev_frac), int(total * host_frac)
-            buf = io.StringIO()
-            with contextlib.redirect_stdout(buf):
-                fomoe(["simulate", str(trace), "--vram", str(vram), "--ram", str(ram), "--policy", "all", "--json"])
-            out = json.loads(buf.getvalue())
-            for name, p in out["policies"].items():
-                rows.append(
-                    f"| {dev_frac:.0%} + {host_frac:.0%} | {name} | {p['device']['hit_rate']:.1%} | "
-                    f"{out['belady_device_hit_rate']:.1%} | {p['memory_hit_rate']:.1%} | {out['belady_memory_hit_rate']:.1%} |"
-                )
-    report = (
-        f"### simulate_trace — {date.today()}\n\n"
-        f"`python bench/simulate_trace.py --tokens {args.tokens}`; model `{model.name}`, trace of {n_tokens} tokens; "
-        f"capacities as fractions of all routed-expert bytes ({total / 1e6:.1f} MB). "
-        "memory = served by device or host; Belady memory uses device + host capacity.\n\n"
-        "| VRAM + DRAM | policy | device hit | Belady | memory hit | Belady |\n|---|---|---|---|---|---|\n"
-        + "\n".join(rows)
-        + "\n"
-    )
-    print(report)
+    paths = args.trace or [TRACES / "demo-heldout.npz", TRACES / "demo-project.npz"]
+    cmd = "python bench/simulate_trace.py " + shlex.join(sys.argv[1:])
+    report = [f"### simulate_trace — {date.today()} — {platform.machine()}, load {os.getloadavg()[0]:.2f} at start", "",
+              f"`{cmd.strip()}`; memory = served by device or host; Belady memory uses device + host capacity; "
+              "`of Belady` = memory hit / Belady's."]  # fmt: skip
+    for path in paths:
+        report += ["", *table(path)]
+    text = "\n".join(report)
+    print(text)
     if args.record:
-        record(report)
+        record(text)
     return 0
 
 

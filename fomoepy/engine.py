@@ -16,6 +16,7 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.car import CarConfig
+from fomoepy.experts.policy import DEFAULT_POLICY
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.streamer import ExpertStreamer, StreamingOptions
 from fomoepy.model.gguf_file import GGUFFile
@@ -41,7 +42,7 @@ class EngineOptions:
     store: tuple[str, ...] = ()  # expert store directories; empty: read experts from the GGUF (mmap)
     vram_cache: int | None = None  # device tier bytes (CPU: compute-ready experts); None: automatic
     ram_cache: int | None = None  # host tier bytes (store-form experts); None: automatic
-    cache_policy: str = "lru"
+    cache_policy: str = DEFAULT_POLICY
     car: CarConfig = field(default_factory=CarConfig)
     backfill: str = "thread"
     backfill_per_token: int = 4

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         help="device tier, e.g. 0, 48K, 512M, 16G (0 = off; CPU backend: compute-ready float32 experts); default: automatic",
     )  # fmt: skip
     g.add_argument("--ram-cache", metavar="SIZE", default=None, help="host (DRAM) tier of store bytes; default: automatic")
-    g.add_argument("--cache-policy", default="lru", help="eviction policy: lru, lfu-decay, lru-pinned, lfu-decay-pinned")
+    g.add_argument("--cache-policy", default=DEFAULT_POLICY, help=f"eviction policy: {', '.join(POLICIES)} (default {DEFAULT_POLICY})")
     g.add_argument("--freq-profile", metavar="F", default=None, help=".freq profile that seeds VRAM, then DRAM")
     g.add_argument("--trace", metavar="FILE", default=None, help="record every routing decision (for fomoe simulate)")
     g.add_argument("--no-prefetch", action="store_true", help="do not predict and prefetch the next layer's experts")

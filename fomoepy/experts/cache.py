@@ -137,9 +137,10 @@ class ExpertCache:
         to_device, device_victims = self._dev(layer).plan_admissions(
             [(key, self.device_expert_bytes[layer]) for key, src in zip(keys, sources) if src is not Source.DEVICE],
             protected,
+            self.now,
         )
         to_host, host_victims = self.host.plan_admissions(
-            [(key, size) for key, src in zip(keys, sources) if src is Source.DISK], protected
+            [(key, size) for key, src in zip(keys, sources) if src is Source.DISK], protected, self.now
         )
         device_set, host_set = set(to_device), set(to_host)
         items = tuple(
@@ -193,9 +194,13 @@ class ExpertCache:
                 freed = tier.evict(key)
                 counters[key[0]].evicted += 1
                 counters[key[0]].evicted_bytes += freed
+                if tier is not self.host:
+                    self.host.policy.covered(key, False)
         device, host = self._dev(layer), self.host
         for item in plan.items:
             key = (layer, item.expert)
+            device.policy.observe(key, now)
+            host.policy.observe(key, now)
             # pin every slot of this expert the step reads or writes, so no later plan evicts it
             if item.to_host:
                 host.admit(key, item.nbytes, now)
@@ -206,6 +211,7 @@ class ExpertCache:
             if item.to_device:
                 device.admit(key, self.device_expert_bytes[layer], now)
                 device.pin(key)
+                host.policy.covered(key, True)
             elif item.source is Source.DEVICE:
                 device.touch(key, now)
                 device.pin(key)
@@ -270,7 +276,7 @@ class ExpertCache:
         """
         if key in self._dev(key[0]) or key in self.host or not self.host.enabled:
             return None
-        admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]])], {key})
+        admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]])], {key}, self.now)
         if key not in set(admitted):
             return None
         for victim in victims:
@@ -300,6 +306,8 @@ class ExpertCache:
                 if size <= tier.free:
                     tier.admit(key, size, self.now, SlotState.READY)
                     out.append(key)
+                    if tier is not self.host:
+                        self.host.policy.covered(key, True)
                     break
         self.generation += 1
         return placed

@@ -24,7 +24,7 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.belady import BeladyResult, belady
 from fomoepy.experts.cache import ExpertCache
 from fomoepy.experts.car import CarConfig, CarStats, cache_aware_route
-from fomoepy.experts.policy import Key, PolicyOptions, make_policy
+from fomoepy.experts.policy import DEFAULT_POLICY, Key, PolicyOptions, make_policy
 from fomoepy.experts.sizes import format_size
 from fomoepy.experts.trace import Trace
 
@@ -65,7 +65,7 @@ def simulate(
     expert_bytes: Sequence[int],
     device_bytes: int,
     host_bytes: int,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     *,
     half_life_tokens: float = 256.0,
     seed: Iterable[Key] = (),

@@ -7,7 +7,8 @@ import json
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.car import CarConfig
-from fomoepy.experts.policy import POLICIES
+from fomoepy.experts import trace_pack
+from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
 from fomoepy.experts.profile import read_freq, seed_order
 from fomoepy.experts.simulate import belady_for, report, simulate
 from fomoepy.experts.sizes import parse_size
@@ -18,7 +19,7 @@ MIB = 1 << 20
 
 def add_simulate_command(sub) -> None:
     p = sub.add_parser("simulate", help="replay a routing trace against the expert cache; compare with Belady")
-    p.add_argument("trace", help="a routing trace (.trace) recorded by the engine")
+    p.add_argument("trace", help="a routing trace: .trace recorded by the engine (--trace), or .npz packed (profiles/traces/)")
     vram = p.add_mutually_exclusive_group(required=True)
     vram.add_argument("--vram-mb", type=float, help="device tier capacity in MiB (0 = off)")
     vram.add_argument("--vram", help="device tier capacity as a size, e.g. 512M, 16G (0 = off)")
@@ -27,8 +28,8 @@ def add_simulate_command(sub) -> None:
     ram.add_argument("--ram", help="host tier capacity as a size, e.g. 48G (0 = off)")
     p.add_argument(
         "--policy",
-        default="lru",
-        help=f"eviction policy, several comma-separated, or 'all' ({', '.join(POLICIES)}; default lru)",
+        default=DEFAULT_POLICY,
+        help=f"eviction policy, several comma-separated, or 'all' ({', '.join(POLICIES)}; default {DEFAULT_POLICY})",
     )
     p.add_argument("--half-life", type=float, default=256.0, help="lfu-decay half-life in tokens (default 256)")
     p.add_argument("--expert-bytes", help="bytes of one expert in every layer (overrides the trace header)")
@@ -54,7 +55,7 @@ def _capacity(mb: float | None, text: str | None, flag: str) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    trace = read_trace(args.trace)
+    trace = trace_pack.load(args.trace) if str(args.trace).endswith(".npz") else read_trace(args.trace)
     sizes = expert_sizes(trace.header, parse_size(args.expert_bytes) if args.expert_bytes else None)
     vram = _capacity(args.vram_mb, args.vram, "vram")
     ram = _capacity(args.ram_mb, args.ram, "ram")

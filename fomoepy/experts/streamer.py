@@ -26,7 +26,7 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.backfill import BackfillQueue, BackfillThread
 from fomoepy.experts.cache import ExpertCache, Plan, Source
 from fomoepy.experts.car import CarConfig, CarStats, cache_aware_route
-from fomoepy.experts.policy import Key, PolicyOptions, make_policy
+from fomoepy.experts.policy import DEFAULT_POLICY, Key, PolicyOptions, make_policy
 from fomoepy.experts.profile import ExpertCounter, read_freq, seed_order
 from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
@@ -46,7 +46,7 @@ class ExpertSourceLike(Protocol):
 class StreamingOptions:
     device_bytes: int  # the device tier (VRAM; the compute-ready tier on the CPU backend)
     host_bytes: int  # the host tier (DRAM) of store-form bytes
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     half_life_tokens: float = 256.0
     car: CarConfig = field(default_factory=CarConfig)
     backfill: str = "thread"  # off | thread | sync (used only when CAR substitutes)

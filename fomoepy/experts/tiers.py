@@ -78,7 +78,7 @@ class TierDirectory:
         return key not in self._pins and self._state.get(key) is SlotState.READY
 
     def plan_admissions(
-        self, wanted: Sequence[tuple[Key, int]], protected: Container[Key]
+        self, wanted: Sequence[tuple[Key, int]], protected: Container[Key], now: int = 0
     ) -> tuple[list[Key], list[Key]]:
         """Which of `wanted` (key, nbytes), in order, can be admitted, and which keys to evict for them.
 
@@ -93,7 +93,7 @@ class TierDirectory:
         victims: list[Key] = []
         pulled: deque[tuple[Key, int]] = deque()  # candidates taken from the policy, not yet evicted
         pulled_bytes = 0
-        with closing(self.policy.eviction_order()) as order:
+        with closing(self.policy.eviction_order_for(wanted[0][0][0])) as order:
             exhausted = False
             for key, nbytes in wanted:
                 if nbytes > self.capacity:
@@ -107,6 +107,8 @@ class TierDirectory:
                         pulled_bytes += self._bytes[candidate]
                 if free + pulled_bytes < nbytes:
                     continue
+                if free < nbytes and not self._admits(key, nbytes - free, pulled, now):
+                    continue  # the policy keeps what it has: this one is streamed without a slot
                 while free < nbytes:  # the shortest prefix of candidates that makes room
                     victim, size = pulled.popleft()
                     victims.append(victim)
@@ -115,6 +117,15 @@ class TierDirectory:
                 free -= nbytes
                 admitted.append(key)
         return admitted, victims
+
+    def _admits(self, key: Key, needed: int, pulled: deque[tuple[Key, int]], now: int) -> bool:
+        victims, freed = [], 0
+        for victim, size in pulled:
+            if freed >= needed:
+                break
+            victims.append(victim)
+            freed += size
+        return self.policy.admits(key, victims, now)
 
     # -- commands ----------------------------------------------------------------------------------
 
