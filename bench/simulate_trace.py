@@ -4,7 +4,8 @@ The traces are the packed ones in profiles/traces/ (tools/record_traces.py recor
 `demo-project` (the demo model over this project's Python sources) is what the default policy was tuned
 on; `demo-heldout` (over the 22 standard-library files the model never trained on) is what it is scored
 on. Each is replayed with `fomoe simulate --policy all` at several capacities, given as fractions of all
-routed-expert bytes (store form).
+routed-expert bytes (store form), every policy starting from the tiers seeded by the shipped profile
+(profiles/demo-qwen3moe.freq, made from other prompts), which the `*-pinned` policies pin half of.
 
     python bench/simulate_trace.py [--trace profiles/traces/X.npz ...] [--record]
 """
@@ -28,6 +29,7 @@ from fomoepy.experts.policy import DEFAULT_POLICY
 from results import record
 
 TRACES = Path(__file__).resolve().parents[1] / "profiles" / "traces"
+PROFILE = TRACES.parent / "demo-qwen3moe.freq"
 FRACTIONS = [(0.05, 0.10), (0.10, 0.25), (0.25, 0.25), (0.50, 0.25)]
 
 
@@ -41,7 +43,8 @@ def table(path: Path) -> list[str]:
         vram, ram = int(total * dev_frac), int(total * host_frac)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            fomoe(["simulate", str(path), "--vram", str(vram), "--ram", str(ram), "--policy", "all", "--json"])
+            fomoe(["simulate", str(path), "--vram", str(vram), "--ram", str(ram), "--policy", "all", "--json",
+                   "--profile", str(PROFILE)])  # fmt: skip
         out = json.loads(buf.getvalue())
         best = out["belady_memory_hit_rate"]
         for name, p in out["policies"].items():

@@ -171,3 +171,27 @@ def test_device_tier_holds_what_its_budget_allows_in_compute_ready_bytes(model):
     assert len(engine.experts.ready) == len(tier) == 3
     assert tier.used == 3 * dev_unit <= tier.capacity
     engine.close()
+
+
+@pytest.mark.parametrize("policy, kept", [("lru-pinned", True), ("lfu-decay-pinned", True), ("lru", False)])
+def test_pinned_policies_keep_the_profiles_seeds_in_the_engine(tmp_path, policy, kept):
+    # the profile ranks the experts the text uses least first: a policy that only follows use evicts them
+    path = ORACLE / "qwen3moe_q4_k_m.gguf"
+    tokens = np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")
+    probe = Engine(path, EngineOptions())
+    probe.logits(tokens)
+    counts = probe.experts.streamer.counter
+    rarest = [(l, int(e)) for l in range(counts.counts.shape[0]) for e in np.argsort(counts.counts[l], kind="stable")[:2]]
+    profile_path = tmp_path / "p.freq"
+    for key in rarest:  # counts that put these keys first
+        counts.counts[key] = 10_000
+    write_freq(profile_path, counts.profile())
+    dev_unit, _ = one_expert(path)
+    # 12 device slots, half of them pinned: the 6 rarest experts, held for good by a *-pinned policy
+    engine = Engine(path, EngineOptions(vram_cache=12 * dev_unit, cache_policy=policy, freq_profile=str(profile_path)))
+    state = engine.new_state()
+    for t in tokens:
+        engine.eval(state, np.array([t]))
+    held = {(l, e) for l in range(engine.spec.n_layer) for e in engine.experts.streamer.cache.resident(l)}
+    assert set(rarest) <= held if kept else not set(rarest) <= held
+    engine.close()

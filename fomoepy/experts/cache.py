@@ -287,13 +287,18 @@ class ExpertCache:
         self.generation += 1
         return list(victims)
 
-    def seed(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
+    def seed(self, keys: Iterable[Key], pin_fraction: float = 0.0) -> tuple[list[Key], list[Key]]:
         """Fill the device tier, then the host tier, with keys in order (e.g. a profile's seed_order).
 
         Keys that do not fit are skipped; nothing is evicted; a key goes to one tier only, so the
         host holds the next-most-wanted experts. Seeded slots are READY (start-up loads them
-        before the first token). Returns (device keys, host keys) for the runtime to load.
+        before the first token). With a policy that pins (`*-pinned`), the seeded keys filling the
+        first `pin_fraction` of each tier's capacity are pinned in it for good. Returns (device keys,
+        host keys) for the runtime to load.
         """
+        if not 0.0 <= pin_fraction <= 1.0:
+            raise ValueError(f"pin fraction must be in [0, 1], got {pin_fraction}")
+        pinned_bytes: dict[int, int] = {}
         placed: tuple[list[Key], list[Key]] = ([], [])
         for key in keys:
             layer, expert = key
@@ -308,6 +313,10 @@ class ExpertCache:
                     out.append(key)
                     if tier is not self.host:
                         self.host.policy.covered(key, True)
+                    pin = getattr(tier.policy, "pin", None)
+                    if pin is not None and pinned_bytes.get(id(tier), 0) + size <= pin_fraction * tier.capacity:
+                        pinned_bytes[id(tier)] = pinned_bytes.get(id(tier), 0) + size
+                        pin([key])
                     break
         self.generation += 1
         return placed

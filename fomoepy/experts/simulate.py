@@ -76,16 +76,15 @@ def simulate(
     `*-pinned` policy the seeded keys filling the first `pin_fraction` of each tier are pinned."""
     header = trace.header
     seed = list(seed)
-    pins = _pinned_prefixes(seed, expert_bytes, (device_bytes, host_bytes), pin_fraction)
     cache = ExpertCache(
         header.n_expert,
         expert_bytes,
         device_bytes,
         host_bytes,
-        device_policy=make_policy(policy, PolicyOptions(half_life_tokens, pins[0])),
-        host_policy=make_policy(policy, PolicyOptions(half_life_tokens, pins[1])),
+        device_policy=make_policy(policy, PolicyOptions(half_life_tokens)),
+        host_policy=make_policy(policy, PolicyOptions(half_life_tokens)),
     )
-    seeded = cache.seed(seed)
+    seeded = cache.seed(seed, pin_fraction)  # the same seeding and pinning as the engine's
     car_stats = CarStats() if car is not None and car.enabled else None
     if car_stats is not None and not trace.has_probs:
         raise FomoeError("replaying cache-aware routing needs a trace recorded with full probabilities")
@@ -110,27 +109,6 @@ def simulate(
     return SimResult(
         policy, device_bytes, host_bytes, cache.stats.summary(), car_stats, (tuple(seeded[0]), tuple(seeded[1]))
     )
-
-
-def _pinned_prefixes(
-    seed: list[Key], expert_bytes: Sequence[int], capacities: tuple[int, int], fraction: float
-) -> tuple[frozenset[Key], frozenset[Key]]:
-    # mirrors ExpertCache.seed: the device takes the seed order's head, the host what comes next
-    if not 0.0 <= fraction <= 1.0:
-        raise FomoeError(f"pin fraction must be in [0, 1], got {fraction}")
-    free = list(capacities)
-    pinned_bytes = [0, 0]
-    pinned: tuple[set[Key], set[Key]] = (set(), set())
-    for key in seed:
-        size = expert_bytes[key[0]]
-        for tier in (0, 1):
-            if size <= free[tier]:
-                free[tier] -= size
-                if pinned_bytes[tier] + size <= fraction * capacities[tier]:
-                    pinned_bytes[tier] += size
-                    pinned[tier].add(key)
-                break
-    return frozenset(pinned[0]), frozenset(pinned[1])
 
 
 def report(trace: Trace, expert_bytes: Sequence[int], results: Sequence[SimResult]) -> str:

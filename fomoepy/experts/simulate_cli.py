@@ -59,6 +59,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sizes = expert_sizes(trace.header, parse_size(args.expert_bytes) if args.expert_bytes else None)
     vram = _capacity(args.vram_mb, args.vram, "vram")
     ram = _capacity(args.ram_mb, args.ram, "ram")
+    if not 0.0 <= args.pin_fraction <= 1.0:
+        raise FomoeError(f"--pin-fraction must be in [0, 1], got {args.pin_fraction}")
     names = list(POLICIES) if args.policy == "all" else [n.strip() for n in args.policy.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
     if unknown or not names:

@@ -55,6 +55,7 @@ class StreamingOptions:
     prefetch: bool = True
     trace_path: str | None = None
     freq_profile: str | None = None
+    pin_fraction: float = 0.5  # with a *-pinned policy: share of each tier the profile's seeds hold for good
 
     def __post_init__(self) -> None:
         if self.backfill not in BACKFILL_MODES:
@@ -136,7 +137,7 @@ class ExpertStreamer:
         if not self.options.freq_profile:
             return []
         profile = read_freq(self.options.freq_profile, self.n_layer, self.n_expert)
-        device_keys, host_keys = self.cache.seed(seed_order(profile))
+        device_keys, host_keys = self.cache.seed(seed_order(profile), self.options.pin_fraction)
         for key in host_keys:
             self.host_slots[key] = self.source.read(*key)
         return device_keys
