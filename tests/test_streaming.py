@@ -195,3 +195,28 @@ def test_pinned_policies_keep_the_profiles_seeds_in_the_engine(tmp_path, policy,
     held = {(l, e) for l in range(engine.spec.n_layer) for e in engine.experts.streamer.cache.resident(l)}
     assert set(rarest) <= held if kept else not set(rarest) <= held
     engine.close()
+
+
+@pytest.mark.parametrize("policy", ["lfu-admit", "lru", "layer-lru"])
+def test_the_simulator_replays_the_engines_hit_rates(model, tmp_path, policy):
+    # the same text token by token through the engine (tiers capped, prefetch off) and through the
+    # simulator on the engine's own trace: per-tier hit rates within 1 point (they are the same code)
+    from fomoepy.experts.simulate import simulate
+
+    path, store, tokens, _ = model
+    dev_unit, host_unit = one_expert(path)
+    trace_path = tmp_path / "t.trace"
+    opts = EngineOptions(store=tuple(store), vram_cache=6 * dev_unit, ram_cache=10 * host_unit, cache_policy=policy,
+                         trace=str(trace_path), prefetch=False)  # fmt: skip
+    engine = Engine(path, opts)
+    state = engine.new_state()
+    for t in tokens:
+        engine.eval(state, np.array([t]))
+    measured = engine.stats()["cache"]
+    sizes = [layer.expert_nbytes for layer in engine.source.layers]
+    device_sizes = [ready_expert_nbytes(layer) for layer in engine.source.layers]
+    engine.close()
+    sim = simulate(read_trace(trace_path), sizes, 6 * dev_unit, 10 * host_unit, policy, device_expert_bytes=device_sizes).summary
+    for tier in ("device", "host"):
+        assert abs(measured[tier]["hit_rate"] - sim[tier]["hit_rate"]) <= 0.01, (tier, measured[tier], sim[tier])
+    assert measured["accesses"] == sim["accesses"] and measured["disk"]["reads"] > 0

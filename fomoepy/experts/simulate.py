@@ -71,9 +71,12 @@ def simulate(
     seed: Iterable[Key] = (),
     pin_fraction: float = 0.0,
     car: CarConfig | None = None,
+    device_expert_bytes: Sequence[int] | None = None,
 ) -> SimResult:
     """Replay trace; `seed` (e.g. profile.seed_order) fills VRAM then DRAM first, and with a
-    `*-pinned` policy the seeded keys filling the first `pin_fraction` of each tier are pinned."""
+    `*-pinned` policy the seeded keys filling the first `pin_fraction` of each tier are pinned.
+    `device_expert_bytes`: one expert's size in the device tier's form, when it is not the store's (the
+    CPU backend's compute-ready float32)."""
     header = trace.header
     seed = list(seed)
     cache = ExpertCache(
@@ -83,6 +86,7 @@ def simulate(
         host_bytes,
         device_policy=make_policy(policy, PolicyOptions(half_life_tokens)),
         host_policy=make_policy(policy, PolicyOptions(half_life_tokens)),
+        device_expert_bytes=device_expert_bytes,
     )
     seeded = cache.seed(seed, pin_fraction)  # the same seeding and pinning as the engine's
     car_stats = CarStats() if car is not None and car.enabled else None
