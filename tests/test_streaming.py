@@ -220,3 +220,67 @@ def test_the_simulator_replays_the_engines_hit_rates(model, tmp_path, policy):
     for tier in ("device", "host"):
         assert abs(measured[tier]["hit_rate"] - sim[tier]["hit_rate"]) <= 0.01, (tier, measured[tier], sim[tier])
     assert measured["accesses"] == sim["accesses"] and measured["disk"]["reads"] > 0
+
+
+class SlowStore:
+    """The engine's expert store with `delay` seconds added to every read, on a pool of `workers` threads:
+    one worker is a disk whose bandwidth is the limit (reads queue), many a disk limited by latency."""
+
+    def __init__(self, store, delay: float, workers: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.store, self.delay = store, delay
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+
+    def read(self, layer: int, expert: int):
+        import time
+
+        time.sleep(self.delay)
+        return self.store.read(layer, expert)
+
+    def submit(self, layer: int, expert: int):
+        return self.pool.submit(self.read, layer, expert)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_prefetch_goes_on_while_this_layer_computes_and_never_delays_its_reads(model):
+    # a disk that reads one expert at a time, 50 ms each. Layer 1's experts are predicted before layer 0
+    # acquires its one expert: layer 0 must wait for its own read only (prefetch queued behind it: it
+    # waited for layer 1's too), and layer 1, acquired after 150 ms of layer-0 compute, for nothing
+    import time
+
+    path, store, _, _ = model
+    delay = 0.05
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=1 << 30))
+    streamer = engine.experts.streamer
+    streamer.source = SlowStore(streamer.source, delay, workers=1)
+    streamer.predict(1, np.array([[2, 3]]))
+    t0 = time.perf_counter()
+    plan0, _ = streamer.acquire(0, np.array([[5]]))
+    waited0 = time.perf_counter() - t0
+    time.sleep(3 * delay)  # layer 0 computes (its prefetched reads end 2 x delay after acquire(0) returns)
+    streamer.release(plan0)
+    t1 = time.perf_counter()
+    plan1, fetched = streamer.acquire(1, np.array([[2, 3]]))
+    waited1 = time.perf_counter() - t1
+    streamer.release(plan1)
+    assert sorted(fetched) == [2, 3] and {i.source.value for i in plan1.items} == {"host"}  # admitted at acquire(1)
+    assert streamer.prefetch_stats.issued == 2 and streamer.prefetch_stats.admitted == 2
+    assert waited0 < 2 * delay, waited0  # its own read, not 3 reads
+    assert waited1 < 0.5 * delay, waited1  # already read while layer 0 computed
+    engine.close()
+
+
+def test_prefetch_on_and_off_give_the_same_tokens(model):
+    path, store, tokens, _ = model
+    outs = []
+    for prefetch in (True, False):
+        engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=1 << 30, prefetch=prefetch))
+        engine.experts.streamer.source = SlowStore(engine.experts.streamer.source, 0.002, workers=4)  # reads finish in any order
+        outs.append(list(engine.generate(tokens[:6], 16, SamplingParams(temperature=0.9, seed=3), stop_at_eog=False)))
+        stats = engine.stats()["prefetch"]
+        engine.close()
+        assert (stats["issued"] > 0) == prefetch
+    assert outs[0] == outs[1]

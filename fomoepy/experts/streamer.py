@@ -109,6 +109,7 @@ class ExpertStreamer:
         self.counter = ExpertCounter(self.n_layer, n_expert)
         self.tokens_seen = 0  # tokens fully processed; the running index for warmup and traces
         self._predicted: dict[int, np.ndarray] = {}
+        self._to_prefetch: tuple[int, np.ndarray] | None = None  # (layer, experts) to read from the next acquire
         self._inflight: dict[Key, Future] = {}
         self.trace: TraceWriter | None = None
         if options.trace_path:
@@ -190,25 +191,35 @@ class ExpertStreamer:
                 self._backfill_queue.add(key, float(score[original]), self.tokens_seen)
 
     def predict(self, layer: int, ids: np.ndarray) -> None:
-        """Start reading the experts predicted for `layer` that no tier holds (a guess: costs
-        bandwidth if wrong, never correctness)."""
+        """Note the experts predicted for `layer`; those no tier holds are read in the background from
+        the next `acquire` on, right after that step's own reads are issued (a guess costs bandwidth if
+        wrong, never correctness, and never delays a demand read)."""
         if not 0 <= layer < self.n_layer:
             return
         predicted = np.unique(ids)
         self._predicted[layer] = predicted
-        submit = getattr(self.source, "submit", None)
-        if not self.options.prefetch or submit is None or not self.cache.host.enabled:
+        if self.options.prefetch and getattr(self.source, "submit", None) is not None and self.cache.host.enabled:
+            self._to_prefetch = (layer, predicted)
+
+    def _issue_prefetch(self) -> None:
+        if self._to_prefetch is None:
             return
+        layer, predicted = self._to_prefetch
+        self._to_prefetch = None
         for e in predicted.tolist():
             key = (layer, e)
             if key in self._inflight or self.cache.on_device(key) or key in self.cache.host:
                 continue
-            self._inflight[key] = submit(layer, e)
+            self._inflight[key] = self.source.submit(layer, e)  # type: ignore[attr-defined]
             self.prefetch_stats.issued += 1
 
     def acquire(self, layer: int, ids: np.ndarray) -> tuple[Plan, dict[int, ExpertBytes]]:
-        """Plan and commit this step; the store-form bytes of every expert not already in the device tier."""
-        self._collect_background()
+        """Plan and commit this step; the store-form bytes of every expert not already in the device tier.
+
+        Waits only for what this step needs: its own reads, and the reads prefetched for this layer
+        (admitted here, at a fixed point, so runs stay repeatable). Reads prefetched for the next layer
+        are issued after this step's and go on while it computes."""
+        self._collect_background(layer)
         plan = self.cache.plan(layer, ids)
         self.cache.commit(plan)
         for victim in plan.host_evictions:
@@ -227,6 +238,8 @@ class ExpertStreamer:
             submit = getattr(self.source, "submit", None)
             if submit is not None:  # issue every read before waiting on any
                 reads = {e: submit(layer, e) for e in reads}
+        self._issue_prefetch()  # behind this step's reads in the pool, overlapping its compute
+        if reads:
             for e, f in reads.items():
                 fetched[e] = f.result() if f is not None else self.source.read(layer, e)
         for item in plan.items:
@@ -241,10 +254,10 @@ class ExpertStreamer:
         self.cache.release(plan)
 
     # -- background results -----------------------------------------------------------------------
-    def _collect_background(self) -> None:
-        # Prefetched reads were issued a layer ago for exactly this step: wait for all of them, so
-        # what the cache holds never depends on thread timing (runs stay repeatable).
-        for key in list(self._inflight):
+    def _collect_background(self, layer: int) -> None:
+        # Reads prefetched for this layer were issued a step ago: wait for those (not for the next
+        # layer's), so what the cache holds at this point never depends on thread timing.
+        for key in [k for k in self._inflight if k[0] == layer]:
             self._admit_host(key, self._inflight.pop(key).result(), prefetched=True)
         if self._backfill_thread is not None:
             while not self._backfill_thread.done.empty():
