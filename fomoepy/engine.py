@@ -84,7 +84,8 @@ class Engine:
         layers = self.source.layers
         device_unit = [device_expert_nbytes(self.ops, layer) for layer in layers]
         device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
-        host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store))
+        backfills = o.car.enabled and o.backfill != "off"
+        host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or backfills)
         streaming = StreamingOptions(
             device_bytes=device,
             host_bytes=host,
@@ -221,10 +222,10 @@ def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:
     return min(wanted, available_memory_bytes() // 2)
 
 
-def default_host_bytes(layers: tuple[LayerExperts, ...], spec: ModelSpec, from_store: bool) -> int:
-    """DRAM tier: with a store, every expert if that fits in a quarter of the available memory;
-    without one the GGUF is memory-mapped and the page cache already plays this part."""
-    if not from_store:
+def default_host_bytes(layers: tuple[LayerExperts, ...], spec: ModelSpec, wanted_tier: bool) -> int:
+    """DRAM tier: with a store (or a backfill to fill it), every expert if that fits in a quarter of the
+    available memory; otherwise the GGUF is memory-mapped and the page cache already plays this part."""
+    if not wanted_tier:
         return 0
     wanted = sum(layer.expert_nbytes for layer in layers) * spec.moe.n_expert
     return min(wanted, available_memory_bytes() // 4)

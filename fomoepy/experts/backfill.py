@@ -5,8 +5,9 @@ DRAM makes the next token that wants it exact again. Requests are served highest
 first and age out: one still waiting `max_age` tokens after it was asked for is dropped, because
 routing has moved on by then.
 
-Two modes: `thread` — a background thread reads while the inference thread computes (it waits
-until no plan's reads are in flight, so it never competes with a miss); `sync` — the inference
+Two modes: `thread` — a background thread reads while the inference thread computes (it starts no
+read while a plan's reads are in flight; one it has already started finishes on its own thread while the
+plan's reads go through the store's pool, so a miss never waits behind it); `sync` — the inference
 thread reads the best N at the end of every token, which makes runs repeatable.
 """
 

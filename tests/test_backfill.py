@@ -1,0 +1,98 @@
+"""The backfill thread: substituted originals come back into DRAM, and backfill never stands between a
+step and its own reads.
+
+What happens to a backfill read already in flight when a step needs the disk: it finishes (one expert's
+read; reads are not interrupted), on the backfill thread, while the step's reads go through the store's
+own pool at once, so the step never waits for it; no new backfill read starts until the step's reads are
+done (`set_io_busy`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import ORACLE
+
+from fomoepy.engine import Engine, EngineOptions
+from fomoepy.experts.car import CarConfig
+from fomoepy.experts.store_writer import prepare_store
+from fomoepy.runtime.cpu_experts import ready_expert_nbytes
+from fomoepy.sampling import SamplingParams
+
+MODEL = ORACLE / "qwen3moe_q4_k_m.gguf"
+
+
+def one_device_expert() -> int:
+    e = Engine(MODEL, EngineOptions(vram_cache=0))
+    return ready_expert_nbytes(e.source.layers[0])
+
+
+def test_substituted_originals_come_back_with_the_backfill_thread():
+    # CAR substitutes cached experts for uncached ones; the thread reads the originals into DRAM. No
+    # --store and no --ram-cache: the DRAM tier's default must then leave backfill room (it was 0)
+    car = CarConfig(threshold=0.01)
+    engine = Engine(MODEL, EngineOptions(vram_cache=6 * one_device_expert(), car=car, backfill="thread", prefetch=False))
+    streamer = engine.experts.streamer
+    assert streamer.cache.host.capacity > 0
+    requested: set = set()
+    real = streamer._backfill_thread.request
+    streamer._backfill_thread.request = lambda key, score, now: (requested.add(key), real(key, score, now))[1]
+    tokens = np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")
+    list(engine.generate(tokens[:4], 24, SamplingParams(temperature=0.9, seed=1), stop_at_eog=False))
+    stats = engine.stats()
+    held = {(layer, e) for layer in range(engine.spec.n_layer) for e in streamer.cache.resident(layer, "host")}
+    engine.close()
+    assert stats["car"]["substitution_rate"] > 0 and requested
+    assert stats["backfilled"] > 0 and held & requested  # originals came back into DRAM
+
+
+@pytest.fixture()
+def streamer_with_backfill(tmp_path):
+    store = tmp_path / "store"
+    prepare_store(MODEL, [store], progress=False)
+    engine = Engine(MODEL, EngineOptions(store=(str(store),), vram_cache=0, ram_cache=1 << 30,
+                                         car=CarConfig(threshold=0.01), backfill="thread", prefetch=False))  # fmt: skip
+    yield engine.experts.streamer
+    engine.close()
+
+
+def test_a_step_does_not_wait_for_a_backfill_read_in_flight(streamer_with_backfill):
+    streamer = streamer_with_backfill
+    thread = streamer._backfill_thread
+    started, finish = threading.Event(), threading.Event()
+    real = thread.read
+
+    def slow_read(layer, expert):
+        started.set()
+        finish.wait(10)
+        return real(layer, expert)
+
+    thread.read = slow_read
+    thread.request((2, 9), 0.9, 0)
+    assert started.wait(5)  # the backfill read is in flight, and stays so until `finish`
+    t0 = time.perf_counter()
+    plan, fetched = streamer.acquire(0, np.array([[1, 2]]))  # a step with two disk reads
+    waited = time.perf_counter() - t0
+    streamer.release(plan)
+    in_flight = not finish.is_set()
+    finish.set()
+    assert sorted(fetched) == [1, 2] and in_flight and waited < 5
+
+
+def test_no_backfill_read_starts_while_a_steps_reads_are_in_flight(streamer_with_backfill):
+    streamer = streamer_with_backfill
+    thread = streamer._backfill_thread
+    reads: list = []
+    real = thread.read
+    thread.read = lambda layer, expert: (reads.append((layer, expert)), real(layer, expert))[1]
+    thread.set_io_busy(True, 0)  # what acquire says while its reads are in flight
+    thread.request((1, 3), 0.8, 0)
+    time.sleep(0.2)
+    assert reads == []  # held back
+    thread.set_io_busy(False, 0)
+    deadline = time.monotonic() + 5
+    while not reads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reads == [(1, 3)]
