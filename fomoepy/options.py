@@ -109,11 +109,13 @@ def resolve_model(args: argparse.Namespace) -> bool:
 def ensure_demo_store(model: Path) -> Path:
     """The demo model's expert store under $XDG_CACHE_HOME/fomoepy (made, or finished, on first use).
 
-    The directory name carries a digest of the model file, so a new demo model gets a new store."""
+    The directory name carries a digest of the model file and the store format's version, so a new demo
+    model, or a new format, gets a new store."""
     import hashlib
     import sys
 
     from fomoepy.experts.store_format import MANIFEST_NAME
+    from fomoepy.experts.store_format import VERSION as STORE_VERSION
     from fomoepy.experts.store_writer import prepare_store
 
     digest = hashlib.sha256()
@@ -121,7 +123,7 @@ def ensure_demo_store(model: Path) -> Path:
         digest.update(f.read(1 << 20))
     digest.update(str(model.stat().st_size).encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    store = cache / "fomoepy" / "stores" / f"{model.stem}-{digest.hexdigest()[:12]}"
+    store = cache / "fomoepy" / "stores" / f"{model.stem}-{digest.hexdigest()[:12]}-v{STORE_VERSION}"
     if not (store / MANIFEST_NAME).exists():
         print(f"fomoe: preparing the demo model's expert store in {store} (first use)", file=sys.stderr)
         prepare_store(model, [store], progress=False)

@@ -139,6 +139,33 @@ def test_store_of_another_gguf_is_refused(striped):
         ExpertStore.open(striped, Q35)
 
 
+def test_a_store_of_the_crc32_format_is_refused_with_what_to_do(damaged):
+    # version 1 stores carry zlib crc32 record checksums; this fomoe writes and checks CRC-32C (version 2)
+    from fomoepy.experts.store_format import MANIFEST_NAME
+
+    for d in damaged:
+        path = d / MANIFEST_NAME
+        data = bytearray(path.read_bytes())
+        data[8:12] = (1).to_bytes(4, "little")  # the version field (outside the manifest's own checksum)
+        path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="store format version 1, this fomoe reads version 2; run `fomoe prepare` again"):
+        ExpertStore.open(damaged, Q4KM)
+
+
+def test_record_checksums_are_crc32c_of_the_slot_seeded_with_its_identity(striped):
+    import struct
+
+    import crc32c
+
+    store = ExpertStore.open(striped, Q4KM)
+    (row,) = [r for r in store.manifest.index if (int(r["layer"]), int(r["expert"])) == (1, 5)]
+    path = striped[int(row["file"]) % len(striped)] / store.manifest.files[int(row["file"])].name
+    with open(path, "rb") as f:
+        f.seek(int(row["offset"]))
+        slot = f.read(store.manifest.layers[1].slot_nbytes)
+    assert int(row["crc"]) == crc32c.crc32c(slot, crc32c.crc32c(struct.pack("<II", 1, 5)))
+
+
 def test_store_of_a_gguf_with_changed_expert_bytes_is_refused(striped, tmp_path):
     changed = tmp_path / "changed.gguf"
     shutil.copyfile(Q4KM, changed)

@@ -22,8 +22,11 @@ Manifest (little-endian):
     32  header JSON (UTF-8): format facts, GGUF binding, layer layouts, record files, slot
     align_up(32 + json_len, 8)   index: n_records × INDEX_DTYPE rows, row i = (layer, expert) in order
 
-A record's checksum is crc32 (zlib) of its whole slot (payload and zero padding), started from the crc32
+A record's checksum is CRC-32C of its whole slot (payload and zero padding), started from the CRC-32C
 of its (layer, expert): a flip anywhere in the slot, or a record read from the wrong place, fails it.
+CRC-32C (the `crc32c` package: the CPU's crc32 instruction, the interpreter lock released) runs at
+~28 GB/s here against ~1-4 GB/s for zlib.crc32, so verifying every read costs the disk nothing; version
+1 stores (zlib crc32) are refused with a message to run `fomoe prepare` again.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -46,7 +50,7 @@ from fomoepy.experts.source import LayerExperts
 from fomoepy.model.gguf_file import GGUFFile
 
 # --- format facts: everything below is derived from this table --------------------------------------
-VERSION = 1
+VERSION = 2  # 2: CRC-32C record checksums (1: zlib crc32)
 ALIGN = 4096  # record and header alignment: the largest logical block size O_DIRECT asks for
 FILE_HEADER_SIZE = ALIGN
 FILE_MAGIC = b"FOMOEXPR"
@@ -67,10 +71,10 @@ def align_up(n: int, alignment: int = ALIGN) -> int:
 
 
 def record_checksum(layer: int, expert: int, chunks: Iterable[Any]) -> int:
-    """crc32 of a record slot given as consecutive buffers, seeded with its identity."""
-    crc = zlib.crc32(_IDENTITY.pack(layer, expert))
+    """CRC-32C of a record slot given as consecutive buffers, seeded with its identity."""
+    crc = crc32c.crc32c(_IDENTITY.pack(layer, expert))
     for chunk in chunks:
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32c.crc32c(chunk, crc)
     return crc
 
 

@@ -2,9 +2,9 @@
 
 Every read is one `os.preadv` of a record's whole 4 KiB-aligned slot, from a file opened with O_DIRECT
 (no page-cache copy, no cache pollution: the caches above us decide what stays in memory) into a 4 KiB-
-aligned buffer, followed by a crc32 of that slot. Where the file system refuses O_DIRECT (at open or at
+aligned buffer, followed by a CRC-32C of that slot. Where the file system refuses O_DIRECT (at open or at
 the first read), the store says so once in the log and uses buffered reads from then on. Both preadv and
-zlib.crc32 release the GIL, so `threads` reads really are in flight together.
+crc32c release the GIL, so `threads` reads really are in flight together.
 """
 
 from __future__ import annotations
