@@ -10,6 +10,7 @@ matter for a decode step that reads every weight once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
 
@@ -139,3 +140,32 @@ def shape_by_name(name: str) -> ModelShape:
     if shape is None:
         raise FomoeError(f"unknown model shape {name!r}; expected one of {', '.join(SHAPES)}")
     return shape
+
+
+def model_bytes_from_gguf(path: str) -> ModelBytes:
+    """Bytes read from the file itself, tensor by tensor. Layers whose experts differ in size (mixed
+    quant types) are averaged: the time model works with one expert size per model."""
+    from fomoepy.experts.source import expert_index
+    from fomoepy.model.gguf_file import GGUFFile
+    from fomoepy.model.spec import ModelSpec
+
+    gf = GGUFFile(path)
+    spec = ModelSpec.from_gguf(gf)
+    layers = expert_index(gf, spec)
+    expert_tensors = {p.tensor for layer in layers for p in layer.parts}
+    dense = sum(t.nbytes for name, t in gf.tensors.items() if name.startswith("blk.") and name not in expert_tensors)
+    head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]  # tied embeddings
+    embed = gf.tensors["token_embd.weight"]
+    e, (gate, up, down) = spec.moe, layers[0].parts
+    return ModelBytes(
+        name=Path(path).name,
+        mix="as stored",
+        n_layer=len(layers),
+        n_expert=e.n_expert,
+        n_expert_used=e.n_expert_used,
+        expert_bytes=round(sum(layer.expert_nbytes for layer in layers) / len(layers)),
+        dense_layer_bytes=round(dense / spec.n_layer),
+        head_bytes=head.nbytes,
+        embed_bytes=embed.nbytes,
+        expert_flops=2 * (gate.shape[0] * gate.shape[1] + up.shape[0] * up.shape[1] + down.shape[0] * down.shape[1]),
+    )
