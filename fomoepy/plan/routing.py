@@ -45,7 +45,8 @@ def rates_from_trace(
     total = sum(sizes) * trace.header.n_expert
     car = CarConfig(threshold=car_threshold) if car_threshold is not None else None
     result = simulate(
-        trace, sizes, int(device_share * total), int(host_share * total), policy, seed=seed or (), car=car
+        trace, sizes, int(device_share * total), int(host_share * total), policy, seed=seed or (), car=car,
+        pin_fraction=0.5 if seed else 0.0,  # as `fomoe simulate`: *-pinned policies pin half of each tier
     )
     what = "synthetic" if not trace.path else f"trace {trace.path}"
     car_text = f", CAR {car_threshold}" if car_threshold is not None else ""
