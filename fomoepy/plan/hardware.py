@@ -125,6 +125,9 @@ def _value(kind, raw, where: str):
 
 
 def hardware_from_dict(data: dict, source: str) -> Hardware:
+    extra = sorted(set(data) - set(_FIELDS) - {"name"})
+    if extra:
+        raise FomoeError(f"{source}: unknown key {extra[0]}; expected name, device, host, drives")
     sections = {}
     for section, fields in _FIELDS.items():
         given = data.get(section, {})
@@ -140,9 +143,6 @@ def hardware_from_dict(data: dict, source: str) -> Hardware:
             elif key not in values:
                 raise FomoeError(f"{source}: [{section}] needs {key}")
         sections[section] = values
-    extra = sorted(set(data) - set(_FIELDS) - {"name"})
-    if extra:
-        raise FomoeError(f"{source}: unknown key {extra[0]}; expected name, device, host, drives")
     return Hardware(
         str(data.get("name", source)), Device(**sections["device"]), Host(**sections["host"]), Drives(**sections["drives"])
     )
