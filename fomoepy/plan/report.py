@@ -29,6 +29,7 @@ def describe(work: Workload, hw: Hardware, hw_source: str, rates: TierRates, p: 
         lines.append(
             f"expert cache: device {format_size(capacity.device)}, host {format_size(capacity.host)} "
             f"({100 * capacity.device / m.store_bytes:.1f}% + {100 * capacity.host / m.store_bytes:.1f}% of the store)"
+            + ("; unused: the hit rates are given" if rates.source.startswith("given") else "")
         )
     lines += [
         f"routing ({rates.source}): {rates_line(rates)}",

@@ -146,7 +146,8 @@ def project(
     if schedule == "fomoe":
         moe = max(layer["disk"], layer["copy"]) + layer["experts"]
     elif gpu:
-        hidden = prefetch * (layer["disk"] + layer["copy"])
+        # a prefetched read overlaps the previous step, so it hides at most that step's compute
+        hidden = min(prefetch * (layer["disk"] + layer["copy"]), layer["dense"] + layer["experts"])
         fetch = layer["disk"] + layer["copy"] - hidden  # copies of disk reads follow the reads
         resident = layer["experts"] * (1 - (rates.host + rates.disk))
         moe = max(resident, fetch) + (layer["experts"] - resident if fetch > resident else 0.0)
