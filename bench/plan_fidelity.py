@@ -7,7 +7,8 @@ the same run, before the decodes of that thread count:
 
     compute rate   the backend's own expert FFN (its `_compute` on k ready experts), bytes/s
     dense family   float32 matvecs of this model's dense and head shapes: its rate / compute rate
-    make ready     store bytes/s turned into compute-ready experts (the CPU backend's "copy up")
+    make ready     store bytes/s turned into compute-ready experts (the CPU backend's "copy up"),
+                   through its own make_ready on bytes read from the store
     disk           O_DIRECT reads of the store: bandwidth (many in flight), latency (one at a time)
     tier shares    the run's own hit counts (prefetch and backfill off, so every miss is a
                    synchronous read, as the model's schedule has it)
@@ -32,7 +33,7 @@ from datetime import date
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from decode import decode_tokens, disk_bandwidth, ensure_model, host_to_device_bandwidth
+from decode import decode_tokens, disk_bandwidth, ensure_model
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.store_reader import ExpertStore
 from fomoepy.model.gguf_file import GGUFFile
@@ -83,6 +84,23 @@ def dense_rate(model, repeats: int = 10) -> float:
     return sum(m.nbytes for m in mats) / seconds
 
 
+def make_ready_rate(engine: Engine, n: int = 16, repeats: int = 5) -> float:
+    """Store bytes per second through the CPU backend's make_ready, the way a decode step calls it:
+    on bytes read from the store, each result dropped or replaced as the device tier evicts."""
+    from fomoepy.runtime.cpu_experts import make_ready
+
+    src, n_expert = engine.source, engine.spec.moe.n_expert
+    raw = [(e % len(src.layers), src.read(e % len(src.layers), (3 * e) % n_expert)) for e in range(n)]
+    kept = {}
+
+    def one_pass() -> None:
+        for i, (layer, r) in enumerate(raw):
+            kept[i % 4] = make_ready(src.layers[layer], r)
+
+    one_pass()  # warm-up: the allocator's first large blocks
+    return sum(src.layers[layer].expert_nbytes for layer, _ in raw) / _best_seconds(one_pass, repeats)
+
+
 def disk_latency(model, store, n: int = 16) -> float:
     """Seconds of one expert read beyond its bytes / bandwidth, reads one at a time."""
     with ExpertStore.open([store], model) as s:
@@ -100,7 +118,7 @@ def measure_hardware(model, store, threads: int) -> tuple[Hardware, float, dict]
     with threadpool_limits(threads):
         matvec = expert_rate(probe)
         dense = dense_rate(model)
-    ready = float(np.median([host_to_device_bandwidth(probe) for _ in range(3)]))
+    ready = make_ready_rate(probe)
     expert_nbytes = probe.source.layers[0].expert_nbytes
     probe.close()
     bw = float(np.median([disk_bandwidth(model, store) for _ in range(3)]))

@@ -222,3 +222,23 @@ def test_plan_command_bad_input_is_one_error_line(capsys, argv, message):
     assert main(["plan", *argv, "--tokens", "4"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_measure_replaces_host_and_drive_figures_and_leaves_no_file(tmp_path, monkeypatch):
+    from fomoepy.plan import measure
+
+    monkeypatch.setattr(measure, "SCRATCH_BYTES", 8 << 20)
+    rig = load_hardware("rtx4090-64g-2nvme")
+    hw, _ = measure.measured(rig, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    assert hw.drives.count == rig.drives.count and hw.device == rig.device
+    assert hw.drives.bandwidth > 0 and hw.host.matvec > 0 and hw.host.bandwidth > 0
+    assert hw.drives.bandwidth != rig.drives.bandwidth and hw.host.matvec != rig.host.matvec
+
+
+def test_png_plots_every_registered_policy(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    rc = main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "rtx4090-64g-2nvme", "--tokens", "8",
+               "--png", str(out)])  # fmt: skip
+    assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

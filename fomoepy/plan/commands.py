@@ -45,6 +45,7 @@ def register(sub) -> None:
     p.add_argument("--car-threshold", type=float, default=None, help="replay cache-aware routing (needs --trace with probs)")
     p.add_argument("--vram", help="expert cache on the devices (default: VRAM left after resident weights)")
     p.add_argument("--ram", help="expert cache in DRAM (default: RAM less a 4 GiB reserve)")
+    p.add_argument("--measure", metavar="DIR", help="replace the file's host and drive figures with this machine's (drive: DIR's)")
     p.add_argument("--schedule", choices=SCHEDULES, default="engine", help="engine (ours) or fomoe (FOMOE's)")
     p.add_argument("--efficiency", help="kernel efficiency per family, e.g. dense=0.5,experts=0.4 or one number")
     p.add_argument("--prefetch", type=float, default=0.0, help="share of misses read ahead off the critical path")
@@ -191,6 +192,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     m = model_bytes(shape_by_name(args.shape), args.mix) if args.shape else model_bytes_from_gguf(args.model)
     work = Workload(m)
     hw = load_hardware(args.hardware)
+    hw_source = args.hardware
+    if args.measure:
+        from fomoepy.plan.measure import measured
+
+        hw, notes = measured(hw, args.measure)
+        hw_source += f"; host and drive figures measured here ({args.measure})" + "".join(f"; {n}" for n in notes)
     planner = Planner(args, work)
     cap = planner.capacity(hw)
     rates = planner.rates(cap)
@@ -202,7 +209,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "model": {**asdict(m), "store_bytes": m.store_bytes, "resident_bytes": m.resident_bytes},
-            "hardware": {"source": args.hardware, **asdict(hw)},
+            "hardware": {"source": hw_source, **asdict(hw)},
             "capacity": asdict(cap),
             "routing": rates.as_dict(),
             "projection": p.as_dict(),
@@ -211,7 +218,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=1))
         return 0
-    print(describe(work, hw, args.hardware, rates, p, cap))
+    print(describe(work, hw, hw_source, rates, p, cap))
     if sweep:
         print(f"\nsweep ({args.schedule} schedule):\n" + sweep_table(sweep))
     if what_if:
