@@ -242,3 +242,11 @@ def test_png_plots_every_registered_policy(tmp_path):
     rc = main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "rtx4090-64g-2nvme", "--tokens", "8",
                "--png", str(out)])  # fmt: skip
     assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_what_if_on_a_cpu_only_box_ranks_drive_and_ram(capsys):
+    rc = main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "cpu-only-64g", "--hit-rates", "70,0,30",
+               "--what-if", "--json"])  # fmt: skip
+    assert rc == 0
+    names = {row["upgrade"] for row in json.loads(capsys.readouterr().out)["what_if"]}
+    assert names == {"another drive", "2x RAM"}

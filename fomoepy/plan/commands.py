@@ -153,8 +153,8 @@ UPGRADES = {
 def _what_if(planner: Planner, hw: Hardware, base_tps: float) -> list:
     rows = []
     for name, change in UPGRADES.items():
-        if hw.device.count == 0 and "VRAM" in name:
-            continue  # a CPU-only box has no VRAM to double (a first GPU is "a second GPU"'s row)
+        if hw.device.count == 0 and ("VRAM" in name or "GPU" in name):
+            continue  # a CPU-only box's file states no GPU figures to add a second one from
         new = change(hw)
         r = planner.rates(planner.capacity(new))
         p = planner.project(new, r)
