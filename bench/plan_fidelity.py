@@ -29,11 +29,11 @@ import sys
 import time
 from datetime import date
 
-
 import numpy as np
+from decode import decode_tokens, disk_bandwidth, ensure_model
+from results import record
 from threadpoolctl import threadpool_limits
 
-from decode import decode_tokens, disk_bandwidth, ensure_model
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.store_reader import ExpertStore
 from fomoepy.model.gguf_file import GGUFFile
@@ -42,7 +42,6 @@ from fomoepy.plan.rates import TierRates
 from fomoepy.plan.shapes import model_bytes_from_gguf
 from fomoepy.plan.timemodel import Workload, project
 from fomoepy.runtime.select import device_expert_nbytes
-from results import record
 
 SETTINGS = [("all resident", 1.0, 0.0), ("25% + 25%", 0.25, 0.25), ("10% + 25%", 0.10, 0.25), ("5% + 10%", 0.05, 0.10)]
 WITHIN = 0.15
@@ -219,7 +218,9 @@ def main() -> int:
         )
     lines.append("")
     for threads, figs in figures.items():
-        span = lambda key, scale: f"{min(f[key] for f in figs) * scale:.3g}–{max(f[key] for f in figs) * scale:.3g}"  # noqa: E731
+        def span(key: str, scale: float, figs: list = figs) -> str:
+            return f"{min(f[key] for f in figs) * scale:.3g}–{max(f[key] for f in figs) * scale:.3g}"
+
         lines.append(
             f"- measured, {threads} thread(s), range over the four settings: expert FFN {span('expert', 1e-9)} GB/s of "
             f"ready bytes, dense matvecs {span('dense', 1e-9)} GB/s, make-ready {span('ready', 1e-9)} GB/s, disk "

@@ -17,11 +17,12 @@ import argparse
 import sys
 from datetime import date
 
+from results import record
+
 from fomoepy.plan.hardware import load_hardware
 from fomoepy.plan.rates import parse_hit_rates
 from fomoepy.plan.shapes import SHAPES, model_bytes
 from fomoepy.plan.timemodel import Workload, fit_efficiency, project
-from results import record
 
 PUBLISHED = [("CAR off", "60,12,28", 5.1), ("CAR 0.35", "46,6,6,42", 8.8)]
 

@@ -5,16 +5,32 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from fomoepy.cli import main
 from fomoepy.errors import FomoeError
-from fomoepy.plan.hardware import hardware_from_dict, load_hardware, parse_rate, shipped_rigs
+from fomoepy.plan.hardware import (
+    hardware_from_dict,
+    load_hardware,
+    parse_rate,
+    shipped_rigs,
+)
 from fomoepy.plan.rates import TierRates, parse_hit_rates
-from fomoepy.plan.routing import RoutingFit, fit_routing, popularity_seed, rates_from_trace, synthetic_trace
+from fomoepy.plan.routing import (
+    RoutingFit,
+    fit_routing,
+    popularity_seed,
+    rates_from_trace,
+    synthetic_trace,
+)
 from fomoepy.plan.shapes import SHAPES, model_bytes, model_bytes_from_gguf
-from fomoepy.plan.timemodel import GPU_EFFICIENCY, TERMS, Workload, fit_efficiency, project
+from fomoepy.plan.timemodel import (
+    GPU_EFFICIENCY,
+    TERMS,
+    Workload,
+    fit_efficiency,
+    project,
+)
 
 MIB, GIB = 1 << 20, 1 << 30
 

@@ -27,7 +27,10 @@ class Capacity:
 def capacity_for(m: ModelBytes, hw: Hardware) -> Capacity:
     """GPU: VRAM minus the resident weights and a reserve per device; DRAM minus a reserve.
     CPU only: RAM minus the resident weights is the one tier, counted as the compute device's."""
+    def fit(n: int) -> int:  # a tier larger than the store holds the store
+        return max(0, min(n, m.store_bytes))
+
     if hw.device.count:
         device = hw.device.count * (hw.device.memory - DEVICE_RESERVE) - m.resident_bytes
-        return Capacity(max(0, device), max(0, hw.host.memory - HOST_RESERVE))
-    return Capacity(max(0, hw.host.memory - HOST_RESERVE - m.resident_bytes), 0)
+        return Capacity(fit(device), fit(hw.host.memory - HOST_RESERVE))
+    return Capacity(fit(hw.host.memory - HOST_RESERVE - m.resident_bytes), 0)

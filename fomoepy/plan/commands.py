@@ -21,7 +21,12 @@ from fomoepy.plan.routing import (
     rates_from_trace,
     synthetic_trace,
 )
-from fomoepy.plan.shapes import SHAPES, model_bytes, model_bytes_from_gguf, shape_by_name
+from fomoepy.plan.shapes import (
+    SHAPES,
+    model_bytes,
+    model_bytes_from_gguf,
+    shape_by_name,
+)
 from fomoepy.plan.timemodel import SCHEDULES, TERMS, Workload, project
 
 DEMO_TRACE = Path(__file__).parent / "traces" / "demo-qwen3moe.trace"

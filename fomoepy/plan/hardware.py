@@ -91,7 +91,7 @@ class Hardware:
     host: Host
     drives: Drives
 
-    def with_changes(self, **sections) -> "Hardware":
+    def with_changes(self, **sections) -> Hardware:
         """A copy with some fields of some sections replaced: with_changes(drives={"count": 2})."""
         out = self
         for section, fields in sections.items():

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from fomoepy.errors import FomoeError
 from fomoepy.plan.hardware import Hardware
 
@@ -49,8 +50,7 @@ def drive_figures(directory: str) -> tuple[dict, list[str]]:
     try:
         with open(path, "wb") as f:
             block = os.urandom(CHUNK)
-            for _ in range(SCRATCH_BYTES // CHUNK):
-                f.write(block)
+            f.writelines(block for _ in range(SCRATCH_BYTES // CHUNK))
             f.flush()
             os.fsync(f.fileno())
         flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)

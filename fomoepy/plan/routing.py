@@ -15,7 +15,13 @@ import numpy as np
 from fomoepy.errors import FomoeError
 from fomoepy.experts.car import CarConfig
 from fomoepy.experts.simulate import SimResult, simulate
-from fomoepy.experts.trace import Trace, TraceHeader, TraceRecord, expert_sizes, read_trace
+from fomoepy.experts.trace import (
+    Trace,
+    TraceHeader,
+    TraceRecord,
+    expert_sizes,
+    read_trace,
+)
 from fomoepy.plan.rates import TierRates
 
 

@@ -119,7 +119,7 @@ def model_bytes(shape: ModelShape, mix_name: str | None = None) -> ModelBytes:
         router = _matrix(mix.router, shape.n_expert, e)
         head = _matrix(mix.output, shape.vocab, e)
         embed = _matrix(mix.attn, shape.vocab, e)
-    except Exception as exc:  # a row length the mix's block size does not divide
+    except ValueError as exc:  # a row length the mix's block size does not divide
         raise FomoeError(f"{shape.name} at {mix_name}: {exc}") from None
     return ModelBytes(
         name=shape.name,
