@@ -67,6 +67,7 @@ def drive_figures(directory: str) -> tuple[dict, list[str]]:
                 for off in range(0, SCRATCH_BYTES, CHUNK):
                     os.preadv(fd, [view], off)
 
+            sequential()  # unmeasured: the drive may still be writing the scratch file back
             bandwidth = SCRATCH_BYTES / _median_seconds(sequential, 3)
             rng = np.random.default_rng(0)
             offsets = rng.integers(0, SCRATCH_BYTES // 4096, 64) * 4096
