@@ -177,6 +177,10 @@ def main() -> int:
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     model, store = ensure_model("bench")
+    probe = Engine(model, EngineOptions(backend=args.backend, store=(str(store),), vram_cache=0, ram_cache=0))
+    # the backend's implementation, not only its name: "cpu" is numpy today and ggml later
+    implementation = f"{type(probe.ops).__module__}.{type(probe.ops).__name__}"
+    probe.close()
 
     rows, fits, figures = [], {}, {}
     worst = 0.0
@@ -202,7 +206,7 @@ def main() -> int:
             rows.append((threads, name, rates, 1 / measured, p.tokens_per_s, err))
 
     lines = [
-        f"### plan fidelity — {date.today()} — {args.backend} backend, {platform.machine()}, {os.cpu_count()} cores",
+        f"### plan fidelity — {date.today()} — {args.backend} backend ({implementation}), {platform.machine()}, {os.cpu_count()} cores",
         "",
         f"`python bench/plan_fidelity.py --backend {args.backend} --tokens {args.tokens} --threads {args.threads}` "
         f"(bench-shaped model, engine schedule; prefetch and backfill off)",
