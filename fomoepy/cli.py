@@ -82,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands that live with their subsystem: each module has register(subparsers), which adds its
 # parsers with set_defaults(handler=...). Imported here only, so subsystems never import the CLI.
-SUBSYSTEM_COMMANDS = ("fomoepy.experts.commands", "fomoepy.serve.commands", "fomoepy.eval.commands")
+SUBSYSTEM_COMMANDS = (
+    "fomoepy.experts.commands",
+    "fomoepy.serve.commands",
+    "fomoepy.eval.commands",
+    "fomoepy.plan.commands",
+)
 
 
 def register_subsystem_commands(sub) -> None:

@@ -1,0 +1,234 @@
+"""`fomoe plan`: projected decode speed for a model on stated hardware (registered by fomoepy.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from fomoepy.errors import FomoeError
+from fomoepy.experts.policy import POLICIES
+from fomoepy.experts.sizes import parse_size
+from fomoepy.plan.capacity import Capacity, capacity_for
+from fomoepy.plan.hardware import Hardware, load_hardware, shipped_rigs
+from fomoepy.plan.rates import TierRates, parse_hit_rates
+from fomoepy.plan.report import describe, sweep_table
+from fomoepy.plan.routing import (
+    fit_routing,
+    load_traces,
+    popularity_seed,
+    rates_from_trace,
+    synthetic_trace,
+)
+from fomoepy.plan.shapes import (
+    SHAPES,
+    model_bytes,
+    model_bytes_from_gguf,
+    shape_by_name,
+)
+from fomoepy.plan.timemodel import SCHEDULES, TERMS, Workload, project
+
+DEMO_TRACE = Path(__file__).parent / "traces" / "demo-qwen3moe.trace"
+SWEEP_KINDS = ("vram", "ram", "policy", "car")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="projected decode speed of a model on stated hardware (no GPU needed)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("model", nargs="?", help="a GGUF model: sizes read from the file")
+    what.add_argument("--shape", help=f"a real model shape instead ({', '.join(SHAPES)})")
+    p.add_argument("--mix", help="quant mix for --shape (default: the shape's usual, e.g. Q4_K_M)")
+    p.add_argument("--hardware", required=True, help=f"a hardware TOML file, or a shipped rig ({', '.join(shipped_rigs())})")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--hit-rates", help="DEVICE,HOST,DISK[,SUBSTITUTED] shares (fractions or percent)")
+    src.add_argument("--trace", help="a recorded routing trace, replayed through the simulator")
+    p.add_argument("--fit-trace", nargs="+", metavar="TRACE",
+                   help="traces the synthetic routing's skew and reuse are fitted to (default: the demo model's)")
+    p.add_argument("--tokens", type=int, default=128, help="synthetic trace length in tokens (default 128)")
+    p.add_argument("--policy", default="lru", help=f"cache policy for trace replay ({', '.join(POLICIES)})")
+    p.add_argument("--car-threshold", type=float, default=None, help="replay cache-aware routing (needs --trace with probs)")
+    p.add_argument("--vram", help="expert cache on the devices (default: VRAM left after resident weights)")
+    p.add_argument("--ram", help="expert cache in DRAM (default: RAM less a 4 GiB reserve)")
+    p.add_argument("--measure", metavar="DIR", help="replace the file's host and drive figures with this machine's (drive: DIR's)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="engine", help="engine (ours) or fomoe (FOMOE's)")
+    p.add_argument("--efficiency", help="kernel efficiency per family, e.g. dense=0.5,experts=0.4 or one number")
+    p.add_argument("--prefetch", type=float, default=0.0, help="share of misses read ahead off the critical path")
+    p.add_argument("--drop", default="", help=f"zero these terms to see what they cost ({', '.join(TERMS)})")
+    p.add_argument("--sweep", help="vram=8G,16G | ram=32G,64G | policy=lru,lfu-decay|all | car=0.2,0.35")
+    p.add_argument("--what-if", action="store_true", help="rank upgrades: a drive, 2x RAM, 2x VRAM, a GPU")
+    p.add_argument("--png", help="write tok/s against device cache size per policy (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p.set_defaults(handler=cmd_plan)
+
+
+def _efficiency(text: str | None) -> dict | None:
+    if not text:
+        return None
+    try:
+        if "=" not in text:
+            return {"dense": float(text), "experts": float(text)}
+        out = {k.strip(): float(v) for k, v in (part.split("=", 1) for part in text.split(","))}
+    except ValueError:
+        raise FomoeError(f"--efficiency: expected dense=X,experts=Y or one number, got {text!r}") from None
+    bad = [k for k in out if k not in ("dense", "experts")] + [k for k, v in out.items() if not 0 < v <= 1]
+    if bad:
+        raise FomoeError(f"--efficiency: families are dense and experts, each in (0, 1]; got {text!r}")
+    return out
+
+
+class Planner:
+    """Everything one `fomoe plan` run varies: capacity, policy, CAR threshold, hardware."""
+
+    def __init__(self, args: argparse.Namespace, work: Workload):
+        self.args, self.work = args, work
+        self.trace = load_traces([args.trace])[0] if args.trace else None
+        self.synthetic = None
+        if not args.hit_rates and not self.trace:
+            fits = load_traces(args.fit_trace or [str(DEMO_TRACE)])
+            self.fit = fit_routing(fits)
+            m = work.model
+            self.synthetic = synthetic_trace(m.n_layer, m.n_expert, m.n_expert_used, args.tokens, self.fit, m.expert_bytes)
+            self.seed = popularity_seed(self.synthetic)
+        drop = frozenset(t.strip() for t in args.drop.split(",") if t.strip())
+        unknown = sorted(drop - set(TERMS))
+        if unknown:
+            raise FomoeError(f"--drop: unknown term {unknown[0]!r}; expected some of {', '.join(TERMS)}")
+        self.drop = drop
+        self.efficiency = _efficiency(args.efficiency)
+
+    def capacity(self, hw: Hardware, vram: int | None = None, ram: int | None = None) -> Capacity:
+        cap = capacity_for(self.work.model, hw)
+        a = self.args
+        vram = vram if vram is not None else (parse_size(a.vram) if a.vram else None)
+        ram = ram if ram is not None else (parse_size(a.ram) if a.ram else None)
+        return Capacity(cap.device if vram is None else vram, cap.host if ram is None else ram)
+
+    def rates(self, cap: Capacity, policy: str | None = None, car: float | None = None) -> TierRates:
+        a = self.args
+        if a.hit_rates:
+            return parse_hit_rates(a.hit_rates)
+        policy = policy or a.policy
+        if policy not in POLICIES:
+            raise FomoeError(f"unknown cache policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        car = a.car_threshold if car is None else car
+        dev, host = cap.shares(self.work.model)
+        if self.trace is not None:
+            return rates_from_trace(self.trace, dev, host, policy, car)
+        if car is not None:
+            raise FomoeError("CAR needs routing probabilities: give --trace with a trace recorded by the engine")
+        r = rates_from_trace(self.synthetic, dev, host, policy, None, seed=self.seed)
+        return replace(r, source=r.source + "; " + self.fit.line() + ", tiers warm-started by popularity")
+
+    def project(self, hw: Hardware, rates: TierRates):
+        a = self.args
+        return project(self.work, hw, rates, a.schedule, efficiency=self.efficiency, prefetch=a.prefetch, drop=self.drop)
+
+
+def _sweep(planner: Planner, hw: Hardware, cap: Capacity, spec: str) -> list:
+    kind, _, values = spec.partition("=")
+    if kind not in SWEEP_KINDS or not values:
+        raise FomoeError(f"--sweep: expected KIND=V1,V2,... with KIND one of {', '.join(SWEEP_KINDS)}, got {spec!r}")
+    rows = []
+    names = list(POLICIES) if kind == "policy" and values == "all" else [v.strip() for v in values.split(",")]
+    for v in names:
+        if kind == "vram":
+            r = planner.rates(Capacity(parse_size(v), cap.host))
+        elif kind == "ram":
+            r = planner.rates(Capacity(cap.device, parse_size(v)))
+        elif kind == "policy":
+            r = planner.rates(cap, policy=v)
+        else:
+            try:
+                r = planner.rates(cap, car=float(v))
+            except ValueError:
+                raise FomoeError(f"--sweep car: expected thresholds, got {v!r}") from None
+        rows.append((f"{kind} {v}", r, planner.project(hw, r)))
+    return rows
+
+
+UPGRADES = {
+    "another drive": lambda hw: hw.with_changes(drives={"count": hw.drives.count + 1}),
+    "2x RAM": lambda hw: hw.with_changes(host={"memory": 2 * hw.host.memory}),
+    "2x VRAM per GPU": lambda hw: hw.with_changes(device={"memory": 2 * hw.device.memory}),
+    "a second GPU": lambda hw: hw.with_changes(device={"count": hw.device.count + 1}),
+}
+
+
+def _what_if(planner: Planner, hw: Hardware, base_tps: float) -> list:
+    rows = []
+    for name, change in UPGRADES.items():
+        if hw.device.count == 0 and ("VRAM" in name or "GPU" in name):
+            continue  # a CPU-only box's file states no GPU figures to add a second one from
+        new = change(hw)
+        r = planner.rates(planner.capacity(new))
+        p = planner.project(new, r)
+        rows.append((name, r, p, p.tokens_per_s / base_tps - 1))
+    return sorted(rows, key=lambda row: -row[3])
+
+
+def _png(planner: Planner, hw: Hardware, cap: Capacity, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise FomoeError("--png needs matplotlib: pip install 'fomoepy[plot]'") from None
+    store = planner.work.model.store_bytes
+    sizes = [int(store * f) for f in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in POLICIES:
+        tps = [planner.project(hw, planner.rates(Capacity(s, cap.host), policy=policy)).tokens_per_s for s in sizes]
+        ax.plot([s / (1 << 30) for s in sizes], tps, marker="o", label=policy)
+    ax.set_xlabel("device expert cache (GiB)")
+    ax.set_ylabel("projected decode tok/s")
+    ax.set_title(f"{planner.work.model.name} on {hw.name}"[:80], fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.tokens < 2:
+        raise FomoeError(f"--tokens must be >= 2, got {args.tokens}")
+    if not 0.0 <= args.prefetch <= 1.0:
+        raise FomoeError(f"--prefetch must be in [0, 1], got {args.prefetch}")
+    m = model_bytes(shape_by_name(args.shape), args.mix) if args.shape else model_bytes_from_gguf(args.model)
+    work = Workload(m)
+    hw = load_hardware(args.hardware)
+    hw_source = args.hardware
+    if args.measure:
+        from fomoepy.plan.measure import measured
+
+        hw, notes = measured(hw, args.measure)
+        hw_source += f"; host and drive figures measured here ({args.measure})" + "".join(f"; {n}" for n in notes)
+    planner = Planner(args, work)
+    cap = planner.capacity(hw)
+    rates = planner.rates(cap)
+    p = planner.project(hw, rates)
+    sweep = _sweep(planner, hw, cap, args.sweep) if args.sweep else []
+    what_if = _what_if(planner, hw, p.tokens_per_s) if args.what_if else []
+    if args.png:
+        _png(planner, hw, cap, args.png)
+    if args.json:
+        out = {
+            "model": {**asdict(m), "store_bytes": m.store_bytes, "resident_bytes": m.resident_bytes},
+            "hardware": {"source": hw_source, **asdict(hw)},
+            "capacity": asdict(cap),
+            "routing": rates.as_dict(),
+            "projection": p.as_dict(),
+            "sweep": [{"setting": s, "routing": r.as_dict(), "projection": q.as_dict()} for s, r, q in sweep],
+            "what_if": [{"upgrade": n, "routing": r.as_dict(), "projection": q.as_dict(), "gain": g} for n, r, q, g in what_if],
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    print(describe(work, hw, hw_source, rates, p, cap))
+    if sweep:
+        print(f"\nsweep ({args.schedule} schedule):\n" + sweep_table(sweep))
+    if what_if:
+        given = " (hit rates given: capacity upgrades cannot change them)" if args.hit_rates else ""
+        print(f"\nwhat if{given}:")
+        for name, _, q, gain in what_if:
+            print(f"  {name:<18} {q.tokens_per_s:7.2f} tok/s  ({100 * gain:+.1f}%)")
+    return 0

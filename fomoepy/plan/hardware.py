@@ -1,0 +1,166 @@
+"""Hardware figures from a small TOML file: the only inputs of a projection the user states.
+
+    name = "one RTX 4090, 64 GB, two NVMe"
+    [device]            # each GPU; count = 0 for a CPU-only box
+    count = 1
+    memory = "24G"
+    bandwidth = "1008 GB/s"      # device memory bandwidth
+    link = "25 GB/s"             # host -> device copies, per device
+    sync = "30 us"               # one host round trip: launch, read back the router's choice
+    [host]
+    memory = "64G"
+    bandwidth = "60 GB/s"
+    matvec = "20 GB/s"           # CPU backend: weight bytes per second through its expert matvec
+    make_ready = "2 GB/s"        # CPU backend: store bytes per second made compute-ready (its "copy up")
+    plan = "40 us"               # host bookkeeping per MoE layer step (cache plan, routing)
+    [drives]
+    count = 2
+    bandwidth = "7 GB/s"         # each
+    latency = "80 us"
+
+Rates are strings with their unit, so "GB/s" (1e9) and "GiB/s" (2^30) cannot be confused.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fomoepy.errors import FomoeError
+from fomoepy.experts.sizes import parse_size
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10 has no tomllib
+    import tomli as tomllib
+
+RIGS_DIR = Path(__file__).parent / "rigs"
+_RATE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(i?)B/s\s*", re.IGNORECASE)
+_TIME = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ns|us|µs|ms|s)\s*")
+_PREFIX = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_rate(text: str, where: str) -> float:
+    """'320 GB/s' -> 3.2e11 bytes/s; '14.5 GiB/s' -> 14.5 * 2^30."""
+    m = _RATE.fullmatch(str(text))
+    if not m:
+        raise FomoeError(f"{where}: expected a rate such as '14.5 GiB/s' or '320 GB/s', got {text!r}")
+    base = 1024 if m.group(3) else 1000
+    return float(m.group(1)) * base ** _PREFIX[m.group(2).lower()]
+
+
+def parse_time(text: str, where: str) -> float:
+    m = _TIME.fullmatch(str(text))
+    if not m:
+        raise FomoeError(f"{where}: expected a time such as '80 us' or '0.5 ms', got {text!r}")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+@dataclass(frozen=True)
+class Device:
+    count: int
+    memory: int  # bytes, each
+    bandwidth: float  # bytes/s
+    link: float  # host -> device bytes/s, each
+    sync: float  # seconds per host round trip
+
+
+@dataclass(frozen=True)
+class Host:
+    memory: int
+    bandwidth: float
+    matvec: float  # weight bytes/s through the CPU backend's expert matvec
+    make_ready: float  # store bytes/s made compute-ready by the CPU backend
+    plan: float  # seconds of host bookkeeping per MoE layer step
+
+
+@dataclass(frozen=True)
+class Drives:
+    count: int
+    bandwidth: float  # each
+    latency: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    device: Device
+    host: Host
+    drives: Drives
+
+    def with_changes(self, **sections) -> Hardware:
+        """A copy with some fields of some sections replaced: with_changes(drives={"count": 2})."""
+        out = self
+        for section, fields in sections.items():
+            out = replace(out, **{section: replace(getattr(out, section), **fields)})
+        return out
+
+
+_FIELDS = {
+    "device": {"count": int, "memory": "size", "bandwidth": "rate", "link": "rate", "sync": "time"},
+    "host": {"memory": "size", "bandwidth": "rate", "matvec": "rate", "make_ready": "rate", "plan": "time"},
+    "drives": {"count": int, "bandwidth": "rate", "latency": "time"},
+}
+_DEFAULTS = {
+    "device": {"count": 0, "memory": 0, "bandwidth": 0.0, "link": 0.0, "sync": 0.0},
+    "host": {"make_ready": 0.0, "plan": 40e-6},
+    "drives": {},
+}
+
+
+def _value(kind, raw, where: str):
+    if kind is int:
+        if not isinstance(raw, int) or raw < 0:
+            raise FomoeError(f"{where}: expected a whole number >= 0, got {raw!r}")
+        return raw
+    if kind == "size":
+        try:
+            return parse_size(str(raw))
+        except FomoeError as exc:
+            raise FomoeError(f"{where}: {exc}") from None
+    return parse_rate(raw, where) if kind == "rate" else parse_time(raw, where)
+
+
+def hardware_from_dict(data: dict, source: str) -> Hardware:
+    extra = sorted(set(data) - set(_FIELDS) - {"name"})
+    if extra:
+        raise FomoeError(f"{source}: unknown key {extra[0]}; expected name, device, host, drives")
+    sections = {}
+    for section, fields in _FIELDS.items():
+        given = data.get(section, {})
+        if not isinstance(given, dict):
+            raise FomoeError(f"{source}: [{section}] must be a table")
+        unknown = sorted(set(given) - set(fields))
+        if unknown:
+            raise FomoeError(f"{source}: unknown key [{section}] {unknown[0]}; expected one of {', '.join(fields)}")
+        values = dict(_DEFAULTS[section])
+        for key, kind in fields.items():
+            if key in given:
+                values[key] = _value(kind, given[key], f"{source}: [{section}] {key}")
+            elif key not in values:
+                raise FomoeError(f"{source}: [{section}] needs {key}")
+        sections[section] = values
+    return Hardware(
+        str(data.get("name", source)), Device(**sections["device"]), Host(**sections["host"]), Drives(**sections["drives"])
+    )
+
+
+def load_hardware(path: str) -> Hardware:
+    """A TOML file, or the name of a shipped rig (see `shipped_rigs()`)."""
+    file = Path(path)
+    if not file.exists() and (RIGS_DIR / f"{path}.toml").exists():
+        file = RIGS_DIR / f"{path}.toml"
+    try:
+        data = tomllib.loads(file.read_text())
+    except OSError as exc:
+        raise FomoeError(f"cannot read hardware file {path}: {exc.strerror}; shipped rigs: {', '.join(shipped_rigs())}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise FomoeError(f"{path}: not valid TOML: {exc}") from None
+    return hardware_from_dict(data, str(path))
+
+
+def shipped_rigs() -> list[str]:
+    return sorted(p.stem for p in RIGS_DIR.glob("*.toml"))

@@ -1,0 +1,161 @@
+"""Tier shares from routing: a recorded trace replayed through the simulator, or a synthetic trace
+for the shape whose skew and reuse were fitted to recorded traces.
+
+A trace recorded on one model can stand in for another only through shares: the capacities are
+given to the simulator as the same fraction of the trace model's expert bytes as they are of the
+projected model's store. The report says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fomoepy.errors import FomoeError
+from fomoepy.experts.car import CarConfig
+from fomoepy.experts.simulate import SimResult, simulate
+from fomoepy.experts.trace import (
+    Trace,
+    TraceHeader,
+    TraceRecord,
+    expert_sizes,
+    read_trace,
+)
+from fomoepy.plan.rates import TierRates
+
+
+def rates_of(result: SimResult, source: str) -> TierRates:
+    """Simulator counts -> shares. A substituted slot was served by a cached expert: it leaves the
+    device share (where the simulator counted its hit) for the substituted share."""
+    s = result.summary
+    n = s["accesses"]
+    if not n:
+        raise FomoeError("the trace holds no expert accesses")
+    device, host, disk = s["device"]["hits"] / n, s["host"]["hits"] / n, s["disk"]["reads"] / n
+    sub = result.car.rate if result.car is not None else 0.0
+    sub = min(sub, device)
+    return TierRates(device - sub, host, disk, sub, source=source)
+
+
+def rates_from_trace(
+    trace: Trace,
+    device_share: float,
+    host_share: float,
+    policy: str,
+    car_threshold: float | None = None,
+    seed: list | None = None,
+) -> TierRates:
+    """Replay `trace` with the tiers holding these shares of its experts' bytes."""
+    sizes = expert_sizes(trace.header) if trace.header.expert_bytes else (1 << 20,) * trace.header.n_layer
+    total = sum(sizes) * trace.header.n_expert
+    car = CarConfig(threshold=car_threshold) if car_threshold is not None else None
+    result = simulate(
+        trace, sizes, int(device_share * total), int(host_share * total), policy, seed=seed or (), car=car,
+        pin_fraction=0.5 if seed else 0.0,  # as `fomoe simulate`: *-pinned policies pin half of each tier
+    )
+    what = "synthetic" if not trace.path else f"trace {trace.path}"
+    car_text = f", CAR {car_threshold}" if car_threshold is not None else ""
+    return rates_of(
+        result,
+        f"{what}: {trace.n_tokens} tokens, {policy}{car_text}, tiers at "
+        f"{100 * device_share:.1f}% + {100 * host_share:.1f}% of the experts",
+    )
+
+
+@dataclass(frozen=True)
+class RoutingFit:
+    """Zipf exponent of per-layer expert popularity, and the share of a token's experts kept from the
+    previous token beyond what popularity alone repeats."""
+
+    skew: float
+    reuse: float
+    sources: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        where = ", ".join(self.sources) or "stated"
+        return f"synthetic routing: popularity ~ rank^-{self.skew:.3f}, extra reuse {self.reuse:.3f} (fitted to {where})"
+
+
+def _counts(trace: Trace) -> np.ndarray:
+    h = trace.header
+    counts = np.zeros((h.n_layer, h.n_expert))
+    for r in trace.records:
+        np.add.at(counts[r.layer], r.ids.ravel(), 1)
+    return counts
+
+
+def _zipf_slope(counts: np.ndarray) -> float:
+    """Least-squares slope of log count against log rank, averaged over layers."""
+    slopes = []
+    for row in counts:
+        c = np.sort(row[row > 0])[::-1]
+        if len(c) >= 3:
+            slopes.append(-np.polyfit(np.log(np.arange(1, len(c) + 1)), np.log(c), 1)[0])
+    if not slopes:
+        raise FomoeError("a trace needs at least 3 distinct experts per layer to fit its skew")
+    return float(np.mean(slopes))
+
+
+def _reuse(trace: Trace) -> float:
+    """Share of a decode token's experts (per layer) that the previous token also used there."""
+    last: dict[int, set] = {}
+    kept = total = 0
+    for r in trace.records:
+        if r.n_tokens != 1:
+            last.pop(r.layer, None)  # a prefill step has no single previous token
+            continue
+        ids = set(int(e) for e in r.ids[0])
+        if r.layer in last:
+            kept += len(ids & last[r.layer])
+            total += len(ids)
+        last[r.layer] = ids
+    return kept / total if total else 0.0
+
+
+def fit_routing(traces: list[Trace]) -> RoutingFit:
+    """Skew from the popularity curve; reuse as the excess over a skew-only trace of the same shape."""
+    skew = float(np.mean([_zipf_slope(_counts(t)) for t in traces]))
+    measured = float(np.mean([_reuse(t) for t in traces]))
+    h = traces[0].header
+    base = _reuse(synthetic_trace(h.n_layer, h.n_expert, h.n_expert_used, 256, RoutingFit(skew, 0.0), 1 << 20))
+    extra = max(0.0, (measured - base) / (1 - base)) if base < 1 else 0.0
+    return RoutingFit(skew, extra, tuple(t.path or "trace" for t in traces))
+
+
+def synthetic_trace(
+    n_layer: int, n_expert: int, k: int, n_tokens: int, fit: RoutingFit, expert_bytes: int, seed: int = 0
+) -> Trace:
+    """Decode-only trace: each layer has its own random popularity order; a token keeps each of the
+    previous token's experts with probability `reuse`, and draws the rest by popularity."""
+    rng = np.random.default_rng(seed)
+    p = np.arange(1, n_expert + 1, dtype=np.float64) ** -fit.skew
+    p /= p.sum()
+    order = [rng.permutation(n_expert) for _ in range(n_layer)]
+    prev: list[np.ndarray | None] = [None] * n_layer
+    records = []
+    for t in range(n_tokens):
+        for layer in range(n_layer):
+            keep = [] if prev[layer] is None else [e for e in prev[layer] if rng.random() < fit.reuse]
+            w = p.copy()
+            w[keep] = 0.0  # ranks; order[layer] maps rank -> expert id
+            need = k - len(keep)
+            fresh = rng.choice(n_expert, size=need, replace=False, p=w / w.sum()) if need else []
+            ranks = np.array(list(keep) + list(fresh), dtype=np.int64)
+            prev[layer] = ranks
+            ids = order[layer][ranks][None, :]
+            records.append(TraceRecord(t, layer, ids, np.full((1, k), 1.0 / k, np.float32), None))
+    header = TraceHeader(n_layer, n_expert, k, (expert_bytes,) * n_layer, "synthetic")
+    return Trace(header, tuple(records))
+
+
+def popularity_seed(trace: Trace) -> list[tuple[int, int]]:
+    """Most used (layer, expert) first: what a .freq profile of this routing would seed the tiers with."""
+    counts = _counts(trace)
+    flat = np.argsort(-counts, axis=None, kind="stable")
+    n_expert = trace.header.n_expert
+    return [(int(i // n_expert), int(i % n_expert)) for i in flat]
+
+
+def load_traces(paths: list[str]) -> list[Trace]:
+    return [read_trace(p) for p in paths]

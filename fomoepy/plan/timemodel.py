@@ -1,0 +1,206 @@
+"""Time per decoded token: the bytes a layer step moves, divided by the rates that move them,
+combined the way a schedule overlaps them.
+
+Work per MoE layer step for one token (k = experts used, S = bytes of one expert):
+
+    dense     dense weights read by the kernels          dense_bytes / (bandwidth x eff["dense"])
+    experts   k expert FFNs on the compute device        k x compute_bytes / (bandwidth x eff["experts"])
+    sync      read back the router's choice              device.sync (GPU), 0 on the CPU
+    plan      host bookkeeping of the step               host.plan
+    disk      k x disk share reads of S bytes            spread over the drives (engine) or one queue (FOMOE)
+    copy      k x (host + disk share) x S to the device  over the link (GPU) or make-ready (CPU backend)
+
+Two schedules combine them:
+
+  engine  (what fomoepy does, DESIGN.md "data path of one decoded token")
+          dense -> sync -> plan -> all the layer's misses read at once, striped across the drives
+          (one latency, then bytes / (drives x bandwidth)) -> copies on the copy stream while the
+          device computes the experts already resident; the copied experts' FFNs follow their
+          copy. On the CPU backend there is one thread: every term adds up.
+  fomoe   (FOMOE's published design) dense -> router round trip -> each NVMe read in turn, full
+          stride, its latency each time; the link copies run beside the reads; then all k FFNs.
+          Layers alternate GPUs, so nothing of one layer overlaps the next.
+
+The bound under perfect overlap is the busiest single resource (device, link, drives, host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from fomoepy.errors import FomoeError
+from fomoepy.plan.hardware import Hardware
+from fomoepy.plan.rates import TierRates
+from fomoepy.plan.shapes import ModelBytes
+
+SCHEDULES = ("engine", "fomoe")
+TERMS = ("dense", "experts", "head", "sync", "plan", "disk", "copy")
+# Fraction of device memory bandwidth the kernels reach, per kernel family. The GPU default is the one
+# constant fitted to FOMOE's published CAR 0.35 figure on its RDNA4 rig (see fit_efficiency); it is a
+# stand-in until our own kernels are timed on a GPU. The CPU backend's rates are measured, hence 1.
+GPU_EFFICIENCY = 0.35
+CPU_EFFICIENCY = 1.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Bytes of one token's decode, in the forms the schedule moves and computes them."""
+
+    model: ModelBytes
+    compute_expert_bytes: int = 0  # the expert as the kernels read it (0: the stored bytes)
+    compute_dense_bytes: int = 0  # a layer's dense weights as the kernels read them (0: stored)
+    compute_head_bytes: int = 0
+
+    @property
+    def expert_compute(self) -> int:
+        return self.compute_expert_bytes or self.model.expert_bytes
+
+    @property
+    def dense_compute(self) -> int:
+        return self.compute_dense_bytes or self.model.dense_layer_bytes
+
+    @property
+    def head_compute(self) -> int:
+        return self.compute_head_bytes or self.model.head_bytes
+
+
+@dataclass(frozen=True)
+class Projection:
+    schedule: str
+    backend: str  # gpu | cpu
+    seconds_per_token: float
+    terms: dict  # busy seconds per token per term, before overlap
+    waits: float  # seconds per token the compute side sits waiting for data
+    bound_seconds: float  # busiest resource: perfect overlap
+    bound_resource: str
+    prefill_tokens_per_s: float
+    efficiency: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.seconds_per_token
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["tokens_per_s"] = self.tokens_per_s
+        out["bound_tokens_per_s"] = 1.0 / self.bound_seconds
+        return out
+
+
+def _rate(value: float, what: str) -> float:
+    if value <= 0:
+        raise FomoeError(f"the hardware file gives no {what}; the projection needs it")
+    return value
+
+
+def project(
+    work: Workload,
+    hw: Hardware,
+    rates: TierRates,
+    schedule: str = "engine",
+    *,
+    efficiency: dict | None = None,
+    prefetch: float = 0.0,
+    drop: frozenset[str] = frozenset(),
+    prefill_tokens: int = 512,
+) -> Projection:
+    """Seconds per decoded token. `drop` zeroes named terms (to see what each one costs);
+    `prefetch` is the share of next-layer misses read ahead while a step computes (engine only)."""
+    if schedule not in SCHEDULES:
+        raise FomoeError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+    m = work.model
+    gpu = hw.device.count > 0
+    eff = {"dense": GPU_EFFICIENCY if gpu else CPU_EFFICIENCY, "experts": GPU_EFFICIENCY if gpu else CPU_EFFICIENCY}
+    eff.update(efficiency or {})
+    if gpu:
+        compute_rate = _rate(hw.device.bandwidth, "device bandwidth")
+        copy_rate = _rate(hw.device.link, "device link bandwidth")
+    else:
+        compute_rate = _rate(hw.host.matvec, "host matvec throughput")
+        copy_rate = hw.host.make_ready  # 0: the CPU backend computes on store bytes in place
+    k = m.n_expert_used
+    S = m.expert_bytes
+    n_disk = k * rates.disk
+    n_copy = k * (rates.host + rates.disk)
+    drives = hw.drives
+    if n_disk > 0:
+        _rate(drives.bandwidth, "drive bandwidth")
+    layer = {
+        "dense": work.dense_compute / (compute_rate * eff["dense"]),
+        "experts": k * work.expert_compute / (compute_rate * eff["experts"]),
+        "sync": hw.device.sync if gpu else 0.0,
+        "plan": hw.host.plan,
+        "disk": 0.0,
+        "copy": n_copy * S / copy_rate if copy_rate else 0.0,
+    }
+    if schedule == "fomoe":
+        layer["disk"] = n_disk * (drives.latency + S / drives.bandwidth) if n_disk else 0.0
+    elif n_disk:
+        lanes = max(1, min(drives.count, round(n_disk + 0.5)))
+        layer["disk"] = drives.latency + n_disk * S / (drives.bandwidth * lanes)
+    head = work.head_compute / (compute_rate * eff["dense"])
+    layer = {name: (0.0 if name in drop else t) for name, t in layer.items()}
+    head = 0.0 if "head" in drop else head
+
+    one_ffn = layer["experts"] / k
+    if schedule == "fomoe":
+        moe = max(layer["disk"], layer["copy"]) + layer["experts"]
+    elif gpu:
+        # a prefetched read overlaps the previous step, so it hides at most that step's compute
+        hidden = min(prefetch * (layer["disk"] + layer["copy"]), layer["dense"] + layer["experts"])
+        fetch = layer["disk"] + layer["copy"] - hidden  # copies of disk reads follow the reads
+        resident = layer["experts"] * (1 - (rates.host + rates.disk))
+        moe = max(resident, fetch) + (layer["experts"] - resident if fetch > resident else 0.0)
+        moe = max(moe, layer["experts"], fetch + (one_ffn if n_copy else 0.0))
+    else:  # one CPU thread: read, make ready, compute, in turn
+        moe = (1 - prefetch) * (layer["disk"] + layer["copy"]) + layer["experts"]
+    step = layer["dense"] + layer["sync"] + layer["plan"] + moe
+    total = m.n_layer * step + head
+    terms = {name: m.n_layer * t for name, t in layer.items()}
+    terms["head"] = head
+    compute = terms["dense"] + terms["experts"] + head
+    busy = {
+        "device" if gpu else "host compute": compute + (0.0 if gpu else terms["copy"] + terms["plan"]),
+        "drives": terms["disk"],
+    }
+    if gpu:
+        busy["link"] = terms["copy"]
+        busy["host"] = terms["plan"]
+    bound_resource = max(busy, key=busy.get)
+    return Projection(
+        schedule=schedule,
+        backend="gpu" if gpu else "cpu",
+        seconds_per_token=total,
+        terms=terms,
+        waits=max(0.0, total - compute - terms["sync"] - terms["plan"]),
+        bound_seconds=busy[bound_resource],
+        bound_resource=bound_resource,
+        prefill_tokens_per_s=_prefill(work, hw, rates, compute_rate, copy_rate, eff, prefill_tokens),
+        efficiency=eff,
+    )
+
+
+def _prefill(work: Workload, hw: Hardware, rates: TierRates, compute_rate, copy_rate, eff, n: int) -> float:
+    """Tokens/s of an n-token prompt, bytes bound: each layer fetches the union of the experts its
+    tokens pick once (uniform routing: E x (1 - (1 - k/E)^n) distinct) and reads every weight once.
+    Flops are not modelled, so this is an upper bound where a prompt is long enough to be compute bound."""
+    m = work.model
+    distinct = m.n_expert * (1 - (1 - m.n_expert_used / m.n_expert) ** n)
+    fetch = distinct * (rates.host + rates.disk) * m.expert_bytes / copy_rate if copy_rate else 0.0
+    if rates.disk and hw.drives.bandwidth:
+        fetch += distinct * rates.disk * m.expert_bytes / (hw.drives.bandwidth * max(1, hw.drives.count))
+    layer = work.dense_compute / (compute_rate * eff["dense"]) + max(
+        fetch, distinct * work.expert_compute / (compute_rate * eff["experts"])
+    )
+    return n / (m.n_layer * layer + work.head_compute / (compute_rate * eff["dense"]))
+
+
+def fit_efficiency(work: Workload, hw: Hardware, rates: TierRates, tokens_per_s: float, schedule: str) -> float:
+    """The one kernel efficiency (dense and experts alike) at which `project` gives tokens_per_s:
+    bisection, since time per token falls monotonically as efficiency rises."""
+    lo, hi = 1e-3, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = project(work, hw, rates, schedule, efficiency={"dense": mid, "experts": mid}).tokens_per_s
+        lo, hi = (mid, hi) if got < tokens_per_s else (lo, mid)
+    return (lo + hi) / 2

@@ -1,0 +1,268 @@
+"""`fomoe plan`: shape bytes from the quant table, hardware files, routing sources, the time model
+against FOMOE's published figures, and the command itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fomoepy.cli import main
+from fomoepy.errors import FomoeError
+from fomoepy.plan.hardware import (
+    hardware_from_dict,
+    load_hardware,
+    parse_rate,
+    shipped_rigs,
+)
+from fomoepy.plan.rates import TierRates, parse_hit_rates
+from fomoepy.plan.routing import (
+    RoutingFit,
+    fit_routing,
+    popularity_seed,
+    rates_from_trace,
+    synthetic_trace,
+)
+from fomoepy.plan.shapes import SHAPES, model_bytes, model_bytes_from_gguf
+from fomoepy.plan.timemodel import (
+    GPU_EFFICIENCY,
+    TERMS,
+    Workload,
+    fit_efficiency,
+    project,
+)
+
+MIB, GIB = 1 << 20, 1 << 30
+
+# FOMOE's published figures (README of github.com/pmerolla/fomoe): Qwen3.5-397B-A17B Q4_K_M on its rig
+FOMOE_CAR_OFF = (parse_hit_rates("60,12,28"), 5.1)  # VRAM 60 %, DRAM 12 %, NVMe 28 %
+FOMOE_CAR_035 = (parse_hit_rates("46,6,6,42"), 8.8)  # VRAM 46 %, DRAM 6 %, NVMe 6 %, substituted 42 %
+WITHIN = 0.15  # the issue's acceptance band
+
+
+@pytest.fixture(scope="module")
+def q397():
+    return Workload(model_bytes(SHAPES["qwen3.5-397b-a17b"]))
+
+
+@pytest.fixture(scope="module")
+def fomoe_rig():
+    return load_hardware("fomoe-rig")
+
+
+# -- shapes ----------------------------------------------------------------------------------------
+
+
+def test_397b_stride_and_store_match_fomoes_figures(q397):
+    # 7.25 MiB = Q4_K gate + Q4_K up + Q5_K down of a 4096 x 1024 expert; 60 layers x 512 experts
+    assert q397.model.expert_bytes == 7.25 * MIB
+    assert q397.model.store_bytes == 217.5 * GIB
+
+
+def test_every_shape_has_bytes_from_the_quant_table():
+    for shape in SHAPES.values():
+        m = model_bytes(shape)
+        assert m.expert_bytes > 0 and m.dense_layer_bytes > 0 and m.head_bytes > 0
+    # Q8_0 is 34 bytes per 32 weights: the 397B expert at Q8_0 is 3 x 4096 x 1024 x 34/32 bytes
+    assert model_bytes(SHAPES["qwen3.5-397b-a17b"], "Q8_0").expert_bytes == 3 * 4096 * 1024 * 34 // 32
+
+
+def test_unknown_mix_and_indivisible_rows_are_clear_errors():
+    with pytest.raises(FomoeError, match="unknown quant mix"):
+        model_bytes(SHAPES["qwen3-30b-a3b"], "Q3_X")
+    with pytest.raises(FomoeError, match="gpt-oss-120b at Q4_K_M"):  # 2880 is not a multiple of 256
+        model_bytes(SHAPES["gpt-oss-120b"], "Q4_K_M")
+
+
+def test_gguf_model_bytes_are_the_files_tensors():
+    from fomoepy import data
+
+    m = model_bytes_from_gguf(str(data.__path__[0]) + "/demo-qwen3moe.gguf")
+    from fomoepy.model.gguf_file import GGUFFile
+
+    gf = GGUFFile(str(data.__path__[0]) + "/demo-qwen3moe.gguf")
+    experts = sum(t.nbytes for n, t in gf.tensors.items() if "_exps" in n)
+    assert m.store_bytes == experts
+
+
+# -- hardware --------------------------------------------------------------------------------------
+
+
+def test_shipped_rigs_load_and_units_are_explicit():
+    assert {"fomoe-rig", "rtx4090-64g-2nvme", "cpu-only-64g"} <= set(shipped_rigs())
+    for rig in shipped_rigs():
+        load_hardware(rig)
+    assert parse_rate("14.5 GiB/s", "x") == 14.5 * GIB
+    assert parse_rate("320 GB/s", "x") == 320e9
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s"}, "drives": {}}, "needs count"),
+        ({"host": {"memory": "8G", "bandwidth": "fast", "matvec": "1 GB/s"}}, "expected a rate"),
+        ({"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "cores": 8}}, "unknown key"),
+        ({"gpu": {}}, "unknown key gpu"),
+    ],
+)
+def test_bad_hardware_files_are_one_clear_error(data, message):
+    with pytest.raises(FomoeError, match=message):
+        hardware_from_dict(data, "rig.toml")
+
+
+# -- routing ---------------------------------------------------------------------------------------
+
+
+def test_hit_rates_take_fractions_or_percent_and_must_sum_to_one():
+    assert parse_hit_rates("0.6,0.12,0.28") == parse_hit_rates("60,12,28").__class__(0.6, 0.12, 0.28, 0.0, source="given: --hit-rates 0.6,0.12,0.28")
+    assert parse_hit_rates("46,6,6,42").substituted == pytest.approx(0.42)
+    with pytest.raises(FomoeError, match="sum to 1"):
+        parse_hit_rates("50,10,10")
+    with pytest.raises(FomoeError, match="3 or 4"):
+        parse_hit_rates("1,0")
+
+
+def test_synthetic_fit_recovers_the_skew_it_was_drawn_with():
+    truth = RoutingFit(skew=1.1, reuse=0.3)
+    trace = synthetic_trace(4, 64, 4, 400, truth, 1000, seed=3)
+    fit = fit_routing([trace])
+    # the rank-frequency slope of 400 draws per layer flattens in the sparse tail: 0.15 of slack
+    assert fit.skew == pytest.approx(truth.skew, abs=0.15)
+    assert fit.reuse == pytest.approx(truth.reuse, abs=0.1)
+
+
+def test_trace_routing_gains_device_hits_with_device_capacity():
+    trace = synthetic_trace(4, 64, 4, 200, RoutingFit(1.0, 0.2), 1000, seed=1)
+    seed = popularity_seed(trace)
+    small = rates_from_trace(trace, 0.05, 0.1, "lru", seed=seed)
+    large = rates_from_trace(trace, 0.5, 0.1, "lru", seed=seed)
+    assert small.device < large.device and small.disk > large.disk
+    assert small.device + small.host + small.disk == pytest.approx(1.0)
+
+
+# -- the time model against FOMOE ------------------------------------------------------------------
+
+
+def _fomoe(q397, rig, point, **kw):
+    rates, _ = point
+    return project(q397, rig, rates, "fomoe", **kw).tokens_per_s
+
+
+def test_fomoe_schedule_reproduces_5_1_and_8_8_tok_s(q397, fomoe_rig):
+    fitted = fit_efficiency(q397, fomoe_rig, *FOMOE_CAR_035, "fomoe")
+    print(f"fitted constant: kernel efficiency (dense and expert FFN) = {fitted:.4f} of 320 GB/s; "
+          f"GPU_EFFICIENCY = {GPU_EFFICIENCY}")
+    # the named default is the fit, rounded
+    assert fitted == pytest.approx(GPU_EFFICIENCY, abs=0.005)
+    for point in (FOMOE_CAR_OFF, FOMOE_CAR_035):
+        got = _fomoe(q397, fomoe_rig, point)
+        print(f"published {point[1]} tok/s, projected {got:.2f}")
+        assert abs(got / point[1] - 1) <= WITHIN
+
+
+@pytest.mark.parametrize("term", ["dense", "experts", "disk"])
+def test_dropping_a_term_that_carries_time_breaks_the_reproduction(q397, fomoe_rig, term):
+    drop = frozenset([term])
+    worst = max(abs(_fomoe(q397, fomoe_rig, p, drop=drop) / p[1] - 1) for p in (FOMOE_CAR_OFF, FOMOE_CAR_035))
+    assert worst > WITHIN
+
+
+def test_fitted_to_car_035_it_predicts_car_off_and_not_without_disk(q397, fomoe_rig):
+    def predicted_off(drop):
+        lo, hi = 1e-3, 1.0  # refit the one constant with the term gone, as a notebook would
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            got = project(q397, fomoe_rig, FOMOE_CAR_035[0], "fomoe", efficiency={"dense": mid, "experts": mid}, drop=drop)
+            lo, hi = (mid, hi) if got.tokens_per_s < FOMOE_CAR_035[1] else (lo, mid)
+        return project(q397, fomoe_rig, FOMOE_CAR_OFF[0], "fomoe", efficiency={"dense": mid, "experts": mid}, drop=drop)
+
+    full = predicted_off(frozenset())
+    assert abs(full.tokens_per_s / FOMOE_CAR_OFF[1] - 1) <= WITHIN
+    # the wait FOMOE's CAR-off token spends on NVMe: the issue's worked figure is about 94 of 190 ms
+    assert full.terms["disk"] == pytest.approx(0.094, rel=0.05)
+    assert abs(predicted_off(frozenset(["disk"])).tokens_per_s / FOMOE_CAR_OFF[1] - 1) > WITHIN
+
+
+def test_perfect_overlap_bound_is_never_slower_than_the_schedule(q397, fomoe_rig):
+    for schedule in ("engine", "fomoe"):
+        for rates, _ in (FOMOE_CAR_OFF, FOMOE_CAR_035):
+            p = project(q397, fomoe_rig, rates, schedule)
+            assert p.bound_seconds <= p.seconds_per_token
+
+
+def test_cpu_schedule_adds_every_term(q397):
+    hw = load_hardware("cpu-only-64g").with_changes(host={"make_ready": 1e9})
+    p = project(q397, hw, TierRates(0.5, 0.3, 0.2), "engine")
+    assert p.seconds_per_token == pytest.approx(sum(p.terms.values()))
+    assert set(p.terms) == set(TERMS)
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+def test_plan_command_json(capsys):
+    rc = main(["plan", "--shape", "qwen3.5-397b-a17b", "--hardware", "fomoe-rig", "--schedule", "fomoe",
+               "--hit-rates", "46,6,6,42", "--json"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["store_bytes"] == 217.5 * GIB
+    assert abs(out["projection"]["tokens_per_s"] / 8.8 - 1) <= WITHIN
+    assert out["routing"]["substituted"] == pytest.approx(0.42)
+
+
+def test_plan_command_sweep_and_what_if_with_synthetic_routing(capsys):
+    rc = main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "rtx4090-64g-2nvme", "--vram", "4G", "--ram", "4G",
+               "--tokens", "24", "--sweep", "vram=2G,8G", "--what-if", "--json"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["routing"]["source"].startswith("synthetic")
+    small, large = (row["projection"]["tokens_per_s"] for row in out["sweep"])
+    assert small < large
+    assert [row["gain"] for row in out["what_if"]] == sorted((row["gain"] for row in out["what_if"]), reverse=True)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--shape", "qwen9"], "unknown model shape"),
+        (["--shape", "qwen3-30b-a3b", "--hardware", "/nonexistent.toml"], "cannot read hardware file"),
+        (["--shape", "qwen3-30b-a3b", "--hit-rates", "1,2"], "3 or 4"),
+        (["--shape", "qwen3-30b-a3b", "--policy", "fifo"], "unknown cache policy"),
+        (["--shape", "qwen3-30b-a3b", "--car-threshold", "0.3"], "CAR needs routing probabilities"),
+        (["--shape", "qwen3-30b-a3b", "--drop", "tea"], "unknown term"),
+    ],
+)
+def test_plan_command_bad_input_is_one_error_line(capsys, argv, message):
+    if "--hardware" not in argv:
+        argv = [*argv, "--hardware", "fomoe-rig"]
+    assert main(["plan", *argv, "--tokens", "4"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_measure_replaces_host_and_drive_figures_and_leaves_no_file(tmp_path, monkeypatch):
+    from fomoepy.plan import measure
+
+    monkeypatch.setattr(measure, "SCRATCH_BYTES", 8 << 20)
+    rig = load_hardware("rtx4090-64g-2nvme")
+    hw, _ = measure.measured(rig, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    assert hw.drives.count == rig.drives.count and hw.device == rig.device
+    assert hw.drives.bandwidth > 0 and hw.host.matvec > 0 and hw.host.bandwidth > 0
+    assert hw.drives.bandwidth != rig.drives.bandwidth and hw.host.matvec != rig.host.matvec
+
+
+def test_png_plots_every_registered_policy(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    rc = main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "rtx4090-64g-2nvme", "--tokens", "8",
+               "--png", str(out)])  # fmt: skip
+    assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_what_if_on_a_cpu_only_box_ranks_drive_and_ram(capsys):
+    rc = main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "cpu-only-64g", "--hit-rates", "70,0,30",
+               "--what-if", "--json"])  # fmt: skip
+    assert rc == 0
+    names = {row["upgrade"] for row in json.loads(capsys.readouterr().out)["what_if"]}
+    assert names == {"another drive", "2x RAM"}
