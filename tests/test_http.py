@@ -174,6 +174,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_generation(served):
     assert stats["running"] == 0 and stats["completion_tokens"] < 10_000
 
 
+@pytest.mark.slow
 def test_bounded_load_every_request_completes_or_is_cancelled_by_its_client(served):
     # 8 clients for 3 s: streams read to the end, or dropped by the client after a few chunks
     async def worker(c: openai.AsyncOpenAI, k: int, until: float, tally: dict) -> None:
@@ -270,6 +271,7 @@ def chromium() -> tuple[str, str] | None:
     return (browser, driver) if browser and driver else None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(chromium() is None, reason="no chromium + chromedriver (Debian: apt-get install chromium chromium-driver)")
 def test_the_page_streams_an_answer_and_its_charts_update(served):
     from selenium import webdriver

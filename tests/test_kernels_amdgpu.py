@@ -32,6 +32,8 @@ from fomoepy.runtime import kernels
 from fomoepy.runtime.shim import PARAM_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # compiles 8 modules for 4 targets (cached on disk after the first run)
+
 RDNA2 = "gfx1030"
 DECODE_FLOOR = {RDNA2: 8}  # default 12
 PREFILL_FLOOR = {RDNA2: 6}  # default 8

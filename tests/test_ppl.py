@@ -161,6 +161,7 @@ def test_tokenization_of_ppl_txt_is_tokens_of_text(name):
     assert tokens.tolist() == PPL_JSON["runs"][name]["tokens_of_text"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_fomoe_ppl_matches_the_oracle_perplexity(capsys, name):
     run = PPL_JSON["runs"][name]
@@ -286,6 +287,7 @@ def test_kl_divergence_flag_needs_a_base_file(capsys):
 # -- resume ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_ends_with_the_uninterrupted_result(tmp_path):
     resume = tmp_path / "run.resume"
     cmd = [sys.executable, "-m", "fomoepy.cli", "ppl", model_path("qwen3moe_q4_k_m"), "--file", PPL_TXT]

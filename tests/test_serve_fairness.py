@@ -210,6 +210,7 @@ def test_queued_requests_are_told_their_place_and_told_again_as_it_moves(engine)
 # -- limits -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_queue_limit_counts_every_unfinished_generation_once(engine):
     # 300 connections send one generate each while the engine is held and 20 tokenize requests keep the
     # tokenizer thread busy: exactly 300 - 256 are refused, as no generation has finished (the old count
@@ -409,6 +410,7 @@ def fuzz_frame(rng: random.Random) -> bytes:
     return struct.pack(">I", rng.choice([0x7FFFFFFF, 1 << 30]))  # too large: the daemon closes
 
 
+@pytest.mark.slow
 def test_ten_thousand_fuzzed_frames_the_daemon_answers_a_ping_after_each(engine):
     rng = random.Random(1234)
     with daemon(engine, max_frame=1 << 16) as d:
