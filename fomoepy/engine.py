@@ -82,7 +82,15 @@ class Engine:
         o = self.options
         layers = self.source.layers
         device_unit = [device_expert_nbytes(self.ops, layer) for layer in layers]
-        device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
+        if is_ggml_cpu(self.ops):
+            if o.vram_cache:
+                raise FomoeError(
+                    "--vram-cache must be 0 on the cpu backend: ggml computes from the host tier's quantized "
+                    "bytes in place (--backend reference keeps a float32 device tier)"
+                )
+            device = 0
+        else:
+            device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
         host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store))
         streaming = StreamingOptions(
             device_bytes=device,
@@ -195,6 +203,12 @@ class Engine:
             if state.n_past >= state.n_ctx:
                 return
             logits = self.eval(state, [token])[-1]
+
+
+def is_ggml_cpu(ops) -> bool:
+    from fomoepy.runtime.ggml_cpu import GgmlBackend
+
+    return isinstance(ops, GgmlBackend)
 
 
 def blas_threads(spec: ModelSpec, requested: int | None) -> int:
