@@ -32,7 +32,7 @@ from fomoepy.sampling import Sampler, SamplingParams
 
 @dataclass(frozen=True)
 class EngineOptions:
-    backend: str = "cpu"
+    backend: str = "reference"  # the exact engine for library callers and tests; the CLI defaults to cpu (ggml)
     n_ctx: int | None = None  # None: the model's training context
     threads: int | None = None  # CPU backend BLAS threads; None: automatic (see blas_threads)
     devices: int = 1  # logical devices the layers are placed on

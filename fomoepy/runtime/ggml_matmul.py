@@ -61,19 +61,19 @@ class QuantMatrix:
 
 
 class _Graph:
-    """One ggml context: weights and inputs point at numpy memory; intermediates live in the context."""
+    """One ggml context holding only tensor headers: every tensor's data is numpy memory (weights
+    where they lie, activations and results in fresh arrays), and the work buffer is sized by
+    ggml's own plan, so nothing depends on guessing ggml's scratch needs."""
 
-    def __init__(self, work_bytes: int, n_tensors: int):
-        size = n_tensors * _TENSOR_OVERHEAD + _GRAPH_OVERHEAD + work_bytes + (1 << 16)
-        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=False))
+    def __init__(self, n_tensors: int):
+        size = n_tensors * _TENSOR_OVERHEAD + 2 * _GRAPH_OVERHEAD  # the graph object and its hash set
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         if not self.ctx:
             raise FomoeError(f"ggml could not allocate a {size}-byte context")
         self.keep: list[np.ndarray] = []  # numpy memory the tensors point at, alive until compute
 
     def wrap(self, qtype: int, ne0: int, ne1: int, buf: np.ndarray):
-        ggml.ggml_set_no_alloc(self.ctx, True)
         t = ggml.ggml_new_tensor_2d(self.ctx, qtype, ne0, ne1)
-        ggml.ggml_set_no_alloc(self.ctx, False)
         t.contents.data = ctypes.c_void_p(buf.ctypes.data)
         self.keep.append(buf)
         return t
@@ -81,11 +81,21 @@ class _Graph:
     def weight(self, w: QuantMatrix):
         return self.wrap(w.qtype, w.n_cols, w.n_rows, w.data)
 
+    def result(self, t, rows: int, cols: int) -> np.ndarray:
+        """Give the (unallocated) result tensor t [rows, cols] float32 numpy memory."""
+        out = np.empty((rows, cols), F32)
+        t.contents.data = ctypes.c_void_p(out.ctypes.data)
+        self.keep.append(out)
+        return out
+
     def compute(self, outputs, threads: int) -> None:
         gf = ggml.ggml_new_graph(self.ctx)
         for t in outputs:
             ggml.ggml_build_forward_expand(gf, t)
-        if ggml.ggml_graph_compute_with_ctx(self.ctx, gf, threads) != 0:
+        plan = ggml.ggml_graph_plan(gf, threads, None)
+        work = np.empty(max(plan.work_size, 1), np.uint8)
+        plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if ggml.ggml_graph_compute(gf, ctypes.byref(plan)) != 0:
             raise FomoeError("ggml graph computation failed")
 
     def free(self) -> None:
@@ -93,22 +103,14 @@ class _Graph:
         self.keep.clear()
 
 
-def _row_bytes_q8(k: int) -> int:
-    # room for ggml's quantized copy of the activations (Q8_K is the largest vec_dot type)
-    return ggml.ggml_row_size(ggml.GGML_TYPE_Q8_K, k) + ggml.ggml_row_size(ggml.GGML_TYPE_F32, k)
-
-
 def mul_mat(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
     """x [T, K] float32 · wᵀ → [T, N] float32."""
     x = np.ascontiguousarray(x, dtype=F32)
     T = x.shape[0]
-    out = np.empty((T, w.n_rows), F32)
-    g = _Graph(T * _row_bytes_q8(w.n_cols) + 4096 * threads, 4)
+    g = _Graph(4)
     try:
-        wt = g.weight(w)
-        xt = g.wrap(ggml.GGML_TYPE_F32, w.n_cols, T, x)
-        y = ggml.ggml_mul_mat(g.ctx, wt, xt)
-        y.contents.data = ctypes.c_void_p(out.ctypes.data)
+        y = ggml.ggml_mul_mat(g.ctx, g.weight(w), g.wrap(ggml.GGML_TYPE_F32, w.n_cols, T, x))
+        out = g.result(y, T, w.n_rows)
         g.compute([y], threads)
     finally:
         g.free()
@@ -123,26 +125,23 @@ def expert_ffn(
     All experts in one graph; silu and the product run in ggml in float32, as llama.cpp's do.
     """
     h = np.ascontiguousarray(h, dtype=F32)
-    outs = []
-    work = 4096 * threads
-    for rows, gate, up, down in groups:
-        n = len(rows)
-        F = gate.n_rows
-        work += n * (3 * F * 4 + _row_bytes_q8(gate.n_cols) + _row_bytes_q8(F))
-    g = _Graph(work, 10 * len(groups) + 4)
+    g = _Graph(8 * len(groups) + 4)
     try:
-        results = []
+        outs, results = [], []
         for rows, gate, up, down in groups:
-            x = np.ascontiguousarray(h[rows])
-            out = np.empty((len(rows), down.n_rows), F32)
-            xt = g.wrap(ggml.GGML_TYPE_F32, gate.n_cols, len(rows), x)
+            n, F = len(rows), gate.n_rows
+            xt = g.wrap(ggml.GGML_TYPE_F32, gate.n_cols, n, np.ascontiguousarray(h[rows]))
             a = ggml.ggml_mul_mat(g.ctx, g.weight(gate), xt)
+            g.result(a, n, F)
             b = ggml.ggml_mul_mat(g.ctx, g.weight(up), xt)
-            y = ggml.ggml_mul_mat(g.ctx, g.weight(down), ggml.ggml_mul(g.ctx, ggml.ggml_silu(g.ctx, a), b))
-            y.contents.data = ctypes.c_void_p(out.ctypes.data)
-            g.keep.append(out)
+            g.result(b, n, F)
+            s_ = ggml.ggml_silu(g.ctx, a)
+            g.result(s_, n, F)
+            act = ggml.ggml_mul(g.ctx, s_, b)
+            g.result(act, n, F)
+            y = ggml.ggml_mul_mat(g.ctx, g.weight(down), act)
+            outs.append(g.result(y, n, down.n_rows))
             results.append(y)
-            outs.append(out)
         g.compute(results, threads)
     finally:
         g.free()
