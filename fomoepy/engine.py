@@ -39,7 +39,7 @@ class EngineOptions:
     placement: str = "pingpong"  # pingpong | blocks | one device index per layer
     profile_timing: bool = False
     store: tuple[str, ...] = ()  # expert store directories; empty: read experts from the GGUF (mmap)
-    vram_cache: int | None = None  # device tier bytes (CPU: compute-ready experts); None: automatic
+    vram_cache: int | None = None  # device tier bytes (reference: compute-ready experts; cpu: 0); None: automatic
     ram_cache: int | None = None  # host tier bytes (store-form experts); None: automatic
     cache_policy: str = "lru"
     car: CarConfig = field(default_factory=CarConfig)
@@ -227,7 +227,7 @@ def blas_threads(spec: ModelSpec, requested: int | None) -> int:
 
 
 def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:
-    """CPU device tier: every expert compute-ready if that fits in half the available memory."""
+    """Reference backend's device tier: every expert compute-ready if that fits in half the available memory."""
     wanted = sum(unit) * spec.moe.n_expert
     return min(wanted, available_memory_bytes() // 2)
 
