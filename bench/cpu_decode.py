@@ -63,7 +63,7 @@ def llama_cpp_run(path: Path, prompt: np.ndarray, n_decode: int, threads: int) -
     except ImportError as e:
         return f"not run ({e}; pip install -e '.[bench]')"
     llm = Llama(str(path), n_ctx=len(prompt) + n_decode + 8, n_batch=len(prompt), n_threads=threads,
-                n_threads_batch=threads, verbose=False)  # fmt: skip
+                n_threads_batch=threads, logits_all=True, verbose=False)  # fmt: skip  (scores holds every row)
     t0 = time.perf_counter()
     llm.eval(prompt.tolist())
     prefill_s = time.perf_counter() - t0
