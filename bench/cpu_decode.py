@@ -1,12 +1,15 @@
-"""CPU backend speed: prefill and decode tok/s on a mid-size qwen3moe test model.
+"""CPU speed: prefill and decode tok/s on a mid-size qwen3moe test model, fomoepy's backends and
+llama.cpp (llama-cpp-python, the `bench` extra) on the same GGUF, in the same run, on the same threads.
 
 The model (n_embd 1024, 8 layers, 16 q / 4 kv heads of 64, 64 experts top-8, expert_ff 512, gate/up
-Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. Two passes are timed:
-`cold` starts with an empty compute-ready expert tier (every first touch of an expert dequantises it),
-`warm` repeats the same work with the tier filled. Reference on this machine kind (2 cores):
-llama.cpp decodes this model at ≈ 174 tok/s and prefills at ≈ 260 tok/s.
+Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. Rows:
+- `cpu` (ggml on the quantized bytes; no expert tier: experts are read from the mapped GGUF);
+- `reference cold`: the compute-ready tier is emptied after the prefill, so the first decoded token
+  meets an empty tier (every first touch of an expert dequantises it);
+- `reference warm`: the same work again with the tier filled;
+- `llama.cpp` when llama_cpp imports (else the row says why not).
 
-    python bench/cpu_decode.py [--prompt 128] [--decode 64] [--record]
+    python bench/cpu_decode.py [--prompt 128] [--decode 64] [--threads N] [--record]
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from results import record
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
-LLAMA_CPP = {"decode": 174.0, "prefill": 260.0}
 
 
 def ensure_model() -> Path:
@@ -39,45 +41,76 @@ def ensure_model() -> Path:
     return MODEL
 
 
-def timed_run(engine: Engine, prompt: np.ndarray, n_decode: int) -> tuple[float, float]:
+def timed_run(engine: Engine, prompt: np.ndarray, n_decode: int, cold: bool = False) -> tuple[float, float]:
     state = engine.new_state()
     t0 = time.perf_counter()
     logits = engine.eval(state, prompt)
-    t1 = time.perf_counter()
+    prefill_s = time.perf_counter() - t0
+    if cold:
+        engine.reset_expert_cache()  # an empty tier at the first decoded token
     token = int(np.argmax(logits[-1]))
+    t1 = time.perf_counter()
     for _ in range(n_decode):
         token = int(np.argmax(engine.eval(state, [token])[-1]))
     t2 = time.perf_counter()
-    return len(prompt) / (t1 - t0), n_decode / (t2 - t1)
+    return len(prompt) / prefill_s, n_decode / (t2 - t1)
+
+
+def llama_cpp_run(path: Path, prompt: np.ndarray, n_decode: int, threads: int) -> tuple[float, float] | str:
+    """llama.cpp on the same file: one batch for the prompt, then one token per call (greedy)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        return f"not run ({e}; pip install -e '.[bench]')"
+    llm = Llama(str(path), n_ctx=len(prompt) + n_decode + 8, n_batch=len(prompt), n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)  # fmt: skip  (scores holds every row)
+    t0 = time.perf_counter()
+    llm.eval(prompt.tolist())
+    prefill_s = time.perf_counter() - t0
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t1 = time.perf_counter()
+    for _ in range(n_decode):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t2 = time.perf_counter()
+    return len(prompt) / prefill_s, n_decode / (t2 - t1)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
     ap.add_argument("--decode", type=int, default=64, help="decoded tokens")
-    ap.add_argument("--threads", type=int, default=None, help="BLAS threads (default: the engine's choice)")
+    ap.add_argument("--threads", type=int, default=None, help="threads for every run (default: all cores)")
     ap.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = ap.parse_args()
 
     path = ensure_model()
-    t = time.perf_counter()
-    engine = Engine(path, EngineOptions(threads=args.threads))
-    load_s = time.perf_counter() - t
+    threads = args.threads or os.cpu_count() or 1
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, engine.spec.n_vocab - 3, size=args.prompt)
-    cold = timed_run(engine, prompt, args.decode)
-    warm = timed_run(engine, prompt, args.decode)
-    rows = [
-        f"| cold (empty expert tier) | {cold[0]:.1f} | {cold[1]:.1f} |",
-        f"| warm (experts compute-ready) | {warm[0]:.1f} | {warm[1]:.1f} |",
-        f"| llama.cpp, same model and machine kind | {LLAMA_CPP['prefill']:.0f} | {LLAMA_CPP['decode']:.0f} |",
-    ]
+    rows = []
+    t = time.perf_counter()
+    cpu = Engine(path, EngineOptions(backend="cpu", threads=threads))
+    load_s = time.perf_counter() - t
+    prompt = rng.integers(0, cpu.spec.n_vocab - 3, size=args.prompt)
+    r = timed_run(cpu, prompt, args.decode)
+    rows.append(f"| fomoepy cpu (ggml, quantized bytes in place) | {r[0]:.1f} | {r[1]:.1f} |")
+    cpu.close()
+    ref = Engine(path, EngineOptions(backend="reference", threads=threads))
+    cold = timed_run(ref, prompt, args.decode, cold=True)
+    warm = timed_run(ref, prompt, args.decode)
+    rows.append(f"| fomoepy reference, cold (empty tier at the first decoded token) | {cold[0]:.1f} | {cold[1]:.1f} |")
+    rows.append(f"| fomoepy reference, warm (experts compute-ready) | {warm[0]:.1f} | {warm[1]:.1f} |")
+    ref.close()
+    peer = llama_cpp_run(path, prompt, args.decode, threads)
+    if isinstance(peer, str):
+        rows.append(f"| llama.cpp | {peer} | |")
+    else:
+        rows.append(f"| llama.cpp (llama-cpp-python, same file, same run) | {peer[0]:.1f} | {peer[1]:.1f} |")
     header = (
         f"### cpu_decode — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
         f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode}"
         + (f" --threads {args.threads}" if args.threads else "")
-        + f"`; BLAS threads {engine.ops.threads}; model load {load_s:.1f} s, "
-        f"compute-ready experts held: {len(engine.experts.ready)}\n\n"
+        + f"`; threads {threads} for every run; cpu model load {load_s:.1f} s\n\n"
         "| run | prefill tok/s | decode tok/s |\n|---|---|---|\n"
     )
     report = header + "\n".join(rows) + "\n"

@@ -110,10 +110,13 @@ def main() -> int:
     probe = Engine(model, EngineOptions(backend=args.backend, store=(str(store),), vram_cache=0, ram_cache=0))
     layers = probe.source.layers
     n_expert = probe.spec.moe.n_expert
-    dev_all = sum(device_expert_nbytes(probe.ops, layer) for layer in layers) * n_expert
+    # the cpu backend (ggml) has no device tier: it computes from the host tier's bytes in place, so
+    # "resident" is every expert in the host tier and a host hit moves nothing
+    has_device_tier = args.backend != "cpu"
+    dev_all = sum(device_expert_nbytes(probe.ops, layer) for layer in layers) * n_expert if has_device_tier else 0
     host_all = sum(layer.expert_nbytes for layer in layers) * n_expert
     disk_bw = disk_bandwidth(model, store)
-    h2d_bw = host_to_device_bandwidth(probe)
+    h2d_bw = host_to_device_bandwidth(probe) if has_device_tier else float("inf")
     probe.close()
 
     # every expert seeded into the device tier at start-up: the resident-compute part of the bound
@@ -125,7 +128,7 @@ def main() -> int:
     entries["freq"] = 1.0
     write_freq(every, FreqProfile(len(layers), entries))
     resident = Engine(model, EngineOptions(backend=args.backend, store=(str(store),), vram_cache=dev_all,
-                                           ram_cache=0, freq_profile=str(every)))  # fmt: skip
+                                           ram_cache=0 if has_device_tier else host_all, freq_profile=str(every)))  # fmt: skip
     t_resident = decode_tokens(resident, args.tokens)
     resident.close()
 
@@ -139,7 +142,7 @@ def main() -> int:
     t_token = decode_tokens(engine, args.tokens)
     after = engine.stats()["cache"]
     per_token = lambda key, tier: (after[tier][key] - before[tier][key]) / args.tokens  # noqa: E731
-    host_bytes = per_token("hit_bytes", "host")  # copied up from DRAM
+    host_bytes = per_token("hit_bytes", "host") if has_device_tier else 0.0  # copied up from DRAM
     disk_bytes = (after["disk"]["read_bytes"] - before["disk"]["read_bytes"]) / args.tokens
     bound = t_resident + host_bytes / h2d_bw + disk_bytes / (disk_bw) + disk_bytes / h2d_bw
     timing = engine.timer.report()[-1]
@@ -161,7 +164,8 @@ def main() -> int:
         f"| all experts resident | {1 / t_resident:.2f} tok/s |\n"
         f"| tiers | {summary} |\n"
         f"| bytes per token | host→device {host_bytes / 1e6:.2f} MB, disk→host {disk_bytes / 1e6:.2f} MB |\n"
-        f"| bandwidth (measured) | disk {disk_bw / 1e9:.2f} GB/s, host→device {h2d_bw / 1e9:.2f} GB/s |\n"
+        f"| bandwidth (measured) | disk {disk_bw / 1e9:.2f} GB/s, host→device "
+        + (f"{h2d_bw / 1e9:.2f} GB/s" if has_device_tier else "none (computed in place)") + " |\n"
         f"| bound | {bound * 1e3:.1f} ms/token; achieved / bound = {bound / t_token:.2f} |\n"
         f"| host µs per MoE layer step (total, router, plan, experts, attn+dense) | {timing.split(None, 2)[2]} |\n"
         f"| llama.cpp --n-cpu-moe | {llama} |\n"

@@ -33,14 +33,14 @@ from fomoepy.sampling import Sampler, SamplingParams
 
 @dataclass(frozen=True)
 class EngineOptions:
-    backend: str = "cpu"
+    backend: str = "reference"  # the exact engine for library callers and tests; the CLI defaults to cpu (ggml)
     n_ctx: int | None = None  # None: the model's training context
     threads: int | None = None  # CPU backend BLAS threads; None: automatic (see blas_threads)
     devices: int = 1  # logical devices the layers are placed on
     placement: str = "pingpong"  # pingpong | blocks | one device index per layer
     profile_timing: bool = False
     store: tuple[str, ...] = ()  # expert store directories; empty: read experts from the GGUF (mmap)
-    vram_cache: int | None = None  # device tier bytes (CPU: compute-ready experts); None: automatic
+    vram_cache: int | None = None  # device tier bytes (reference: compute-ready experts; cpu: 0); None: automatic
     ram_cache: int | None = None  # host tier bytes (store-form experts); None: automatic
     cache_policy: str = DEFAULT_POLICY
     car: CarConfig = field(default_factory=CarConfig)
@@ -83,7 +83,15 @@ class Engine:
         o = self.options
         layers = self.source.layers
         device_unit = [device_expert_nbytes(self.ops, layer) for layer in layers]
-        device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
+        if is_ggml_cpu(self.ops):
+            if o.vram_cache:
+                raise FomoeError(
+                    "--vram-cache must be 0 on the cpu backend: ggml computes from the host tier's quantized "
+                    "bytes in place (--backend reference keeps a float32 device tier)"
+                )
+            device = 0
+        else:
+            device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
         backfills = o.car.enabled and o.backfill != "off"
         host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or backfills)
         streaming = StreamingOptions(
@@ -201,6 +209,12 @@ class Engine:
             logits = self.eval(state, [token])[-1]
 
 
+def is_ggml_cpu(ops) -> bool:
+    from fomoepy.runtime.ggml_cpu import GgmlBackend
+
+    return isinstance(ops, GgmlBackend)
+
+
 def blas_threads(spec: ModelSpec, requested: int | None) -> int:
     """One thread for small models (thread hand-offs cost more than they save on small matrices),
     every core for larger ones. On the 2-core bench machine, idle, two threads decode the mid-size
@@ -217,7 +231,7 @@ def blas_threads(spec: ModelSpec, requested: int | None) -> int:
 
 
 def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:
-    """CPU device tier: every expert compute-ready if that fits in half the available memory."""
+    """Reference backend's device tier: every expert compute-ready if that fits in half the available memory."""
     wanted = sum(unit) * spec.moe.n_expert
     return min(wanted, available_memory_bytes() // 2)
 

@@ -14,19 +14,19 @@ from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip", "auto"],
-                   help="compute backend (auto: a GPU if one works, else the CPU)")  # fmt: skip
+    p.add_argument("--backend", default="cpu", choices=["cpu", "reference", "cuda", "hip", "auto"],
+                   help="compute backend: cpu (ggml on the quantized weights), reference (exact numpy), cuda, hip, auto (a GPU if one works, else cpu)")  # fmt: skip
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--devices", type=int, default=1, help="logical devices to place the layers on")
     p.add_argument("--placement", default="pingpong",
                    help="pingpong (layer L on device L mod N), blocks, or one device index per layer: 0,0,1,1")  # fmt: skip
     p.add_argument("--profile-timing", action="store_true", help="host time per MoE layer by phase, on stderr at the end")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU backend BLAS threads (default: by model size)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for ggml (as llama.cpp's -t) and numpy's BLAS (default: by model size)")
     g = p.add_argument_group("expert streaming")
     g.add_argument("--store", nargs="+", metavar="DIR", default=[], help="expert store directories (fomoe prepare)")
     g.add_argument(
         "--vram-cache", metavar="SIZE", default=None,
-        help="device tier, e.g. 0, 48K, 512M, 16G (0 = off; CPU backend: compute-ready float32 experts); default: automatic",
+        help="device tier, e.g. 0, 48K, 512M, 16G (0 = off; reference backend: compute-ready float32 experts; cpu backend: 0 only); default: automatic",
     )  # fmt: skip
     g.add_argument("--ram-cache", metavar="SIZE", default=None, help="host (DRAM) tier of store bytes; default: automatic")
     g.add_argument("--cache-policy", default=DEFAULT_POLICY, help=f"eviction policy: {', '.join(POLICIES)} (default {DEFAULT_POLICY})")

@@ -1,4 +1,5 @@
-"""Backend selection by name: `--backend cpu|cuda|hip|auto` (auto = a GPU if one works, else the CPU)."""
+"""Backend selection by name: `--backend cpu|reference|cuda|hip|auto` (auto = a GPU if one works, else
+the CPU). `cpu` is ggml on the quantized bytes; `reference` is the exact numpy engine."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 
 from fomoepy.errors import FomoeError
 
-BACKEND_NAMES = ("cpu", "cuda", "hip", "auto")
+BACKEND_NAMES = ("cpu", "reference", "cuda", "hip", "auto")
 log = logging.getLogger(__name__)
 
 
@@ -29,25 +30,34 @@ def make_backend(name: str, cpu_threads: int | None = None):
     """The ops object for a --backend value (cpu_threads: BLAS threads if it is the CPU)."""
     if name not in BACKEND_NAMES:
         raise FomoeError(f"backend {name!r} is not available (available: {', '.join(BACKEND_NAMES)})")
-    if name == "cpu":
+    if name == "reference":
         from fomoepy.runtime.cpu import CpuBackend
 
         return CpuBackend(cpu_threads)
+    if name == "cpu":
+        from fomoepy.runtime.ggml_cpu import GgmlBackend
+
+        return GgmlBackend(cpu_threads)
     if name == "auto":
         try:
             return open_gpu("auto")
         except FomoeError as e:
             log.info("backend auto: using the CPU (%s)", e)
-            from fomoepy.runtime.cpu import CpuBackend
+            from fomoepy.runtime.ggml_cpu import GgmlBackend
 
-            return CpuBackend(cpu_threads)
+            return GgmlBackend(cpu_threads)
     return open_gpu(name)
 
 
 def make_experts(ops, streamer, routers=None):
-    """The routed-expert executor that matches `ops` (CpuExperts or GpuExperts)."""
+    """The routed-expert executor that matches `ops` (GgmlExperts, CpuExperts or GpuExperts)."""
+    from fomoepy.runtime.ggml_cpu import GgmlBackend
     from fomoepy.runtime.gpu import GpuBackend
 
+    if isinstance(ops, GgmlBackend):
+        from fomoepy.runtime.ggml_experts import GgmlExperts
+
+        return GgmlExperts(streamer, ops, routers)
     if isinstance(ops, GpuBackend):
         from fomoepy.runtime.gpu_experts import GpuExperts
 
@@ -58,9 +68,15 @@ def make_experts(ops, streamer, routers=None):
 
 
 def device_expert_nbytes(ops, layout) -> int:
-    """Bytes of one expert in the device tier of `ops` (CPU: compute-ready float32; GPU: a slot of store bytes)."""
+    """Bytes of one expert in the device tier of `ops` (reference: compute-ready float32; GPU: a slot of
+    store bytes; ggml CPU: store bytes, though that backend has no device tier)."""
+    from fomoepy.runtime.ggml_cpu import GgmlBackend
     from fomoepy.runtime.gpu import GpuBackend
 
+    if isinstance(ops, GgmlBackend):
+        from fomoepy.runtime.ggml_experts import store_expert_nbytes
+
+        return store_expert_nbytes(layout)
     if isinstance(ops, GpuBackend):
         from fomoepy.runtime.gpu_experts import gpu_expert_nbytes
 

@@ -1,0 +1,39 @@
+"""The CPU backend (`--backend cpu`): every matrix product through ggml on the quantized bytes.
+
+Dense projections (attention, DeltaNet, router, shared expert, output head) keep their GGUF bytes
+and ggml computes from them in place (fomoepy.runtime.ggml_matmul); norms, rotary embedding,
+attention scores over the KV cache and the delta rule are the reference backend's numpy code.
+ggml rounds activations to Q8 blocks before each product as llama.cpp does, so this backend tracks
+llama.cpp's logits; `--backend reference` (fomoepy.runtime.cpu) is the exact function of the GGUF.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fomoepy.model.gguf_file import GGUFFile, TensorInfo
+from fomoepy.runtime.cpu import CpuBackend
+from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
+
+# 2-D tensors that are not the right-hand side of a product (used elementwise)
+_NOT_MATRICES = (".ssm_conv1d.weight",)
+
+
+class GgmlBackend(CpuBackend):
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None):
+        """threads: ggml's threads for every product (llama.cpp's -t); numpy's BLAS gets the same."""
+        super().__init__(threads)
+        self.threads = threads or 1
+
+    def load_weight(self, gf: GGUFFile, info: TensorInfo):
+        """2-D product weights stay as their file bytes (a view of the mapped GGUF); the rest float32."""
+        if len(info.shape) == 2 and not info.name.endswith(_NOT_MATRICES):
+            return QuantMatrix.of(gf.raw(info), info.qtype, info.shape)
+        return super().load_weight(gf, info)
+
+    def linear(self, x: np.ndarray, w) -> np.ndarray:
+        if isinstance(w, QuantMatrix):
+            return mul_mat(x, w, self.threads)
+        return x @ w.T

@@ -1,0 +1,78 @@
+"""Routed experts on the ggml CPU backend, computed from the store-form bytes the tiers hold.
+
+There is no device tier on this backend: a host-tier record (or a fresh read, or the mapped GGUF)
+is what ggml reads, in place, so a miss costs its read and nothing else: no dequantisation, no
+float32 copy. Which experts the host tier holds is the streamer's decision.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from fomoepy.experts.routing import Routing, softmax_route
+from fomoepy.experts.source import LayerExperts
+from fomoepy.experts.streamer import ExpertStreamer
+from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn
+
+
+class GgmlExperts:
+    """out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]), experts added in ascending id order."""
+
+    def __init__(self, streamer: ExpertStreamer, ops, routers=None):
+        self.streamer = streamer
+        self.layers = streamer.layers
+        self.ops = ops
+        self.routers = routers  # every layer's router, to predict the next layer's experts
+        self.timer = None
+
+    def begin_step(self, n_past: int, n_tokens: int) -> None:
+        self.streamer.begin_step(n_past, n_tokens)
+
+    def end_step(self, n_tokens: int) -> None:
+        self.streamer.end_step(n_tokens)
+
+    def route(self, layer: int, h: np.ndarray, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
+        ids, weights = self.streamer.route(layer, exact)
+        nxt = layer + 1
+        if self.routers is not None and nxt < len(self.routers) and h.shape[0] == 1:
+            predicted = softmax_route(self.ops.linear(h, self.routers[nxt]), exact.ids.shape[1]).ids
+            self.streamer.predict(nxt, predicted)
+        if self.timer is not None:
+            self.timer.add("router", layer, time.perf_counter() - t0)
+        return ids, weights
+
+    def ffn(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
+        plan, fetched = self.streamer.acquire(layer, ids)
+        t1 = time.perf_counter()
+        try:
+            parts = self.layers[layer].parts
+            flat_ids = ids.reshape(-1)
+            flat_w = weights.reshape(-1)
+            order = np.argsort(flat_ids, kind="stable")
+            bounds = np.flatnonzero(np.diff(flat_ids[order])) + 1
+            k = ids.shape[1]
+            groups, picks = [], []
+            for group in np.split(order, bounds):
+                raw = fetched[int(flat_ids[group[0]])]
+                mats = tuple(QuantMatrix.of(raw[i], p.qtype, p.shape) for i, p in enumerate(parts))
+                groups.append((group // k, *mats))
+                picks.append(group)
+            ys = expert_ffn(h, groups, self.ops.threads)
+            out = np.zeros_like(h)
+            for group, y in zip(picks, ys):  # ascending expert id: a fixed order of additions
+                out[group // k] += y * flat_w[group][:, None]
+            return out
+        finally:
+            self.streamer.release(plan)
+            if self.timer is not None:
+                self.timer.add("plan", layer, t1 - t0)
+                self.timer.add("experts", layer, time.perf_counter() - t1)
+
+
+def store_expert_nbytes(layout: LayerExperts) -> int:
+    """The unit of this backend's tiers: one expert's store bytes."""
+    return layout.expert_nbytes

@@ -1,0 +1,133 @@
+"""The ggml CPU backend (`--backend cpu`): products on quantized bytes against numpy, logits against
+llama.cpp's on every oracle model, streamed == resident bit for bit, and the --vram-cache error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from conftest import ORACLE
+from fomoepy import quants
+from float32_bounds import U, reorder_bound
+from fomoepy.engine import Engine, EngineOptions
+from fomoepy.experts.store_writer import prepare_store
+from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, mul_mat
+
+F32 = np.float32
+# the type ggml rounds the activations to before a product with each weight type, and that rounding's
+# largest error per element: Q8 blocks (Q8_0 for 32-blocks, Q8_K for 256-blocks) round x to
+# amax/127 steps (error ≤ amax/254 of its block; the 256-block's amax bounds either), F16/BF16 round
+# each element to 11/8 significant bits
+QUANT_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+FLOAT_TYPES = {QT.F32: 0.0, QT.F16: 2.0**-11, QT.BF16: 2.0**-8}
+
+
+def activation_error(x: np.ndarray, qtype) -> np.ndarray:
+    if qtype in FLOAT_TYPES:
+        return np.abs(x) * FLOAT_TYPES[qtype]
+    blocks = np.abs(x).reshape(x.shape[0], -1, 256).max(axis=-1, keepdims=True)
+    return np.broadcast_to(blocks / 254.0, x.reshape(x.shape[0], -1, 256).shape).reshape(x.shape)
+
+
+def quantized(rng, qtype, n, k):
+    w = rng.standard_normal((n, k)).astype(F32)
+    if qtype == QT.F32:
+        return w.view(np.uint8).reshape(-1), w
+    if qtype == QT.F16:
+        return w.astype(np.float16).view(np.uint8).reshape(-1), w.astype(np.float16).astype(F32)
+    data = quants.quantize(w, int(qtype))
+    return data.reshape(-1), quants.dequantize(data, int(qtype), (n, k))
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES + [QT.F32, QT.F16])
+def test_mul_mat_on_quantized_bytes_equals_numpy_within_activation_rounding(qtype):
+    rng = np.random.default_rng(int(qtype))
+    n, k, t = 96, 512, 3
+    data, w = quantized(rng, qtype, n, k)
+    x = rng.standard_normal((t, k)).astype(F32)
+    got = mul_mat(x, QuantMatrix.of(data, int(qtype), (n, k)), threads=2)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    # rounding the activations, then a float32 sum of k products in ggml's order
+    bound = activation_error(x, qtype) @ np.abs(w.T) + 2 * k * U * (np.abs(x) @ np.abs(w.T))
+    assert got.shape == (t, n)
+    assert np.all(np.abs(got - want) <= bound * 1.01 + 1e-30)
+
+
+def test_expert_ffn_is_swiglu_of_the_quantized_experts_and_independent_of_its_neighbours():
+    rng = np.random.default_rng(7)
+    d, f = 256, 64
+    h = rng.standard_normal((4, d)).astype(F32)
+    experts = []
+    for _ in range(3):
+        gate, up, down = quantized(rng, QT.Q8_0, f, d), quantized(rng, QT.Q8_0, f, d), quantized(rng, QT.Q8_0, d, f)
+        experts.append((QuantMatrix.of(gate[0], 8, (f, d)), QuantMatrix.of(up[0], 8, (f, d)), QuantMatrix.of(down[0], 8, (d, f))))
+    rows = [np.array([0, 2]), np.array([1]), np.array([0, 1, 3])]
+    together = expert_ffn(h, [(r, *e) for r, e in zip(rows, experts)], threads=2)
+    for r, e, y in zip(rows, experts, together):
+        alone = expert_ffn(h, [(r, *e)], threads=1)[0]
+        assert np.array_equal(y, alone)  # one thread or two, alone or with others: the same bits
+        a, b = mul_mat(h[r], e[0], 1), mul_mat(h[r], e[1], 1)
+        assert np.array_equal(y, mul_mat(a / (F32(1) + np.exp(-a)) * b, e[2], 1))
+
+
+ORACLE_MODELS = ["qwen3moe_f32", "qwen3moe_q8_0", "qwen3moe_q6_k", "qwen3moe_q4_k_m", "qwen35moe_f32", "qwen35moe_q4_k"]
+
+
+@pytest.mark.parametrize("name", ORACLE_MODELS)
+def test_cpu_backend_tracks_llamacpp_logits(name, manifest):
+    meta = manifest["models"][name]
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    lc = np.load(ORACLE / f"{name}.llamacpp.npy")
+    exact = np.load(ORACLE / f"{name}.exact.npy")
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=2))
+    got = engine.logits(tokens)
+    agreement = float(np.mean(got.argmax(-1) == lc.argmax(-1)))
+    assert agreement >= meta["argmax_agreement"]
+    # no farther from llama.cpp than the exact engine is, or than two float32 orders of the same sums
+    # may drift (the F32 models, where both sit at float32 rounding from each other)
+    allowed = max(np.abs(exact - lc).max(), reorder_bound(engine.spec, len(tokens)) * np.abs(lc).max())
+    assert np.abs(got - lc).max() <= allowed
+
+
+@pytest.fixture(scope="module", params=["qwen3moe_q4_k_m", "qwen35moe_q4_k"])
+def stored(request, tmp_path_factory):
+    path = ORACLE / f"{request.param}.gguf"
+    store = tmp_path_factory.mktemp("store") / "s"
+    prepare_store(path, [store], progress=False)
+    tokens = np.load(ORACLE / f"{request.param}.tokens.npy")
+    resident = Engine(path, EngineOptions(backend="cpu", threads=2)).logits(tokens)
+    return path, str(store), tokens, resident
+
+
+@pytest.mark.parametrize("ram_experts", [0, 1, 5, None])
+def test_cpu_backend_streamed_equals_resident_bit_for_bit(stored, ram_experts):
+    path, store, tokens, resident = stored
+    probe = Engine(path, EngineOptions(backend="cpu"))
+    unit = probe.source.layers[0].expert_nbytes
+    opts = EngineOptions(backend="cpu", threads=1, store=(store,), ram_cache=None if ram_experts is None else ram_experts * unit)
+    engine = Engine(path, opts)
+    assert np.array_equal(engine.logits(tokens), resident)
+    # prefill half, then token by token through the same small tier, against the resident engine
+    # making the same calls (a prefill and a decode step may add in other orders)
+    split = len(tokens) // 2
+    ref = Engine(path, EngineOptions(backend="cpu", threads=2))
+    state, ref_state = engine.new_state(), ref.new_state()
+    assert np.array_equal(engine.model.forward(tokens[:split], state), ref.model.forward(tokens[:split], ref_state))
+    for i in range(split, len(tokens)):
+        step = tokens[i : i + 1]
+        assert np.array_equal(engine.model.forward(step, state), ref.model.forward(step, ref_state))
+
+
+def test_vram_cache_on_cpu_backend_is_one_clear_error():
+    path = ORACLE / "qwen3moe_q4_k_m.gguf"
+    cmd = [sys.executable, "-m", "fomoepy.cli", "generate", str(path), "-p", "a", "-n", "1", "--vram-cache", "1M"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fomoe: error: --vram-cache must be 0 on the cpu backend")
+    ok = subprocess.run(cmd[:-1] + ["0"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
