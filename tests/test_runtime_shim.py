@@ -107,3 +107,77 @@ def test_backend_selection_without_a_gpu():
         make_backend("cuda")
     with pytest.raises(FomoeError, match="not available"):
         make_backend("tpu")
+
+
+# -- defects found through the real bindings (issue 20) ---------------------------------------------
+
+
+class _RaisingApi(_FakeApi):
+    def cuMemAlloc(self, n):
+        raise RuntimeError("failed to dlsym cuMemAlloc")
+
+
+def test_an_exception_from_the_binding_becomes_a_gpu_error_naming_the_call():
+    with pytest.raises(shim.GpuError, match="cuda: cuMemAlloc raised RuntimeError: failed to dlsym"):
+        _Shim(_RaisingApi()).malloc(16)
+
+
+class _MemsetApi(_FakeApi):
+    """Takes the pattern as a C int when `signed` (hip-python), as unsigned otherwise (cuda-python)."""
+
+    def __init__(self, signed: bool):
+        self.signed, self.got = signed, None
+
+    def cuMemsetD32Async(self, dst, value, count, stream):
+        lo, hi = (-(1 << 31), (1 << 31) - 1) if self.signed else (0, (1 << 32) - 1)
+        if not lo <= value <= hi:
+            raise OverflowError(f"value {value} out of range")
+        self.got = value
+        return (0,)
+
+
+@pytest.mark.parametrize("signed, want", [(True, -1), (False, 0xFFFFFFFF)])
+def test_memset_passes_the_32_bit_pattern_as_each_binding_takes_it(signed, want):
+    api = _MemsetApi(signed)
+    s = _Shim(api)
+    s.memset_signed = signed
+    s.memset32(0x1000, 0xFFFFFFFF, 4, None)
+    assert api.got == want
+    s.memset32(0x1000, -1, 4, None)  # the same bits, however the caller spelled them
+    assert api.got == want
+
+
+def test_a_rocm5_runtime_is_one_error_naming_what_hip_python_needs(monkeypatch):
+    import sys
+    import types
+
+    class Props:
+        gcnArchName, name, totalGlobalMem = b"gfx1201", b"stand-in", 1 << 34
+
+    hip = types.SimpleNamespace(
+        hipInit=lambda flags: (0,),
+        hipGetDeviceCount=lambda: (0, 1),
+        hipDeviceProp_t=Props,
+        hipSetDevice=lambda d: (0,),
+        hipGetDeviceProperties=lambda props, d: (_ for _ in ()).throw(RuntimeError("failed to dlsym hipGetDevicePropertiesR0600")),
+        hipGetErrorString=lambda status: (0, b"?"),
+    )
+    monkeypatch.setitem(sys.modules, "hip", types.SimpleNamespace(hip=hip))
+    from fomoepy.runtime.shim_hip import open_hip
+
+    with pytest.raises(FomoeError, match=r"needs ROCm >= 6 \(>= 6.4 for RDNA4\).*hipGetDeviceProperties raised RuntimeError"):
+        open_hip(0)
+
+
+def test_auto_falls_back_to_the_cpu_whatever_fails_while_opening_a_device(monkeypatch):
+    from fomoepy.runtime import gpu
+    from fomoepy.runtime.cpu import CpuBackend
+    from fomoepy.runtime.select import make_backend
+
+    def broken(vendor, device=0):
+        raise RuntimeError(f"{vendor} driver exploded")
+
+    monkeypatch.setattr(gpu, "GpuBackend", broken)
+    assert isinstance(make_backend("auto"), CpuBackend)
+    with pytest.raises(FomoeError, match="hip: hip driver exploded"):
+        make_backend("hip")

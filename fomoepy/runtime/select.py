@@ -21,7 +21,7 @@ def open_gpu(vendor: str = "auto", device: int = 0):
     for v in vendors:
         try:
             return GpuBackend(v, device)
-        except FomoeError as e:
+        except Exception as e:  # whatever fails while opening a device: auto falls back, an explicit vendor says why
             reasons.append(f"{v}: {e}")
     raise FomoeError("no GPU backend could start: " + "; ".join(reasons))
 

@@ -102,7 +102,12 @@ class DriverShim(ABC):
         if not getattr(self._local, "current", False):
             self._local.current = True
             self._make_current()
-        result = getattr(self.api, name)(*args)
+        try:
+            result = getattr(self.api, name)(*args)
+        except GpuError:
+            raise
+        except Exception as e:  # a binding that raises (a missing symbol, a bad argument) names the call too
+            raise GpuError(f"{self.vendor}: {name} raised {type(e).__name__}: {e}") from e
         status, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
         if int(status) != 0:
             raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(status)}")
@@ -179,9 +184,14 @@ class DriverShim(ABC):
         if nbytes:
             self.call(self.names.memcpy_dtod, dst, src, nbytes, stream)
 
+    memset_signed = False  # hip-python takes the 32-bit pattern as a C int, cuda-python as unsigned
+
     def memset32(self, dst: int, value: int, count: int, stream: Any) -> None:
         if count:
-            self.call(self.names.memset_d32, dst, value & 0xFFFFFFFF, count, stream)
+            pattern = value & 0xFFFFFFFF
+            if self.memset_signed and pattern >= 1 << 31:
+                pattern -= 1 << 32  # the same 32 bits as a signed int
+            self.call(self.names.memset_d32, dst, pattern, count, stream)
 
     # modules and launches
     def load_module(self, binary: bytes) -> Any:

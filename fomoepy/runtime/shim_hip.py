@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fomoepy.errors import FomoeError
-from fomoepy.runtime.shim import ApiNames, DriverShim
+from fomoepy.runtime.shim import ApiNames, DriverShim, GpuError
 
 INSTALL = "pip install 'fomoepy[hip]'"
 
@@ -46,8 +46,13 @@ class HipShim(DriverShim):
         self.device_name = _text(props.name)
         self.total_memory = int(props.totalGlobalMem)
 
+    memset_signed = True
+
     def _make_current(self) -> None:
-        self.api.hipSetDevice(self.device)
+        result = self.api.hipSetDevice(self.device)
+        status = result[0] if isinstance(result, tuple) else result
+        if int(status) != 0:
+            raise GpuError(f"hip: hipSetDevice({self.device}) failed: {getattr(status, 'name', status)}")
 
     def _host_alloc_args(self, nbytes: int) -> tuple:
         return (nbytes, 0)  # hipHostMallocDefault
@@ -71,4 +76,7 @@ def open_hip(device: int = 0) -> HipShim:
     status, count = hip.hipGetDeviceCount()
     if int(status) != 0 or count <= device:
         raise FomoeError(f"no HIP device {device}: the runtime reports {count if int(status) == 0 else 0} device(s)")
-    return HipShim(hip, device)
+    try:
+        return HipShim(hip, device)
+    except GpuError as e:  # e.g. ROCm 5.x has no hipGetDevicePropertiesR0600, which hip-python 7.2 calls
+        raise FomoeError(f"the HIP runtime does not match hip-python 7.2, which needs ROCm >= 6 (>= 6.4 for RDNA4): {e}") from e
