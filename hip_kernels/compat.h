@@ -3,7 +3,11 @@
 // so the same text compiles with both run-time compilers and no include paths.
 #pragma once
 
-#if defined(__HIPCC_RTC__) || defined(__HIP__) || defined(__HIP_DEVICE_COMPILE__)
+#if defined(FOMOE_SIM)
+// the simulated device: the host C++ compiler builds this source, threads run as fibers on the CPU
+// (fomoepy/runtime/sim/sim_device.h defines CUDA's spellings, KERNEL, LAUNCH_BOUNDS and DYN_SHARED)
+#include "sim_device.h"
+#elif defined(__HIPCC_RTC__) || defined(__HIP__) || defined(__HIP_DEVICE_COMPILE__)
 #define FOMOE_HIP 1
 #else
 #define FOMOE_CUDA 1
@@ -24,8 +28,11 @@ typedef int i32;
 typedef long long i64;
 typedef unsigned long long u64;
 
+#ifndef FOMOE_SIM
 #define KERNEL extern "C" __global__
 #define LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#define DYN_SHARED(T, name) extern __shared__ T name[]  // the launch's dynamic shared memory
+#endif
 #define DEVINL __device__ __forceinline__
 
 #ifdef FOMOE_HIP
@@ -37,7 +44,7 @@ typedef unsigned long long u64;
 #endif
 
 // IEEE binary16 and bfloat16 bits -> float32 (exact conversions; no toolkit half types needed).
-#ifdef FOMOE_HIP
+#if defined(FOMOE_HIP) || defined(FOMOE_SIM)
 DEVINL float f16_to_f32(u16 h) {
     _Float16 v;
     __builtin_memcpy(&v, &h, 2);

@@ -34,7 +34,7 @@ DEVINL void block_argmax(float& v, int& i, float* sv, int* si) {
 // One block per token; dynamic shared memory holds E floats.
 KERNEL void LAUNCH_BOUNDS(ROUTE_THREADS) route_softmax_topk(const float* logits, int T, int E, int k, float* probs,
                                                             i32* ids, float* weights, i32* err) {
-    extern __shared__ float p[];
+    DYN_SHARED(float, p);
     __shared__ float sv[WARP];
     __shared__ int si[WARP];
     __shared__ float top[ROUTE_MAX_K];

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 from conftest import ORACLE, open_oracle_engine
-from test_gpu_emulator import emulated_backend
+from sim_backend import sim_backend
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts import routing
@@ -33,10 +33,10 @@ CACHE_FRACTIONS = [0.0, 0.3, 1.0]  # device tier as a share of all experts
 LOGIT_TOL = 1e-3  # max |gpu - cpu| / std(cpu logits), the ladder's tolerance against the exact logits
 
 
-@pytest.fixture(scope="module", params=["emulated", pytest.param("device", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="module", params=["sim", pytest.param("device", marks=pytest.mark.gpu)])
 def dev(request):
-    if request.param == "emulated":
-        return emulated_backend()
+    if request.param == "sim":
+        return sim_backend()
     try:
         return open_gpu("auto")
     except FomoeError as e:

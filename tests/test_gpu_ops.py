@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T_
-from test_gpu_emulator import emulated_backend
+from sim_backend import sim_backend
 
 from fomoepy import quants
 from fomoepy.errors import FomoeError
@@ -34,10 +34,10 @@ TOL = {"matvec": 1e-4, "norm": 1e-5, "rope": 1e-6, "attention": 1e-5, "conv": 1e
 QTYPES = [T_.F32, T_.F16, T_.BF16, T_.Q8_0, T_.Q4_0, T_.MXFP4, T_.Q4_K, T_.Q5_K, T_.Q6_K]
 
 
-@pytest.fixture(scope="module", params=["emulated", pytest.param("device", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="module", params=["sim", pytest.param("device", marks=pytest.mark.gpu)])
 def dev(request):
-    if request.param == "emulated":
-        d = emulated_backend()
+    if request.param == "sim":
+        d = sim_backend()
     else:
         try:
             d = open_gpu("auto")

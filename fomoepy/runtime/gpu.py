@@ -91,8 +91,7 @@ class GpuBackend:
         self.rt = rt or open_runtime(vendor, device)
         self.name = self.rt.vendor
         if binaries is None:
-            compiler = kernels.NvrtcCompiler() if self.rt.vendor == "cuda" else kernels.ctypes_hiprtc()
-            binaries = kernels.compile_all(compiler, self.rt.arch)
+            binaries = kernels.compile_all(kernels.compiler_for(self.rt.vendor), self.rt.arch)
         self.modules = [self.rt.load_module(b) for b in binaries.values()]
         self._functions: dict[str, Any] = {}
         self.stream = self.rt.stream()  # compute

@@ -226,6 +226,19 @@ def ctypes_hiprtc(lib_dir: str | os.PathLike[str] | None = None) -> HiprtcCompil
     raise FomoeError(f"hiprtc not found{where} (install ROCm's hiprtc): " + "; ".join(errors[-2:]))
 
 
+def compiler_for(vendor: str) -> Compiler:
+    """The run-time compiler of a vendor's kernels: NVRTC, hiprtc, or the host C++ compiler for the simulator."""
+    if vendor == "cuda":
+        return NvrtcCompiler()
+    if vendor == "hip":
+        return ctypes_hiprtc()
+    if vendor == "sim":
+        from fomoepy.runtime.sim.build import SimCompiler
+
+        return SimCompiler()
+    raise FomoeError(f"no kernel compiler for vendor {vendor!r}")
+
+
 # -- the binary cache --------------------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from fomoepy.errors import FomoeError
 
-VENDORS = ("cuda", "hip")
+VENDORS = ("cuda", "hip", "sim")
 
 
 class GpuError(FomoeError):
@@ -246,7 +246,7 @@ class PackedParams:
 
 
 def open_runtime(vendor: str, device: int = 0) -> DriverShim:
-    """The shim for `vendor` ("cuda" or "hip"), or one FomoeError naming what to install."""
+    """The shim for `vendor` ("cuda", "hip" or "sim", the simulated device), or one FomoeError naming what to install."""
     if vendor == "cuda":
         from fomoepy.runtime.shim_cuda import open_cuda
 
@@ -255,4 +255,8 @@ def open_runtime(vendor: str, device: int = 0) -> DriverShim:
         from fomoepy.runtime.shim_hip import open_hip
 
         return open_hip(device)
+    if vendor == "sim":
+        from fomoepy.runtime.sim.shim import open_sim
+
+        return open_sim(device)
     raise FomoeError(f"GPU vendor {vendor!r} is unknown (known: {', '.join(VENDORS)})")

@@ -1,0 +1,127 @@
+"""Builds for the simulated device: each hip_kernels/ module compiled by the host C++ compiler into a
+shared library (the simulator's "code object"), and the driver library itself.
+
+The kernel source is compiled as it is, with FOMOE_SIM defined: compat.h then includes
+sim_device.h, which gives CUDA's spellings (threadIdx, __syncthreads, __shfl_xor_sync, ...) their
+simulated meaning. Each kernel gets an entry that unpacks the driver's parameter block into the
+kernel's own C types; the kernels and their launch bounds are found by preprocessing the module once
+with FOMOE_SIM_SCAN, where KERNEL and LAUNCH_BOUNDS become markers.
+
+Floating point: contraction is off (a*b+c is never fused, as __fmul_rn promises on a GPU) and no
+-march=native, so a module computes the same bits on every x86-64 or ARM machine CI runs on.
+Binaries go through kernels.compile_cached like NVRTC's and hiprtc's, keyed by the source digest and
+the compiler's version (which covers sim_device.h, and the options).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import operator
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from fomoepy.errors import FomoeError
+from fomoepy.runtime.kernels import KernelCompileError, KernelSource, cache_root
+
+SIM_DIR = Path(__file__).resolve().parent
+DEVICE_HEADER = SIM_DIR / "sim_device.h"
+DRIVER_SOURCE = SIM_DIR / "sim_driver.cpp"
+
+# contraction off, no -march=native: the same bits on every CI processor; strict aliasing off because
+# the kernels read weights through casts of byte pointers, which is fine on a GPU compiler
+COMMON_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing",
+                "-fvisibility=hidden", "-w"]  # fmt: skip
+KERNEL_MARK = re.compile(r"FOMOE_SIM_KERNEL\s+void\s+FOMOE_SIM_BOUND\s*\(([^)]*)\)\s+(\w+)\s*\(")
+_ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def host_compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        raise FomoeError("the simulated device needs a C++ compiler (g++ or clang++) on the PATH, or $CXX")
+    return cxx
+
+
+@lru_cache(maxsize=None)
+def compiler_version(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise FomoeError(f"the C++ compiler {cxx} does not run: {e}") from e
+    return out.splitlines()[0].strip()
+
+
+def _bound(expr: str) -> int:
+    """The launch bound's expression after preprocessing, e.g. '4 * 32' (integers and + - * / only)."""
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+            return _ARITH[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            return ev(node.left) // ev(node.right)
+        raise ValueError(expr)
+
+    return ev(ast.parse(expr.replace("(", " (").strip(), mode="eval").body)
+
+
+class SimCompiler:
+    """The kernel compiler of the simulated device: `compile` returns the module's shared library."""
+
+    vendor = "sim"
+
+    def __init__(self) -> None:
+        self.cxx = host_compiler()
+        header = hashlib.sha256(DEVICE_HEADER.read_bytes()).hexdigest()[:16]
+        self.version = f"{compiler_version(self.cxx)} sim-{header}"
+
+    def options(self, arch: str) -> list[str]:
+        return [*COMMON_FLAGS, "-DFOMOE_SIM"]
+
+    def _run(self, args: list[str], source: KernelSource, cwd: str) -> str:
+        proc = subprocess.run(args, capture_output=True, text=True, cwd=cwd)
+        if proc.returncode != 0:
+            raise KernelCompileError(f"{source.name}.hip does not compile for the simulated device with {self.version}:\n{proc.stderr[-4000:]}")
+        return proc.stdout
+
+    def kernels_of(self, source: KernelSource, workdir: str) -> list[tuple[str, int]]:
+        """(name, launch bound) of every kernel the module defines, in source order."""
+        text = self._run([self.cxx, "-std=c++17", "-E", "-P", "-DFOMOE_SIM", "-DFOMOE_SIM_SCAN", f"-I{SIM_DIR}", "-I.",
+                          "-x", "c++", f"{source.name}.hip"], source, workdir)  # fmt: skip
+        found = [(name, _bound(expr)) for expr, name in KERNEL_MARK.findall(text)]
+        if not found:
+            raise KernelCompileError(f"{source.name}.hip defines no KERNEL")
+        return found
+
+    def compile(self, source: KernelSource, arch: str) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="fomoe-sim-") as d:
+            for name, text in source.headers:
+                Path(d, name).write_text(text)
+            Path(d, f"{source.name}.hip").write_text(source.text)
+            entries = "".join(f"FOMOE_SIM_ENTRY({name}, {bound})\n" for name, bound in self.kernels_of(source, d))
+            Path(d, "module.cpp").write_text(f'#include "{source.name}.hip"\n{entries}')
+            self._run([self.cxx, *self.options(arch), f"-I{SIM_DIR}", "-I.", "-x", "c++", "module.cpp", "-o", "module.so"], source, d)
+            return Path(d, "module.so").read_bytes()
+
+
+def driver_library() -> Path:
+    """The driver's shared library, built once per source and compiler and cached."""
+    cxx = host_compiler()
+    key = hashlib.sha256(DRIVER_SOURCE.read_bytes() + compiler_version(cxx).encode() + " ".join(COMMON_FLAGS).encode()).hexdigest()[:24]
+    path = cache_root() / "sim" / f"driver-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    proc = subprocess.run([cxx, *COMMON_FLAGS, str(DRIVER_SOURCE), "-o", str(tmp), "-ldl"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise FomoeError(f"the simulated device's driver does not build with {cxx}:\n{proc.stderr[-4000:]}")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,518 @@
+// sim_device.h: the simulated device's half of a kernel module. hip_kernels/compat.h includes it when
+// FOMOE_SIM is defined, and the host C++ compiler then builds the real kernel source into a shared
+// library that runs each block's threads as fibers on one CPU thread.
+//
+// The rules a GPU enforces, and that a wrong kernel must break here too:
+//   __syncthreads()   a barrier across the whole block: no thread passes until every thread arrives;
+//   warp shuffles     a barrier across the 32 lanes of a warp, over an exchange buffer (double-
+//                     buffered, so a lane that races ahead to the next shuffle cannot overwrite a
+//                     value a slower lane has still to read);
+//   dynamic shared    memory filled with NaN before each block, so a read before a write shows;
+//   errors            a deadlock, a barrier reached after some threads exited (or a thread exiting
+//                     while others wait), and a shuffle in a warp with an exited lane each stop the
+//                     launch with a message naming the kernel and the block.
+// Fibers switch only at those barriers, so a block runs with as many context switches as its
+// barriers need. On x86-64 the switch is a dozen instructions (swapcontext makes a system call per
+// switch); elsewhere, or with FOMOE_SIM_UCONTEXT, ucontext does it.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include <type_traits>
+#include <utility>
+
+#if defined(__x86_64__) && !defined(FOMOE_SIM_UCONTEXT)
+#define FOMOE_SIM_ASM_SWITCH 1
+#else
+#include <ucontext.h>
+#endif
+
+#define FOMOE_SIM_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace fomoe_sim {
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+enum State : int { RUNNABLE, AT_BLOCK, AT_WARP, EXITED };
+
+constexpr int MAX_THREADS = 1024;
+constexpr int MAX_WARPS = MAX_THREADS / 32;
+constexpr size_t STACK_BYTES = 64 * 1024;
+constexpr size_t GUARD_BYTES = 4096;  // PROT_NONE below each stack: an overflow faults, not corrupts
+
+struct Fiber {
+    dim3 tid;
+    int linear, warp, lane;
+    State state;
+    char* stack;
+#ifdef FOMOE_SIM_ASM_SWITCH
+    void* sp;
+#else
+    ucontext_t ctx;
+#endif
+};
+
+// What the driver hands a kernel's entry: the launch geometry and where to write an error.
+struct Launch {
+    unsigned grid[3], block[3];
+    unsigned shared;
+    char* error;
+    unsigned error_len;
+};
+
+// A kernel as the driver sees it: its launch bound and the C types of its parameters.
+constexpr int MAX_PARAMS = 24;
+struct KernelInfo {
+    const char* name;
+    int max_threads;
+    int n_params;
+    int param_size[MAX_PARAMS];
+    int param_align[MAX_PARAMS];
+    int param_is_pointer[MAX_PARAMS];
+    int (*run)(const Launch*, void* const* params);
+};
+
+struct Block {
+    const char* kernel;
+    dim3 index;
+    void (*body)(void*);
+    void* closure;
+    int n;
+    int n_exited, n_at_block;
+    int warp_lanes[MAX_WARPS], warp_arrived[MAX_WARPS], warp_exited[MAX_WARPS];
+    unsigned warp_gen[MAX_WARPS];
+    uint64_t exchange[2][MAX_WARPS][32];
+    bool failed;
+    char message[512];
+#ifdef FOMOE_SIM_ASM_SWITCH
+    void* scheduler_sp;
+#else
+    ucontext_t scheduler_ctx;
+#endif
+};
+
+// Per host thread: a stream's worker runs one launch at a time, so one set suffices.
+inline thread_local Fiber* current = nullptr;
+inline thread_local Block* block = nullptr;
+inline thread_local dim3 block_idx, block_dim, grid_dim;
+inline thread_local unsigned char* dyn_shared = nullptr;
+
+// -- context switch --------------------------------------------------------------------------------
+#ifdef FOMOE_SIM_ASM_SWITCH
+// fomoe_sim_switch(save, to): push the callee-saved registers and the SSE/x87 control words, store
+// the stack pointer in *save, load `to`, pop the same from there and return into that context.
+extern "C" void fomoe_sim_switch(void** save, void* to);
+asm(R"(
+    .text
+    .globl fomoe_sim_switch
+    .hidden fomoe_sim_switch
+    .type fomoe_sim_switch,@function
+fomoe_sim_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size fomoe_sim_switch, .-fomoe_sim_switch
+)");
+#endif
+
+inline void to_scheduler() {
+#ifdef FOMOE_SIM_ASM_SWITCH
+    fomoe_sim_switch(&current->sp, block->scheduler_sp);
+#else
+    swapcontext(&current->ctx, &block->scheduler_ctx);
+#endif
+}
+
+inline void to_fiber(Fiber* f) {
+    current = f;
+#ifdef FOMOE_SIM_ASM_SWITCH
+    fomoe_sim_switch(&block->scheduler_sp, f->sp);
+#else
+    swapcontext(&block->scheduler_ctx, &f->ctx);
+#endif
+}
+
+// -- failures: the block stops, the scheduler never resumes its fibers --------------------------------
+[[noreturn]] inline void fail(const char* fmt, int a = 0, int b = 0, int c = 0) {
+    Block* bl = block;
+    char what[400];
+    snprintf(what, sizeof what, fmt, a, b, c);
+    snprintf(bl->message, sizeof bl->message, "kernel %s, block (%u,%u,%u), thread %d: %s", bl->kernel, bl->index.x,
+             bl->index.y, bl->index.z, current ? current->linear : -1, what);
+    bl->failed = true;
+    to_scheduler();
+    __builtin_unreachable();
+}
+
+// -- barriers --------------------------------------------------------------------------------------
+inline thread_local Fiber fibers[MAX_THREADS];
+
+inline void sync_block() {
+    Block* b = block;
+    if (b->n_exited)
+        fail("__syncthreads() reached after %d of the block's %d threads exited", b->n_exited, b->n);
+    if (++b->n_at_block == b->n) {
+        b->n_at_block = 0;
+        for (int i = 0; i < b->n; i++)
+            if (fibers[i].state == AT_BLOCK) fibers[i].state = RUNNABLE;
+        return;
+    }
+    current->state = AT_BLOCK;
+    to_scheduler();
+}
+
+inline void sync_warp() {
+    Block* b = block;
+    const int w = current->warp;
+    if (b->warp_exited[w])
+        fail("a warp shuffle in warp %d, where %d lane(s) have exited (a shuffle must not read an exited lane)", w,
+             b->warp_exited[w]);
+    if (++b->warp_arrived[w] == b->warp_lanes[w]) {
+        b->warp_arrived[w] = 0;
+        b->warp_gen[w]++;
+        for (int i = w * 32; i < w * 32 + b->warp_lanes[w]; i++)
+            if (fibers[i].state == AT_WARP) fibers[i].state = RUNNABLE;
+        return;
+    }
+    current->state = AT_WARP;
+    to_scheduler();
+}
+
+// Every lane publishes v, waits for its whole warp, then reads lane `src`'s value.
+template <class T>
+inline T exchange(T v, int src) {
+    static_assert(sizeof(T) <= 8, "shuffles move up to 8 bytes");
+    Block* b = block;
+    const int w = current->warp;
+    const unsigned g = b->warp_gen[w] & 1;
+    uint64_t bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    b->exchange[g][w][current->lane] = bits;
+    sync_warp();
+    if (src >= b->warp_lanes[w]) fail("a warp shuffle reads lane %d of a warp that has %d lanes", src, b->warp_lanes[w]);
+    bits = b->exchange[g][w][src];
+    T out;
+    memcpy(&out, &bits, sizeof(T));
+    return out;
+}
+
+inline void full_mask(unsigned mask) {
+    if (mask != 0xffffffffu) fail("a shuffle with mask 0x%x: the kernels use full-warp shuffles only", (int)mask);
+}
+
+// -- running one block -----------------------------------------------------------------------------
+inline void fiber_exit() {
+    Block* b = block;
+    Fiber* f = current;
+    f->state = EXITED;
+    b->n_exited++;
+    b->warp_exited[f->warp]++;
+    if (b->n_at_block)
+        fail("the thread returned while %d thread(s) wait at __syncthreads() (every thread must reach it)", b->n_at_block);
+    if (b->warp_arrived[f->warp])
+        fail("the lane returned while %d lane(s) of its warp wait in a shuffle that reads it", b->warp_arrived[f->warp]);
+    to_scheduler();
+    __builtin_unreachable();
+}
+
+extern "C" inline void fomoe_sim_fiber_main() {
+    block->body(block->closure);
+    fiber_exit();
+}
+
+struct StackPool {
+    char* base = nullptr;
+    int count = 0;
+    ~StackPool() {
+        if (base) munmap(base, (size_t)count * (STACK_BYTES + GUARD_BYTES));
+    }
+    char* get(int i) {  // the lowest usable byte of stack i
+        if (i >= count) {
+            if (base) munmap(base, (size_t)count * (STACK_BYTES + GUARD_BYTES));
+            count = MAX_THREADS;
+            size_t bytes = (size_t)count * (STACK_BYTES + GUARD_BYTES);
+            base = (char*)mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (base == MAP_FAILED) {
+                base = nullptr;
+                count = 0;
+                return nullptr;
+            }
+            for (int s = 0; s < count; s++) mprotect(base + (size_t)s * (STACK_BYTES + GUARD_BYTES), GUARD_BYTES, PROT_NONE);
+        }
+        return base + (size_t)i * (STACK_BYTES + GUARD_BYTES) + GUARD_BYTES;
+    }
+};
+inline thread_local StackPool stacks;
+
+inline bool prepare(Fiber* f) {
+#ifdef FOMOE_SIM_ASM_SWITCH
+    // the frame fomoe_sim_switch pops: control words, r15..rbp, then the "return" into fiber_main,
+    // placed so that fiber_main starts with the stack aligned as after a call
+    uintptr_t top = ((uintptr_t)f->stack + STACK_BYTES) & ~(uintptr_t)15;
+    uint64_t* sp = (uint64_t*)top;
+    *--sp = 0;
+    *--sp = (uint64_t)(uintptr_t)&fomoe_sim_fiber_main;
+    for (int r = 0; r < 6; r++) *--sp = 0;
+    uint32_t csr[2];
+    asm volatile("stmxcsr %0" : "=m"(csr[0]));
+    asm volatile("fnstcw %0" : "=m"(*(uint16_t*)&csr[1]));
+    *--sp = ((uint64_t)csr[1] << 32) | csr[0];
+    f->sp = sp;
+#else
+    if (getcontext(&f->ctx) != 0) return false;
+    f->ctx.uc_stack.ss_sp = f->stack;
+    f->ctx.uc_stack.ss_size = STACK_BYTES;
+    f->ctx.uc_link = nullptr;
+    makecontext(&f->ctx, (void (*)())fomoe_sim_fiber_main, 0);
+#endif
+    return true;
+}
+
+// Runs one block to completion; false with b->message set when it fails.
+inline bool run_block(Block* b) {
+    const dim3 d = block_dim;
+    b->n = (int)(d.x * d.y * d.z);
+    b->n_exited = b->n_at_block = 0;
+    b->failed = false;
+    const int n_warps = (b->n + 31) / 32;
+    for (int w = 0; w < n_warps; w++) {
+        b->warp_lanes[w] = w == n_warps - 1 ? b->n - 32 * w : 32;
+        b->warp_arrived[w] = b->warp_exited[w] = 0;
+        b->warp_gen[w] = 0;
+    }
+    block = b;
+    for (int i = 0; i < b->n; i++) {
+        Fiber* f = &fibers[i];
+        f->linear = i;
+        f->tid.x = i % d.x;
+        f->tid.y = (i / d.x) % d.y;
+        f->tid.z = i / (d.x * d.y);
+        f->warp = i / 32;
+        f->lane = i % 32;
+        f->state = RUNNABLE;
+        f->stack = stacks.get(i);
+        if (!f->stack || !prepare(f)) {
+            snprintf(b->message, sizeof b->message, "kernel %s: no memory for %d fiber stacks", b->kernel, b->n);
+            return false;
+        }
+    }
+    current = nullptr;
+    while (b->n_exited < b->n) {
+        bool ran = false;
+        for (int i = 0; i < b->n; i++) {
+            if (fibers[i].state != RUNNABLE) continue;
+            to_fiber(&fibers[i]);
+            ran = true;
+            if (b->failed) return false;
+        }
+        if (!ran && b->n_exited < b->n) {
+            int at_block = 0, at_warp = 0, first_block = -1, first_warp = -1;
+            for (int i = 0; i < b->n; i++) {
+                if (fibers[i].state == AT_BLOCK && at_block++ == 0) first_block = i;
+                if (fibers[i].state == AT_WARP && at_warp++ == 0) first_warp = i;
+            }
+            snprintf(b->message, sizeof b->message,
+                     "kernel %s, block (%u,%u,%u): deadlock: %d thread(s) wait at __syncthreads() (first: thread %d) "
+                     "and %d in a warp shuffle (first: thread %d); each waits for threads held by the other",
+                     b->kernel, b->index.x, b->index.y, b->index.z, at_block, first_block, at_warp, first_warp);
+            return false;
+        }
+    }
+    return true;
+}
+
+// -- a kernel's entry: unpack the driver's parameter block into the kernel's own C types ------------
+template <class... A>
+struct Closure {
+    void (*fn)(A...);
+    void* const* params;
+};
+
+template <class... A, size_t... I>
+inline void call_with(const Closure<A...>* c, std::index_sequence<I...>) {
+    c->fn(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(c->params[I])...);
+}
+
+template <class... A>
+inline void invoke(void* closure) {
+    call_with(static_cast<const Closure<A...>*>(closure), std::index_sequence_for<A...>{});
+}
+
+inline thread_local unsigned char* dyn_buffer = nullptr;
+inline thread_local unsigned dyn_capacity = 0;
+
+template <class... A>
+inline int run_kernel(const char* name, void (*fn)(A...), const Launch* l, void* const* params) {
+    if (l->shared > dyn_capacity) {
+        delete[] dyn_buffer;
+        dyn_capacity = (l->shared + 4095) & ~4095u;
+        dyn_buffer = new unsigned char[dyn_capacity];
+    }
+    dyn_shared = dyn_buffer;
+    Closure<A...> closure{fn, params};
+    Block b;
+    b.kernel = name;
+    b.body = &invoke<A...>;
+    b.closure = &closure;
+    block_dim = dim3{l->block[0], l->block[1], l->block[2]};
+    grid_dim = dim3{l->grid[0], l->grid[1], l->grid[2]};
+    const uint32_t nan_bits = 0x7fc00000u;
+    for (unsigned z = 0; z < l->grid[2]; z++)
+        for (unsigned y = 0; y < l->grid[1]; y++)
+            for (unsigned x = 0; x < l->grid[0]; x++) {
+                for (unsigned i = 0; i + 4 <= l->shared; i += 4) memcpy(dyn_buffer + i, &nan_bits, 4);
+                block_idx = dim3{x, y, z};
+                b.index = block_idx;
+                if (!run_block(&b)) {
+                    snprintf(l->error, l->error_len, "%s", b.message);
+                    block = nullptr;
+                    current = nullptr;
+                    return -1;
+                }
+            }
+    block = nullptr;
+    current = nullptr;
+    return 0;
+}
+
+template <class... A>
+inline KernelInfo describe(const char* name, int max_threads, void (*)(A...), int (*run)(const Launch*, void* const*)) {
+    static_assert(sizeof...(A) <= MAX_PARAMS, "too many kernel parameters");
+    KernelInfo k{};
+    k.name = name;
+    k.max_threads = max_threads;
+    k.n_params = (int)sizeof...(A);
+    const int sizes[] = {(int)sizeof(std::decay_t<A>)..., 0};
+    const int aligns[] = {(int)alignof(std::decay_t<A>)..., 0};
+    const int pointers[] = {(int)std::is_pointer_v<std::decay_t<A>>..., 0};
+    for (int i = 0; i < k.n_params; i++) {
+        k.param_size[i] = sizes[i];
+        k.param_align[i] = aligns[i];
+        k.param_is_pointer[i] = pointers[i];
+    }
+    k.run = run;
+    return k;
+}
+
+inline KernelInfo* table() {
+    static KernelInfo kernels[512];
+    return kernels;
+}
+inline int& table_size() {
+    static int n = 0;
+    return n;
+}
+struct Registrar {
+    explicit Registrar(const KernelInfo& k) { table()[table_size()++] = k; }
+};
+
+}  // namespace fomoe_sim
+
+// The module's one export (this header is included once per module): every kernel, for the driver's lookup.
+FOMOE_SIM_EXPORT const fomoe_sim::KernelInfo* fomoe_sim_kernel_table(int* n) {
+    *n = fomoe_sim::table_size();
+    return fomoe_sim::table();
+}
+
+#define FOMOE_SIM_ENTRY(name, bound)                                                                     \
+    static int fomoe_sim_run_##name(const ::fomoe_sim::Launch* l, void* const* p) {                    \
+        return ::fomoe_sim::run_kernel(#name, name, l, p);                                              \
+    }                                                                                                    \
+    static ::fomoe_sim::Registrar fomoe_sim_register_##name(::fomoe_sim::describe(#name, (bound), name, \
+                                                                                  fomoe_sim_run_##name));
+
+// -- what the kernel source sees: CUDA's spellings on the CPU ------------------------------------------
+#define __global__
+#define __device__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __shared__ static thread_local  // one block at a time per host thread
+#define __constant__ const
+
+#ifdef FOMOE_SIM_SCAN  // tools/kernels: find each kernel's name and launch bound in the preprocessed source
+#define KERNEL FOMOE_SIM_KERNEL
+#define LAUNCH_BOUNDS(n) FOMOE_SIM_BOUND(n)
+#else
+#define KERNEL extern "C"
+#define LAUNCH_BOUNDS(n)
+#endif
+#define DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(::fomoe_sim::dyn_shared)
+
+#define threadIdx (::fomoe_sim::current->tid)
+#define blockIdx (::fomoe_sim::block_idx)
+#define blockDim (::fomoe_sim::block_dim)
+#define gridDim (::fomoe_sim::grid_dim)
+#define __syncthreads() ::fomoe_sim::sync_block()
+
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    ::fomoe_sim::full_mask(mask);
+    const int lane = ::fomoe_sim::current->lane;
+    return ::fomoe_sim::exchange(v, (lane & ~(width - 1)) | ((lane ^ lane_mask) & (width - 1)));
+}
+
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+    ::fomoe_sim::full_mask(mask);
+    const int lane = ::fomoe_sim::current->lane;
+    return ::fomoe_sim::exchange(v, (lane & ~(width - 1)) | (src_lane & (width - 1)));
+}
+
+// Rounded arithmetic: with contraction off (-ffp-contract=off) a product is rounded, as __fmul_rn is.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+
+inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, 4);
+    return f;
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int i;
+    memcpy(&i, &f, 4);
+    return i;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+inline int atomicOr(int* p, int v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }

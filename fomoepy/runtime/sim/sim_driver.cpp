@@ -1,0 +1,587 @@
+// sim_driver.cpp: the simulated device's driver: memory, streams, events, modules and launches, with
+// the calls of a GPU driver API (fomoepy/runtime/shim_sim.py calls it through ctypes).
+//
+// Device memory is host memory: a device pointer is the address of a host allocation, so a kernel
+// module built by the host compiler (sim_device.h) reads it directly. What a device would refuse is
+// refused here: a copy outside an allocation, a launch whose pointer argument is not memory of the
+// launching device, a block larger than the kernel's launch bound.
+//
+// Each stream is a host thread that runs its work in submission order; an event records a point in
+// a stream's work and other streams (or the host) wait for it. In deferred mode a stream runs its
+// work only when something needs it: a sync of the stream, a sync of an event recorded on it, or
+// another stream reaching a wait on such an event. A missing wait then reads stale memory every
+// time, instead of whenever the host threads happen to interleave badly.
+#include <dlfcn.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#define EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// sim_device.h's structs, as the driver sees them (kept in step by the module's own entry)
+struct Launch {
+    unsigned grid[3], block[3];
+    unsigned shared;
+    char* error;
+    unsigned error_len;
+};
+constexpr int MAX_PARAMS = 24;
+struct KernelInfo {
+    const char* name;
+    int max_threads;
+    int n_params;
+    int param_size[MAX_PARAMS];
+    int param_align[MAX_PARAMS];
+    int param_is_pointer[MAX_PARAMS];
+    int (*run)(const Launch*, void* const* params);
+};
+
+enum Status : int {
+    OK = 0,
+    INVALID_VALUE = 1,
+    OUT_OF_MEMORY = 2,
+    INVALID_DEVICE = 101,
+    INVALID_IMAGE = 200,
+    NOT_FOUND = 500,
+    LAUNCH_FAILED = 719,
+    ILLEGAL_ADDRESS = 700,
+    LAUNCH_OUT_OF_RESOURCES = 701,
+};
+
+thread_local std::string last_error;
+
+int fail(int status, const char* fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    last_error = buf;
+    return status;
+}
+
+// -- memory ------------------------------------------------------------------------------------------
+enum Kind { DEVICE, HOST };
+struct Allocation {
+    size_t size;
+    int device;  // -1 for host memory
+    Kind kind;
+};
+
+struct Config {
+    int n_devices = 2;
+    size_t memory_per_device = size_t(16) << 30;
+    bool deferred = false;
+};
+
+std::mutex memory_mutex;
+std::map<uintptr_t, Allocation> allocations;
+std::vector<size_t> used;  // bytes allocated per device
+Config config;
+
+// the allocation containing [p, p + n), or null
+const Allocation* find(uintptr_t p, size_t n, uintptr_t* base = nullptr) {
+    auto it = allocations.upper_bound(p);
+    if (it == allocations.begin()) return nullptr;
+    --it;
+    if (p + n > it->first + it->second.size) return nullptr;
+    if (base) *base = it->first;
+    return &it->second;
+}
+
+// -- streams and events --------------------------------------------------------------------------------
+struct Stream;
+
+struct Event {
+    int device;
+    std::mutex m;
+    std::condition_variable cv;
+    uint64_t issued = 0, done = 0;  // records issued / completed
+    Stream* stream = nullptr;       // where the latest record was issued
+    uint64_t position = 0;          // its place in that stream's work
+    std::chrono::steady_clock::time_point when;
+};
+
+struct Module {
+    void* handle;
+    const KernelInfo* kernels;
+    int n_kernels;
+    int device;
+};
+
+struct Op {
+    enum Type { COPY, MEMSET32, LAUNCH, RECORD, WAIT } type;
+    void* dst = nullptr;
+    const void* src = nullptr;
+    size_t n = 0;
+    uint32_t value = 0;
+    const KernelInfo* kernel = nullptr;
+    Launch launch{};
+    std::vector<uint64_t> param_storage;  // the argument values, copied at launch time as a driver does
+    std::vector<void*> params;
+    Event* event = nullptr;
+    uint64_t target = 0;
+    Stream* source = nullptr;  // WAIT: the stream the awaited record was issued on, and where
+    uint64_t source_position = 0;
+};
+
+void demand(Stream* s, uint64_t position);
+
+struct Stream {
+    int device;
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<Op> queue;
+    uint64_t submitted = 0, completed = 0, demanded = 0;
+    bool stopping = false;
+    std::string error;  // sticky: the first failure, reported by every later sync
+    std::thread worker;
+
+    explicit Stream(int d) : device(d) { worker = std::thread([this] { run(); }); }
+
+    ~Stream() {
+        {
+            std::lock_guard<std::mutex> g(m);
+            stopping = true;
+            demanded = submitted;
+        }
+        cv.notify_all();
+        worker.join();
+    }
+
+    uint64_t submit(Op&& op) {
+        std::lock_guard<std::mutex> g(m);
+        queue.push_back(std::move(op));
+        ++submitted;
+        if (!config.deferred) demanded = submitted;
+        cv.notify_all();
+        return submitted;
+    }
+
+    void run() {
+        std::vector<char> message(1024);
+        for (;;) {
+            Op op;
+            {
+                std::unique_lock<std::mutex> g(m);
+                cv.wait(g, [&] { return (!queue.empty() && completed < demanded) || (stopping && queue.empty()); });
+                if (queue.empty()) return;
+                op = std::move(queue.front());
+                queue.pop_front();
+            }
+            execute(op, message);
+            {
+                std::lock_guard<std::mutex> g(m);
+                ++completed;
+            }
+            cv.notify_all();
+        }
+    }
+
+    void execute(Op& op, std::vector<char>& message) {
+        bool failed;
+        {
+            std::lock_guard<std::mutex> g(m);
+            failed = !error.empty();
+        }
+        switch (op.type) {
+            case Op::COPY:
+                if (!failed) memmove(op.dst, op.src, op.n);
+                break;
+            case Op::MEMSET32: {
+                if (failed) break;
+                uint32_t* p = static_cast<uint32_t*>(op.dst);
+                for (size_t i = 0; i < op.n; i++) p[i] = op.value;
+                break;
+            }
+            case Op::LAUNCH: {
+                if (failed) break;
+                op.launch.error = message.data();
+                op.launch.error_len = (unsigned)message.size();
+                message[0] = 0;
+                if (op.kernel->run(&op.launch, op.params.data()) != 0) {
+                    std::lock_guard<std::mutex> g(m);
+                    error = message.data();
+                }
+                break;
+            }
+            case Op::RECORD: {  // completes even after a failure, so nobody waits forever
+                std::lock_guard<std::mutex> g(op.event->m);
+                if (op.target > op.event->done) op.event->done = op.target;
+                op.event->when = std::chrono::steady_clock::now();
+                op.event->cv.notify_all();
+                break;
+            }
+            case Op::WAIT: {
+                if (config.deferred) demand(op.source, op.source_position);
+                std::unique_lock<std::mutex> g(op.event->m);
+                op.event->cv.wait(g, [&] { return op.event->done >= op.target; });
+                break;
+            }
+        }
+    }
+
+    // blocks until the work submitted so far is done; the sticky error, if any
+    int sync() {
+        uint64_t until;
+        {
+            std::lock_guard<std::mutex> g(m);
+            until = submitted;
+        }
+        demand(this, until);
+        std::unique_lock<std::mutex> g(m);
+        cv.wait(g, [&] { return completed >= until; });
+        if (!error.empty()) return fail(LAUNCH_FAILED, "%s", error.c_str());
+        return OK;
+    }
+};
+
+void demand(Stream* s, uint64_t position) {
+    {
+        std::lock_guard<std::mutex> g(s->m);
+        if (position <= s->demanded) return;
+        s->demanded = position;
+    }
+    s->cv.notify_all();
+}
+
+std::mutex registry_mutex;
+std::vector<std::unique_ptr<Stream>> streams;  // never destroyed before exit: handles stay valid
+std::vector<std::unique_ptr<Event>> events;
+std::vector<std::unique_ptr<Module>> modules;
+
+bool valid_device(int d) { return d >= 0 && d < config.n_devices; }
+
+// every stream of `device` (all devices: -1) has finished what was submitted so far
+void drain(int device) {
+    std::vector<Stream*> todo;
+    {
+        std::lock_guard<std::mutex> g(registry_mutex);
+        for (auto& s : streams)
+            if (device < 0 || s->device == device) todo.push_back(s.get());
+    }
+    for (Stream* s : todo) {
+        uint64_t until;
+        {
+            std::lock_guard<std::mutex> g(s->m);
+            until = s->submitted;
+        }
+        demand(s, until);
+        std::unique_lock<std::mutex> g(s->m);
+        s->cv.wait(g, [&] { return s->completed >= until; });
+    }
+}
+
+}  // namespace
+
+// -- the API -------------------------------------------------------------------------------------------
+EXPORT const char* sim_last_error() { return last_error.c_str(); }
+
+EXPORT int sim_configure(int n_devices, unsigned long long memory_per_device, int deferred) {
+    std::lock_guard<std::mutex> g(memory_mutex);
+    if (n_devices < 1 || n_devices > 16) return fail(INVALID_VALUE, "the simulator has 1 to 16 devices, not %d", n_devices);
+    for (size_t d = 0; d < used.size(); d++)
+        if (used[d] && (int)d >= n_devices) return fail(INVALID_VALUE, "device %zu still holds memory", d);
+    config.n_devices = n_devices;
+    config.memory_per_device = memory_per_device;
+    config.deferred = deferred != 0;
+    used.resize(n_devices, 0);
+    return OK;
+}
+
+EXPORT int sim_device_count(int* n) {
+    *n = config.n_devices;
+    return OK;
+}
+
+EXPORT int sim_mem_info(int device, size_t* free_bytes, size_t* total) {
+    std::lock_guard<std::mutex> g(memory_mutex);
+    if (!valid_device(device)) return fail(INVALID_DEVICE, "no simulated device %d", device);
+    used.resize(config.n_devices, 0);
+    *total = config.memory_per_device;
+    *free_bytes = config.memory_per_device - used[device];
+    return OK;
+}
+
+static int allocate(int device, Kind kind, void** out, size_t n) {
+    std::lock_guard<std::mutex> g(memory_mutex);
+    used.resize(config.n_devices, 0);
+    if (kind == DEVICE) {
+        if (!valid_device(device)) return fail(INVALID_DEVICE, "no simulated device %d", device);
+        if (used[device] + n > config.memory_per_device)
+            return fail(OUT_OF_MEMORY, "out of memory on simulated device %d: %zu bytes asked, %zu of %zu free", device, n,
+                        config.memory_per_device - used[device], config.memory_per_device);
+    }
+    void* p = nullptr;
+    if (posix_memalign(&p, 256, n ? n : 1) != 0) return fail(OUT_OF_MEMORY, "host allocation of %zu bytes failed", n);
+    allocations[(uintptr_t)p] = Allocation{n, kind == DEVICE ? device : -1, kind};
+    if (kind == DEVICE) used[device] += n;
+    *out = p;
+    return OK;
+}
+
+static int release(void* p, Kind kind) {
+    int device;
+    {
+        std::lock_guard<std::mutex> g(memory_mutex);
+        auto it = allocations.find((uintptr_t)p);
+        if (it == allocations.end() || it->second.kind != kind)
+            return fail(INVALID_VALUE, "free of %p: not a %s allocation of the simulator", p, kind == DEVICE ? "device" : "pinned host");
+        device = it->second.device;
+    }
+    drain(device);  // as cuMemFree: queued work that may still use the memory finishes first
+    std::lock_guard<std::mutex> g(memory_mutex);
+    auto it = allocations.find((uintptr_t)p);
+    if (it == allocations.end()) return fail(INVALID_VALUE, "double free of %p", p);
+    if (kind == DEVICE) used[it->second.device] -= it->second.size;
+    allocations.erase(it);
+    free(p);
+    return OK;
+}
+
+EXPORT int sim_malloc(int device, void** out, size_t n) { return allocate(device, DEVICE, out, n); }
+EXPORT int sim_free(void* p) { return release(p, DEVICE); }
+EXPORT int sim_host_alloc(void** out, size_t n) { return allocate(-1, HOST, out, n); }
+EXPORT int sim_host_free(void* p) { return release(p, HOST); }
+EXPORT int sim_host_register(void*, size_t) { return OK; }
+EXPORT int sim_host_unregister(void*) { return OK; }
+
+EXPORT int sim_allocation_count(int device, size_t* count, size_t* bytes) {
+    std::lock_guard<std::mutex> g(memory_mutex);
+    *count = 0;
+    *bytes = 0;
+    for (auto& [p, a] : allocations)
+        if (a.kind == DEVICE && a.device == device) {
+            ++*count;
+            *bytes += a.size;
+        }
+    return OK;
+}
+
+EXPORT int sim_stream_create(int device, void** out) {
+    if (!valid_device(device)) return fail(INVALID_DEVICE, "no simulated device %d", device);
+    std::lock_guard<std::mutex> g(registry_mutex);
+    streams.push_back(std::make_unique<Stream>(device));
+    *out = streams.back().get();
+    return OK;
+}
+
+EXPORT int sim_stream_sync(void* s) { return static_cast<Stream*>(s)->sync(); }
+
+EXPORT int sim_event_create(int device, void** out) {
+    if (!valid_device(device)) return fail(INVALID_DEVICE, "no simulated device %d", device);
+    std::lock_guard<std::mutex> g(registry_mutex);
+    events.push_back(std::make_unique<Event>());
+    events.back()->device = device;
+    *out = events.back().get();
+    return OK;
+}
+
+EXPORT int sim_event_record(void* e, void* s) {
+    Event* ev = static_cast<Event*>(e);
+    Stream* st = static_cast<Stream*>(s);
+    Op op;
+    op.type = Op::RECORD;
+    op.event = ev;
+    std::lock_guard<std::mutex> g(ev->m);
+    op.target = ++ev->issued;
+    ev->stream = st;
+    ev->position = st->submit(std::move(op));
+    return OK;
+}
+
+EXPORT int sim_stream_wait_event(void* s, void* e) {
+    Event* ev = static_cast<Event*>(e);
+    Op op;
+    op.type = Op::WAIT;
+    op.event = ev;
+    {
+        std::lock_guard<std::mutex> g(ev->m);
+        if (ev->issued == 0) return OK;  // never recorded: nothing to wait for (as CUDA)
+        op.target = ev->issued;
+        op.source = ev->stream;
+        op.source_position = ev->position;
+    }
+    static_cast<Stream*>(s)->submit(std::move(op));
+    return OK;
+}
+
+EXPORT int sim_event_sync(void* e) {
+    Event* ev = static_cast<Event*>(e);
+    Stream* source;
+    uint64_t target, position;
+    {
+        std::lock_guard<std::mutex> g(ev->m);
+        target = ev->issued;
+        source = ev->stream;
+        position = ev->position;
+    }
+    if (!source) return OK;
+    demand(source, position);
+    std::unique_lock<std::mutex> g(ev->m);
+    ev->cv.wait(g, [&] { return ev->done >= target; });
+    std::lock_guard<std::mutex> gs(source->m);
+    if (!source->error.empty()) return fail(LAUNCH_FAILED, "%s", source->error.c_str());
+    return OK;
+}
+
+EXPORT int sim_event_elapsed(float* ms, void* a, void* b) {
+    Event *ea = static_cast<Event*>(a), *eb = static_cast<Event*>(b);
+    std::scoped_lock g(ea->m, eb->m);
+    if (ea->done == 0 || eb->done == 0 || ea->done < ea->issued || eb->done < eb->issued)
+        return fail(INVALID_VALUE, "event elapsed time: an event has not completed");
+    *ms = std::chrono::duration<float, std::milli>(eb->when - ea->when).count();
+    return OK;
+}
+
+// kind: 1 host to device, 2 device to host, 3 device to device
+EXPORT int sim_memcpy_async(void* dst, const void* src, size_t n, void* s, int kind) {
+    {
+        std::lock_guard<std::mutex> g(memory_mutex);
+        if ((kind == 1 || kind == 3) && !find((uintptr_t)dst, n))
+            return fail(ILLEGAL_ADDRESS, "copy of %zu bytes to %p: outside every device allocation", n, dst);
+        if ((kind == 2 || kind == 3) && !find((uintptr_t)src, n))
+            return fail(ILLEGAL_ADDRESS, "copy of %zu bytes from %p: outside every device allocation", n, src);
+    }
+    Op op;
+    op.type = Op::COPY;
+    op.dst = dst;
+    op.src = src;
+    op.n = n;
+    static_cast<Stream*>(s)->submit(std::move(op));
+    return OK;
+}
+
+EXPORT int sim_memset_d32_async(void* dst, unsigned value, size_t count, void* s) {
+    {
+        std::lock_guard<std::mutex> g(memory_mutex);
+        if (!find((uintptr_t)dst, count * 4))
+            return fail(ILLEGAL_ADDRESS, "memset of %zu words at %p: outside every device allocation", count, dst);
+    }
+    Op op;
+    op.type = Op::MEMSET32;
+    op.dst = dst;
+    op.n = count;
+    op.value = value;
+    static_cast<Stream*>(s)->submit(std::move(op));
+    return OK;
+}
+
+// A module image is the shared library the host compiler built from one kernel source.
+EXPORT int sim_module_load(int device, const void* image, size_t n, void** out) {
+    if (!valid_device(device)) return fail(INVALID_DEVICE, "no simulated device %d", device);
+    if (n < 4 || memcmp(image, "\x7f" "ELF", 4) != 0)
+        return fail(INVALID_IMAGE, "module image of %zu bytes is not a simulator build (a cubin or code object?)", n);
+    int fd = memfd_create("fomoe-sim-module", MFD_CLOEXEC);
+    if (fd < 0) return fail(INVALID_IMAGE, "memfd_create failed");
+    size_t written = 0;
+    while (written < n) {
+        ssize_t w = write(fd, (const char*)image + written, n - written);
+        if (w <= 0) {
+            close(fd);
+            return fail(INVALID_IMAGE, "writing the module image failed");
+        }
+        written += (size_t)w;
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    // the descriptor stays open: dlopen knows a library by its path, and a reused descriptor number
+    // would hand back the module loaded before
+    void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+        close(fd);
+        return fail(INVALID_IMAGE, "module does not load: %s", dlerror());
+    }
+    auto table = (const KernelInfo* (*)(int*))dlsym(handle, "fomoe_sim_kernel_table");
+    if (!table) return fail(INVALID_IMAGE, "module has no kernel table (not built with sim_device.h)");
+    auto m = std::make_unique<Module>();
+    m->handle = handle;
+    m->kernels = table(&m->n_kernels);
+    m->device = device;
+    std::lock_guard<std::mutex> g(registry_mutex);
+    modules.push_back(std::move(m));
+    *out = modules.back().get();
+    return OK;
+}
+
+EXPORT int sim_module_function(void** out, void* module, const char* name) {
+    Module* m = static_cast<Module*>(module);
+    for (int i = 0; i < m->n_kernels; i++)
+        if (strcmp(m->kernels[i].name, name) == 0) {
+            *out = (void*)&m->kernels[i];
+            return OK;
+        }
+    return fail(NOT_FOUND, "kernel %s is not in this module", name);
+}
+
+EXPORT int sim_kernel_params(void* fn, int* n, int* sizes, int* is_pointer, int* max_threads) {
+    const KernelInfo* k = static_cast<const KernelInfo*>(fn);
+    *n = k->n_params;
+    *max_threads = k->max_threads;
+    for (int i = 0; i < k->n_params; i++) {
+        sizes[i] = k->param_size[i];
+        is_pointer[i] = k->param_is_pointer[i];
+    }
+    return OK;
+}
+
+EXPORT int sim_launch(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shared,
+                      void* s, void** params) {
+    const KernelInfo* k = static_cast<const KernelInfo*>(fn);
+    Stream* st = static_cast<Stream*>(s);
+    const unsigned long threads = (unsigned long)bx * by * bz;
+    if (!gx || !gy || !gz || !threads) return fail(INVALID_VALUE, "kernel %s: an empty grid or block", k->name);
+    if (threads > (unsigned long)k->max_threads)
+        return fail(LAUNCH_OUT_OF_RESOURCES, "kernel %s: a block of %lu threads exceeds its launch bound of %d", k->name, threads,
+                    k->max_threads);
+    if (gy > 65535 || gz > 65535) return fail(INVALID_VALUE, "kernel %s: grid (%u,%u,%u) exceeds 65535 in y or z", k->name, gx, gy, gz);
+    if (shared > 65536) return fail(LAUNCH_OUT_OF_RESOURCES, "kernel %s: %u bytes of dynamic shared memory (at most 64 KiB)", k->name, shared);
+    if (!params && k->n_params) return fail(INVALID_VALUE, "kernel %s: no parameters given", k->name);
+    Op op;
+    op.type = Op::LAUNCH;
+    op.kernel = k;
+    op.launch.grid[0] = gx, op.launch.grid[1] = gy, op.launch.grid[2] = gz;
+    op.launch.block[0] = bx, op.launch.block[1] = by, op.launch.block[2] = bz;
+    op.launch.shared = shared;
+    size_t words = 0;
+    std::vector<size_t> offsets(k->n_params);
+    for (int i = 0; i < k->n_params; i++) {
+        offsets[i] = words;
+        words += (k->param_size[i] + 7) / 8;
+    }
+    op.param_storage.resize(words ? words : 1);
+    op.params.resize(k->n_params);
+    std::lock_guard<std::mutex> g(memory_mutex);
+    for (int i = 0; i < k->n_params; i++) {
+        memcpy(&op.param_storage[offsets[i]], params[i], k->param_size[i]);
+        op.params[i] = &op.param_storage[offsets[i]];
+        if (!k->param_is_pointer[i]) continue;
+        uintptr_t p;
+        memcpy(&p, params[i], sizeof p);
+        if (!p) continue;
+        const Allocation* a = find(p, 1);
+        if (!a || a->kind != DEVICE)
+            return fail(ILLEGAL_ADDRESS, "kernel %s: argument %d (%p) is not device memory", k->name, i, (void*)p);
+        if (a->device != st->device)
+            return fail(ILLEGAL_ADDRESS, "kernel %s on device %d: argument %d (%p) is memory of device %d", k->name, st->device, i,
+                        (void*)p, a->device);
+    }
+    st->submit(std::move(op));
+    return OK;
+}
