@@ -25,6 +25,7 @@ from fomoepy.model.state import InferenceState
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer
 from fomoepy.runtime.cpu import CpuBackend
+from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.scheduler import Placement
 from fomoepy.timing import LayerTimer
 from fomoepy.runtime.select import BACKEND_NAMES, device_expert_nbytes, make_backend, make_experts
@@ -63,9 +64,9 @@ class Engine:
             raise FomoeError(f"context size must be >= 1, got {self.n_ctx}")
         self.placement = Placement.parse(options.placement, self.spec.n_layer, options.devices)
         threads = blas_threads(self.spec, options.threads)
-        self.devices = [make_backend(options.backend, threads) for _ in range(options.devices)]
-        if options.devices > 1 and not isinstance(self.devices[0], CpuBackend):
-            raise FomoeError("several devices work on the CPU backend only so far (GPU placement is not yet done)")
+        self.devices = [make_backend(options.backend, threads, d) for d in range(options.devices)]
+        if options.devices > 1 and not isinstance(self.devices[0], (CpuBackend, GpuBackend)):
+            raise FomoeError(f"several devices need a GPU backend (or the reference backend's logical devices), not {options.backend}")
         self.ops = self.devices[0]
         if options.store:
             from fomoepy.experts.store_reader import ExpertStore
@@ -109,7 +110,7 @@ class Engine:
             self.source, self.spec.moe.n_expert, self.spec.moe.n_expert_used, device_unit, streaming, self.spec.name,
             device_of_layer=self.placement.device_of_layer,
         )  # fmt: skip
-        return make_experts(self.ops, streamer)
+        return make_experts(self.ops, streamer, devices=self.devices, device_of_layer=self.placement.device_of_layer)
 
     def _default_device_bytes(self, unit: list[int]) -> int:
         mem_info = getattr(getattr(self.ops, "rt", None), "mem_info", None)

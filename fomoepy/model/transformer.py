@@ -55,9 +55,9 @@ class Transformer:
             raise ValueError(f"token id {int(bad[0])} outside the vocabulary [0, {self.spec.n_vocab})")
         state.reserve(len(tokens))
         ops, w = self.ops, self.weights
-        x = self.weights.embedding(tokens)  # [T, D]
+        x = self.weights.embedding(tokens)  # [T, D], on the device that owns the embedding (the head's)
         self.experts.begin_step(state.n_past, len(tokens))
-        here = self.devices[0]
+        here = self.ops
         for il in range(self.spec.n_layer):
             owner = self.layer_ops(il)
             if owner is not here:  # the hidden state moves to the device that owns this layer

@@ -329,9 +329,6 @@ class GpuBackend:
             self.launch(name, (T, _cdiv(_cdiv(D, 8), 128)), 128, W.ptr, W.row_bytes, tok.ptr, T, W.shape[0], D, out.ptr, self.err.ptr)
         return out
 
-    def load_embedding(self, gf: GGUFFile, info: TensorInfo) -> DeviceEmbedding:
-        return DeviceEmbedding(self, self.weight_from_bytes(gf.raw(info), info.qtype, info.shape, info.name))
-
     def rope_neox(self, x: Any, positions: np.ndarray, rotary_dim: int, base: float) -> DeviceArray:
         x = self.asdevice(x)
         if x.strides[-1] != 1:
@@ -405,13 +402,3 @@ class GpuBackend:
             self.launch("argmax_f32", (n_rows,), 256, x.ptr, n_rows, n, ids.ptr)
         return self.to_host(ids).astype(np.int64)
 
-
-class DeviceEmbedding:
-    """token_embd on the device in its GGUF form: rows decoded by the embed kernel (TokenEmbedding's role)."""
-
-    def __init__(self, backend: GpuBackend, table: DeviceWeight):
-        self.backend = backend
-        self.table = table
-
-    def __call__(self, tokens: np.ndarray) -> DeviceArray:
-        return self.backend.embed(self.table, tokens)

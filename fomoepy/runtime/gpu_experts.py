@@ -25,6 +25,7 @@ from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
+from fomoepy.scheduler import relay
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -92,13 +93,34 @@ class _Staging:
         self.buffers = []
 
 
-class GpuExperts:
-    """The routed-expert half of a MoE layer on the GPU; the interface of CpuExperts."""
+class _DeviceSide:
+    """One device's share of the expert work: its streams' events, staging ring and free slots."""
 
-    def __init__(self, streamer: ExpertStreamer, dev: GpuBackend, routers: list | None = None):
-        self.streamer = streamer
+    def __init__(self, dev: GpuBackend, staging_nbytes: int):
         self.dev = dev
         self.rt = dev.rt
+        self.staging = _Staging(dev, staging_nbytes)
+        self.copied = self.rt.event()  # the uploads of the layer being prepared are done
+        self.computed = self.rt.event()  # the last grouped launch is done with its slots
+        self.pending_uploads = 0  # copies issued for the layer being prepared
+        self.free: dict[int, list[DeviceBuffer]] = {}  # evicted or temporary slots by size, for reuse
+        self.rt.record(self.computed, dev.stream)
+
+
+class GpuExperts:
+    """The routed-expert half of a MoE layer on the GPU; the interface of CpuExperts.
+
+    `devs` is one backend, or one per device with `device_of_layer` placing each layer's slots
+    (the scheduler's placement): each device has its own slots, staging buffers and streams."""
+
+    def __init__(self, streamer: ExpertStreamer, devs: GpuBackend | list[GpuBackend], routers: list | None = None,
+                 device_of_layer: tuple[int, ...] | None = None):  # fmt: skip
+        self.streamer = streamer
+        self.devs = list(devs) if isinstance(devs, (list, tuple)) else [devs]
+        self.device_of_layer = tuple(device_of_layer) if device_of_layer is not None else (0,) * len(streamer.layers)
+        if len(self.device_of_layer) != len(streamer.layers) or max(self.device_of_layer) >= len(self.devs):
+            raise ValueError(f"device_of_layer {self.device_of_layer} does not fit {len(streamer.layers)} layers on {len(self.devs)} devices")
+        self.dev = self.devs[0]
         self.layers = streamer.layers
         self.routers = routers
         self.slot_layouts = [SlotLayout.of(layer) for layer in self.layers]
@@ -111,17 +133,19 @@ class GpuExperts:
             kernels.kernel_name("moe_gate_up", gate.qtype, gate.tensor)
             kernels.kernel_name("moe_down", down.qtype, down.tensor)
         self.resident: dict[Key, DeviceBuffer] = {}
-        self._free: dict[int, list[DeviceBuffer]] = {}  # evicted or temporary slots by size, for reuse
-        self.staging = _Staging(dev, max(s.nbytes for s in self.slot_layouts))
-        self.copied = self.rt.event()  # the uploads of the current layer are done
-        self.computed = self.rt.event()  # the last grouped launch is done with its slots
-        self._pending_uploads = 0  # copies issued for the layer being prepared
+        self.sides: list[_DeviceSide] = []
+        for d, dev in enumerate(self.devs):
+            on_d = [s.nbytes for s, owner in zip(self.slot_layouts, self.device_of_layer) if owner == d]
+            self.sides.append(_DeviceSide(dev, max(on_d, default=SLOT_ALIGN)))
         self.uploads = 0
-        self.rt.record(self.computed, dev.stream)
         for key in streamer.seed_from_profile():
             self.resident[key] = self._upload(key[0], streamer.source.read(*key))
-        self.rt.sync(dev.copy_stream)
-        self._pending_uploads = 0
+        for side in self.sides:
+            side.rt.sync(side.dev.copy_stream)
+            side.pending_uploads = 0
+
+    def side(self, layer: int) -> _DeviceSide:
+        return self.sides[self.device_of_layer[layer]]
 
     # -- the CpuExperts interface -------------------------------------------------------------------
     def begin_step(self, n_past: int, n_tokens: int) -> None:
@@ -134,18 +158,22 @@ class GpuExperts:
         ids, weights = self.streamer.route(layer, exact)
         nxt = layer + 1
         if self.routers is not None and nxt < len(self.routers) and h.shape[0] == 1:
-            logits = self.dev.linear(h, self.routers[nxt])
-            self.streamer.predict(nxt, self.dev.route(logits, "softmax", exact.ids.shape[1]).ids)
+            dev = self.side(nxt).dev  # the next router lives where the next layer does
+            if dev is not self.side(layer).dev:
+                h = relay(h, self.side(layer).dev, dev)
+            logits = dev.linear(h, self.routers[nxt])
+            self.streamer.predict(nxt, dev.route(logits, "softmax", exact.ids.shape[1]).ids)
         return ids, weights
 
     def ffn(self, layer: int, h, ids: np.ndarray, weights: np.ndarray) -> DeviceArray:
         """h [T, D], ids/weights [T, k] → [T, D] on the device."""
         plan, fetched = self.streamer.acquire(layer, ids)
+        side = self.side(layer)
         try:
             for victim in plan.device_evictions:
                 buf = self.resident.pop(victim, None)
                 if buf is not None:
-                    self._free.setdefault(buf.nbytes, []).append(buf)
+                    self.side(victim[0]).free.setdefault(buf.nbytes, []).append(buf)
             slots: dict[int, DeviceBuffer] = {}
             temporary: list[DeviceBuffer] = []
             for item in plan.items:
@@ -158,14 +186,14 @@ class GpuExperts:
                     else:
                         temporary.append(buf)  # streamed through a slot that is free again after this layer
                 slots[item.expert] = buf
-            if self._pending_uploads:
-                self.rt.record(self.copied, self.dev.copy_stream)
-                self.rt.wait(self.dev.stream, self.copied)
-                self._pending_uploads = 0
-            out = self._compute(layer, self.dev.asdevice(h).contiguous(), ids, weights, slots)
-            self.rt.record(self.computed, self.dev.stream)
+            if side.pending_uploads:
+                side.rt.record(side.copied, side.dev.copy_stream)
+                side.rt.wait(side.dev.stream, side.copied)
+                side.pending_uploads = 0
+            out = self._compute(layer, side.dev.asdevice(h).contiguous(), ids, weights, slots)
+            side.rt.record(side.computed, side.dev.stream)
             for buf in temporary:
-                self._free.setdefault(buf.nbytes, []).append(buf)
+                side.free.setdefault(buf.nbytes, []).append(buf)
             return out
         finally:
             self.streamer.release(plan)
@@ -175,32 +203,29 @@ class GpuExperts:
 
     def close(self) -> None:
         """Free the pinned staging buffers and every device slot (the engine's reset and close)."""
-        self.staging.close()
+        for side in self.sides:
+            side.staging.close()
+            side.free.clear()
         self.resident.clear()
-        self._free.clear()
 
     # -- copies -------------------------------------------------------------------------------------
-    def _slot(self, nbytes: int) -> DeviceBuffer:
-        stack = self._free.get(nbytes)
-        if stack:
-            return stack.pop()
-        return DeviceBuffer(self.dev._direct, self.rt.malloc(nbytes), nbytes)
-
     def _upload(self, layer: int, parts: ExpertBytes) -> DeviceBuffer:
         """Pack the expert into a pinned staging buffer and copy it into a slot on the copy stream."""
+        side = self.side(layer)
         layout = self.slot_layouts[layer]
-        buf = self._slot(layout.nbytes)
-        if not self._pending_uploads:
+        stack = side.free.get(layout.nbytes)
+        buf = stack.pop() if stack else DeviceBuffer(side.dev._direct, side.rt.malloc(layout.nbytes), layout.nbytes)
+        if not side.pending_uploads:
             # a reused slot may still be read by the last grouped launch: copies wait for it
-            self.rt.wait(self.dev.copy_stream, self.computed)
-        host_ptr, view, done = self.staging.take()
+            side.rt.wait(side.dev.copy_stream, side.computed)
+        host_ptr, view, done = side.staging.take()
         for offset, part in zip(layout.offsets, parts):
             raw = np.frombuffer(np.ascontiguousarray(part), np.uint8)
             view[offset : offset + raw.size] = raw
         end = layout.offsets[2] + parts[2].nbytes
-        self.rt.htod(buf.ptr, host_ptr, end, self.dev.copy_stream)
-        self.rt.record(done, self.dev.copy_stream)
-        self._pending_uploads += 1
+        side.rt.htod(buf.ptr, host_ptr, end, side.dev.copy_stream)
+        side.rt.record(done, side.dev.copy_stream)
+        side.pending_uploads += 1
         self.uploads += 1  # experts copied host -> device so far (a device-tier hit copies nothing)
         return buf
 
@@ -230,7 +255,7 @@ class GpuExperts:
                 work_rows.append((base + offsets[0], base + offsets[1], base + offsets[2], len(chunk), 0, pair))
         work = np.array(work_rows, EXPERT_WORK_DTYPE)
         tile = 1 if all(r[3] == 1 for r in work_rows) else MOE_TILE
-        dev = self.dev
+        dev = self.side(layer).dev
         work_d, pairs_d = dev.upload(work.view(np.uint8)), dev.upload(pairs.view(np.uint8))
 
         act = dev.empty((T * k, F))

@@ -1,5 +1,6 @@
-"""Backend selection by name: `--backend cpu|reference|cuda|hip|auto` (auto = a GPU if one works, else
-the CPU). `cpu` is ggml on the quantized bytes; `reference` is the exact numpy engine."""
+"""Backend selection by name: `--backend cpu|reference|cuda|hip|sim|auto` (auto = a GPU if one works,
+else the CPU). `cpu` is ggml on the quantized bytes; `reference` is the exact numpy engine; `sim` is the
+simulated device, which runs hip_kernels/ on the CPU for debugging and CI (auto never picks it)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 
 from fomoepy.errors import FomoeError
 
-BACKEND_NAMES = ("cpu", "reference", "cuda", "hip", "auto")
+BACKEND_NAMES = ("cpu", "reference", "cuda", "hip", "sim", "auto")
 log = logging.getLogger(__name__)
 
 
@@ -26,8 +27,9 @@ def open_gpu(vendor: str = "auto", device: int = 0):
     raise FomoeError("no GPU backend could start: " + "; ".join(reasons))
 
 
-def make_backend(name: str, cpu_threads: int | None = None):
-    """The ops object for a --backend value (cpu_threads: BLAS threads if it is the CPU)."""
+def make_backend(name: str, cpu_threads: int | None = None, device: int = 0):
+    """The ops object for a --backend value (cpu_threads: BLAS threads if it is the CPU; device: which
+    GPU, for placements over several)."""
     if name not in BACKEND_NAMES:
         raise FomoeError(f"backend {name!r} is not available (available: {', '.join(BACKEND_NAMES)})")
     if name == "reference":
@@ -40,17 +42,18 @@ def make_backend(name: str, cpu_threads: int | None = None):
         return GgmlBackend(cpu_threads)
     if name == "auto":
         try:
-            return open_gpu("auto")
+            return open_gpu("auto", device)
         except FomoeError as e:
             log.info("backend auto: using the CPU (%s)", e)
             from fomoepy.runtime.ggml_cpu import GgmlBackend
 
             return GgmlBackend(cpu_threads)
-    return open_gpu(name)
+    return open_gpu(name, device)
 
 
-def make_experts(ops, streamer, routers=None):
-    """The routed-expert executor that matches `ops` (GgmlExperts, CpuExperts or GpuExperts)."""
+def make_experts(ops, streamer, routers=None, devices=None, device_of_layer=None):
+    """The routed-expert executor that matches `ops` (GgmlExperts, CpuExperts or GpuExperts); on GPUs,
+    `devices` and `device_of_layer` place each layer's expert slots with the layer."""
     from fomoepy.runtime.ggml_cpu import GgmlBackend
     from fomoepy.runtime.gpu import GpuBackend
 
@@ -61,7 +64,7 @@ def make_experts(ops, streamer, routers=None):
     if isinstance(ops, GpuBackend):
         from fomoepy.runtime.gpu_experts import GpuExperts
 
-        return GpuExperts(streamer, ops, routers)
+        return GpuExperts(streamer, devices or [ops], routers, device_of_layer)
     from fomoepy.runtime.cpu_experts import CpuExperts
 
     return CpuExperts(streamer, routers)

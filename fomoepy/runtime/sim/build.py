@@ -77,13 +77,15 @@ class SimCompiler:
 
     vendor = "sim"
 
-    def __init__(self) -> None:
+    def __init__(self, extra_flags: tuple[str, ...] = ()) -> None:
+        """`extra_flags` e.g. ("-DFOMOE_SIM_UCONTEXT",): the portable context switch on x86-64 too."""
         self.cxx = host_compiler()
+        self.extra_flags = list(extra_flags)
         header = hashlib.sha256(DEVICE_HEADER.read_bytes()).hexdigest()[:16]
         self.version = f"{compiler_version(self.cxx)} sim-{header}"
 
     def options(self, arch: str) -> list[str]:
-        return [*COMMON_FLAGS, "-DFOMOE_SIM"]
+        return [*COMMON_FLAGS, "-DFOMOE_SIM", *self.extra_flags]
 
     def _run(self, args: list[str], source: KernelSource, cwd: str) -> str:
         proc = subprocess.run(args, capture_output=True, text=True, cwd=cwd)
@@ -93,7 +95,7 @@ class SimCompiler:
 
     def kernels_of(self, source: KernelSource, workdir: str) -> list[tuple[str, int]]:
         """(name, launch bound) of every kernel the module defines, in source order."""
-        text = self._run([self.cxx, "-std=c++17", "-E", "-P", "-DFOMOE_SIM", "-DFOMOE_SIM_SCAN", f"-I{SIM_DIR}", "-I.",
+        text = self._run([self.cxx, "-std=c++17", "-E", "-P", "-DFOMOE_SIM", "-DFOMOE_SIM_SCAN", *self.extra_flags, f"-I{SIM_DIR}", "-I.",
                           "-x", "c++", f"{source.name}.hip"], source, workdir)  # fmt: skip
         found = [(name, _bound(expr)) for expr, name in KERNEL_MARK.findall(text)]
         if not found:

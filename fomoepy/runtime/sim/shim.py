@@ -5,7 +5,7 @@ hip-python and cuda-python make them, so GpuBackend, GpuExperts and the placemen
 unchanged; only the kernels' code objects differ (host shared libraries, see build.py).
 
 Configuration, for tests and debugging (read when the driver is first opened in a process):
-    FOMOEPY_SIM_DEVICES   number of simulated devices (default 2)
+    FOMOEPY_SIM_DEVICES   number of simulated devices (default 4)
     FOMOEPY_SIM_MEMORY    bytes per device (default 16 GiB, an RX 9070's)
     FOMOEPY_SIM_DEFERRED  1: a stream runs its work only when a sync or an event needs it
 """
@@ -76,6 +76,7 @@ _SIGNATURES: dict[str, list[Any]] = {
 
 _lock = threading.Lock()
 _driver: ctypes.CDLL | None = None
+_config: dict[str, Any] = {}
 
 
 def driver() -> ctypes.CDLL:
@@ -91,20 +92,28 @@ def driver() -> ctypes.CDLL:
                 fn.argtypes, fn.restype = args, c_int
             lib.sim_last_error.restype = ctypes.c_char_p
             lib.sim_last_error.argtypes = []
-            n = int(os.environ.get("FOMOEPY_SIM_DEVICES", "2"))
-            memory = int(float(os.environ.get("FOMOEPY_SIM_MEMORY", str(16 << 30))))
-            deferred = os.environ.get("FOMOEPY_SIM_DEFERRED", "0") not in ("", "0")
-            if lib.sim_configure(n, memory, int(deferred)) != 0:
+            _config.update(
+                n_devices=int(os.environ.get("FOMOEPY_SIM_DEVICES", "4")),
+                memory_per_device=int(float(os.environ.get("FOMOEPY_SIM_MEMORY", str(16 << 30)))),
+                deferred=os.environ.get("FOMOEPY_SIM_DEFERRED", "0") not in ("", "0"),
+            )
+            if lib.sim_configure(_config["n_devices"], _config["memory_per_device"], int(_config["deferred"])) != 0:
                 raise FomoeError(f"simulated device: {lib.sim_last_error().decode()}")
             _driver = lib
         return _driver
 
 
-def configure(n_devices: int, memory_per_device: int, deferred: bool) -> None:
-    """Change the simulator's devices (tests); devices being dropped must hold no memory."""
+def configure(n_devices: int | None = None, memory_per_device: int | None = None, deferred: bool | None = None) -> dict[str, Any]:
+    """Change the simulator's settings (tests; None keeps one); returns the settings before, to restore.
+    Devices being dropped must hold no memory."""
     lib = driver()
-    if lib.sim_configure(n_devices, memory_per_device, int(deferred)) != 0:
+    before = dict(_config)
+    new = {k: v for k, v in (("n_devices", n_devices), ("memory_per_device", memory_per_device), ("deferred", deferred)) if v is not None}
+    merged = before | new
+    if lib.sim_configure(merged["n_devices"], merged["memory_per_device"], int(merged["deferred"])) != 0:
         raise FomoeError(f"simulated device: {lib.sim_last_error().decode()}")
+    _config.update(merged)
+    return before
 
 
 class SimApi:

@@ -44,7 +44,6 @@ enum State : int { RUNNABLE, AT_BLOCK, AT_WARP, EXITED };
 constexpr int MAX_THREADS = 1024;
 constexpr int MAX_WARPS = MAX_THREADS / 32;
 constexpr size_t STACK_BYTES = 64 * 1024;
-constexpr size_t GUARD_BYTES = 4096;  // PROT_NONE below each stack: an overflow faults, not corrupts
 
 struct Fiber {
     dim3 tid;
@@ -156,6 +155,30 @@ inline void to_fiber(Fiber* f) {
 #endif
 }
 
+// The current fiber has blocked (or exited): run the next runnable fiber of the block directly, and
+// hand control to the scheduler only when there is none (block done, deadlock) - half the switches
+// of going through the scheduler every time.
+inline thread_local Fiber* fibers_base = nullptr;
+
+inline void switch_away() {
+    Block* b = block;
+    Fiber* from = current;
+    const int n = b->n;
+    for (int k = 1, i = from->linear + 1; k < n; k++, i++) {
+        if (i == n) i = 0;
+        Fiber* to = fibers_base + i;
+        if (to->state != RUNNABLE) continue;
+        current = to;
+#ifdef FOMOE_SIM_ASM_SWITCH
+        fomoe_sim_switch(&from->sp, to->sp);
+#else
+        swapcontext(&from->ctx, &to->ctx);
+#endif
+        return;
+    }
+    to_scheduler();
+}
+
 // -- failures: the block stops, the scheduler never resumes its fibers --------------------------------
 [[noreturn]] inline void fail(const char* fmt, int a = 0, int b = 0, int c = 0) {
     Block* bl = block;
@@ -182,7 +205,7 @@ inline void sync_block() {
         return;
     }
     current->state = AT_BLOCK;
-    to_scheduler();
+    switch_away();
 }
 
 inline void sync_warp() {
@@ -199,7 +222,7 @@ inline void sync_warp() {
         return;
     }
     current->state = AT_WARP;
-    to_scheduler();
+    switch_away();
 }
 
 // Every lane publishes v, waits for its whole warp, then reads lane `src`'s value.
@@ -235,7 +258,7 @@ inline void fiber_exit() {
         fail("the thread returned while %d thread(s) wait at __syncthreads() (every thread must reach it)", b->n_at_block);
     if (b->warp_arrived[f->warp])
         fail("the lane returned while %d lane(s) of its warp wait in a shuffle that reads it", b->warp_arrived[f->warp]);
-    to_scheduler();
+    switch_away();
     __builtin_unreachable();
 }
 
@@ -244,26 +267,32 @@ extern "C" inline void fomoe_sim_fiber_main() {
     fiber_exit();
 }
 
+// One mapping per host thread and module, no guard pages: each would split the mapping, and the
+// kernel modules times the stream threads would run into the kernel's limit on mappings. A canary
+// at the bottom of each stack is checked after every block instead.
+constexpr uint64_t CANARY = 0x5ca1ab1ef00dfaceull;
+
 struct StackPool {
     char* base = nullptr;
     int count = 0;
     ~StackPool() {
-        if (base) munmap(base, (size_t)count * (STACK_BYTES + GUARD_BYTES));
+        if (base) munmap(base, (size_t)count * STACK_BYTES);
     }
-    char* get(int i) {  // the lowest usable byte of stack i
+    char* get(int i) {  // the lowest byte of stack i, with the canary written there
         if (i >= count) {
-            if (base) munmap(base, (size_t)count * (STACK_BYTES + GUARD_BYTES));
-            count = MAX_THREADS;
-            size_t bytes = (size_t)count * (STACK_BYTES + GUARD_BYTES);
-            base = (char*)mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (base) munmap(base, (size_t)count * STACK_BYTES);
+            count = (i / 256 + 1) * 256;
+            base = (char*)mmap(nullptr, (size_t)count * STACK_BYTES, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
             if (base == MAP_FAILED) {
                 base = nullptr;
                 count = 0;
                 return nullptr;
             }
-            for (int s = 0; s < count; s++) mprotect(base + (size_t)s * (STACK_BYTES + GUARD_BYTES), GUARD_BYTES, PROT_NONE);
         }
-        return base + (size_t)i * (STACK_BYTES + GUARD_BYTES) + GUARD_BYTES;
+        char* stack = base + (size_t)i * STACK_BYTES;
+        memcpy(stack, &CANARY, sizeof CANARY);
+        return stack;
     }
 };
 inline thread_local StackPool stacks;
@@ -305,6 +334,7 @@ inline bool run_block(Block* b) {
         b->warp_gen[w] = 0;
     }
     block = b;
+    fibers_base = fibers;
     for (int i = 0; i < b->n; i++) {
         Fiber* f = &fibers[i];
         f->linear = i;
@@ -329,6 +359,12 @@ inline bool run_block(Block* b) {
             ran = true;
             if (b->failed) return false;
         }
+        for (int i = 0; i < b->n; i++)
+            if (memcmp(fibers[i].stack, &CANARY, sizeof CANARY) != 0) {
+                snprintf(b->message, sizeof b->message, "kernel %s, block (%u,%u,%u), thread %d: stack overflow (more than %zu KiB)",
+                         b->kernel, b->index.x, b->index.y, b->index.z, i, STACK_BYTES / 1024);
+                return false;
+            }
         if (!ran && b->n_exited < b->n) {
             int at_block = 0, at_warp = 0, first_block = -1, first_warp = -1;
             for (int i = 0; i < b->n; i++) {
