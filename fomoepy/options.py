@@ -11,11 +11,14 @@ from pathlib import Path
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
+from fomoepy.runtime.select import BACKEND_NAMES
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="cpu", choices=["cpu", "reference", "cuda", "hip", "auto"],
-                   help="compute backend: cpu (ggml on the quantized weights), reference (exact numpy), cuda, hip, auto (a GPU if one works, else cpu)")  # fmt: skip
+    p.add_argument("--backend", default="cpu", choices=list(BACKEND_NAMES),
+                   help="compute backend: cpu (ggml on the quantized weights), reference (exact numpy), cuda, hip, "
+                        "sim (the GPU kernels run on a simulated device on the CPU: slow, for debugging), "
+                        "auto (a GPU if one works, else cpu)")  # fmt: skip
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--devices", type=int, default=1, help="logical devices to place the layers on")
     p.add_argument("--placement", default="pingpong",
