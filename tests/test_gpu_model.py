@@ -4,7 +4,7 @@ against the CPU backend on the oracle models, with the device tier at several si
 The GPU model is assembled the way the engine will assemble it once `--backend cuda|hip|auto` is
 wired (see fomoepy/runtime/select.py): device-resident KV caches and recurrent states, routing on
 the device (`GpuBackend.route`, patched in here for the softmax gating that moe.py looks up).
-Runs on the emulated device in CI and, marked `gpu`, on a real one.
+Runs the kernel source on the simulated device in CI and, marked `gpu`, on a real one.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def _cdiv(a: int, b: int) -> int:
 
 class GpuBackend:
     def __init__(self, vendor: str = "cuda", device: int = 0, rt: DriverShim | None = None, binaries: dict[str, bytes] | None = None):
-        """`rt` and `binaries` replace the driver and the compiled modules (tests run an emulated device)."""
+        """`rt` and `binaries` replace the driver and the compiled modules (tests: a stand-in driver)."""
         self.rt = rt or open_runtime(vendor, device)
         self.name = self.rt.vendor
         if binaries is None:
