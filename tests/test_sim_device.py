@@ -213,6 +213,26 @@ def test_a_pointer_into_another_device_is_refused(binary):
     b.close()
 
 
+def test_a_backend_frees_what_it_allocated(binary):
+    """Weights, KV caches, the error flag and its pinned read-back buffer go when the backend goes."""
+    import gc
+
+    from fomoepy.runtime.gpu import GpuBackend
+
+    rt = SimShim(3)
+    before = rt.device_allocations()
+    dev = GpuBackend("sim", 3)
+    dev.upload(np.ones(1000, F32), exact=True)
+    dev.zeros((64, 64))
+    assert rt.device_allocations()[0] > before[0]
+    pinned = dev._err_host
+    del dev
+    gc.collect()
+    assert rt.device_allocations() == before
+    with pytest.raises(GpuError, match="not a pinned host allocation"):
+        rt.host_free(pinned)
+
+
 def test_copies_outside_an_allocation_are_refused(dev):
     ptr = dev.empty(4)
     host = np.zeros(8, F32)
@@ -294,7 +314,8 @@ SIZES = {"p": 8, "i": 4, "l": 8, "f": 4, "d": 8, "D": 128}
 
 
 def test_every_kernel_takes_the_parameters_the_launch_table_packs():
-    """KERNEL_SIGNATURES against the C declarations as compiled: the sizes and which are pointers."""
+    """KERNEL_SIGNATURES against the C declarations as compiled: the sizes and which are pointers; and
+    the module each kernel is looked up in (kernels.module_of) is the one that defines it."""
     rt = SimShim(0)
     compiler = SimCompiler()
     found = {}
@@ -306,6 +327,7 @@ def test_every_kernel_takes_the_parameters_the_launch_table_packs():
             except GpuError:
                 continue
             found[name] = rt.kernel_params(fn)
+            assert kernels.module_of(name) == source.name, name
     assert sorted(found) == sorted(kernels.KERNEL_SIGNATURES)
     for name, (sizes, pointers, bound) in found.items():
         sig = kernels.KERNEL_SIGNATURES[name]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import numbers
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,13 @@ class _Direct:
             pass
 
 
+def _free_pinned(rt: DriverShim, ptr: int) -> None:
+    try:
+        rt.host_free(ptr)
+    except Exception:  # at interpreter exit the driver may be gone already
+        pass
+
+
 def _is_scalar(x: Any) -> bool:
     return isinstance(x, numbers.Number) or (isinstance(x, np.ndarray) and x.ndim == 0)
 
@@ -92,7 +100,7 @@ class GpuBackend:
         self.name = self.rt.vendor
         if binaries is None:
             binaries = kernels.compile_all(kernels.compiler_for(self.rt.vendor), self.rt.arch)
-        self.modules = [self.rt.load_module(b) for b in binaries.values()]
+        self.modules = {name: self.rt.load_module(b) for name, b in binaries.items()}
         self._functions: dict[str, Any] = {}
         self.stream = self.rt.stream()  # compute
         self.copy_stream = self.rt.stream()  # expert uploads (gpu_experts.py)
@@ -102,20 +110,16 @@ class GpuBackend:
         self.poison: int | None = None  # tests: fill every new array with this 32-bit pattern
         self.err = self.zeros((1,), I32)
         self._err_host = self.rt.host_alloc(4)
+        weakref.finalize(self, _free_pinned, self.rt, self._err_host)
 
     # -- launching ----------------------------------------------------------------------------------
     def function(self, name: str) -> Any:
         fn = self._functions.get(name)
         if fn is None:
-            for module in self.modules:
-                try:
-                    fn = self.rt.function(module, name)
-                    break
-                except FomoeError:
-                    continue
-            if fn is None:
-                raise FomoeError(f"kernel {name} is in no module of hip_kernels/")
-            self._functions[name] = fn
+            module = self.modules.get(kernels.module_of(name))
+            if module is None:
+                raise FomoeError(f"kernel {name}: module {kernels.module_of(name)} was not loaded")
+            fn = self._functions[name] = self.rt.function(module, name)
         return fn
 
     def launch(self, name: str, grid: Sequence[int], block: int, *args: Any, shared: int = 0) -> None:

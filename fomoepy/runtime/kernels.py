@@ -274,6 +274,23 @@ def compile_all(compiler: Compiler, arch: str, root: Path | None = None) -> dict
     return {src.name: compile_cached(compiler, src, arch, root) for src in load_sources()}
 
 
+# -- which module holds each kernel (tests/test_sim_device.py checks it against the compiled modules) --
+_FAMILY_MODULES = {
+    "mv_": "matvec", "embed_": "matvec", "moe_": "experts", "rms_norm": "norm", "l2_norm": "norm", "softmax": "norm",
+    "rope": "rope", "attention": "attention", "sigmoid_gate": "attention", "causal_conv1d": "deltanet",
+    "delta_rule": "deltanet", "route_": "router", "argmax": "router", "ew_": "elementwise", "copy_": "elementwise",
+    "gather": "elementwise",
+}  # fmt: skip
+
+
+def module_of(kernel: str) -> str:
+    """The hip_kernels/ module (file stem) that defines `kernel`."""
+    for prefix, module in _FAMILY_MODULES.items():
+        if kernel.startswith(prefix):
+            return module
+    raise FomoeError(f"kernel {kernel} belongs to no module of hip_kernels/")
+
+
 # -- the launch ABI --------------------------------------------------------------------------------------
 # Every kernel's parameters, one letter each: p pointer, i int32, l int64, f float, d double, D Dims4.
 # tests/test_kernels_compile.py checks this table against the KERNEL declarations in hip_kernels/.
