@@ -21,6 +21,7 @@ float32 sum or dot product in any order, fused or not), never from a machine:
 
 from __future__ import annotations
 
+import os
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T_
@@ -56,7 +57,7 @@ def dev(request):
         d = sim_backend()
     else:
         try:
-            d = open_gpu("auto")
+            d = open_gpu(os.environ.get("FOMOEPY_TEST_GPU", "auto"))  # cuda or hip: the stand-in runs pick one
         except FomoeError as e:
             pytest.skip(f"no GPU device ({str(e)[:90]}...)")
     d.poison = NAN

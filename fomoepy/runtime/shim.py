@@ -83,10 +83,14 @@ class DriverShim(ABC):
     arch: str  # what the kernel compiler targets: "sm_90", "gfx1201"
     total_memory: int
 
+    # which shim's device is current on each thread: the driver keeps one current device (CUDA context,
+    # HIP device) per thread, shared by every shim, so a shim that made its device current once must
+    # make it current again after another shim's call on the same thread
+    _current = threading.local()
+
     def __init__(self, api: Any, device: int = 0):
         self.api = api
         self.device = device
-        self._local = threading.local()
 
     # -- what differs: set in the vendor modules --------------------------------------------------------
     @abstractmethod
@@ -99,8 +103,8 @@ class DriverShim(ABC):
     # -- calls ------------------------------------------------------------------------------------------
     def call(self, name: str, *args: Any) -> Any:
         """api.<name>(*args) with its status checked; returns the remaining results (None, one, or a tuple)."""
-        if not getattr(self._local, "current", False):
-            self._local.current = True
+        if getattr(DriverShim._current, "shim", None) is not self:
+            DriverShim._current.shim = self
             self._make_current()
         try:
             result = getattr(self.api, name)(*args)

@@ -41,7 +41,7 @@ class CudaShim(DriverShim):
 
     def __init__(self, api, device: int = 0):
         super().__init__(api, device)
-        self._local.current = True  # the context is made current by hand just below
+        DriverShim._current.shim = self  # the context is made current by hand just below
         self.handle = self.call("cuDeviceGet", device)
         self.context = self.call("cuDevicePrimaryCtxRetain", self.handle)
         self.call("cuCtxSetCurrent", self.context)

@@ -127,3 +127,38 @@ def driver_library() -> Path:
         raise FomoeError(f"the simulated device's driver does not build with {cxx}:\n{proc.stderr[-4000:]}")
     os.replace(tmp, path)
     return path
+
+
+STANDIN_SOURCE = SIM_DIR / "standin.cpp"
+STANDIN_NAMES = ("libcuda.so.1", "libamdhip64.so")  # what cuda-python and hip-python dlopen
+
+
+def standin_drivers(directory: Path) -> Path:
+    """Stand-in CUDA and HIP driver libraries over the simulated device (standin.cpp), and the
+    simulator's builds of every hip_kernels/ module they run, under `directory`:
+        directory/libcuda.so.1, directory/libamdhip64.so   (put `directory` on LD_LIBRARY_PATH)
+        directory/modules/<module>.so                      (FOMOE_STANDIN_MODULES)
+    """
+    from fomoepy.runtime.kernels import compile_cached, load_sources
+
+    cxx = host_compiler()
+    directory.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(STANDIN_SOURCE.read_bytes() + DRIVER_SOURCE.read_bytes() + compiler_version(cxx).encode()).hexdigest()[:16]
+    library = directory / f"libfomoe-standin-{key}.so"
+    if not library.exists():
+        tmp = library.with_suffix(f".tmp{os.getpid()}")
+        proc = subprocess.run([cxx, *COMMON_FLAGS, f"-I{SIM_DIR}", str(STANDIN_SOURCE), "-o", str(tmp), "-ldl"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise FomoeError(f"the stand-in drivers do not build with {cxx}:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, library)
+    for name in STANDIN_NAMES:
+        link = directory / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(library.name)
+    modules = directory / "modules"
+    modules.mkdir(exist_ok=True)
+    compiler = SimCompiler()
+    for source in load_sources():
+        (modules / f"{source.name}.so").write_bytes(compile_cached(compiler, source, "sim"))
+    return directory

@@ -1,0 +1,377 @@
+// standin.cpp: stand-in GPU driver libraries over the simulated device, so that the real bindings
+// (cuda-python, hip-python) can be driven end to end on a machine without a GPU.
+//
+// One library exports both APIs; it is installed under the names the bindings open:
+//   libcuda.so.1     cuda-python dlopens it and asks cuGetProcAddress_v2 for every entry point
+//   libamdhip64.so   hip-python dlopens it by that plain name and dlsyms each function
+// Memory, streams, events and launches go to the simulator's driver (sim_driver.cpp, compiled in).
+//
+// A code object handed to cuModuleLoadData / hipModuleLoadData is checked, not run: it must be an
+// ELF for the device's target (a cubin's SM in e_flags, an AMDGPU code object's machine), and every
+// kernel it defines (its function symbols) must exist in the simulator's builds of the same source,
+// which the harness puts in $FOMOE_STANDIN_MODULES. A launch runs that build, with the packed
+// parameter block the binding passed.
+//
+// Settings: FOMOE_STANDIN_DEVICES (default 2), FOMOE_STANDIN_MEMORY (bytes per device, default 16 GiB),
+// FOMOE_STANDIN_DEFERRED=1 (streams run only what a sync or an event needs), FOMOE_STANDIN_SM (90),
+// FOMOE_STANDIN_GFX (gfx1030: what Debian's hiprtc compiles; a real RDNA4 card reports gfx1201).
+#include "sim_driver.cpp"
+
+#include <dirent.h>
+#include <elf.h>
+
+#include <set>
+
+namespace {
+
+std::once_flag standin_once;
+std::vector<Module*> sim_builds;  // every kernel of the simulator's builds
+std::string standin_error;
+
+int env_int(const char* name, long long fallback) {
+    const char* v = getenv(name);
+    return v && *v ? (int)atoll(v) : (int)fallback;
+}
+
+void standin_init() {
+    std::call_once(standin_once, [] {
+        const char* mem = getenv("FOMOE_STANDIN_MEMORY");
+        sim_configure(env_int("FOMOE_STANDIN_DEVICES", 2), mem && *mem ? strtoull(mem, nullptr, 10) : (16ull << 30),
+                      env_int("FOMOE_STANDIN_DEFERRED", 0));
+        const char* dir = getenv("FOMOE_STANDIN_MODULES");
+        if (!dir || !*dir) {
+            standin_error = "FOMOE_STANDIN_MODULES is not set: no simulator builds of the kernels to run";
+            return;
+        }
+        DIR* d = opendir(dir);
+        if (!d) {
+            standin_error = std::string("FOMOE_STANDIN_MODULES: cannot open ") + dir;
+            return;
+        }
+        while (dirent* e = readdir(d)) {
+            std::string name = e->d_name;
+            if (name.size() < 4 || name.compare(name.size() - 3, 3, ".so") != 0) continue;
+            std::string path = std::string(dir) + "/" + name;
+            FILE* f = fopen(path.c_str(), "rb");
+            if (!f) continue;
+            std::vector<char> bytes;
+            char buf[65536];
+            size_t n;
+            while ((n = fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
+            fclose(f);
+            void* m = nullptr;
+            if (sim_module_load(0, bytes.data(), bytes.size(), &m) == OK) sim_builds.push_back(static_cast<Module*>(m));
+        }
+        closedir(d);
+        if (sim_builds.empty()) standin_error = std::string("no simulator builds (*.so) in ") + dir;
+    });
+}
+
+const KernelInfo* sim_kernel(const char* name) {
+    for (Module* m : sim_builds)
+        for (int i = 0; i < m->n_kernels; i++)
+            if (strcmp(m->kernels[i].name, name) == 0) return &m->kernels[i];
+    return nullptr;
+}
+
+// The global function symbols of an ELF code object (its kernels), and its e_machine / e_flags.
+bool elf_functions(const void* image, std::set<std::string>& out, uint16_t* machine, uint32_t* flags) {
+    const unsigned char* p = static_cast<const unsigned char*>(image);
+    if (memcmp(p, ELFMAG, SELFMAG) != 0 || p[EI_CLASS] != ELFCLASS64) return false;
+    const Elf64_Ehdr* eh = reinterpret_cast<const Elf64_Ehdr*>(p);
+    *machine = eh->e_machine;
+    *flags = eh->e_flags;
+    const Elf64_Shdr* sh = reinterpret_cast<const Elf64_Shdr*>(p + eh->e_shoff);
+    for (int i = 0; i < eh->e_shnum; i++) {
+        if (sh[i].sh_type != SHT_SYMTAB && sh[i].sh_type != SHT_DYNSYM) continue;
+        const Elf64_Sym* syms = reinterpret_cast<const Elf64_Sym*>(p + sh[i].sh_offset);
+        const char* strtab = reinterpret_cast<const char*>(p + sh[sh[i].sh_link].sh_offset);
+        for (size_t s = 0; s < sh[i].sh_size / sizeof(Elf64_Sym); s++)
+            if (ELF64_ST_TYPE(syms[s].st_info) == STT_FUNC && ELF64_ST_BIND(syms[s].st_info) == STB_GLOBAL &&
+                syms[s].st_shndx != SHN_UNDEF && syms[s].st_name)
+                out.insert(strtab + syms[s].st_name);
+    }
+    return true;
+}
+
+struct CodeObject {
+    std::set<std::string> kernels;
+};
+std::mutex code_objects_mutex;
+std::vector<std::unique_ptr<CodeObject>> code_objects;
+
+// machine: EM_CUDA (190) with the SM in e_flags' low byte, or EM_AMDGPU (224) with the gfx in its mach bits
+// target = (e_flags >> shift) & mask: a cubin of the ELF ABI NVRTC 13 writes keeps its SM in bits 8-15
+int load_code_object(const void* image, uint16_t want_machine, uint32_t want_target, int shift, uint32_t target_mask,
+                     const char* target_name, void** out) {
+    standin_init();
+    if (!standin_error.empty()) return fail(INVALID_IMAGE, "%s", standin_error.c_str());
+    auto co = std::make_unique<CodeObject>();
+    uint16_t machine;
+    uint32_t flags;
+    if (!elf_functions(image, co->kernels, &machine, &flags))
+        return fail(INVALID_IMAGE, "the module image is not a 64-bit ELF code object");
+    const uint32_t target = (flags >> shift) & target_mask;
+    if (machine != want_machine || target != want_target)
+        return fail(INVALID_IMAGE, "the code object is for machine %u target %u (0x%x), the device is %s", machine, target, target,
+                    target_name);
+    if (co->kernels.empty()) return fail(INVALID_IMAGE, "the code object defines no kernel");
+    for (const std::string& k : co->kernels)
+        if (!sim_kernel(k.c_str())) return fail(INVALID_IMAGE, "kernel %s of the code object has no simulator build", k.c_str());
+    std::lock_guard<std::mutex> g(code_objects_mutex);
+    code_objects.push_back(std::move(co));
+    *out = code_objects.back().get();
+    return OK;
+}
+
+int code_object_function(void** out, void* module, const char* name) {
+    CodeObject* co = static_cast<CodeObject*>(module);
+    if (!co->kernels.count(name)) return fail(NOT_FOUND, "kernel %s is not in this code object", name);
+    *out = (void*)sim_kernel(name);
+    return OK;
+}
+
+thread_local int current_device = 0;
+
+// per device: one stream stands for the legacy default stream (0)
+Stream* stream_or_default(void* s) {
+    static std::mutex m;
+    static std::map<int, void*> defaults;
+    if (s) return static_cast<Stream*>(s);
+    std::lock_guard<std::mutex> g(m);
+    void*& d = defaults[current_device];
+    if (!d) sim_stream_create(current_device, &d);
+    return static_cast<Stream*>(d);
+}
+
+int device_of(uint64_t ptr) {
+    std::lock_guard<std::mutex> g(memory_mutex);
+    const Allocation* a = find((uintptr_t)ptr, 1);
+    return a ? a->device : -1;
+}
+
+}  // namespace
+
+// ======================================== CUDA driver API ========================================
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+
+static CUresult cu(int status) { return status; }
+
+EXPORT CUresult cuInit(unsigned) {
+    standin_init();
+    return OK;
+}
+EXPORT CUresult cuDriverGetVersion(int* v) {
+    *v = 13000;
+    return OK;
+}
+EXPORT CUresult cuDeviceGetCount(int* n) {
+    standin_init();
+    return sim_device_count(n);
+}
+EXPORT CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+    if (!valid_device(ordinal)) return fail(INVALID_DEVICE, "no device %d", ordinal);
+    *d = ordinal;
+    return OK;
+}
+EXPORT CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
+    snprintf(name, len, "fomoepy stand-in CUDA device %d (simulated)", d);
+    return OK;
+}
+EXPORT CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) {
+    size_t free_bytes;
+    return sim_mem_info(d, &free_bytes, bytes);
+}
+EXPORT CUresult cuDeviceGetAttribute(int* value, int attribute, CUdevice) {
+    const int sm = env_int("FOMOE_STANDIN_SM", 90);
+    if (attribute == 75) *value = sm / 10;        // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    else if (attribute == 76) *value = sm % 10;   // ..._MINOR
+    else return fail(INVALID_VALUE, "device attribute %d is not simulated", attribute);
+    return OK;
+}
+EXPORT CUresult cuDevicePrimaryCtxRetain(void** ctx, CUdevice d) {
+    if (!valid_device(d)) return fail(INVALID_DEVICE, "no device %d", d);
+    *ctx = (void*)(uintptr_t)(d + 1);  // a context is its device, plus one so that none is null
+    return OK;
+}
+EXPORT CUresult cuCtxSetCurrent(void* ctx) {
+    current_device = ctx ? (int)(uintptr_t)ctx - 1 : 0;
+    return OK;
+}
+EXPORT CUresult cuCtxGetCurrent(void** ctx) {
+    *ctx = (void*)(uintptr_t)(current_device + 1);
+    return OK;
+}
+EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) { return sim_mem_info(current_device, free_bytes, total); }
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
+    void* out = nullptr;
+    int s = sim_malloc(current_device, &out, n);
+    *p = (CUdeviceptr)(uintptr_t)out;
+    return s;
+}
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { return sim_free((void*)(uintptr_t)p); }
+EXPORT CUresult cuMemAllocHost_v2(void** p, size_t n) { return sim_host_alloc(p, n); }
+EXPORT CUresult cuMemFreeHost(void* p) { return sim_host_free(p); }
+EXPORT CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned) { return sim_host_register(p, n); }
+EXPORT CUresult cuMemHostUnregister(void* p) { return sim_host_unregister(p); }
+EXPORT CUresult cuStreamCreate(void** s, unsigned) { return sim_stream_create(current_device, s); }
+EXPORT CUresult cuStreamSynchronize(void* s) { return sim_stream_sync(stream_or_default(s)); }
+EXPORT CUresult cuStreamWaitEvent(void* s, void* e, unsigned) { return sim_stream_wait_event(stream_or_default(s), e); }
+EXPORT CUresult cuEventCreate(void** e, unsigned) { return sim_event_create(current_device, e); }
+EXPORT CUresult cuEventRecord(void* e, void* s) { return sim_event_record(e, stream_or_default(s)); }
+EXPORT CUresult cuEventSynchronize(void* e) { return sim_event_sync(e); }
+EXPORT CUresult cuEventElapsedTime_v2(float* ms, void* a, void* b) { return sim_event_elapsed(ms, a, b); }
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* s) {
+    return sim_memcpy_async((void*)(uintptr_t)dst, src, n, stream_or_default(s), 1);
+}
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void* s) {
+    return sim_memcpy_async(dst, (const void*)(uintptr_t)src, n, stream_or_default(s), 2);
+}
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void* s) {
+    return sim_memcpy_async((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n, stream_or_default(s), 3);
+}
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void* s) {
+    return sim_memset_d32_async((void*)(uintptr_t)dst, v, n, stream_or_default(s));
+}
+EXPORT CUresult cuModuleLoadData(void** module, const void* image) {
+    const int sm = env_int("FOMOE_STANDIN_SM", 90);
+    char target[16];
+    snprintf(target, sizeof target, "sm_%d", sm);
+    return load_code_object(image, 190 /* EM_CUDA */, (uint32_t)sm, 8, 0xff, target, module);
+}
+EXPORT CUresult cuModuleGetFunction(void** fn, void* module, const char* name) { return code_object_function(fn, module, name); }
+EXPORT CUresult cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shared,
+                               void* s, void** params, void** extra) {
+    if (extra) return fail(INVALID_VALUE, "launch: the extra argument is not simulated (pass kernelParams)");
+    return sim_launch(fn, gx, gy, gz, bx, by, bz, shared, stream_or_default(s), params);
+}
+EXPORT CUresult cuGetErrorString(CUresult, const char** text) {
+    *text = last_error.c_str();
+    return OK;
+}
+EXPORT CUresult cuGetErrorName(CUresult status, const char** text) {
+    static thread_local char name[32];
+    snprintf(name, sizeof name, "CUDA_ERROR_%d", status);
+    *text = name;
+    return OK;
+}
+
+// NVRTC dlopens the driver too and asks it for private tables: there are none here
+EXPORT CUresult cuGetExportTable(const void** table, const void*) {
+    *table = nullptr;
+    return 801;  // CUDA_ERROR_NOT_SUPPORTED
+}
+
+// cuda-python asks for each entry point by its base name and the CUDA version that introduced the
+// ABI it expects; the versions it asks for are the ones implemented above (_v2 where they differ).
+struct Entry {
+    const char* name;
+    void* fn;
+};
+#define E(name, fn) {name, (void*)&fn}
+static const Entry CUDA_ENTRIES[] = {
+    E("cuInit", cuInit), E("cuDriverGetVersion", cuDriverGetVersion), E("cuDeviceGetCount", cuDeviceGetCount),
+    E("cuDeviceGet", cuDeviceGet), E("cuDeviceGetName", cuDeviceGetName), E("cuDeviceTotalMem", cuDeviceTotalMem_v2),
+    E("cuDeviceGetAttribute", cuDeviceGetAttribute), E("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain),
+    E("cuCtxSetCurrent", cuCtxSetCurrent), E("cuCtxGetCurrent", cuCtxGetCurrent), E("cuMemGetInfo", cuMemGetInfo_v2),
+    E("cuMemAlloc", cuMemAlloc_v2), E("cuMemFree", cuMemFree_v2), E("cuMemAllocHost", cuMemAllocHost_v2),
+    E("cuMemFreeHost", cuMemFreeHost), E("cuMemHostRegister", cuMemHostRegister_v2), E("cuMemHostUnregister", cuMemHostUnregister),
+    E("cuStreamCreate", cuStreamCreate), E("cuStreamSynchronize", cuStreamSynchronize), E("cuStreamWaitEvent", cuStreamWaitEvent),
+    E("cuEventCreate", cuEventCreate), E("cuEventRecord", cuEventRecord), E("cuEventSynchronize", cuEventSynchronize),
+    E("cuEventElapsedTime", cuEventElapsedTime_v2), E("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2),
+    E("cuMemcpyDtoHAsync", cuMemcpyDtoHAsync_v2), E("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2),
+    E("cuMemsetD32Async", cuMemsetD32Async), E("cuModuleLoadData", cuModuleLoadData),
+    E("cuModuleGetFunction", cuModuleGetFunction), E("cuLaunchKernel", cuLaunchKernel),
+    E("cuGetErrorString", cuGetErrorString), E("cuGetErrorName", cuGetErrorName),
+};
+
+EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int, unsigned long long, int* status) {
+    for (const Entry& e : CUDA_ENTRIES)
+        if (strcmp(e.name, symbol) == 0) {
+            *pfn = e.fn;
+            if (status) *status = 0;  // CU_GET_PROC_ADDRESS_SUCCESS
+            return OK;
+        }
+    *pfn = nullptr;
+    if (status) *status = 1;  // CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND
+    return NOT_FOUND;
+}
+
+// ========================================= HIP runtime API =========================================
+typedef int hipError_t;
+
+EXPORT hipError_t hipInit(unsigned) {
+    standin_init();
+    return OK;
+}
+EXPORT hipError_t hipGetDeviceCount(int* n) {
+    standin_init();
+    return sim_device_count(n);
+}
+EXPORT hipError_t hipSetDevice(int d) {
+    if (!valid_device(d)) return fail(INVALID_DEVICE, "no device %d", d);
+    current_device = d;
+    return OK;
+}
+// hip-python 7.2 resolves hipGetDeviceProperties to this ROCm 6 symbol; a ROCm 5 runtime lacks it
+EXPORT hipError_t hipGetDevicePropertiesR0600(void* props, int d) {
+    if (!valid_device(d)) return fail(INVALID_DEVICE, "no device %d", d);
+    char* p = static_cast<char*>(props);
+    memset(p, 0, 1472);
+    snprintf(p, 256, "fomoepy stand-in HIP device %d (simulated)", d);
+    size_t free_bytes, total;
+    sim_mem_info(d, &free_bytes, &total);
+    memcpy(p + 288, &total, sizeof total);
+    const char* gfx = getenv("FOMOE_STANDIN_GFX");
+    snprintf(p + 1160, 256, "%s:sramecc-:xnack-", gfx && *gfx ? gfx : "gfx1030");
+    return OK;
+}
+EXPORT hipError_t hipDriverGetVersion(int* v) {
+    *v = 60443000;
+    return OK;
+}
+EXPORT hipError_t hipMemGetInfo(size_t* free_bytes, size_t* total) { return sim_mem_info(current_device, free_bytes, total); }
+EXPORT hipError_t hipMalloc(void** p, size_t n) { return sim_malloc(current_device, p, n); }
+EXPORT hipError_t hipFree(void* p) { return sim_free(p); }
+EXPORT hipError_t hipHostMalloc(void** p, size_t n, unsigned) { return sim_host_alloc(p, n); }
+EXPORT hipError_t hipHostFree(void* p) { return sim_host_free(p); }
+EXPORT hipError_t hipHostRegister(void* p, size_t n, unsigned) { return sim_host_register(p, n); }
+EXPORT hipError_t hipHostUnregister(void* p) { return sim_host_unregister(p); }
+EXPORT hipError_t hipStreamCreateWithFlags(void** s, unsigned) { return sim_stream_create(current_device, s); }
+EXPORT hipError_t hipStreamSynchronize(void* s) { return sim_stream_sync(stream_or_default(s)); }
+EXPORT hipError_t hipStreamWaitEvent(void* s, void* e, unsigned) { return sim_stream_wait_event(stream_or_default(s), e); }
+EXPORT hipError_t hipEventCreateWithFlags(void** e, unsigned) { return sim_event_create(current_device, e); }
+EXPORT hipError_t hipEventRecord(void* e, void* s) { return sim_event_record(e, stream_or_default(s)); }
+EXPORT hipError_t hipEventSynchronize(void* e) { return sim_event_sync(e); }
+EXPORT hipError_t hipEventElapsedTime(float* ms, void* a, void* b) { return sim_event_elapsed(ms, a, b); }
+EXPORT hipError_t hipMemcpyHtoDAsync(void* dst, const void* src, size_t n, void* s) {
+    return sim_memcpy_async(dst, src, n, stream_or_default(s), 1);
+}
+EXPORT hipError_t hipMemcpyDtoHAsync(void* dst, const void* src, size_t n, void* s) {
+    return sim_memcpy_async(dst, src, n, stream_or_default(s), 2);
+}
+EXPORT hipError_t hipMemcpyDtoDAsync(void* dst, const void* src, size_t n, void* s) {
+    return sim_memcpy_async(dst, src, n, stream_or_default(s), 3);
+}
+EXPORT hipError_t hipMemsetD32Async(void* dst, int v, size_t n, void* s) {
+    return sim_memset_d32_async(dst, (unsigned)v, n, stream_or_default(s));
+}
+EXPORT hipError_t hipModuleLoadData(void** module, const void* image) {
+    const char* gfx = getenv("FOMOE_STANDIN_GFX");
+    std::string name = gfx && *gfx ? gfx : "gfx1030";
+    // EF_AMDGPU_MACH values (llvm/BinaryFormat/ELF.h)
+    const std::map<std::string, uint32_t> mach = {{"gfx1030", 0x036}, {"gfx1100", 0x041}, {"gfx1200", 0x048}, {"gfx1201", 0x04e}};
+    auto it = mach.find(name);
+    if (it == mach.end()) return fail(INVALID_VALUE, "FOMOE_STANDIN_GFX=%s is not a target the stand-in knows", name.c_str());
+    return load_code_object(image, 224 /* EM_AMDGPU */, it->second, 0, 0xff, name.c_str(), module);
+}
+EXPORT hipError_t hipModuleGetFunction(void** fn, void* module, const char* name) { return code_object_function(fn, module, name); }
+EXPORT hipError_t hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                                        unsigned shared, void* s, void** params, void** extra) {
+    if (extra) return fail(INVALID_VALUE, "launch: the extra argument is not simulated (pass kernelParams)");
+    return sim_launch(fn, gx, gy, gz, bx, by, bz, shared, stream_or_default(s), params);
+}
+EXPORT const char* hipGetErrorString(hipError_t) { return last_error.c_str(); }
+EXPORT const char* hipGetErrorName(hipError_t) { return "hipError"; }
