@@ -79,3 +79,26 @@ def test_with_deferred_streams_a_missing_wait_fails(standin, vendor):
     and wrong without it (test_sim_placement.py asserts both)."""
     proc = run_pytest(standin, vendor, "tests/test_sim_placement.py", "-k", "ordered", FOMOE_STANDIN_DEFERRED="1")
     assert_ran(proc, 1)
+
+
+@pytest.mark.slow
+def test_a_rocm5_runtime_is_one_clear_error_and_auto_falls_back(tmp_path):
+    """hip-python 7.2 over a runtime without hipGetDevicePropertiesR0600 (ROCm 5): --backend hip is one
+    error saying what is needed, --backend auto computes on the CPU after one line saying why."""
+    if importlib.util.find_spec("hip") is None:
+        pytest.skip("hip-python is not installed")
+    standin = standin_drivers(tmp_path / "rocm5", rocm5=True)
+    (standin / "libcuda.so.1").unlink()  # a machine with an AMD GPU only
+    env = os.environ | {"LD_LIBRARY_PATH": str(standin), "FOMOE_STANDIN_MODULES": str(standin / "modules")}
+    model = ROOT / "fomoepy" / "data" / "demo-qwen3moe.gguf"
+    hip = subprocess.run([sys.executable, "-m", "fomoepy.cli", "generate", str(model), "--backend", "hip", "-n", "2", "-p", "Hi"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert hip.returncode != 0
+    assert "Traceback" not in hip.stderr
+    assert "hip-python 7.2, which needs ROCm >= 6 (>= 6.4 for RDNA4)" in hip.stderr
+    assert "hipGetDevicePropertiesR0600" in hip.stderr or "hipGetDeviceProperties" in hip.stderr
+    auto = subprocess.run([sys.executable, "-m", "fomoepy.cli", "generate", str(model), "--backend", "auto", "-n", "2", "-p", "Hi"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    why = [line for line in auto.stderr.splitlines() if "backend auto: using the CPU" in line]
+    assert len(why) == 1 and "ROCm >= 6" in why[0], auto.stderr[-2000:]

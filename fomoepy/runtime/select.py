@@ -44,7 +44,7 @@ def make_backend(name: str, cpu_threads: int | None = None, device: int = 0):
         try:
             return open_gpu("auto", device)
         except FomoeError as e:
-            log.info("backend auto: using the CPU (%s)", e)
+            log.warning("backend auto: using the CPU (%s)", e)
             from fomoepy.runtime.ggml_cpu import GgmlBackend
 
             return GgmlBackend(cpu_threads)

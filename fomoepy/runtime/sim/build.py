@@ -133,21 +133,23 @@ STANDIN_SOURCE = SIM_DIR / "standin.cpp"
 STANDIN_NAMES = ("libcuda.so.1", "libamdhip64.so")  # what cuda-python and hip-python dlopen
 
 
-def standin_drivers(directory: Path) -> Path:
+def standin_drivers(directory: Path, rocm5: bool = False) -> Path:
     """Stand-in CUDA and HIP driver libraries over the simulated device (standin.cpp), and the
     simulator's builds of every hip_kernels/ module they run, under `directory`:
         directory/libcuda.so.1, directory/libamdhip64.so   (put `directory` on LD_LIBRARY_PATH)
         directory/modules/<module>.so                      (FOMOE_STANDIN_MODULES)
+    `rocm5`: a HIP runtime like ROCm 5's, without hipGetDevicePropertiesR0600 (which hip-python 7.2 needs).
     """
     from fomoepy.runtime.kernels import compile_cached, load_sources
 
     cxx = host_compiler()
     directory.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256(STANDIN_SOURCE.read_bytes() + DRIVER_SOURCE.read_bytes() + compiler_version(cxx).encode()).hexdigest()[:16]
+    flags = ["-DFOMOE_STANDIN_ROCM5"] if rocm5 else []
+    key = hashlib.sha256(STANDIN_SOURCE.read_bytes() + DRIVER_SOURCE.read_bytes() + compiler_version(cxx).encode() + str(flags).encode()).hexdigest()[:16]
     library = directory / f"libfomoe-standin-{key}.so"
     if not library.exists():
         tmp = library.with_suffix(f".tmp{os.getpid()}")
-        proc = subprocess.run([cxx, *COMMON_FLAGS, f"-I{SIM_DIR}", str(STANDIN_SOURCE), "-o", str(tmp), "-ldl"], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *COMMON_FLAGS, *flags, f"-I{SIM_DIR}", str(STANDIN_SOURCE), "-o", str(tmp), "-ldl"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise FomoeError(f"the stand-in drivers do not build with {cxx}:\n{proc.stderr[-4000:]}")
         os.replace(tmp, library)

@@ -316,7 +316,12 @@ EXPORT hipError_t hipSetDevice(int d) {
     return OK;
 }
 // hip-python 7.2 resolves hipGetDeviceProperties to this ROCm 6 symbol; a ROCm 5 runtime lacks it
+// (FOMOE_STANDIN_ROCM5 builds one like that, exporting ROCm 5's name instead)
+#ifdef FOMOE_STANDIN_ROCM5
+EXPORT hipError_t hipGetDeviceProperties(void* props, int d) {
+#else
 EXPORT hipError_t hipGetDevicePropertiesR0600(void* props, int d) {
+#endif
     if (!valid_device(d)) return fail(INVALID_DEVICE, "no device %d", d);
     char* p = static_cast<char*>(props);
     memset(p, 0, 1472);
