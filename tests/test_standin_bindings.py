@@ -102,3 +102,39 @@ def test_a_rocm5_runtime_is_one_clear_error_and_auto_falls_back(tmp_path):
     assert auto.returncode == 0, auto.stderr[-2000:]
     why = [line for line in auto.stderr.splitlines() if "backend auto: using the CPU" in line]
     assert len(why) == 1 and "ROCm >= 6" in why[0], auto.stderr[-2000:]
+
+
+CHECK_CODE_OBJECT = r"""
+import sys
+from fomoepy.runtime import kernels
+from fomoepy.runtime.shim import open_runtime
+
+vendor = sys.argv[1]
+rt = open_runtime(vendor)
+compiler = kernels.compiler_for(vendor)
+rope = next(s for s in kernels.load_sources() if s.name == "rope")
+rt.load_module(compiler.compile(rope, rt.arch))
+widened = rope.text.replace("int n_past, double base", "long long n_past, double base")
+assert widened != rope.text
+try:
+    rt.load_module(compiler.compile(kernels.KernelSource("rope", widened, rope.headers), rt.arch))
+    print("LOADED")
+except Exception as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_a_code_object_whose_parameters_differ_from_the_source_is_refused(standin, vendor, tmp_path):
+    """The stand-in reads the parameters from the code object (a cubin's .nv.info, AMDGPU's metadata
+    note) and refuses one that does not match the simulator's build of the source."""
+    script = tmp_path / "check.py"
+    script.write_text(CHECK_CODE_OBJECT)
+    if importlib.util.find_spec(BINDINGS[vendor].split(".")[0]) is None:
+        pytest.skip(f"{BINDINGS[vendor]} is not installed")
+    paths = [str(standin)] + ([hiprtc_dir() or ""] if vendor == "hip" else [])
+    env = os.environ | {"LD_LIBRARY_PATH": ":".join(paths), "FOMOE_STANDIN_MODULES": str(standin / "modules")}
+    proc = subprocess.run([sys.executable, str(script), vendor], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "REFUSED" in proc.stdout and "rope_neox_f32: the code object's parameter sizes [ 8 8 8 8 4 4 4 4 8 8 8 ]" in proc.stdout, proc.stdout

@@ -94,6 +94,175 @@ bool elf_functions(const void* image, std::set<std::string>& out, uint16_t* mach
     return true;
 }
 
+// What a code object says of a kernel's parameters: their sizes in order, and its launch bound (0: unknown)
+struct KernelMeta {
+    std::vector<int> sizes;
+    int max_threads = 0;
+};
+
+// cubin: section .nv.info.<kernel> holds attributes; EIATTR_KPARAM_INFO (0x17, 12 bytes) gives a
+// parameter's ordinal and, in bits 18-31 of its last word, its size
+void cubin_meta(const unsigned char* p, std::map<std::string, KernelMeta>& out) {
+    const Elf64_Ehdr* eh = reinterpret_cast<const Elf64_Ehdr*>(p);
+    const Elf64_Shdr* sh = reinterpret_cast<const Elf64_Shdr*>(p + eh->e_shoff);
+    const char* names = reinterpret_cast<const char*>(p + sh[eh->e_shstrndx].sh_offset);
+    for (int i = 0; i < eh->e_shnum; i++) {
+        const char* name = names + sh[i].sh_name;
+        if (strncmp(name, ".nv.info.", 9) != 0) continue;
+        std::map<int, int> by_ordinal;
+        const unsigned char* d = p + sh[i].sh_offset;
+        for (size_t at = 0; at + 2 <= sh[i].sh_size;) {
+            const int format = d[at], attribute = d[at + 1];
+            if (format == 4) {  // EIFMT_SVAL: u16 size, then the payload
+                uint16_t n;
+                memcpy(&n, d + at + 2, 2);
+                if (attribute == 0x17 && n >= 12) {
+                    uint16_t ordinal;
+                    uint32_t word;
+                    memcpy(&ordinal, d + at + 8, 2);
+                    memcpy(&word, d + at + 12, 4);
+                    by_ordinal[ordinal] = (int)((word >> 18) & 0x3fff);
+                }
+                at += 4 + n;
+            } else if (format == 3) {  // EIFMT_HVAL: u16 value
+                at += 4;
+            } else {  // EIFMT_NVAL / BVAL
+                at += format == 2 ? 3 : 2;
+            }
+        }
+        KernelMeta& m = out[name + 9];
+        for (auto& [ordinal, size] : by_ordinal) m.sizes.push_back(size);
+    }
+}
+
+// AMDGPU: the NT_AMDGPU_METADATA note is a msgpack map; amdhsa.kernels lists each kernel's .name,
+// .args (.size, .value_kind; "hidden_*" arguments are the runtime's own) and .max_flat_workgroup_size
+struct Msgpack {
+    const unsigned char *p, *end;
+    bool ok = true;
+    enum Type { MAP, ARRAY, STR, INT, OTHER };
+    uint64_t be(int n) {
+        uint64_t v = 0;
+        for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+        p += n;
+        return v;
+    }
+    // one header: MAP/ARRAY give their count, STR its bytes in s, INT its value; OTHER is skipped whole
+    Type next(uint64_t& n, const char*& s) {
+        if (p >= end) {
+            ok = false;
+            return OTHER;
+        }
+        const unsigned c = *p++;
+        if (c <= 0x7f) return n = c, INT;
+        if ((c & 0xf0) == 0x80) return n = c & 0x0f, MAP;
+        if ((c & 0xf0) == 0x90) return n = c & 0x0f, ARRAY;
+        if ((c & 0xe0) == 0xa0) return n = c & 0x1f, s = (const char*)p, p += n, STR;
+        if (c >= 0xe0) return n = 0, INT;
+        switch (c) {
+            case 0xcc: return n = be(1), INT;
+            case 0xcd: return n = be(2), INT;
+            case 0xce: return n = be(4), INT;
+            case 0xcf: return n = be(8), INT;
+            case 0xd0: return n = be(1), INT;
+            case 0xd1: return n = be(2), INT;
+            case 0xd2: return n = be(4), INT;
+            case 0xd3: return n = be(8), INT;
+            case 0xd9: n = be(1); return s = (const char*)p, p += n, STR;
+            case 0xda: n = be(2); return s = (const char*)p, p += n, STR;
+            case 0xdb: n = be(4); return s = (const char*)p, p += n, STR;
+            case 0xdc: return n = be(2), ARRAY;
+            case 0xdd: return n = be(4), ARRAY;
+            case 0xde: return n = be(2), MAP;
+            case 0xdf: return n = be(4), MAP;
+            case 0xc4: p += be(1); return OTHER;
+            case 0xc5: p += be(2); return OTHER;
+            case 0xc6: p += be(4); return OTHER;
+            case 0xca: p += 4; return OTHER;
+            case 0xcb: p += 8; return OTHER;
+            case 0xc0: case 0xc2: case 0xc3: return OTHER;
+            default: ok = false; return OTHER;
+        }
+    }
+    void skip() {
+        uint64_t n;
+        const char* s;
+        const Type t = next(n, s);
+        if (t == MAP) n *= 2;
+        if (t == MAP || t == ARRAY)
+            for (uint64_t i = 0; i < n && ok; i++) skip();
+    }
+    std::string key() {
+        uint64_t n;
+        const char* s = nullptr;
+        if (next(n, s) != STR) return ok = false, std::string();
+        return std::string(s, n);
+    }
+};
+
+void amdgpu_meta(const unsigned char* p, std::map<std::string, KernelMeta>& out) {
+    const Elf64_Ehdr* eh = reinterpret_cast<const Elf64_Ehdr*>(p);
+    const Elf64_Shdr* sh = reinterpret_cast<const Elf64_Shdr*>(p + eh->e_shoff);
+    for (int i = 0; i < eh->e_shnum; i++) {
+        if (sh[i].sh_type != SHT_NOTE) continue;
+        for (size_t at = sh[i].sh_offset; at + 12 <= sh[i].sh_offset + sh[i].sh_size;) {
+            const Elf64_Nhdr* nh = reinterpret_cast<const Elf64_Nhdr*>(p + at);
+            const unsigned char* desc = p + at + 12 + ((nh->n_namesz + 3) & ~3u);
+            at += 12 + ((nh->n_namesz + 3) & ~3u) + ((nh->n_descsz + 3) & ~3u);
+            if (nh->n_type != 32) continue;  // NT_AMDGPU_METADATA
+            Msgpack m{desc, desc + nh->n_descsz};
+            uint64_t n;
+            const char* s;
+            if (m.next(n, s) != Msgpack::MAP) return;
+            for (uint64_t k = 0; k < n && m.ok; k++) {
+                if (m.key() != "amdhsa.kernels") {
+                    m.skip();
+                    continue;
+                }
+                uint64_t n_kernels;
+                if (m.next(n_kernels, s) != Msgpack::ARRAY) return;
+                for (uint64_t j = 0; j < n_kernels && m.ok; j++) {
+                    KernelMeta meta;
+                    std::string name;
+                    uint64_t n_fields;
+                    if (m.next(n_fields, s) != Msgpack::MAP) return;
+                    for (uint64_t f = 0; f < n_fields && m.ok; f++) {
+                        const std::string field = m.key();
+                        uint64_t v;
+                        if (field == ".name" && m.next(v, s) == Msgpack::STR) {
+                            name.assign(s, v);
+                        } else if (field == ".max_flat_workgroup_size" && m.next(v, s) == Msgpack::INT) {
+                            meta.max_threads = (int)v;
+                        } else if (field == ".args") {
+                            uint64_t n_args;
+                            if (m.next(n_args, s) != Msgpack::ARRAY) return;
+                            for (uint64_t a = 0; a < n_args && m.ok; a++) {
+                                uint64_t n_props;
+                                if (m.next(n_props, s) != Msgpack::MAP) return;
+                                int size = 0;
+                                bool hidden = false;
+                                for (uint64_t q = 0; q < n_props && m.ok; q++) {
+                                    const std::string prop = m.key();
+                                    const Msgpack::Type t = m.next(v, s);
+                                    if (prop == ".size" && t == Msgpack::INT) size = (int)v;
+                                    if (prop == ".value_kind" && t == Msgpack::STR) hidden = v >= 7 && strncmp(s, "hidden_", 7) == 0;
+                                    if (t == Msgpack::MAP || t == Msgpack::ARRAY) {  // nested: skip its contents
+                                        for (uint64_t e = 0; e < (t == Msgpack::MAP ? 2 * v : v) && m.ok; e++) m.skip();
+                                    }
+                                }
+                                if (!hidden) meta.sizes.push_back(size);
+                            }
+                        } else {
+                            m.skip();
+                        }
+                    }
+                    if (!name.empty()) out[name] = meta;
+                }
+            }
+        }
+    }
+}
+
 struct CodeObject {
     std::set<std::string> kernels;
 };
@@ -116,8 +285,28 @@ int load_code_object(const void* image, uint16_t want_machine, uint32_t want_tar
         return fail(INVALID_IMAGE, "the code object is for machine %u target %u (0x%x), the device is %s", machine, target, target,
                     target_name);
     if (co->kernels.empty()) return fail(INVALID_IMAGE, "the code object defines no kernel");
-    for (const std::string& k : co->kernels)
-        if (!sim_kernel(k.c_str())) return fail(INVALID_IMAGE, "kernel %s of the code object has no simulator build", k.c_str());
+    // the parameters the code object declares must be the ones the simulator's build declares (whose
+    // sizes tests/test_sim_device.py ties to KERNEL_SIGNATURES): the same block is passed to both
+    std::map<std::string, KernelMeta> meta;
+    if (machine == 190) cubin_meta(static_cast<const unsigned char*>(image), meta);
+    else amdgpu_meta(static_cast<const unsigned char*>(image), meta);
+    for (const std::string& k : co->kernels) {
+        const KernelInfo* sim = sim_kernel(k.c_str());
+        if (!sim) return fail(INVALID_IMAGE, "kernel %s of the code object has no simulator build", k.c_str());
+        auto it = meta.find(k);
+        if (it == meta.end()) return fail(INVALID_IMAGE, "kernel %s: the code object has no parameter metadata for it", k.c_str());
+        std::vector<int> sim_sizes(sim->param_size, sim->param_size + sim->n_params);
+        if (it->second.sizes != sim_sizes) {
+            std::string a, b;
+            for (int v : it->second.sizes) a += std::to_string(v) + " ";
+            for (int v : sim_sizes) b += std::to_string(v) + " ";
+            return fail(INVALID_IMAGE, "kernel %s: the code object's parameter sizes [ %s] differ from the source's [ %s]", k.c_str(),
+                        a.c_str(), b.c_str());
+        }
+        if (it->second.max_threads && it->second.max_threads != sim->max_threads)
+            return fail(INVALID_IMAGE, "kernel %s: launch bound %d in the code object, %d in the source", k.c_str(),
+                        it->second.max_threads, sim->max_threads);
+    }
     std::lock_guard<std::mutex> g(code_objects_mutex);
     code_objects.push_back(std::move(co));
     *out = code_objects.back().get();
