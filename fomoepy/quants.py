@@ -1,7 +1,7 @@
 """GGUF tensor formats: one table of facts per type, vectorised numpy decoders and encoders.
 
-`FORMATS` is the single source of truth: block size and bytes per block (from `gguf.GGML_QUANT_SIZES`)
-and the two block functions of every type fomoepy supports. Everything else (byte sizes, `dequantize`,
+`FORMATS` is the single source of truth: block size and bytes per block (from `gguf.GGML_QUANT_SIZES`),
+the two block functions and the GPU kernels' name suffix of every type fomoepy supports. Everything else (byte sizes, `dequantize`,
 `quantize`, the "unsupported type" error) is derived from it, so a caller never branches on a type.
 
 Decoders must agree with `gguf.quants.dequantize` bit for bit: each performs the same float32
@@ -42,6 +42,12 @@ class QuantFormat:
     @property
     def name(self) -> str:
         return self.qtype.name
+
+    @property
+    def kernel_suffix(self) -> str:
+        """The suffix of this type's GPU kernels (mv_q4_k_t1, ...): FOR_EACH_FORMAT in hip_kernels/dequant.h
+        instantiates every kernel family for each (tests/test_kernels_compile.py checks the two agree)."""
+        return self.qtype.name.lower()
 
 
 # --- small helpers ------------------------------------------------------------------------------------

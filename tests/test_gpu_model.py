@@ -1,9 +1,8 @@
 """Rung 5, whole model: the GPU backend (dense ops + GpuExperts streaming through the expert cache)
 against the CPU backend on the oracle models, with the device tier at several sizes and CAR off.
 
-The GPU model is assembled the way the engine will assemble it once `--backend cuda|hip|auto` is
-wired (see fomoepy/runtime/select.py): device-resident KV caches and recurrent states, routing on
-the device (`GpuBackend.route`, patched in here for the softmax gating that moe.py looks up).
+The GPU model is assembled as the engine assembles it for `--backend cuda|hip|sim`: device-resident KV
+caches and recurrent states, routing on the device (moe.py calls `ops.route`, GpuBackend's kernel).
 Runs the kernel source on the simulated device in CI and, marked `gpu`, on a real one.
 """
 
@@ -18,14 +17,12 @@ from conftest import ORACLE, open_oracle_engine
 from sim_backend import sim_backend
 
 from fomoepy.errors import FomoeError
-from fomoepy.experts import routing
 from fomoepy.experts.source import GGUFExpertSource
 from fomoepy.experts.streamer import ExpertStreamer, StreamingOptions
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ATTENTION, ModelSpec
 from fomoepy.model.state import DeltaNetState, InferenceState, KVCache
 from fomoepy.model.transformer import Transformer
-from fomoepy.runtime.gpu_arrays import DeviceArray
 from fomoepy.runtime.gpu_experts import GpuExperts, gpu_expert_nbytes
 from fomoepy.runtime.select import open_gpu
 
@@ -42,16 +39,6 @@ def dev(request):
         return open_gpu(os.environ.get("FOMOEPY_TEST_GPU", "auto"))  # cuda or hip: the stand-in runs pick one
     except FomoeError as e:
         pytest.skip(f"no GPU device ({str(e)[:90]}...)")
-
-
-@pytest.fixture(autouse=True)
-def route_on_device(monkeypatch, dev):
-    cpu_route = routing.GATING_FUNCTIONS["softmax"]
-
-    def route(logits, k):
-        return dev.route(logits, "softmax", k) if isinstance(logits, DeviceArray) else cpu_route(logits, k)
-
-    monkeypatch.setitem(routing.GATING_FUNCTIONS, "softmax", route)
 
 
 def gpu_model(dev, name: str, cache_fraction: float):
@@ -99,13 +86,11 @@ def test_gpu_model_equals_cpu_model_prefill_then_decode(dev, name, fraction):
         assert experts.uploads == before
 
 
-
-@pytest.mark.gpu
-def test_pingpong_over_two_devices_gives_the_one_device_logits():
-    """On a real pair of GPUs, or two stand-in devices through the real binding."""
+def test_pingpong_over_two_devices_gives_the_one_device_logits(dev):
+    """Two simulated devices, a real pair of GPUs, or two stand-in devices through the real binding."""
     from fomoepy.engine import Engine, EngineOptions
 
-    vendor = os.environ.get("FOMOEPY_TEST_GPU", "auto")
+    vendor = dev.rt.vendor
     name = "qwen3moe_q4_k_m"
     tokens = np.load(ORACLE / f"{name}.tokens.npy")
     logits = []

@@ -146,8 +146,19 @@ def test_a_one_vendor_construct_fails_to_compile(compilers, vendor, construct):
 def test_every_supported_tensor_type_has_kernels_and_others_are_refused():
     assert set(kernels.KERNEL_TYPE_NAMES) == set(quants.SUPPORTED)
     assert kernels.kernel_name("mv", quants.GGMLQuantizationType.Q4_K) == "mv_q4_k"
-    with pytest.raises(UnsupportedQuantType, match="Q2_K.*no GPU kernel"):
+    with pytest.raises(UnsupportedQuantType, match="blk.0.ffn_down_exps.weight has type Q2_K, which fomoepy does not support"):
         kernels.kernel_name("mv", quants.GGMLQuantizationType.Q2_K, "blk.0.ffn_down_exps.weight")
+
+
+def test_the_kernel_formats_are_the_quant_table():
+    """FOR_EACH_FORMAT in dequant.h and each Fmt struct's BLOCK and BYTES against quants.FORMATS."""
+    text = (kernels.kernel_dir() / "dequant.h").read_text()
+    listed = dict(re.findall(r"X\((\w+), (Fmt\w+)\)", text))
+    assert sorted(listed) == sorted(f.kernel_suffix for f in quants.FORMATS.values())
+    for fmt in quants.FORMATS.values():
+        struct = re.search(rf"struct {listed[fmt.kernel_suffix]} {{\s*static constexpr int BLOCK = (\d+), BYTES = (\d+);", text)
+        assert struct, fmt.name
+        assert (int(struct[1]), int(struct[2])) == (fmt.block_size, fmt.type_size), fmt.name
 
 
 class _CountingCompiler:

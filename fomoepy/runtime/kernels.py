@@ -5,8 +5,8 @@ beside it (`compat.h`, `dequant.h`) handed to the compiler by name, so no includ
 header is involved. Binaries are cached under $XDG_CACHE_HOME/fomoepy/kernels keyed by the source
 hash, the target architecture and the compiler's version.
 
-`KERNEL_TYPE_NAMES` is the one table from tensor type to kernel name suffix: a type that is not in
-it has no kernel, and asking for one is an `UnsupportedQuantType`, never a fallback.
+Kernel names come from quants.FORMATS (`QuantFormat.kernel_suffix`): every supported type has kernels,
+and asking for another is quants' one `UnsupportedQuantType`, never a fallback.
 """
 
 from __future__ import annotations
@@ -20,22 +20,12 @@ from typing import Protocol
 
 from gguf import GGMLQuantizationType
 
-from fomoepy.errors import FomoeError, UnsupportedQuantType
+from fomoepy import quants
+from fomoepy.errors import FomoeError
 
-_T = GGMLQuantizationType
 
-# tensor type -> the suffix of its kernels (FOR_EACH_FORMAT in hip_kernels/dequant.h lists the same)
-KERNEL_TYPE_NAMES: dict[GGMLQuantizationType, str] = {
-    _T.F32: "f32",
-    _T.F16: "f16",
-    _T.BF16: "bf16",
-    _T.Q8_0: "q8_0",
-    _T.Q4_0: "q4_0",
-    _T.MXFP4: "mxfp4",
-    _T.Q4_K: "q4_k",
-    _T.Q5_K: "q5_k",
-    _T.Q6_K: "q6_k",
-}
+# tensor type -> the suffix of its kernels, a view of quants.FORMATS (the one table of per-type facts)
+KERNEL_TYPE_NAMES: dict[GGMLQuantizationType, str] = {qtype: fmt.kernel_suffix for qtype, fmt in quants.FORMATS.items()}
 
 
 class KernelCompileError(FomoeError):
@@ -43,17 +33,9 @@ class KernelCompileError(FomoeError):
 
 
 def kernel_name(family: str, qtype: int, tensor_name: str | None = None) -> str:
-    """`<family>_<type>` for a weight of `qtype`, e.g. kernel_name("mv", Q4_K) == "mv_q4_k"."""
-    suffix = KERNEL_TYPE_NAMES.get(qtype)  # type: ignore[call-overload]
-    if suffix is None:
-        try:
-            type_name = GGMLQuantizationType(qtype).name
-        except ValueError:
-            type_name = f"type id {int(qtype)}"
-        subject = f"tensor {tensor_name}" if tensor_name else "a tensor"
-        known = ", ".join(t.name for t in KERNEL_TYPE_NAMES)
-        raise UnsupportedQuantType(f"{subject} has type {type_name}, which has no GPU kernel (kernels exist for: {known})")
-    return f"{family}_{suffix}"
+    """`<family>_<type>` for a weight of `qtype`, e.g. kernel_name("mv", Q4_K) == "mv_q4_k"; a type
+    fomoepy does not support is the one `UnsupportedQuantType` of quants.require_format."""
+    return f"{family}_{quants.require_format(qtype, tensor_name).kernel_suffix}"
 
 
 # -- sources -----------------------------------------------------------------------------------------
