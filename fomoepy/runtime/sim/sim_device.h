@@ -57,12 +57,15 @@ struct Fiber {
 #endif
 };
 
-// What the driver hands a kernel's entry: the launch geometry and where to write an error.
+// What the driver hands a kernel's entry: the launch geometry, the blocks to run (linear indices
+// [block_begin, block_end): the driver spreads a launch's blocks over host threads) and where to
+// write an error.
 struct Launch {
     unsigned grid[3], block[3];
     unsigned shared;
     char* error;
     unsigned error_len;
+    unsigned block_begin, block_end;
 };
 
 // A kernel as the driver sees it: its launch bound and the C types of its parameters.
@@ -417,19 +420,17 @@ inline int run_kernel(const char* name, void (*fn)(A...), const Launch* l, void*
     block_dim = dim3{l->block[0], l->block[1], l->block[2]};
     grid_dim = dim3{l->grid[0], l->grid[1], l->grid[2]};
     const uint32_t nan_bits = 0x7fc00000u;
-    for (unsigned z = 0; z < l->grid[2]; z++)
-        for (unsigned y = 0; y < l->grid[1]; y++)
-            for (unsigned x = 0; x < l->grid[0]; x++) {
-                for (unsigned i = 0; i + 4 <= l->shared; i += 4) memcpy(dyn_buffer + i, &nan_bits, 4);
-                block_idx = dim3{x, y, z};
-                b.index = block_idx;
-                if (!run_block(&b)) {
-                    snprintf(l->error, l->error_len, "%s", b.message);
-                    block = nullptr;
-                    current = nullptr;
-                    return -1;
-                }
-            }
+    for (unsigned linear = l->block_begin; linear < l->block_end; linear++) {
+        for (unsigned i = 0; i + 4 <= l->shared; i += 4) memcpy(dyn_buffer + i, &nan_bits, 4);
+        block_idx = dim3{linear % l->grid[0], (linear / l->grid[0]) % l->grid[1], linear / (l->grid[0] * l->grid[1])};
+        b.index = block_idx;
+        if (!run_block(&b)) {
+            snprintf(l->error, l->error_len, "%s", b.message);
+            block = nullptr;
+            current = nullptr;
+            return -1;
+        }
+    }
     block = nullptr;
     current = nullptr;
     return 0;

@@ -20,7 +20,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -40,6 +43,7 @@ struct Launch {
     unsigned shared;
     char* error;
     unsigned error_len;
+    unsigned block_begin, block_end;
 };
 constexpr int MAX_PARAMS = 24;
 struct KernelInfo {
@@ -143,6 +147,73 @@ struct Op {
 
 void demand(Stream* s, uint64_t position);
 
+// Host threads that run parts of a launch: a launch's blocks are independent, so its stream's thread
+// runs one share and these the others (FOMOE_SIM_THREADS, default: the machine's cores, at most 8).
+class BlockPool {
+  public:
+    static BlockPool& get() {
+        static BlockPool pool;
+        return pool;
+    }
+    int size() const { return (int)workers.size() + 1; }
+
+    // runs every task, one on the calling thread; returns when all are done
+    void run_all(std::vector<std::function<void()>>& tasks) {
+        std::atomic<size_t> left{tasks.size() - 1};
+        std::mutex done_m;
+        std::condition_variable done_cv;
+        {
+            std::lock_guard<std::mutex> g(m);
+            for (size_t i = 1; i < tasks.size(); i++)
+                queue.push_back([&, i] {
+                    tasks[i]();
+                    if (--left == 0) {
+                        std::lock_guard<std::mutex> d(done_m);
+                        done_cv.notify_all();
+                    }
+                });
+        }
+        cv.notify_all();
+        tasks[0]();
+        std::unique_lock<std::mutex> d(done_m);
+        done_cv.wait(d, [&] { return left.load() == 0; });
+    }
+
+  private:
+    BlockPool() {
+        const char* env = getenv("FOMOE_SIM_THREADS");
+        int n = env && *env ? atoi(env) : (int)std::thread::hardware_concurrency();
+        n = n < 1 ? 1 : (n > 8 ? 8 : n);
+        for (int i = 1; i < n; i++) workers.emplace_back([this] { work(); });
+    }
+    ~BlockPool() {
+        {
+            std::lock_guard<std::mutex> g(m);
+            stopping = true;
+        }
+        cv.notify_all();
+        for (auto& w : workers) w.join();
+    }
+    void work() {
+        for (;;) {
+            std::function<void()> task;
+            {
+                std::unique_lock<std::mutex> g(m);
+                cv.wait(g, [&] { return stopping || !queue.empty(); });
+                if (queue.empty()) return;
+                task = std::move(queue.front());
+                queue.pop_front();
+            }
+            task();
+        }
+    }
+    std::vector<std::thread> workers;
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> queue;
+    bool stopping = false;
+};
+
 struct Stream {
     int device;
     std::mutex m;
@@ -175,7 +246,6 @@ struct Stream {
     }
 
     void run() {
-        std::vector<char> message(1024);
         for (;;) {
             Op op;
             {
@@ -185,7 +255,7 @@ struct Stream {
                 op = std::move(queue.front());
                 queue.pop_front();
             }
-            execute(op, message);
+            execute(op);
             {
                 std::lock_guard<std::mutex> g(m);
                 ++completed;
@@ -194,7 +264,7 @@ struct Stream {
         }
     }
 
-    void execute(Op& op, std::vector<char>& message) {
+    void execute(Op& op) {
         bool failed;
         {
             std::lock_guard<std::mutex> g(m);
@@ -212,13 +282,27 @@ struct Stream {
             }
             case Op::LAUNCH: {
                 if (failed) break;
-                op.launch.error = message.data();
-                op.launch.error_len = (unsigned)message.size();
-                message[0] = 0;
-                if (op.kernel->run(&op.launch, op.params.data()) != 0) {
-                    std::lock_guard<std::mutex> g(m);
-                    error = message.data();
+                const unsigned blocks = op.launch.grid[0] * op.launch.grid[1] * op.launch.grid[2];
+                const unsigned parts = std::min<unsigned>(blocks, (unsigned)BlockPool::get().size());
+                std::vector<Launch> shares(parts, op.launch);
+                std::vector<std::vector<char>> messages(parts, std::vector<char>(1024, 0));
+                std::vector<int> status(parts, 0);
+                std::vector<std::function<void()>> tasks;
+                for (unsigned i = 0; i < parts; i++) {
+                    shares[i].block_begin = (unsigned)((uint64_t)blocks * i / parts);
+                    shares[i].block_end = (unsigned)((uint64_t)blocks * (i + 1) / parts);
+                    shares[i].error = messages[i].data();
+                    shares[i].error_len = 1024;
+                    tasks.push_back([&, i] { status[i] = op.kernel->run(&shares[i], op.params.data()); });
                 }
+                if (parts == 1) tasks[0]();
+                else BlockPool::get().run_all(tasks);
+                for (unsigned i = 0; i < parts; i++)
+                    if (status[i] != 0) {  // the first failing share in block order
+                        std::lock_guard<std::mutex> g(m);
+                        error = messages[i].data();
+                        break;
+                    }
                 break;
             }
             case Op::RECORD: {  // completes even after a failure, so nobody waits forever
