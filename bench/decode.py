@@ -35,7 +35,7 @@ from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
 from fomoepy.experts.store_reader import ExpertStore
 from fomoepy.experts.store_writer import prepare_store
-from fomoepy.runtime.select import device_expert_nbytes
+from fomoepy.runtime.backends import device_expert_nbytes
 from results import record
 
 HERE = Path(__file__).parent

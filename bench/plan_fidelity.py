@@ -41,7 +41,7 @@ from fomoepy.plan.hardware import Device, Drives, Hardware, Host
 from fomoepy.plan.rates import TierRates
 from fomoepy.plan.shapes import model_bytes_from_gguf
 from fomoepy.plan.timemodel import Workload, project
-from fomoepy.runtime.select import device_expert_nbytes
+from fomoepy.runtime.backends import device_expert_nbytes
 
 SETTINGS = [("all resident", 1.0, 0.0), ("25% + 25%", 0.25, 0.25), ("10% + 25%", 0.10, 0.25), ("5% + 10%", 0.05, 0.10)]
 WITHIN = 0.15

@@ -9,53 +9,29 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from fomoepy.errors import FomoeError
-from fomoepy.experts.car import CarConfig
-from fomoepy.experts.policy import DEFAULT_POLICY
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
-from fomoepy.experts.streamer import ExpertStreamer, StreamingOptions
+from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec
 from fomoepy.model.state import InferenceState
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer
+from fomoepy.options import EngineOptions
+from fomoepy.runtime.backends import device_expert_nbytes, make_backend, make_experts
 from fomoepy.runtime.cpu import CpuBackend
 from fomoepy.runtime.gpu import GpuBackend
+from fomoepy.sampling import Sampler, SamplingParams
 from fomoepy.scheduler import Placement
 from fomoepy.timing import LayerTimer
-from fomoepy.runtime.select import BACKEND_NAMES, device_expert_nbytes, make_backend, make_experts
-from fomoepy.sampling import Sampler, SamplingParams
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    backend: str = "reference"  # the exact engine for library callers and tests; the CLI defaults to cpu (ggml)
-    n_ctx: int | None = None  # None: the model's training context
-    threads: int | None = None  # CPU backend BLAS threads; None: automatic (see blas_threads)
-    devices: int = 1  # logical devices the layers are placed on
-    placement: str = "pingpong"  # pingpong | blocks | one device index per layer
-    profile_timing: bool = False
-    store: tuple[str, ...] = ()  # expert store directories; empty: read experts from the GGUF (mmap)
-    vram_cache: int | None = None  # device tier bytes (reference: compute-ready experts; cpu: 0); None: automatic
-    ram_cache: int | None = None  # host tier bytes (store-form experts); None: automatic
-    cache_policy: str = DEFAULT_POLICY
-    car: CarConfig = field(default_factory=CarConfig)
-    backfill: str = "thread"
-    backfill_per_token: int = 4
-    prefetch: bool = True
-    freq_profile: str | None = None
-    trace: str | None = None
 
 
 class Engine:
     def __init__(self, model_path: str | os.PathLike[str], options: EngineOptions = EngineOptions()):
-        if options.backend not in BACKEND_NAMES:
-            raise FomoeError(f"backend {options.backend!r} is not available (available: {', '.join(BACKEND_NAMES)})")
         self.options = options
         self.file = GGUFFile(model_path)
         self.spec = ModelSpec.from_gguf(self.file)
@@ -95,17 +71,7 @@ class Engine:
             device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
         backfills = o.car.enabled and o.backfill != "off"
         host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or backfills)
-        streaming = StreamingOptions(
-            device_bytes=device,
-            host_bytes=host,
-            policy=o.cache_policy,
-            car=o.car,
-            backfill=o.backfill,
-            backfill_per_token=o.backfill_per_token,
-            prefetch=o.prefetch,
-            trace_path=o.trace if trace else None,
-            freq_profile=o.freq_profile,
-        )
+        streaming = o.streaming(device, host, trace)
         streamer = ExpertStreamer(
             self.source, self.spec.moe.n_expert, self.spec.moe.n_expert_used, device_unit, streaming, self.spec.name,
             device_of_layer=self.placement.device_of_layer,

@@ -1,17 +1,109 @@
-"""Engine options shared by every command that opens a model (generate, logits, serve, ppl, ...).
+"""The engine's configuration: one frozen, validated `EngineOptions`, and the command-line flags that
+make it (every command that opens a model: generate, logits, serve, ppl, profile, demo).
 
-The flag names are a contract: other programs pass them.
+A flag's path: its definition here (`add_engine_options`), its field (`EngineOptions.from_args`,
+checked once in `__post_init__`), and the module that acts on it. The flag names are a contract:
+other programs pass them.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
+from dataclasses import dataclass, field, fields
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.car import CarConfig
 from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
-from fomoepy.runtime.select import BACKEND_NAMES
+from fomoepy.experts.streamer import BACKFILL_MODES, StreamingOptions
+from fomoepy.runtime.backends import BACKEND_NAMES
+from fomoepy.scheduler import PLACEMENTS
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    backend: str = "reference"  # the exact engine for library callers and tests; the CLI defaults to cpu (ggml)
+    n_ctx: int | None = None  # None: the model's training context
+    threads: int | None = None  # CPU threads (ggml, BLAS); None: automatic (engine.blas_threads)
+    devices: int = 1  # devices the layers are placed on
+    placement: str = "pingpong"  # pingpong | blocks | one device index per layer
+    profile_timing: bool = False
+    store: tuple[str, ...] = ()  # expert store directories; empty: read experts from the GGUF (mmap)
+    vram_cache: int | None = None  # device tier bytes (reference: compute-ready experts; cpu: 0); None: automatic
+    ram_cache: int | None = None  # host tier bytes (store-form experts); None: automatic
+    cache_policy: str = DEFAULT_POLICY
+    car: CarConfig = field(default_factory=CarConfig)  # validated by CarConfig itself
+    backfill: str = "thread"
+    backfill_per_token: int = 4
+    prefetch: bool = True
+    freq_profile: str | None = None
+    trace: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(flag: str, why: str):
+            raise FomoeError(f"--{flag} {why}")
+
+        if self.backend not in BACKEND_NAMES:
+            bad("backend", f"{self.backend!r} is not available (available: {', '.join(BACKEND_NAMES)})")
+        if self.n_ctx is not None and self.n_ctx < 1:
+            bad("ctx-size", f"must be >= 1, got {self.n_ctx}")
+        if self.threads is not None and self.threads < 1:
+            bad("threads", f"must be >= 1, got {self.threads}")
+        if self.devices < 1:
+            bad("devices", f"must be >= 1, got {self.devices}")
+        if self.placement not in PLACEMENTS and not all(t.strip().isdigit() for t in self.placement.split(",")):
+            bad("placement", f"must be {', '.join(PLACEMENTS)} or one device index per layer (e.g. 0,0,1,1), got {self.placement!r}")
+        for flag, size in (("vram-cache", self.vram_cache), ("ram-cache", self.ram_cache)):
+            if size is not None and size < 0:
+                bad(flag, f"must be >= 0, got {size}")
+        if self.cache_policy not in POLICIES:
+            bad("cache-policy", f"{self.cache_policy!r} is unknown (known: {', '.join(POLICIES)})")
+        if self.backfill not in BACKFILL_MODES:
+            bad("backfill", f"must be one of {', '.join(BACKFILL_MODES)}, got {self.backfill!r}")
+        if self.backfill_per_token < 0:
+            bad("backfill-per-token", f"must be >= 0, got {self.backfill_per_token}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineOptions:
+        from fomoepy.experts.sizes import parse_size
+
+        return cls(
+            backend=args.backend,
+            n_ctx=args.ctx_size,
+            threads=args.threads,
+            devices=args.devices,
+            placement=args.placement,
+            profile_timing=args.profile_timing,
+            store=tuple(args.store),
+            vram_cache=None if args.vram_cache is None else parse_size(args.vram_cache),
+            ram_cache=None if args.ram_cache is None else parse_size(args.ram_cache),
+            cache_policy=args.cache_policy,
+            car=CarConfig.from_args(args),
+            backfill=args.backfill,
+            backfill_per_token=args.backfill_per_token,
+            prefetch=not args.no_prefetch,
+            freq_profile=args.freq_profile,
+            trace=args.trace,
+        )
+
+    def streaming(self, device_bytes: int, host_bytes: int, trace: bool = True) -> StreamingOptions:
+        """The expert streamer's share of the configuration, with the tier sizes the engine resolved."""
+        return StreamingOptions(
+            device_bytes=device_bytes, host_bytes=host_bytes, policy=self.cache_policy, car=self.car, backfill=self.backfill,
+            backfill_per_token=self.backfill_per_token, prefetch=self.prefetch, trace_path=self.trace if trace else None,
+            freq_profile=self.freq_profile,
+        )  # fmt: skip
+
+    def settings(self) -> dict:
+        """Every field as plain values (CAR's flattened), e.g. for a resume file's header; n_ctx is left
+        to the caller, which records it in its own terms."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "car":
+                out.update({f"car_{k.name}": getattr(value, k.name) for k in fields(value)})
+            elif f.name != "n_ctx":
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -20,7 +112,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "sim (the GPU kernels run on a simulated device on the CPU: slow, for debugging), "
                         "auto (a GPU if one works, else cpu)")  # fmt: skip
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--devices", type=int, default=1, help="logical devices to place the layers on")
+    p.add_argument("--devices", type=int, default=1, help="devices to place the layers on")
     p.add_argument("--placement", default="pingpong",
                    help="pingpong (layer L on device L mod N), blocks, or one device index per layer: 0,0,1,1")  # fmt: skip
     p.add_argument("--profile-timing", action="store_true", help="host time per MoE layer by phase, on stderr at the end")
@@ -37,59 +129,19 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="FILE", default=None, help="record every routing decision (for fomoe simulate)")
     g.add_argument("--no-prefetch", action="store_true", help="do not predict and prefetch the next layer's experts")
     g = p.add_argument_group("cache-aware routing (off by default: the exact model)")
-    g.add_argument("--car-threshold", type=float, default=None, metavar="T",
-                   help="substitute a cached expert when p(substitute)/p(original) >= T")  # fmt: skip
-    g.add_argument("--car-dampen", action="store_true", help="a substitute weighs its own probability, not the original's")
-    g.add_argument("--car-warmup", type=int, default=0, metavar="N", help="no substitution for the first N tokens")
-    g.add_argument("--car-protect-first", type=int, default=0, metavar="N", help="no substitution in the first N layers")
-    g.add_argument("--car-protect-last", type=int, default=0, metavar="N", help="no substitution in the last N layers")
-    g.add_argument("--backfill", default="thread", choices=["off", "thread", "sync"],
+    CarConfig.add_arguments(g)
+    g.add_argument("--backfill", default="thread", choices=list(BACKFILL_MODES),
                    help="reload substituted originals: in a background thread, or N per token (repeatable)")  # fmt: skip
     g.add_argument("--backfill-per-token", type=int, default=4, metavar="N", help="with --backfill sync")
-
-
-def engine_options(args: argparse.Namespace):
-    from fomoepy.engine import EngineOptions
-    from fomoepy.experts.car import CarConfig
-    from fomoepy.experts.policy import POLICIES
-    from fomoepy.experts.sizes import parse_size
-
-    if args.cache_policy not in POLICIES:
-        raise FomoeError(f"--cache-policy {args.cache_policy!r} is unknown (known: {', '.join(POLICIES)})")
-    if args.backfill_per_token < 0:
-        raise FomoeError(f"--backfill-per-token must be >= 0, got {args.backfill_per_token}")
-    return EngineOptions(
-        backend=args.backend,
-        n_ctx=args.ctx_size,
-        threads=args.threads,
-        devices=args.devices,
-        placement=args.placement,
-        profile_timing=args.profile_timing,
-        store=tuple(args.store),
-        vram_cache=None if args.vram_cache is None else parse_size(args.vram_cache),
-        ram_cache=None if args.ram_cache is None else parse_size(args.ram_cache),
-        cache_policy=args.cache_policy,
-        car=CarConfig(
-            threshold=args.car_threshold,
-            dampen=args.car_dampen,
-            warmup_tokens=args.car_warmup,
-            protect_first=args.car_protect_first,
-            protect_last=args.car_protect_last,
-        ),
-        backfill=args.backfill,
-        backfill_per_token=args.backfill_per_token,
-        prefetch=not args.no_prefetch,
-        freq_profile=args.freq_profile,
-        trace=args.trace,
-    )
 
 
 def open_engine(args: argparse.Namespace):
     """An Engine for args.model (the demo model when none is given) with the parsed engine options."""
     from fomoepy.engine import Engine
 
+    EngineOptions.from_args(args)  # every flag checked before anything is loaded or written
     resolve_model(args)
-    return Engine(args.model, engine_options(args))
+    return Engine(args.model, EngineOptions.from_args(args))
 
 
 def resolve_model(args: argparse.Namespace) -> bool:
@@ -97,7 +149,7 @@ def resolve_model(args: argparse.Namespace) -> bool:
     first use in the user's cache directory. Returns whether the demo model was chosen."""
     if getattr(args, "model", None):
         return False
-    from fomoepy.data import demo_model_path
+    from fomoepy.data import demo_model_path, ensure_demo_store
 
     try:
         path = demo_model_path()
@@ -107,27 +159,3 @@ def resolve_model(args: argparse.Namespace) -> bool:
     if not getattr(args, "store", None):
         args.store = [str(ensure_demo_store(path))]
     return True
-
-
-def ensure_demo_store(model: Path) -> Path:
-    """The demo model's expert store under $XDG_CACHE_HOME/fomoepy (made, or finished, on first use).
-
-    The directory name carries a digest of the model file and the store format's version, so a new demo
-    model, or a new format, gets a new store."""
-    import hashlib
-    import sys
-
-    from fomoepy.experts.store_format import MANIFEST_NAME
-    from fomoepy.experts.store_format import VERSION as STORE_VERSION
-    from fomoepy.experts.store_writer import prepare_store
-
-    digest = hashlib.sha256()
-    with open(model, "rb") as f:
-        digest.update(f.read(1 << 20))
-    digest.update(str(model.stat().st_size).encode())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    store = cache / "fomoepy" / "stores" / f"{model.stem}-{digest.hexdigest()[:12]}-v{STORE_VERSION}"
-    if not (store / MANIFEST_NAME).exists():
-        print(f"fomoe: preparing the demo model's expert store in {store} (first use)", file=sys.stderr)
-        prepare_store(model, [store], progress=False)
-    return store

@@ -8,8 +8,8 @@ Runs the kernel source on the simulated device in CI and, marked `gpu`, on a rea
 
 from __future__ import annotations
 
-import os
 import json
+import os
 
 import numpy as np
 import pytest
@@ -23,8 +23,8 @@ from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ATTENTION, ModelSpec
 from fomoepy.model.state import DeltaNetState, InferenceState, KVCache
 from fomoepy.model.transformer import Transformer
+from fomoepy.runtime.backends import open_gpu
 from fomoepy.runtime.gpu_experts import GpuExperts, gpu_expert_nbytes
-from fomoepy.runtime.select import open_gpu
 
 MODELS = sorted(json.loads((ORACLE / "MANIFEST.json").read_text())["models"])
 CACHE_FRACTIONS = [0.0, 0.3, 1.0]  # device tier as a share of all experts

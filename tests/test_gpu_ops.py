@@ -22,6 +22,7 @@ float32 sum or dot product in any order, fused or not), never from a machine:
 from __future__ import annotations
 
 import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T_
@@ -30,8 +31,8 @@ from sim_backend import sim_backend
 from fomoepy import quants
 from fomoepy.errors import FomoeError
 from fomoepy.experts.routing import softmax_route
+from fomoepy.runtime.backends import open_gpu
 from fomoepy.runtime.cpu import CpuBackend
-from fomoepy.runtime.select import open_gpu
 
 CPU = CpuBackend()
 NAN = 0x7FC00000
@@ -235,7 +236,7 @@ def test_attention_gqa_decode_and_causal_prefill(dev, T, n_past, hd):
     q = rand(rng, T, H, hd)
     k, v = rand(rng, n_ctx, Hkv, hd), rand(rng, n_ctx, Hkv, hd)
     got = dev.attention(q, dev.upload(k), dev.upload(v), n_past)
-    S = float((np.abs(q).max(axis=(0, 1)) @ np.abs(k).max(axis=(0, 1)))) / np.sqrt(hd)  # >= every |q|.|k| scale
+    S = float(np.abs(q).max(axis=(0, 1)) @ np.abs(k).max(axis=(0, 1))) / np.sqrt(hd)  # >= every |q|.|k| scale
     assert rel_err(got, CPU.attention(q, k, v, n_past)) <= 2 * gamma(hd) * S + reduction_tol(n_past + T)
 
 

@@ -9,6 +9,7 @@ All three are made by tools/train_demo_model.py.
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -36,3 +37,27 @@ def demo_heldout_path() -> Path:
 
 def demo_check_path() -> Path:
     return data_path(DEMO_CHECK)
+
+
+def ensure_demo_store(model: Path) -> Path:
+    """The demo model's expert store under $XDG_CACHE_HOME/fomoepy (made, or finished, on first use).
+
+    The directory name carries a digest of the model file and the store format's version, so a new demo
+    model, or a new format, gets a new store."""
+    import hashlib
+    import sys
+
+    from fomoepy.experts.store_format import MANIFEST_NAME
+    from fomoepy.experts.store_format import VERSION as STORE_VERSION
+    from fomoepy.experts.store_writer import prepare_store
+
+    digest = hashlib.sha256()
+    with open(model, "rb") as f:
+        digest.update(f.read(1 << 20))
+    digest.update(str(model.stat().st_size).encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    store = cache / "fomoepy" / "stores" / f"{model.stem}-{digest.hexdigest()[:12]}-v{STORE_VERSION}"
+    if not (store / MANIFEST_NAME).exists():
+        print(f"fomoe: preparing the demo model's expert store in {store} (first use)", file=sys.stderr)
+        prepare_store(model, [store], progress=False)
+    return store

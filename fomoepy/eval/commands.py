@@ -71,11 +71,10 @@ def register(sub) -> None:
 
 
 def engine_option_values(args: argparse.Namespace) -> dict:
-    """The values of every engine option (whatever add_engine_options defines), for the resume file."""
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_options(probe)
-    dests = sorted(set(vars(probe.parse_args([]))) - {"ctx_size"})
-    return {d: _plain(getattr(args, d, None)) for d in dests}
+    """The engine's settings (EngineOptions.settings), for the resume file: a resumed run must match them."""
+    from fomoepy.options import EngineOptions
+
+    return {k: _plain(v) for k, v in EngineOptions.from_args(args).settings().items()}
 
 
 def _plain(value):

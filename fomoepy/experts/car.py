@@ -55,6 +55,21 @@ class CarConfig:
     def enabled(self) -> bool:
         return bool(self.threshold)
 
+    @staticmethod
+    def add_arguments(g) -> None:
+        """The --car-* flags (fomoe generate/serve/ppl/profile and fomoe simulate share them)."""
+        g.add_argument("--car-threshold", type=float, default=None, metavar="T",
+                       help="substitute a cached expert when p(substitute)/p(original) >= T")  # fmt: skip
+        g.add_argument("--car-dampen", action="store_true", help="a substitute weighs its own probability, not the original's")
+        g.add_argument("--car-warmup", type=int, default=0, metavar="N", help="no substitution for the first N tokens")
+        g.add_argument("--car-protect-first", type=int, default=0, metavar="N", help="no substitution in the first N layers")
+        g.add_argument("--car-protect-last", type=int, default=0, metavar="N", help="no substitution in the last N layers")
+
+    @classmethod
+    def from_args(cls, args) -> CarConfig:
+        return cls(threshold=args.car_threshold, dampen=args.car_dampen, warmup_tokens=args.car_warmup,
+                   protect_first=args.car_protect_first, protect_last=args.car_protect_last)  # fmt: skip
+
     def applies_to_layer(self, layer: int, n_layer: int) -> bool:
         return self.enabled and self.protect_first <= layer < n_layer - self.protect_last
 

@@ -37,11 +37,7 @@ def add_simulate_command(sub) -> None:
     p.add_argument(
         "--pin-fraction", type=float, default=0.5, help="with *-pinned policies: share of each tier pinned (0.5)"
     )
-    p.add_argument("--car-threshold", type=float, default=None, help="replay cache-aware routing at this threshold")
-    p.add_argument("--car-dampen", action="store_true", help="CAR: scale a substitute's weight by p_sub / p_orig")
-    p.add_argument("--car-warmup", type=int, default=0, help="CAR: no substitution for the first N tokens")
-    p.add_argument("--car-protect-first", type=int, default=0, help="CAR: no substitution in the first N layers")
-    p.add_argument("--car-protect-last", type=int, default=0, help="CAR: no substitution in the last N layers")
+    CarConfig.add_arguments(p.add_argument_group("cache-aware routing replayed (off by default)"))
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(handler=cmd_simulate)
 
@@ -69,13 +65,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     seed = []
     if args.profile:
         seed = seed_order(read_freq(args.profile, trace.header.n_layer, trace.header.n_expert))
-    car = CarConfig(
-        threshold=args.car_threshold,
-        dampen=args.car_dampen,
-        warmup_tokens=args.car_warmup,
-        protect_first=args.car_protect_first,
-        protect_last=args.car_protect_last,
-    )
+    car = CarConfig.from_args(args)
     results = [
         simulate(trace, sizes, vram, ram, name, half_life_tokens=args.half_life, seed=seed,
                  pin_fraction=args.pin_fraction, car=car)

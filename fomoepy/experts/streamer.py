@@ -2,7 +2,7 @@
 
 Per MoE layer step the inference thread calls
 
-    ids, weights = streamer.route(layer, exact)      # trace + profile counts + cache-aware routing
+    ids, weights = streamer.choose(layer, exact)     # trace + profile counts + cache-aware routing
     plan, fetched = streamer.acquire(layer, ids)     # cache plan; host bytes and disk reads gathered
     ... backend computes, filling its device tier for plan items with to_device ...
     streamer.release(plan)
@@ -144,7 +144,7 @@ class ExpertStreamer:
         return device_keys
 
     # -- per batch of tokens -----------------------------------------------------------------------
-    def begin_step(self, n_past: int, n_tokens: int) -> None:
+    def begin_step(self) -> None:
         self._first_token = self.tokens_seen
 
     def end_step(self, n_tokens: int) -> None:
@@ -158,7 +158,7 @@ class ExpertStreamer:
                 self._admit_host(key, self.source.read(*key))
 
     # -- per MoE layer -----------------------------------------------------------------------------
-    def route(self, layer: int, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
+    def choose(self, layer: int, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
         """The experts to compute: the exact selection, or CAR's substitutions when it is on."""
         self.counter.add(layer, exact.ids)
         predicted = self._predicted.pop(layer, None)

@@ -11,7 +11,7 @@ def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray) -> np.ndarra
     """h [T, D] (already normed) → [T, D]."""
     router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
     exact = ops.route(router_logits, m.gating, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
-    ids, weights = experts.route(layer, h, exact)  # cache-aware routing may swap ids; off: exact ones
+    ids, weights = experts.choose(layer, h, exact)  # cache-aware routing may swap ids; off: exact ones
     out = experts.ffn(layer, h, ids, weights)
     if m.shared_ff:
         shared = ops.swiglu_ffn(h, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)

@@ -56,7 +56,7 @@ class Transformer:
         state.reserve(len(tokens))
         ops, w = self.ops, self.weights
         x = self.weights.embedding(tokens)  # [T, D], on the device that owns the embedding (the head's)
-        self.experts.begin_step(state.n_past, len(tokens))
+        self.experts.begin_step()
         here = self.ops
         for il in range(self.spec.n_layer):
             owner = self.layer_ops(il)

@@ -27,15 +27,15 @@ class GgmlExperts:
         self.routers = routers  # every layer's router, to predict the next layer's experts
         self.timer = None
 
-    def begin_step(self, n_past: int, n_tokens: int) -> None:
-        self.streamer.begin_step(n_past, n_tokens)
+    def begin_step(self) -> None:
+        self.streamer.begin_step()
 
     def end_step(self, n_tokens: int) -> None:
         self.streamer.end_step(n_tokens)
 
-    def route(self, layer: int, h: np.ndarray, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
+    def choose(self, layer: int, h: np.ndarray, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
         t0 = time.perf_counter()
-        ids, weights = self.streamer.route(layer, exact)
+        ids, weights = self.streamer.choose(layer, exact)
         nxt = layer + 1
         if self.routers is not None and nxt < len(self.routers) and h.shape[0] == 1:
             predicted = softmax_route(self.ops.linear(h, self.routers[nxt]), exact.ids.shape[1]).ids

@@ -148,14 +148,14 @@ class GpuExperts:
         return self.sides[self.device_of_layer[layer]]
 
     # -- the CpuExperts interface -------------------------------------------------------------------
-    def begin_step(self, n_past: int, n_tokens: int) -> None:
-        self.streamer.begin_step(n_past, n_tokens)
+    def begin_step(self) -> None:
+        self.streamer.begin_step()
 
     def end_step(self, n_tokens: int) -> None:
         self.streamer.end_step(n_tokens)
 
-    def route(self, layer: int, h, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
-        ids, weights = self.streamer.route(layer, exact)
+    def choose(self, layer: int, h, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
+        ids, weights = self.streamer.choose(layer, exact)
         nxt = layer + 1
         if self.routers is not None and nxt < len(self.routers) and h.shape[0] == 1:
             dev = self.side(nxt).dev  # the next router lives where the next layer does

@@ -23,7 +23,6 @@ from gguf import GGMLQuantizationType
 from fomoepy import quants
 from fomoepy.errors import FomoeError
 
-
 # tensor type -> the suffix of its kernels, a view of quants.FORMATS (the one table of per-type facts)
 KERNEL_TYPE_NAMES: dict[GGMLQuantizationType, str] = {qtype: fmt.kernel_suffix for qtype, fmt in quants.FORMATS.items()}
 

@@ -23,7 +23,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from fomoepy.errors import FomoeError
@@ -48,7 +48,7 @@ def host_compiler() -> str:
     return cxx
 
 
-@lru_cache(maxsize=None)
+@cache
 def compiler_version(cxx: str) -> str:
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
@@ -88,7 +88,7 @@ class SimCompiler:
         return [*COMMON_FLAGS, "-DFOMOE_SIM", *self.extra_flags]
 
     def _run(self, args: list[str], source: KernelSource, cwd: str) -> str:
-        proc = subprocess.run(args, capture_output=True, text=True, cwd=cwd)
+        proc = subprocess.run(args, capture_output=True, text=True, cwd=cwd, check=False)
         if proc.returncode != 0:
             raise KernelCompileError(f"{source.name}.hip does not compile for the simulated device with {self.version}:\n{proc.stderr[-4000:]}")
         return proc.stdout
@@ -122,7 +122,7 @@ def driver_library() -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    proc = subprocess.run([cxx, *COMMON_FLAGS, str(DRIVER_SOURCE), "-o", str(tmp), "-ldl"], capture_output=True, text=True)
+    proc = subprocess.run([cxx, *COMMON_FLAGS, str(DRIVER_SOURCE), "-o", str(tmp), "-ldl"], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise FomoeError(f"the simulated device's driver does not build with {cxx}:\n{proc.stderr[-4000:]}")
     os.replace(tmp, path)
@@ -149,7 +149,7 @@ def standin_drivers(directory: Path, rocm5: bool = False) -> Path:
     library = directory / f"libfomoe-standin-{key}.so"
     if not library.exists():
         tmp = library.with_suffix(f".tmp{os.getpid()}")
-        proc = subprocess.run([cxx, *COMMON_FLAGS, *flags, f"-I{SIM_DIR}", str(STANDIN_SOURCE), "-o", str(tmp), "-ldl"], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *COMMON_FLAGS, *flags, f"-I{SIM_DIR}", str(STANDIN_SOURCE), "-o", str(tmp), "-ldl"], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise FomoeError(f"the stand-in drivers do not build with {cxx}:\n{proc.stderr[-4000:]}")
         os.replace(tmp, library)
