@@ -1,14 +1,29 @@
 """bench/RESULTS.md: every benchmark appends its report here with --record (the scripts run as
-`python bench/NAME.py`, so this module is importable from them as `results`)."""
+`python bench/NAME.py`, so this module is importable from them as `results`).
+
+The machine's load when the script started is part of every entry: a benchmark run beside other
+work measures the other work too. It is taken when a script imports this module, before it measures
+anything, and added to the report's first line unless the script already states it.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
+LOAD_AT_START = os.getloadavg()  # 1, 5 and 15 minute load averages when the script started
+
+
+def load_line() -> str:
+    one, five, _ = LOAD_AT_START
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) at start on {os.cpu_count()} cores"
 
 
 def record(report: str) -> None:
     """Append one report (a markdown section that names the command that made it)."""
+    first, _, rest = report.partition("\n")
+    if "load" not in first.lower():
+        first = f"{first} — {load_line()}"
     existing = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    RESULTS.write_text(existing.rstrip("\n") + "\n\n" + report.rstrip("\n") + "\n")
+    RESULTS.write_text(existing.rstrip("\n") + "\n\n" + (first + "\n" + rest).rstrip("\n") + "\n")
