@@ -20,7 +20,7 @@ from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec
 from fomoepy.model.state import InferenceState
 from fomoepy.model.tokenizer import Tokenizer
-from fomoepy.model.transformer import Transformer
+from fomoepy.model.transformer import Transformer, load_weights
 from fomoepy.options import EngineOptions
 from fomoepy.runtime.backends import device_expert_nbytes, make_backend, make_experts
 from fomoepy.runtime.cpu import CpuBackend
@@ -50,11 +50,10 @@ class Engine:
             self.source = ExpertStore.open(list(options.store), self.file)
         else:
             self.source = GGUFExpertSource(self.file, self.spec)
-        self.experts = self._open_experts()
-        self.model = Transformer(self.file, self.spec, self.devices, self.experts, self.placement)
+        self.weights = load_weights(self.file, self.spec, self.devices, self.placement)
         self.timer = LayerTimer(self.spec.n_layer) if options.profile_timing else None
-        self.model.timer = self.timer
-        self.experts.timer = self.timer
+        self.experts = self._open_experts()
+        self.model = Transformer(self.spec, self.weights, self.devices, self.experts, self.placement, self.timer)
 
     def _open_experts(self, trace: bool = True):
         o = self.options
@@ -76,7 +75,7 @@ class Engine:
             self.source, self.spec.moe.n_expert, self.spec.moe.n_expert_used, device_unit, streaming, self.spec.name,
             device_of_layer=self.placement.device_of_layer,
         )  # fmt: skip
-        return make_experts(self.ops, streamer, devices=self.devices, device_of_layer=self.placement.device_of_layer)
+        return make_experts(self.ops, streamer, self.weights.routers(), self.devices, self.placement.device_of_layer, self.timer)
 
     def _default_device_bytes(self, unit: list[int]) -> int:
         mem_info = getattr(getattr(self.ops, "rt", None), "mem_info", None)
@@ -98,8 +97,6 @@ class Engine:
         self._close_experts()
         self.experts = self._open_experts(trace=False)
         self.experts.streamer.carry_over_from(old.streamer, trace)
-        self.experts.routers = old.routers
-        self.experts.timer = self.timer
         self.model.experts = self.experts
 
     def stats(self) -> dict:

@@ -69,6 +69,11 @@ class Placement:
         """Device changes a token's hidden state makes on its way through the layers."""
         return sum(a != b for a, b in zip(self.device_of_layer, self.device_of_layer[1:]))
 
+    def device_of_tensor(self, name: str) -> int:
+        """A layer's tensors live with the layer; the rest (output norm and head) with the last layer."""
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        return self.device_of_layer[layer]
+
     def layers_of(self, device: int) -> list[int]:
         return [layer for layer, d in enumerate(self.device_of_layer) if d == device]
 

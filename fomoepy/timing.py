@@ -4,8 +4,8 @@ Phases: `router` (cache-aware routing, next-layer prediction, the trace; the rou
 counts as dense work), `plan`
 (cache plan and commit, gathering host bytes, waiting for disk reads), `experts` (dequantising
 misses and the expert arithmetic), and `attention+dense` (the rest of the layer: norms, the
-attention or DeltaNet mixer, the shared expert). On a GPU backend the first three are where the
-host waits; on the CPU they are the work itself.
+attention or DeltaNet mixer, the shared expert). The CPU executors (cpu, reference) record the
+phases; the GPU executor records none yet (its work is asynchronous: host time would say little).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from fomoepy.experts.streamer import ExpertStreamer, StreamingOptions
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ATTENTION, ModelSpec
 from fomoepy.model.state import DeltaNetState, InferenceState, KVCache
-from fomoepy.model.transformer import Transformer
+from fomoepy.model.transformer import Transformer, load_weights
 from fomoepy.runtime.backends import open_gpu
 from fomoepy.runtime.gpu_experts import GpuExperts, gpu_expert_nbytes
 
@@ -48,8 +48,9 @@ def gpu_model(dev, name: str, cache_fraction: float):
     unit = [gpu_expert_nbytes(layer) for layer in source.layers]
     budget = int(sum(unit) * spec.moe.n_expert * cache_fraction)
     streamer = ExpertStreamer(source, spec.moe.n_expert, spec.moe.n_expert_used, unit, StreamingOptions(budget, 0))
-    experts = GpuExperts(streamer, dev)
-    return Transformer(gf, spec, dev, experts), spec, experts
+    weights = load_weights(gf, spec, dev)
+    experts = GpuExperts(streamer, dev, weights.routers())
+    return Transformer(spec, weights, dev, experts), spec, experts
 
 
 def device_state(dev, spec: ModelSpec, n_ctx: int) -> InferenceState:

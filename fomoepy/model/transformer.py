@@ -22,9 +22,11 @@ LAYER_FUNCTIONS: dict[str, Callable[..., Any]] = {
 
 
 class Transformer:
-    """`ops` is one backend, or one per device with `placement` saying which owns each layer."""
+    """`ops` is one backend, or one per device with `placement` saying which owns each layer; `weights`
+    were loaded onto those devices (load_weights), `experts` compute the routed experts."""
 
-    def __init__(self, gf: GGUFFile, spec: ModelSpec, ops: Any, experts: Any, placement: Placement | None = None):
+    def __init__(self, spec: ModelSpec, weights: ResidentWeights, ops: Any, experts: Any,
+                 placement: Placement | None = None, timer: LayerTimer | None = None):  # fmt: skip
         self.spec = spec
         self.devices = list(ops) if isinstance(ops, (list, tuple)) else [ops]
         self.placement = placement or Placement.single(spec.n_layer)
@@ -32,18 +34,12 @@ class Transformer:
             raise ValueError(f"placement over {self.placement.n_devices} devices, got {len(self.devices)} backends")
         self.ops = self.devices[self.placement.device_of_layer[-1]]  # owns the output head
         self.experts = experts
-        self.weights = ResidentWeights(gf, spec, self.backend_of_tensor)
+        self.weights = weights
         self.layer_fn = LAYER_FUNCTIONS[spec.arch]
-        self.timer: LayerTimer | None = None
-        experts.routers = [self.weights[f"blk.{il}.ffn_gate_inp.weight"] for il in range(spec.n_layer)]
+        self.timer = timer
 
     def layer_ops(self, il: int) -> Any:
         return self.devices[self.placement.device_of_layer[il]]
-
-    def backend_of_tensor(self, name: str) -> Any:
-        if name.startswith("blk."):
-            return self.layer_ops(int(name.split(".")[1]))
-        return self.ops
 
     def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True) -> np.ndarray:
         """Evaluate `tokens` after the state's past; logits [T, V] (or [1, V] for the last token)."""
@@ -73,3 +69,10 @@ class Transformer:
         if not all_logits:
             x = x[-1:]
         return ops.linear(ops.rms_norm(x, w["output_norm.weight"], self.spec.rms_eps), w["output.weight"])
+
+
+def load_weights(gf: GGUFFile, spec: ModelSpec, ops: Any, placement: Placement | None = None) -> ResidentWeights:
+    """The resident (non-expert) weights, each on the device that owns it under `placement`."""
+    devices = list(ops) if isinstance(ops, (list, tuple)) else [ops]
+    placement = placement or Placement.single(spec.n_layer)
+    return ResidentWeights(gf, spec, lambda name: devices[placement.device_of_tensor(name)])

@@ -33,6 +33,7 @@ class ResidentWeights:
         """backend: the backend that loads every tensor, or a function name -> backend (placement)."""
         backend_of = backend if callable(backend) and not hasattr(backend, "load_weight") else (lambda name: backend)
         self.embedding = TokenEmbedding(gf, spec)
+        self.n_layer = spec.n_layer
         expert_suffixes = tuple(f".{p}.weight" for p in EXPERT_PARTS)
         self.tensors: dict[str, Any] = {}
         for name in expected_tensor_shapes(spec):
@@ -44,6 +45,10 @@ class ResidentWeights:
         if spec.tied_embeddings:
             self.tensors["output.weight"] = self.tensors.pop("token_embd.weight")
         self.nbytes = sum(getattr(t, "nbytes", 0) for t in self.tensors.values())
+
+    def routers(self) -> list[Any]:
+        """Every MoE layer's router, in layer order (the expert executors predict the next layer with them)."""
+        return [self.tensors[f"blk.{il}.ffn_gate_inp.weight"] for il in range(self.n_layer)]
 
     def layer(self, il: int) -> "LayerView":
         return LayerView(self.tensors, f"blk.{il}.")

@@ -51,23 +51,24 @@ def make_backend(name: str, cpu_threads: int | None = None, device: int = 0):
     return open_gpu(name, device)
 
 
-def make_experts(ops, streamer, routers=None, devices=None, device_of_layer=None):
+def make_experts(ops, streamer, routers=None, devices=None, device_of_layer=None, timer=None):
     """The routed-expert executor that matches `ops` (GgmlExperts, CpuExperts or GpuExperts); on GPUs,
-    `devices` and `device_of_layer` place each layer's expert slots with the layer."""
+    `devices` and `device_of_layer` place each layer's expert slots with the layer. `timer` (host time
+    per phase, --profile-timing) is kept by the CPU executors; the GPU one records none yet."""
     from fomoepy.runtime.ggml_cpu import GgmlBackend
     from fomoepy.runtime.gpu import GpuBackend
 
     if isinstance(ops, GgmlBackend):
         from fomoepy.runtime.ggml_experts import GgmlExperts
 
-        return GgmlExperts(streamer, ops, routers)
+        return GgmlExperts(streamer, ops, routers, timer)
     if isinstance(ops, GpuBackend):
         from fomoepy.runtime.gpu_experts import GpuExperts
 
         return GpuExperts(streamer, devices or [ops], routers, device_of_layer)
     from fomoepy.runtime.cpu_experts import CpuExperts
 
-    return CpuExperts(streamer, routers)
+    return CpuExperts(streamer, routers, timer)
 
 
 def device_expert_nbytes(ops, layout) -> int:

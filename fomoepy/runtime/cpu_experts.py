@@ -50,12 +50,12 @@ class CpuExperts:
     (compute-ready experts) and does the arithmetic.
     """
 
-    def __init__(self, streamer: ExpertStreamer, routers: list[np.ndarray] | None = None):
+    def __init__(self, streamer: ExpertStreamer, routers: list[np.ndarray] | None = None, timer=None):
         self.streamer = streamer
         self.layers = streamer.layers
         self.ready: dict[tuple[int, int], ReadyExpert] = {}
         self.routers = routers  # every layer's router, to predict the next layer's experts
-        self.timer = None  # a fomoepy.timing.LayerTimer when --profile-timing is on
+        self.timer = timer  # a fomoepy.timing.LayerTimer when --profile-timing is on
         for key in streamer.seed_from_profile():
             self.ready[key] = make_ready(self.layers[key[0]], streamer.source.read(*key))
 

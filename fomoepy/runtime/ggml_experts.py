@@ -20,12 +20,12 @@ from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn
 class GgmlExperts:
     """out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]), experts added in ascending id order."""
 
-    def __init__(self, streamer: ExpertStreamer, ops, routers=None):
+    def __init__(self, streamer: ExpertStreamer, ops, routers=None, timer=None):
         self.streamer = streamer
         self.layers = streamer.layers
         self.ops = ops
         self.routers = routers  # every layer's router, to predict the next layer's experts
-        self.timer = None
+        self.timer = timer  # a fomoepy.timing.LayerTimer when --profile-timing is on
 
     def begin_step(self) -> None:
         self.streamer.begin_step()
