@@ -71,9 +71,6 @@ class TierDirectory:
         """Experts of `layer` held here (LOADING or READY): a live read-only view."""
         return self._by_layer.get(layer, frozenset())
 
-    def is_pinned(self, key: Key) -> bool:
-        return key in self._pins
-
     def evictable(self, key: Key) -> bool:
         return key not in self._pins and self._state.get(key) is SlotState.READY
 
