@@ -2,13 +2,14 @@
 
 Both rows run the real ppl loop (`PplRun`) on the same backend, model, text and chunks; only `--batch`
 differs: B = ctx evaluates each chunk in one call, B = 1 feeds it one token at a time (decode steps).
-One chunk is evaluated first, untimed, so both rows find the compute-ready expert tier warm. The PPLs of
+One chunk is evaluated first, untimed, so both rows find the expert tier warm (`--backend reference`:
+compute-ready float32 experts; `cpu`, the default: ggml on the quantized bytes). The PPLs of
 the two rows agree to float32 rounding (the same function, summed in another order).
 
 The default model is the mid-size qwen3moe of bench/cpu_decode.py (n_embd 1024, 8 layers, 64 experts
 top-8, Q4_K/Q6_K experts, ≈ 0.6 GB, written once under bench/models/).
 
-    python bench/ppl_speed.py [--model M.gguf] [--ctx 128] [--chunks 2] [--record]
+    python bench/ppl_speed.py [--model M.gguf] [--ctx 128] [--chunks 2] [--backend cpu|reference] [--record]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.eval.ppl_run import PplRequest, PplRun
-from results import record
+from results import load_line, record
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -58,13 +59,13 @@ def main() -> int:
     ap.add_argument("--text", default=str(TEXT), help="UTF-8 text (default: the oracle's ppl.txt)")
     ap.add_argument("--ctx", type=int, default=128, help="tokens per chunk")
     ap.add_argument("--chunks", type=int, default=2, help="chunks per row")
+    ap.add_argument("--backend", default="cpu", choices=("cpu", "reference"), help="CPU engine (default: cpu, ggml)")
     ap.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = ap.parse_args()
 
     model = Path(args.model) if args.model else ensure_model()
-    load_avg = os.getloadavg()[0]  # other work on the machine skews both rows (numpy's BLAS threads spin)
     t = time.perf_counter()
-    engine = Engine(model, EngineOptions(n_ctx=args.ctx))
+    engine = Engine(model, EngineOptions(n_ctx=args.ctx, backend=args.backend))
     load_s = time.perf_counter() - t
     timed_ppl(engine, str(model), args.text, args.ctx, 1, args.ctx)  # warm the compute-ready expert tier
     batched = timed_ppl(engine, str(model), args.text, args.ctx, args.chunks, args.ctx)
@@ -75,10 +76,10 @@ def main() -> int:
     ]
     header = (
         f"### ppl_speed — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
-        f"`python bench/ppl_speed.py --ctx {args.ctx} --chunks {args.chunks}`{' --model ' + str(model) if args.model else ''}; "
+        f"`python bench/ppl_speed.py --ctx {args.ctx} --chunks {args.chunks} --backend {args.backend}`{' --model ' + str(model) if args.model else ''}; "
         f"model {model.name} ({engine.spec.n_embd} embd, {engine.spec.n_layer} layers, "
         f"{engine.spec.moe.n_expert} experts top-{engine.spec.moe.n_expert_used}), load {load_s:.1f} s, "
-        f"text {Path(args.text).name}, CPU backend, experts warm, load average {load_avg:.1f} at start\n\n"
+        f"text {Path(args.text).name}, {args.backend} backend, experts warm, {load_line()}\n\n"
         "| evaluation | eval calls per chunk | tok/s | PPL |\n|---|---|---|---|\n"
     )
     footer = f"\nbatched / token by token: {batched[0] / stepped[0]:.1f}x\n"

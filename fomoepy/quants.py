@@ -308,10 +308,6 @@ SUPPORTED: tuple[GGMLQuantizationType, ...] = tuple(FORMATS)
 # --- public API ---------------------------------------------------------------------------------------
 
 
-def is_supported(qtype: int) -> bool:
-    return qtype in FORMATS
-
-
 def require_format(qtype: int, tensor_name: str | None = None) -> QuantFormat:
     """The format of `qtype`, or `UnsupportedQuantType` naming the tensor, its type and what is supported."""
     fmt = FORMATS.get(qtype)  # type: ignore[call-overload]

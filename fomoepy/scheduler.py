@@ -74,9 +74,6 @@ class Placement:
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         return self.device_of_layer[layer]
 
-    def layers_of(self, device: int) -> list[int]:
-        return [layer for layer, d in enumerate(self.device_of_layer) if d == device]
-
 
 def relay(x: Any, src: Any, dst: Any) -> Any:
     """Move the hidden state from backend `src` to backend `dst` through host memory.

@@ -272,7 +272,7 @@ def test_seed_fills_the_device_then_the_host():
     assert device == [(0, 0), (0, 1)]  # (1, 0) at 30 bytes does not fit beside (0, 0)'s 10
     assert host == [(1, 0)]  # 30 of 30 bytes
     assert cache.device.state((0, 0)) is SlotState.READY
-    assert cache.access(0, [0, 1]).from_source(Source.DEVICE) != ()
+    assert any(item.source is Source.DEVICE for item in cache.access(0, [0, 1]).items)
 
 
 def test_stats_add_up_per_tier_per_layer_and_in_total():

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.car import CarConfig, CarStats, as_mask, cache_aware_route
-from fomoepy.experts.routing import softmax_topk_renorm
+from fomoepy.experts.routing import softmax_route
 
 # exact binary fractions, so probability ratios are exact: expert i has probability 2^-(i+1) (≈ for the tail)
 PROBS = np.array([2.0 ** -(i + 1) for i in range(8)], dtype=np.float32)
@@ -20,7 +20,8 @@ PROBS[-1] = 1 - PROBS[:-1].sum()  # 2^-7, keeps the sum exactly 1
 def route(probs, k, cached, config, layer=1, n_layer=4, first_token=0):
     probs = np.atleast_2d(probs).astype(np.float32)
     logits = np.log(probs)
-    ids, weights = softmax_topk_renorm(logits, k)
+    r = softmax_route(logits, k)
+    ids, weights = r.ids, r.weights
     result = cache_aware_route(
         ids, weights, probs, cached, config, layer=layer, n_layer=n_layer, first_token=first_token
     )
@@ -146,7 +147,8 @@ def test_as_mask_accepts_sets_and_masks():
 def test_matches_the_reference_and_keeps_its_promises(logits, k_frac, mask_seed, threshold, dampen, warmup, layer):
     T, E = logits.shape
     k = max(1, int(k_frac * E))
-    ids, weights = softmax_topk_renorm(logits, k)
+    r = softmax_route(logits, k)
+    ids, weights = r.ids, r.weights
     z = logits - logits.max(axis=-1, keepdims=True)
     probs = np.exp(z)
     probs /= probs.sum(axis=-1, keepdims=True)

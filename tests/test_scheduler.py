@@ -62,7 +62,7 @@ def test_each_device_tier_holds_its_own_layers_experts():
     assert len(cache.devices) == 2
     for d, tier in enumerate(cache.devices):
         assert 0 < tier.used <= 4 * unit  # a budget per device
-        assert {layer for layer, _ in tier.keys()} <= set(engine.placement.layers_of(d))
+        assert all(engine.placement.device_of_layer[layer] == d for layer, _ in tier.keys())
 
 
 def test_profile_timing_reports_every_layer(capsys):

@@ -16,12 +16,20 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.belady import belady
 from fomoepy.experts.car import CarConfig
 from fomoepy.experts.policy import POLICIES
-from fomoepy.experts.profile import profile_from_trace, seed_order, write_freq
-from fomoepy.experts.routing import softmax_topk_renorm
+from fomoepy.experts.profile import ExpertCounter, seed_order, write_freq
+from fomoepy.experts.routing import softmax_route
 from fomoepy.experts.simulate import access_sequence, belady_for, simulate
 from fomoepy.experts.trace import TraceHeader, TraceWriter, read_trace
 
 L, E, K = 3, 16, 2
+
+
+def profile_from_trace(trace):
+    """The profile `fomoe profile` would write for the text a trace recorded (its router choices)."""
+    counter = ExpertCounter(trace.header.n_layer, trace.header.n_expert)
+    for record in trace.records:
+        counter.add(record.layer, record.ids)
+    return counter.profile()
 
 
 def write_trace(path, n_tokens=60, skew=0.0, seed=0, probs=True, sizes=(100, 100, 100), batch=1):
@@ -32,7 +40,7 @@ def write_trace(path, n_tokens=60, skew=0.0, seed=0, probs=True, sizes=(100, 100
         for t in range(0, n_tokens, batch):
             for layer in range(L):
                 logits = prior + rng.gumbel(size=(batch, E))
-                ids, _ = softmax_topk_renorm(logits, K)
+                ids = softmax_route(logits, K).ids
                 p = np.exp(logits - logits.max(axis=-1, keepdims=True))
                 p /= p.sum(axis=-1, keepdims=True)
                 w.write(t, layer, ids, np.take_along_axis(p, ids, axis=1), p if probs else None)

@@ -62,9 +62,6 @@ class Plan:
     def experts(self) -> tuple[int, ...]:
         return tuple(item.expert for item in self.items)
 
-    def from_source(self, source: Source) -> tuple[PlanItem, ...]:
-        return tuple(item for item in self.items if item.source is source)
-
 
 class StalePlanError(RuntimeError):
     """A plan committed after another commit changed the cache it was made against."""

@@ -141,11 +141,3 @@ def _check_entries(where: str, entries: np.ndarray, n_layers: int, n_expert: int
 def seed_order(profile: FreqProfile) -> list[Key]:
     """Experts most used first: the order to fill VRAM, then DRAM, at start-up (ExpertCache.seed)."""
     return [(int(e["layer"]), int(e["expert"])) for e in profile.entries]
-
-
-def profile_from_trace(trace) -> FreqProfile:
-    """A profile of a recorded trace's router choices (fomoepy.experts.trace.Trace)."""
-    counter = ExpertCounter(trace.header.n_layer, trace.header.n_expert)
-    for record in trace.records:
-        counter.add(record.layer, record.ids)
-    return counter.profile()

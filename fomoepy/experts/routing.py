@@ -35,10 +35,4 @@ def softmax_route(logits: np.ndarray, k: int) -> Routing:
     return Routing(ids, weights, probs)
 
 
-def softmax_topk_renorm(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """logits [T, E] → ids [T, k], weights [T, k] (see softmax_route)."""
-    r = softmax_route(logits, k)
-    return r.ids, r.weights
-
-
 GATING_FUNCTIONS = {"softmax": softmax_route}

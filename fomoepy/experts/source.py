@@ -48,14 +48,14 @@ def expert_index(gf: GGUFFile, spec: ModelSpec) -> tuple[LayerExperts, ...]:
         parts = []
         for part in EXPERT_PARTS:
             info = gf.tensor(f"blk.{il}.{part}.weight")
-            n_expert = info.shape[0]
+            offset, nbytes = info.slice_bytes(0)  # expert e starts e·nbytes after expert 0
             parts.append(
                 ExpertMatrix(
                     tensor=info.name,
                     qtype=info.qtype,
                     shape=(info.shape[1], info.shape[2]),
-                    nbytes=info.nbytes // n_expert,
-                    offset=info.offset,
+                    nbytes=nbytes,
+                    offset=offset,
                 )
             )
         layers.append(LayerExperts(il, (parts[0], parts[1], parts[2])))
