@@ -5,9 +5,13 @@
 #define ROUTE_THREADS 256
 #define ROUTE_MAX_K 64
 
-// (value, index) maximum with ties to the lower index: numpy's stable argsort on -p picks the same.
+// (value, index) maximum with ties to the lower index, and NaN above every number as in np.argmax.
+// Without the NaN rule a row of NaN (a wrong upstream kernel, an uninitialised slot) would leave the
+// starting index 0x7fffffff as the answer, and the router writes p[i]: an out-of-bounds store.
 DEVINL void argmax_pair(float& v, int& i, float v2, int i2) {
-    if (v2 > v || (v2 == v && i2 < i)) {
+    const bool nan = v != v, nan2 = v2 != v2;
+    const bool above = nan2 != nan ? nan2 : (nan2 ? i2 < i : (v2 > v || (v2 == v && i2 < i)));
+    if (above) {
         v = v2;
         i = i2;
     }
@@ -61,11 +65,13 @@ KERNEL void LAUNCH_BOUNDS(ROUTE_THREADS) route_softmax_topk(const float* logits,
     for (int j = 0; j < k; j++) {
         float v = NEG_INF;
         int i = 0x7fffffff;
-        for (int e = threadIdx.x; e < E; e += blockDim.x) argmax_pair(v, i, p[e], e);
+        // a NaN probability ranks below every untaken expert (numpy's argsort on -p sorts NaN last) and
+        // above the taken ones, so each of the k rounds finds an index in [0, E)
+        for (int e = threadIdx.x; e < E; e += blockDim.x) argmax_pair(v, i, p[e] != p[e] ? -0.5f : p[e], e);
         block_argmax(v, i, sv, si);
         if (threadIdx.x == 0) {
             ids[(i64)t * k + j] = i;
-            top[j] = v;
+            top[j] = p[i];
             p[i] = -1.0f;  // taken (probabilities are >= 0)
         }
         __syncthreads();
