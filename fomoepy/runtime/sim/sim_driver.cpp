@@ -21,7 +21,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <functional>
 #include <condition_variable>
@@ -158,25 +157,30 @@ class BlockPool {
     int size() const { return (int)workers.size() + 1; }
 
     // runs every task, one on the calling thread; returns when all are done
+    // The count is changed only under the mutex the caller waits with: a worker that counted down
+    // outside it could still be about to notify when the caller, seeing zero, returns and destroys
+    // what the worker is touching (two shares of equal size finish together, so this happens).
     void run_all(std::vector<std::function<void()>>& tasks) {
-        std::atomic<size_t> left{tasks.size() - 1};
-        std::mutex done_m;
-        std::condition_variable done_cv;
+        struct Done {
+            std::mutex m;
+            std::condition_variable cv;
+            size_t left;
+        };
+        auto done = std::make_shared<Done>();
+        done->left = tasks.size() - 1;
         {
             std::lock_guard<std::mutex> g(m);
             for (size_t i = 1; i < tasks.size(); i++)
-                queue.push_back([&, i] {
+                queue.push_back([&tasks, done, i] {
                     tasks[i]();
-                    if (--left == 0) {
-                        std::lock_guard<std::mutex> d(done_m);
-                        done_cv.notify_all();
-                    }
+                    std::lock_guard<std::mutex> d(done->m);
+                    if (--done->left == 0) done->cv.notify_all();
                 });
         }
         cv.notify_all();
         tasks[0]();
-        std::unique_lock<std::mutex> d(done_m);
-        done_cv.wait(d, [&] { return left.load() == 0; });
+        std::unique_lock<std::mutex> d(done->m);
+        done->cv.wait(d, [&] { return done->left == 0; });
     }
 
   private:
