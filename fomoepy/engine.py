@@ -14,6 +14,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.cache import ExpertCache
+from fomoepy.experts.policy import make_policy
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
@@ -70,11 +72,13 @@ class Engine:
             device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
         backfills = o.car.enabled and o.backfill != "off"
         host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or backfills)
-        streaming = o.streaming(device, host, trace)
-        streamer = ExpertStreamer(
-            self.source, self.spec.moe.n_expert, self.spec.moe.n_expert_used, device_unit, streaming, self.spec.name,
-            device_of_layer=self.placement.device_of_layer,
+        # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
+        cache = ExpertCache(
+            self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device, host,
+            device_policy=make_policy(o.cache_policy), host_policy=make_policy(o.cache_policy),
+            device_expert_bytes=device_unit, device_of_layer=self.placement.device_of_layer,
         )  # fmt: skip
+        streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o.streaming(trace), self.spec.name)
         return make_experts(self.ops, streamer, self.weights.routers(), self.devices, self.placement.device_of_layer, self.timer)
 
     def _default_device_bytes(self, unit: list[int]) -> int:

@@ -85,12 +85,11 @@ class EngineOptions:
             trace=args.trace,
         )
 
-    def streaming(self, device_bytes: int, host_bytes: int, trace: bool = True) -> StreamingOptions:
-        """The expert streamer's share of the configuration, with the tier sizes the engine resolved."""
+    def streaming(self, trace: bool = True) -> StreamingOptions:
+        """The expert streamer's share of the configuration (the engine sizes the cache it hands the streamer)."""
         return StreamingOptions(
-            device_bytes=device_bytes, host_bytes=host_bytes, policy=self.cache_policy, car=self.car, backfill=self.backfill,
-            backfill_per_token=self.backfill_per_token, prefetch=self.prefetch, trace_path=self.trace if trace else None,
-            freq_profile=self.freq_profile,
+            car=self.car, backfill=self.backfill, backfill_per_token=self.backfill_per_token, prefetch=self.prefetch,
+            trace_path=self.trace if trace else None, freq_profile=self.freq_profile,
         )  # fmt: skip
 
     def settings(self) -> dict:

@@ -43,5 +43,5 @@ def test_the_flags_build_the_options():
     assert o.car == CarConfig(threshold=0.3, warmup_tokens=5)
     settings = o.settings()
     assert settings["car_threshold"] == 0.3 and settings["vram_cache"] == 4 << 20 and "n_ctx" not in settings
-    streaming = o.streaming(123, 456)
-    assert (streaming.device_bytes, streaming.host_bytes, streaming.car, streaming.prefetch) == (123, 456, o.car, False)
+    streaming = o.streaming()
+    assert (streaming.car, streaming.prefetch, streaming.trace_path) == (o.car, False, None)

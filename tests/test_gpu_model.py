@@ -18,7 +18,8 @@ from sim_backend import sim_backend
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.source import GGUFExpertSource
-from fomoepy.experts.streamer import ExpertStreamer, StreamingOptions
+from fomoepy.experts.cache import ExpertCache
+from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ATTENTION, ModelSpec
 from fomoepy.model.state import DeltaNetState, InferenceState, KVCache
@@ -47,7 +48,8 @@ def gpu_model(dev, name: str, cache_fraction: float):
     source = GGUFExpertSource(gf, spec)
     unit = [gpu_expert_nbytes(layer) for layer in source.layers]
     budget = int(sum(unit) * spec.moe.n_expert * cache_fraction)
-    streamer = ExpertStreamer(source, spec.moe.n_expert, spec.moe.n_expert_used, unit, StreamingOptions(budget, 0))
+    cache = ExpertCache(spec.moe.n_expert, [layer.expert_nbytes for layer in source.layers], budget, 0, device_expert_bytes=unit)
+    streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used)
     weights = load_weights(gf, spec, dev)
     experts = GpuExperts(streamer, dev, weights.routers())
     return Transformer(spec, weights, dev, experts), spec, experts

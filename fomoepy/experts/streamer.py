@@ -26,7 +26,7 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.backfill import BackfillQueue, BackfillThread
 from fomoepy.experts.cache import ExpertCache, Plan, Source
 from fomoepy.experts.car import CarConfig, CarStats, cache_aware_route
-from fomoepy.experts.policy import DEFAULT_POLICY, Key, PolicyOptions, make_policy
+from fomoepy.experts.policy import Key
 from fomoepy.experts.profile import ExpertCounter, read_freq, seed_order
 from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
@@ -44,10 +44,8 @@ class ExpertSourceLike(Protocol):
 
 @dataclass(frozen=True)
 class StreamingOptions:
-    device_bytes: int  # the device tier (VRAM; the compute-ready tier on the CPU backend)
-    host_bytes: int  # the host tier (DRAM) of store-form bytes
-    policy: str = DEFAULT_POLICY
-    half_life_tokens: float = 256.0
+    """What the streamer does around the cache it is given (the tiers' sizes and policies are the cache's)."""
+
     car: CarConfig = field(default_factory=CarConfig)
     backfill: str = "thread"  # off | thread | sync (used only when CAR substitutes)
     backfill_per_token: int = 4  # sync mode
@@ -60,8 +58,6 @@ class StreamingOptions:
     def __post_init__(self) -> None:
         if self.backfill not in BACKFILL_MODES:
             raise FomoeError(f"backfill must be one of {', '.join(BACKFILL_MODES)}, got {self.backfill!r}")
-        if self.device_bytes < 0 or self.host_bytes < 0:
-            raise FomoeError("cache sizes must be >= 0")
 
 
 @dataclass
@@ -80,40 +76,28 @@ class ExpertStreamer:
     def __init__(
         self,
         source: ExpertSourceLike,
-        n_expert: int,
+        cache: ExpertCache,
         n_expert_used: int,
-        device_expert_bytes: list[int],
-        options: StreamingOptions,
+        options: StreamingOptions = StreamingOptions(),
         model_name: str = "",
-        device_of_layer: tuple[int, ...] | None = None,
     ):
         self.source = source
         self.options = options
         self.layers = source.layers
         self.n_layer = len(self.layers)
-        self.n_expert = n_expert
-        policy = PolicyOptions(half_life_tokens=options.half_life_tokens)
-        self.cache = ExpertCache(
-            n_expert,
-            [layer.expert_nbytes for layer in self.layers],
-            options.device_bytes,
-            options.host_bytes,
-            device_policy=make_policy(options.policy, policy),
-            host_policy=make_policy(options.policy, policy),
-            device_expert_bytes=device_expert_bytes,
-            device_of_layer=device_of_layer,
-        )
+        self.n_expert = cache.n_expert
+        self.cache = cache
         self.host_slots: dict[Key, ExpertBytes] = {}
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()
-        self.counter = ExpertCounter(self.n_layer, n_expert)
+        self.counter = ExpertCounter(self.n_layer, self.n_expert)
         self.tokens_seen = 0  # tokens fully processed; the running index for warmup and traces
         self._predicted: dict[int, np.ndarray] = {}
         self._to_prefetch: tuple[int, np.ndarray] | None = None  # (layer, experts) to read from the next acquire
         self._inflight: dict[Key, Future] = {}
         self.trace: TraceWriter | None = None
         if options.trace_path:
-            header = TraceHeader(self.n_layer, n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name)
+            header = TraceHeader(self.n_layer, self.n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name)
             self.trace = TraceWriter(options.trace_path, header)
         self._backfill_queue: BackfillQueue | None = None
         self._backfill_thread: BackfillThread | None = None
