@@ -16,10 +16,11 @@ from fomoepy.model.spec import ModelSpec
 from fomoepy.experts.source import expert_index
 
 ROOT = Path(__file__).resolve().parent.parent
-# the interpreter with numpy, gguf, tokenizers and ggml loaded, graph work areas and transient
-# buffers: measured 97 MB on the 2-core machine for this model; stated with room for other
-# processors' allocators
-OVERHEAD = 128 << 20
+# the interpreter with numpy, gguf, tokenizers and ggml loaded (48 MB of it), graph work areas,
+# reads in flight and transient buffers: measured 79 MB on the 2-core machine for this model; stated
+# with room for other processors' allocators. Before store binding gave back the GGUF pages it
+# samples, a kernel that maps page-cache folios of up to 2 MiB per fault added 50 MB here.
+OVERHEAD = 112 << 20
 RAM_CACHE = 8 << 20
 PEAK_OF = (
     "import sys; from fomoepy.cli import main; code = main(sys.argv[1:]); "

@@ -31,6 +31,7 @@ from fomoepy.model.spec import ModelSpec
 Q4KM = ORACLE / "qwen3moe_q4_k_m.gguf"
 Q35 = ORACLE / "qwen35moe_q4_k.gguf"
 PREPARE_TOOL = Path(__file__).parent.parent / "tools" / "prepare_experts"
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def gguf_source(path: Path) -> GGUFExpertSource:
@@ -121,6 +122,33 @@ def test_store_is_a_drop_in_source_for_the_engine(striped):
     got = engine.logits(tokens)
     engine.close()
     assert np.array_equal(got, want)  # bit for bit
+
+
+def resident_offsets(path: Path) -> np.ndarray:
+    """File offsets of the pages of `path` this process has mapped and resident (Linux pagemap)."""
+    out = []
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for line in open("/proc/self/maps"):
+            fields = line.split()
+            if len(fields) < 6 or fields[5] != str(path.resolve()):
+                continue
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            pagemap.seek(lo // PAGE * 8)
+            entries = np.frombuffer(pagemap.read((hi - lo) // PAGE * 8), np.uint64)
+            out.append(int(fields[2], 16) + PAGE * np.flatnonzero(entries >> np.uint64(63)))
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+@pytest.mark.skipif(not os.access("/proc/self/pagemap", os.R_OK), reason="needs Linux's /proc/self/pagemap")
+def test_opening_a_store_leaves_no_gguf_expert_page_resident(striped):
+    """Binding samples the GGUF's expert bytes through its map; a store's user then holds none of them
+    (with --store the experts' memory is --ram-cache, not whatever the sampling faulted in)."""
+    gf = GGUFFile(Q4KM)
+    with ExpertStore.open(striped, gf):
+        resident = resident_offsets(Q4KM)
+        spans = [gf.tensor(p.tensor) for layer in expert_index(gf, ModelSpec.from_gguf(gf)) for p in layer.parts]
+        held = [t.name for t in spans if ((resident >= t.offset) & (resident < t.offset + t.nbytes)).any()]
+    assert held == []
 
 
 def test_mirror_reads_from_any_subset_of_copies(tmp_path):

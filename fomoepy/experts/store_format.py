@@ -111,7 +111,9 @@ def bind_gguf(gf: GGUFFile, layers: tuple[LayerExperts, ...]) -> GGUFBinding:
             info = gf.tensor(part.tensor)
             table.update(json.dumps([info.name, info.qtype.name, info.shape, info.offset, info.nbytes]).encode())
             for start in sorted({0, max(0, info.nbytes // 2 - SAMPLE_BYTES // 2), max(0, info.nbytes - SAMPLE_BYTES)}):
-                sample.update(gf.raw(info, info.offset + start, min(SAMPLE_BYTES, info.nbytes - start)))
+                n = min(SAMPLE_BYTES, info.nbytes - start)
+                sample.update(gf.raw(info, info.offset + start, n))
+                gf.drop_pages(info.offset + start, n)  # experts come from the store: hold none of the GGUF's
     return GGUFBinding(
         file_size=gf.path.stat().st_size,
         table_sha256=table.hexdigest(),

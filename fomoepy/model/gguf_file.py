@@ -7,6 +7,7 @@ package's format constants, into the two things the rest of fomoepy needs (a met
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from fomoepy.errors import ModelFileError
+
+_FOLIO_MAX = 2 << 20  # the largest page-cache folio one fault maps (x86-64's PMD size)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,19 @@ class GGUFFile:
     def raw_file(self) -> np.ndarray:
         """The whole file as a read-only uint8 memory map (slice it by absolute offsets)."""
         return self._data
+
+    def drop_pages(self, offset: int, nbytes: int) -> None:
+        """Unmap the pages around [offset, offset + nbytes) that reading through the map made resident.
+
+        The page cache keeps them; only this process's resident set shrinks (a later read faults them
+        back in). The window is widened to 2 MiB boundaries: kernels that cache files in large folios
+        map a whole folio, up to that size, on one fault, so a 4 KiB read can add 2 MiB to the RSS."""
+        mm = getattr(self._data, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED") or nbytes <= 0:
+            return
+        start = max(0, offset - offset % _FOLIO_MAX)
+        end = min(len(self._data), -(-(offset + nbytes) // _FOLIO_MAX) * _FOLIO_MAX)
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def raw(self, info: TensorInfo, offset: int | None = None, nbytes: int | None = None) -> np.ndarray:
         """The bytes of `info` (or of a sub-range given as an absolute offset) as a read-only uint8 view."""
