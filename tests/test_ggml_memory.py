@@ -41,16 +41,16 @@ def big_model(tmp_path_factory):
     return path, d / "store", env
 
 
-def peak_rss(path, store, env, *extra) -> int:
+def peak_rss(path, env, *extra) -> int:
     cmd = [sys.executable, "-c", PEAK_OF, "generate", str(path), "-p", "a b c", "-n", "8",
-           "--store", str(store), "--ram-cache", str(RAM_CACHE), "-t", "1", *extra]  # fmt: skip
+           "--ram-cache", str(RAM_CACHE), "-t", "1", *extra]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     return int(r.stderr.strip().splitlines()[-1]) * 1024
 
 
-def test_cpu_backend_peak_memory_is_dense_plus_ram_cache_plus_kv_plus_overhead(big_model):
-    path, store, env = big_model
+def memory_bound(path) -> int:
+    """dense weights + --ram-cache + KV cache + the stated overhead, from the file's own sizes."""
     gf = GGUFFile(path)
     spec = ModelSpec.from_gguf(gf)
     experts = sum(layer.expert_nbytes for layer in expert_index(gf, spec)) * spec.moe.n_expert
@@ -59,4 +59,16 @@ def test_cpu_backend_peak_memory_is_dense_plus_ram_cache_plus_kv_plus_overhead(b
     kv = 2 * spec.context_length * a.n_head_kv * a.head_dim * 4 * spec.n_layer
     bound = dense + RAM_CACHE + kv + OVERHEAD
     assert bound < 0.5 * path.stat().st_size  # the point: a model twice the memory it is given
-    assert peak_rss(path, store, env) <= bound
+    return bound
+
+
+def test_cpu_backend_peak_memory_is_dense_plus_ram_cache_plus_kv_plus_overhead(big_model):
+    path, store, env = big_model
+    assert peak_rss(path, env, "--store", str(store)) <= memory_bound(path)
+
+
+def test_without_a_store_the_mapped_gguf_pages_do_not_pile_up(big_model):
+    """Experts computed from the mapped GGUF: what each use faulted in is unmapped after it (the page
+    cache keeps it), so the same bound holds; without that the whole file ends up resident."""
+    path, _, env = big_model
+    assert peak_rss(path, env) <= memory_bound(path)

@@ -76,3 +76,8 @@ class GGUFExpertSource:
             start, size = part.range_of(expert)
             views.append(data[start : start + size])
         return views[0], views[1], views[2]
+
+    def drop(self, layer: int, expert: int) -> None:
+        """Unmap the pages reading this expert made resident (the page cache keeps them)."""
+        for part in self.layers[layer].parts:
+            self.gf.drop_pages(*part.range_of(expert))
