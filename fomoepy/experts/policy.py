@@ -278,6 +278,15 @@ class AdmittingFrequencyPolicy(EvictionPolicy):
                     yield key
 
 
+class DemotingFrequencyPolicy(AdmittingFrequencyPolicy):
+    """`lfu-demote`: lfu-admit over exclusive tiers. What the device tier evicts is demoted into the host
+    tier (if the host's admission test takes it) instead of dropped, and a disk read that gets a device
+    slot takes no host slot, so device and host hold mostly different experts (ExpertCache.demote)."""
+
+    name = "lfu-demote"
+    demotes = True
+
+
 class PinnedProfilePolicy(EvictionPolicy):
     """Wraps a policy; pinned keys (e.g. the top of a frequency profile) are never chosen.
 
@@ -330,6 +339,8 @@ PolicyFactory = Callable[[PolicyOptions], EvictionPolicy]
 
 POLICIES: dict[str, PolicyFactory] = {
     "lfu-admit": lambda o: AdmittingFrequencyPolicy(o.admit_half_life_tokens),
+    "lfu-demote": lambda o: DemotingFrequencyPolicy(o.admit_half_life_tokens),
+    "lfu-cooc": lambda o: _co_use(o.admit_half_life_tokens),
     "layer-lru": lambda o: LayerLRUPolicy(),
     "lru": lambda o: LRUPolicy(),
     "lfu-decay": lambda o: FrequencyDecayPolicy(o.half_life_tokens),
@@ -337,6 +348,17 @@ POLICIES: dict[str, PolicyFactory] = {
     "lfu-decay-pinned": lambda o: PinnedProfilePolicy(FrequencyDecayPolicy(o.half_life_tokens), o.pinned),
 }
 DEFAULT_POLICY = "lfu-admit"
+
+
+def _co_use(half_life_tokens: float) -> EvictionPolicy:
+    from fomoepy.experts.co_use import CoUsePolicy  # it builds on this module's policies
+
+    return CoUsePolicy(half_life_tokens)
+
+
+def policy_demotes(name: str) -> bool:
+    """Whether the named policy wants exclusive tiers (device evictees demoted into the host tier)."""
+    return bool(getattr(make_policy(name), "demotes", False))
 
 
 def make_policy(name: str, options: PolicyOptions | None = None) -> EvictionPolicy:
