@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.policy import policy_demotes
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
@@ -58,7 +59,8 @@ class Engine:
     def _open_experts(self, trace: bool = True):
         o = self.options
         layers = self.source.layers
-        device_unit = [device_expert_nbytes(self.ops, layer) for layer in layers]
+        demotes = policy_demotes(o.cache_policy)
+        device_unit = [device_expert_nbytes(self.ops, layer, demotes) for layer in layers]
         if is_ggml_cpu(self.ops):
             if o.vram_cache:
                 raise FomoeError(
