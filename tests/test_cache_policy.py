@@ -461,9 +461,12 @@ def heldout_trace():
     return Trace(trace.header, trace.records[:n])
 
 
-@pytest.mark.parametrize("fraction, of_belady", [((0.10, 0.25), 0.75), ((0.25, 0.25), 0.80)])
+@pytest.mark.parametrize("fraction, of_belady", [((0.10, 0.25), 0.80), ((0.25, 0.25), 0.85)])
 def test_the_default_policy_on_text_it_was_not_tuned_on(heldout_trace, fraction, of_belady):
-    # bench/simulate_trace.py, whole trace: 0.78 and 0.86 of Belady; layer-lru 0.59 and 0.58
-    ours, best = replay(heldout_trace, fraction, "lfu-admit")
+    # these 3,000 tokens: lfu-cooc 0.81 and 0.89 of Belady, lfu-demote 0.80 and 0.88, lfu-admit 0.79 and
+    # 0.87, layer-lru 0.57 and 0.56 (bench/simulate_trace.py has the whole trace)
+    assert DEFAULT_POLICY == "lfu-cooc"
+    ours, best = replay(heldout_trace, fraction, DEFAULT_POLICY)
+    before, _ = replay(heldout_trace, fraction, "lfu-admit")
     baseline, _ = replay(heldout_trace, fraction, "layer-lru")
-    assert ours >= of_belady * best and ours > baseline + 0.05, (ours, best, baseline)
+    assert ours >= of_belady * best and ours > before and ours > baseline + 0.05, (ours, best, before, baseline)

@@ -10,7 +10,7 @@ import pytest
 from conftest import ORACLE
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.car import CarConfig
-from fomoepy.experts.policy import policy_demotes
+from fomoepy.experts.policy import DEFAULT_POLICY, policy_demotes
 from fomoepy.experts.profile import read_freq, write_freq
 from fomoepy.experts.store_writer import prepare_store
 from fomoepy.experts.trace import read_trace
@@ -31,7 +31,8 @@ def model(request, tmp_path_factory):
     return path, [str(store / "a"), str(store / "b")], tokens, resident
 
 
-def one_expert(path, policy: str = "lru") -> tuple[int, int]:
+def one_expert(path, policy: str = DEFAULT_POLICY) -> tuple[int, int]:
+    """One expert's bytes in the reference backend's device tier under `policy`, and in the host tier."""
     e = Engine(path, EngineOptions(vram_cache=0))
     layer = e.source.layers[0]
     return ready_expert_nbytes(layer, policy_demotes(policy)), layer.expert_nbytes
