@@ -5,6 +5,11 @@ Two tiers over the NVMe store, each under one byte budget for all layers:
     device  VRAM (on the CPU backend: the compute-ready tier); admits every expert that is used
     host    DRAM; admits what was read from NVMe (the disk holds everything)
 
+With a demoting policy (lfu-demote, lfu-cooc: `demotes = True`) the tiers are exclusive: what the
+device tier evicts moves down into the host tier (`Plan.demotions`; the runtime copies its bytes
+down instead of reading them), and a disk read that gets a device slot takes no host slot. The two
+tiers then hold mostly different experts, so device + host capacity serves as one cache.
+
 A query/command pair drives it, so the decision is testable without any device:
 
     plan = cache.plan(layer, ids)   # query: sources, admissions and evictions; changes nothing
