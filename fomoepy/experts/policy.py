@@ -356,7 +356,8 @@ DEFAULT_POLICY = "lfu-cooc"
 
 
 def _co_use() -> EvictionPolicy:
-    from fomoepy.experts.co_use import CoUsePolicy  # it builds on this module's policies
+    # imported here: co_use builds on this module's policies
+    from fomoepy.experts.co_use import CoUsePolicy
 
     return CoUsePolicy()
 

@@ -26,7 +26,7 @@ class ReadyExpert:
     """gate|up stacked as [2F, D] so one matmul serves both; down [D, F]; with a demoting policy, the
     store bytes it was made from (`raw`), which go down to the host tier when it is evicted."""
 
-    __slots__ = ("gate_up", "down", "raw")
+    __slots__ = ("down", "gate_up", "raw")
 
     def __init__(self, gate_up: np.ndarray, down: np.ndarray, raw: ExpertBytes | None = None):
         self.gate_up = gate_up
