@@ -35,7 +35,6 @@ from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
 from fomoepy.experts.store_reader import ExpertStore
 from fomoepy.experts.store_writer import prepare_store
-from fomoepy.runtime.backends import device_expert_nbytes
 from results import record
 
 HERE = Path(__file__).parent
@@ -113,7 +112,7 @@ def main() -> int:
     # the cpu backend (ggml) has no device tier: it computes from the host tier's bytes in place, so
     # "resident" is every expert in the host tier and a host hit moves nothing
     has_device_tier = args.backend != "cpu"
-    dev_all = sum(device_expert_nbytes(probe.ops, layer) for layer in layers) * n_expert if has_device_tier else 0
+    dev_all = sum(probe.experts.streamer.cache.device_expert_bytes) * n_expert if has_device_tier else 0  # under the run's policy
     host_all = sum(layer.expert_nbytes for layer in layers) * n_expert
     disk_bw = disk_bandwidth(model, store)
     h2d_bw = host_to_device_bandwidth(probe) if has_device_tier else float("inf")

@@ -41,7 +41,6 @@ from fomoepy.plan.hardware import Device, Drives, Hardware, Host
 from fomoepy.plan.rates import TierRates
 from fomoepy.plan.shapes import model_bytes_from_gguf
 from fomoepy.plan.timemodel import Workload, project
-from fomoepy.runtime.backends import device_expert_nbytes
 
 SETTINGS = [("all resident", 1.0, 0.0), ("25% + 25%", 0.25, 0.25), ("10% + 25%", 0.10, 0.25), ("5% + 10%", 0.05, 0.10)]
 WITHIN = 0.15
@@ -136,18 +135,17 @@ def workload(model, engine: Engine) -> Workload:
     """Stored bytes from the GGUF; compute bytes as the CPU backend holds them (float32)."""
     m = model_bytes_from_gguf(model)
     gf = GGUFFile(model)
-    layer = engine.source.layers[0]
     dense_params = sum(
         int(np.prod(t.shape)) for n, t in gf.tensors.items() if n.startswith("blk.") and "exps" not in n
     ) // m.n_layer
     head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
-    return Workload(m, device_expert_nbytes(engine.ops, layer), 4 * dense_params, 4 * int(np.prod(head.shape)))
+    return Workload(m, engine.experts.streamer.cache.device_expert_bytes[0], 4 * dense_params, 4 * int(np.prod(head.shape)))
 
 
 def run_setting(model, store, backend: str, threads: int, vram_frac: float, ram_frac: float, tokens: int):
     probe = Engine(model, EngineOptions(backend=backend, store=(str(store),), vram_cache=0, ram_cache=0))
     layers, n_expert = probe.source.layers, probe.spec.moe.n_expert
-    dev_all = sum(device_expert_nbytes(probe.ops, layer) for layer in layers) * n_expert
+    dev_all = sum(probe.experts.streamer.cache.device_expert_bytes) * n_expert  # the unit under the run's policy
     host_all = sum(layer.expert_nbytes for layer in layers) * n_expert
     work = workload(model, probe)
     probe.close()

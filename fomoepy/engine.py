@@ -15,7 +15,7 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.cache import ExpertCache
-from fomoepy.experts.policy import make_policy
+from fomoepy.experts.policy import make_policy, policy_demotes
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
@@ -60,7 +60,8 @@ class Engine:
     def _open_experts(self, trace: bool = True):
         o = self.options
         layers = self.source.layers
-        device_unit = [device_expert_nbytes(self.ops, layer) for layer in layers]
+        demotes = policy_demotes(o.cache_policy)
+        device_unit = [device_expert_nbytes(self.ops, layer, demotes) for layer in layers]
         if is_ggml_cpu(self.ops):
             if o.vram_cache:
                 raise FomoeError(

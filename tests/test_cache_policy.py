@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from fomoepy.errors import FomoeError
 from fomoepy.experts.cache import ExpertCache, Source, StalePlanError
 from fomoepy.experts.policy import (
+    DEFAULT_POLICY,
     POLICIES,
     FrequencyDecayPolicy,
     LRUPolicy,
@@ -139,7 +140,8 @@ def test_pinned_profile_policy_never_offers_pinned_keys():
 
 
 def test_policy_table_and_unknown_names():
-    assert {"lru", "lfu-decay", "lru-pinned", "lfu-decay-pinned"} <= set(POLICIES)
+    assert {"lru", "lfu-decay", "lru-pinned", "lfu-decay-pinned", "layer-lru", "lfu-admit", "lfu-demote", "lfu-cooc"} <= set(POLICIES)
+    assert DEFAULT_POLICY in POLICIES
     assert make_policy("lfu-decay", PolicyOptions(half_life_tokens=3)).half_life == 3
     assert make_policy("lru-pinned", PolicyOptions(pinned=frozenset({(1, 2)}))).pinned == {(1, 2)}
     with pytest.raises(FomoeError, match="unknown cache policy 'mru'.*lru"):
@@ -386,6 +388,49 @@ def test_the_cache_streams_what_the_policy_does_not_admit():
     assert not plan.items[0].to_device and cache.resident(0) == {0, 1}
 
 
+def test_a_demoting_policy_moves_a_device_evictee_into_the_host_tier():
+    # one device slot, two host slots: 0 then 1 from disk; 0, evicted by 1 from the device, goes down
+    # into the host tier (no read), 1's read takes no host slot, and 0 is then a host hit
+    cache = ExpertCache(8, [100], 100, 200, make_policy("lfu-demote"), make_policy("lfu-demote"))
+    cache.access(0, [0])
+    cache.tick()
+    plan = cache.access(0, [1])
+    assert plan.demotions == ((0, 0),) and not plan.items[0].to_host
+    assert cache.resident(0) == {1} and cache.resident(0, "host") == {0}
+    cache.tick()
+    assert cache.access(0, [0]).items[0].source is Source.HOST
+    s = cache.stats.summary()
+    assert s["host"]["admitted"] == 0 and s["disk"]["reads"] == 2
+    assert s["host"]["demoted"] == 2 and cache.resident(0, "host") >= {1}  # 0 moved up: 1 came down
+
+
+def test_without_demotion_a_device_evictee_is_dropped():
+    cache = ExpertCache(8, [100], 100, 200, make_policy("lfu-admit"), make_policy("lfu-admit"))
+    for ids in ([0], [1]):
+        plan = cache.access(0, ids)
+        cache.tick()
+    assert plan.demotions == () and cache.stats.summary()["host"]["demoted"] == 0
+
+
+def test_co_use_ranks_what_the_last_token_announces_above_an_equally_frequent_expert():
+    from fomoepy.experts.co_use import CoUsePolicy
+
+    a, c, d = (0, 0), (0, 2), (1, 3)
+    p = CoUsePolicy(half_life_tokens=1e9)
+    for t in range(0, 20, 2):  # a and d in even tokens, c in the token after each: a announces c, not d
+        p.observe(a, t)
+        p.observe(d, t)
+        p.observe(c, t + 1)
+    p.touch(c, 20)
+    p.touch(d, 20)
+    p.observe(a, 20)
+    p.observe(d, 20)
+    p.observe((0, 5), 21)  # token 21 begins, after a use of a
+    assert p.freq.score(c, 21) < p.freq.score(d, 21)  # used less than d...
+    assert p.score(c, 21) > p.score(d, 21)  # ...but announced
+    assert list(p.eviction_order()) == [d, c]
+
+
 def test_layer_lru_keeps_equal_shares_per_layer():
     from fomoepy.experts.cache import ExpertCache
     from fomoepy.experts.policy import make_policy
@@ -416,9 +461,12 @@ def heldout_trace():
     return Trace(trace.header, trace.records[:n])
 
 
-@pytest.mark.parametrize("fraction, of_belady", [((0.10, 0.25), 0.75), ((0.25, 0.25), 0.80)])
+@pytest.mark.parametrize("fraction, of_belady", [((0.10, 0.25), 0.80), ((0.25, 0.25), 0.85)])
 def test_the_default_policy_on_text_it_was_not_tuned_on(heldout_trace, fraction, of_belady):
-    # bench/simulate_trace.py, whole trace: 0.78 and 0.86 of Belady; layer-lru 0.59 and 0.58
-    ours, best = replay(heldout_trace, fraction, "lfu-admit")
+    # these 3,000 tokens: lfu-cooc 0.81 and 0.89 of Belady, lfu-demote 0.80 and 0.88, lfu-admit 0.79 and
+    # 0.87, layer-lru 0.57 and 0.56 (bench/simulate_trace.py has the whole trace)
+    assert DEFAULT_POLICY == "lfu-cooc"
+    ours, best = replay(heldout_trace, fraction, DEFAULT_POLICY)
+    before, _ = replay(heldout_trace, fraction, "lfu-admit")
     baseline, _ = replay(heldout_trace, fraction, "layer-lru")
-    assert ours >= of_belady * best and ours > baseline + 0.05, (ours, best, baseline)
+    assert ours >= of_belady * best and ours > before and ours > baseline + 0.05, (ours, best, before, baseline)

@@ -19,7 +19,8 @@ from sim_backend import sim_backend
 from fomoepy.errors import FomoeError
 from fomoepy.experts.source import GGUFExpertSource
 from fomoepy.experts.cache import ExpertCache
-from fomoepy.experts.streamer import ExpertStreamer
+from fomoepy.experts.policy import make_policy
+from fomoepy.experts.streamer import ExpertStreamer, StreamingOptions
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ATTENTION, ModelSpec
 from fomoepy.model.state import DeltaNetState, InferenceState, KVCache
@@ -105,3 +106,31 @@ def test_pingpong_over_two_devices_gives_the_one_device_logits(dev):
         logits.append(engine.eval(engine.new_state(), tokens, all_logits=True))
         engine.experts.close()
     assert np.array_equal(logits[0], logits[1])
+
+
+def test_a_demoting_policy_copies_device_evictees_down_and_the_logits_stay_exact(dev):
+    # a device tier of 30 % and a host tier of every expert under lfu-demote: what the device tier evicts is
+    # copied back to the host tier (_download), later served from there, and the logits still match the CPU's
+    name = MODELS[0]
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    cpu = open_oracle_engine(name).logits(tokens)
+    gf = GGUFFile(ORACLE / f"{name}.gguf")
+    spec = ModelSpec.from_gguf(gf)
+    source = GGUFExpertSource(gf, spec)
+    unit = [gpu_expert_nbytes(layer) for layer in source.layers]
+    device = int(sum(unit) * spec.moe.n_expert * 0.3)
+    host = sum(layer.expert_nbytes for layer in source.layers) * spec.moe.n_expert
+    cache = ExpertCache(spec.moe.n_expert, [layer.expert_nbytes for layer in source.layers], device, host,
+                        device_policy=make_policy("lfu-demote"), host_policy=make_policy("lfu-demote"), device_expert_bytes=unit)  # fmt: skip
+    streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used, StreamingOptions(prefetch=False))
+    weights = load_weights(gf, spec, dev)
+    experts = GpuExperts(streamer, dev, weights.routers())
+    model = Transformer(spec, weights, dev, experts)
+    state = device_state(dev, spec, 64)
+    gpu = np.concatenate([np.asarray(model.forward(np.array([t]), state, all_logits=True)) for t in tokens])
+    assert np.abs(gpu - cpu).max() / cpu.std() <= LOGIT_TOL
+    s = streamer.cache.stats.summary()
+    assert experts.downloads == s["host"]["demoted"] > 0 and s["host"]["hits"] > 0
+    for key, parts in streamer.host_slots.items():  # the bytes that came down are the expert's own
+        assert all(np.array_equal(np.frombuffer(np.ascontiguousarray(a), np.uint8), np.frombuffer(np.ascontiguousarray(b), np.uint8))
+                   for a, b in zip(parts, source.read(*key)))  # fmt: skip

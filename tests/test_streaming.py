@@ -10,6 +10,7 @@ import pytest
 from conftest import ORACLE
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.car import CarConfig
+from fomoepy.experts.policy import DEFAULT_POLICY, policy_demotes
 from fomoepy.experts.profile import read_freq, write_freq
 from fomoepy.experts.store_writer import prepare_store
 from fomoepy.experts.trace import read_trace
@@ -30,10 +31,11 @@ def model(request, tmp_path_factory):
     return path, [str(store / "a"), str(store / "b")], tokens, resident
 
 
-def one_expert(path) -> tuple[int, int]:
+def one_expert(path, policy: str = DEFAULT_POLICY) -> tuple[int, int]:
+    """One expert's bytes in the reference backend's device tier under `policy`, and in the host tier."""
     e = Engine(path, EngineOptions(vram_cache=0))
     layer = e.source.layers[0]
-    return ready_expert_nbytes(layer), layer.expert_nbytes
+    return ready_expert_nbytes(layer, policy_demotes(policy)), layer.expert_nbytes
 
 
 @pytest.mark.parametrize(
@@ -44,12 +46,13 @@ def one_expert(path) -> tuple[int, int]:
         (1, 1, "lru", True),
         (0, 1, "lfu-decay", True),
         (3, 5, "lfu-decay", True),
+        (3, 5, "lfu-demote", True),
         (None, None, "lru", True),
     ],
 )
 def test_streamed_logits_equal_all_resident_bit_for_bit(model, vram, ram, policy, use_store):
     path, store, tokens, resident = model
-    dev_unit, host_unit = one_expert(path)
+    dev_unit, host_unit = one_expert(path, policy)
     opts = EngineOptions(
         store=tuple(store) if use_store else (),
         vram_cache=None if vram is None else vram * dev_unit,
@@ -197,14 +200,14 @@ def test_pinned_policies_keep_the_profiles_seeds_in_the_engine(tmp_path, policy,
     engine.close()
 
 
-@pytest.mark.parametrize("policy", ["lfu-admit", "lru", "layer-lru"])
+@pytest.mark.parametrize("policy", ["lfu-admit", "lfu-demote", "lfu-cooc", "lru", "layer-lru"])
 def test_the_simulator_replays_the_engines_hit_rates(model, tmp_path, policy):
     # the same text token by token through the engine (tiers capped, prefetch off) and through the
     # simulator on the engine's own trace: per-tier hit rates within 1 point (they are the same code)
     from fomoepy.experts.simulate import simulate
 
     path, store, tokens, _ = model
-    dev_unit, host_unit = one_expert(path)
+    dev_unit, host_unit = one_expert(path, policy)
     trace_path = tmp_path / "t.trace"
     opts = EngineOptions(store=tuple(store), vram_cache=6 * dev_unit, ram_cache=10 * host_unit, cache_policy=policy,
                          trace=str(trace_path), prefetch=False)  # fmt: skip
@@ -214,12 +217,36 @@ def test_the_simulator_replays_the_engines_hit_rates(model, tmp_path, policy):
         engine.eval(state, np.array([t]))
     measured = engine.stats()["cache"]
     sizes = [layer.expert_nbytes for layer in engine.source.layers]
-    device_sizes = [ready_expert_nbytes(layer) for layer in engine.source.layers]
+    device_sizes = [ready_expert_nbytes(layer, policy_demotes(policy)) for layer in engine.source.layers]
     engine.close()
     sim = simulate(read_trace(trace_path), sizes, 6 * dev_unit, 10 * host_unit, policy, device_expert_bytes=device_sizes).summary
     for tier in ("device", "host"):
         assert abs(measured[tier]["hit_rate"] - sim[tier]["hit_rate"]) <= 0.01, (tier, measured[tier], sim[tier])
     assert measured["accesses"] == sim["accesses"] and measured["disk"]["reads"] > 0
+    assert (measured["host"]["demoted"] > 0) == policy_demotes(policy)
+
+
+def test_a_demoting_policy_moves_device_evictees_into_the_host_tier_with_their_bytes(model):
+    # lfu-demote through the engine on the store: the device tier evicts, the evicted experts' store bytes
+    # come from the device tier's copy (no disk read) into the host tier, and later uses hit them there
+    path, store, tokens, _ = model
+    dev_unit, host_unit = one_expert(path, "lfu-demote")
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=3 * dev_unit, ram_cache=40 * host_unit,
+                                        cache_policy="lfu-demote", prefetch=False))  # fmt: skip
+    streamer = engine.experts.streamer
+    reads = []
+    read, submit = streamer.source.read, streamer.source.submit
+    streamer.source.read = lambda layer, expert: reads.append((layer, expert)) or read(layer, expert)
+    streamer.source.submit = lambda layer, expert: reads.append((layer, expert)) or submit(layer, expert)
+    state = engine.new_state()
+    for t in tokens:
+        engine.eval(state, np.array([t]))
+    s = engine.stats()["cache"]
+    assert s["host"]["demoted"] > 0 and s["host"]["hits"] > 0
+    assert len(reads) == s["disk"]["reads"]  # a demotion reads nothing from the disk
+    for key, parts in streamer.host_slots.items():
+        assert all(np.array_equal(a, b) for a, b in zip(parts, read(*key)))
+    engine.close()
 
 
 class SlowStore:

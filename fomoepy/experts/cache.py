@@ -5,6 +5,11 @@ Two tiers over the NVMe store, each under one byte budget for all layers:
     device  VRAM (on the CPU backend: the compute-ready tier); admits every expert that is used
     host    DRAM; admits what was read from NVMe (the disk holds everything)
 
+With a demoting policy (lfu-demote, lfu-cooc: `demotes = True`) the tiers are exclusive: what the
+device tier evicts moves down into the host tier (`Plan.demotions`; the runtime copies its bytes
+down instead of reading them), and a disk read that gets a device slot takes no host slot. The two
+tiers then hold mostly different experts, so device + host capacity serves as one cache.
+
 A query/command pair drives it, so the decision is testable without any device:
 
     plan = cache.plan(layer, ids)   # query: sources, admissions and evictions; changes nothing
@@ -57,6 +62,7 @@ class Plan:
     device_evictions: tuple[Key, ...]
     host_evictions: tuple[Key, ...]
     generation: int
+    demotions: tuple[Key, ...] = ()  # device evictees the host tier takes (their bytes come down, not off disk)
 
     @property
     def experts(self) -> tuple[int, ...]:
@@ -111,6 +117,11 @@ class ExpertCache:
         self.device = self.devices[0]  # the device tier when there is one device
         self.host = TierDirectory("host", host_bytes, LRUPolicy() if host_policy is None else host_policy)
         self.stats = CacheStats(self.n_layer, device_bytes > 0, self.host.enabled)
+        # Exclusive tiers when the host policy asks for them: a device evictee moves down into the host
+        # tier instead of being dropped, and a disk read that gets a device slot takes no host slot, so
+        # the two tiers hold mostly different experts. The runtime must copy a demoted expert's bytes
+        # down (the streamer turns this off when no backend can).
+        self.demote = bool(getattr(self.host.policy, "demotes", False)) and self.host.enabled
         self.now = 0
         self.generation = 0
 
@@ -136,14 +147,22 @@ class ExpertCache:
             protected,
             self.now,
         )
-        to_host, host_victims = self.host.plan_admissions(
-            [(key, size) for key, src in zip(keys, sources) if src is Source.DISK], protected, self.now
-        )
-        device_set, host_set = set(to_device), set(to_host)
+        device_set = set(to_device)
+        host_wanted = [(key, size) for key, src in zip(keys, sources) if src is Source.DISK]
+        demoted: list[Key] = []
+        if self.demote:
+            demoted = [v for v in device_victims if v not in self.host]
+            # (demotions first or reads first, and letting reads into both tiers: within 0.1 point)
+            host_wanted = [(v, self.expert_bytes[v[0]]) for v in demoted] + [
+                (key, size) for key, size in host_wanted if key not in device_set
+            ]
+        to_host, host_victims = self.host.plan_admissions(host_wanted, protected, self.now)
+        host_set = set(to_host)
         items = tuple(
             PlanItem(key[1], src, size, key in device_set, key in host_set) for key, src in zip(keys, sources)
         )
-        return Plan(layer, items, tuple(device_victims), tuple(host_victims), self.generation)
+        demotions = tuple(v for v in demoted if v in host_set)
+        return Plan(layer, items, tuple(device_victims), tuple(host_victims), self.generation, demotions)
 
     def _dev(self, layer: int) -> TierDirectory:
         return self.devices[self.device_of_layer[layer]]
@@ -194,6 +213,10 @@ class ExpertCache:
                 if tier is not self.host:
                     self.host.policy.covered(key, False)
         device, host = self._dev(layer), self.host
+        for key in plan.demotions:  # LOADING until the runtime has copied its bytes down
+            host.admit(key, self.expert_bytes[key[0]], now)
+            self.stats.host[key[0]].demoted += 1
+            self.stats.host[key[0]].demoted_bytes += self.expert_bytes[key[0]]
         for item in plan.items:
             key = (layer, item.expert)
             device.policy.observe(key, now)
@@ -240,7 +263,9 @@ class ExpertCache:
         disk.read_bytes += n
 
     def mark_ready(self, plan: Plan) -> None:
-        """The bytes of every slot the plan admitted have arrived."""
+        """The bytes of every slot the plan admitted (demotions included) have arrived."""
+        for key in plan.demotions:
+            self.host.mark_ready(key)
         for item in plan.items:
             key = (plan.layer, item.expert)
             if item.to_device:

@@ -27,6 +27,8 @@ class TierCounters:
     admitted_bytes: int = 0
     evicted: int = 0
     evicted_bytes: int = 0
+    demoted: int = 0  # host tier: experts taken from the device tier's evictions (no disk read)
+    demoted_bytes: int = 0
 
     def add(self, other: TierCounters) -> None:
         for name, value in asdict(other).items():

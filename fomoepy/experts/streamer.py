@@ -16,6 +16,7 @@ through futures and a queue.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -88,6 +89,11 @@ class ExpertStreamer:
         self.n_expert = cache.n_expert
         self.cache = cache
         self.host_slots: dict[Key, ExpertBytes] = {}
+        # a demoting policy needs the backend to copy an evicted device expert's store bytes down;
+        # until one offers to (set_downloader), device evictees are dropped as with any policy
+        self._demotes = self.cache.demote
+        self.cache.demote = False
+        self._download: Callable[[Key], ExpertBytes] | None = None
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()
         self.counter = ExpertCounter(self.n_layer, self.n_expert)
@@ -107,6 +113,11 @@ class ExpertStreamer:
             self._backfill_queue = BackfillQueue(options.backfill_max_age)
         self.backfilled = 0
 
+    @property
+    def demotes(self) -> bool:
+        """Whether the cache's policy wants device evictees demoted (the backend must copy them down)."""
+        return self._demotes
+
     # -- start-up ----------------------------------------------------------------------------------
     def carry_over_from(self, old: ExpertStreamer, trace: TraceWriter | None) -> None:
         """Continue a closed streamer's counters and token index, and its trace (a reset empties the tiers,
@@ -115,6 +126,12 @@ class ExpertStreamer:
         self.car_stats, self.prefetch_stats, self.counter = old.car_stats, old.prefetch_stats, old.counter
         self.tokens_seen, self.backfilled = old.tokens_seen, old.backfilled
         self.trace = trace
+
+    def set_downloader(self, download: Callable[[Key], ExpertBytes]) -> None:
+        """The backend can give back the store-form bytes of an expert its device tier holds, so a
+        demoting policy's device evictees move into the host tier (ExpertCache.demote)."""
+        self._download = download
+        self.cache.demote = self._demotes
 
     def seed_from_profile(self) -> list[Key]:
         """Fill the tiers with the profile's most frequent experts; returns the device tier's keys
@@ -208,6 +225,8 @@ class ExpertStreamer:
         self.cache.commit(plan)
         for victim in plan.host_evictions:
             self.host_slots.pop(victim, None)
+        for key in plan.demotions:  # before the backend frees the evicted device slots
+            self.host_slots[key] = self._download(key)  # type: ignore[misc]
         if self._backfill_thread is not None:
             self._backfill_thread.set_io_busy(True, self.tokens_seen)
         fetched: dict[int, ExpertBytes] = {}

@@ -71,9 +71,10 @@ def make_experts(ops, streamer, routers=None, devices=None, device_of_layer=None
     return CpuExperts(streamer, routers, timer)
 
 
-def device_expert_nbytes(ops, layout) -> int:
-    """Bytes of one expert in the device tier of `ops` (reference: compute-ready float32; GPU: a slot of
-    store bytes; ggml CPU: store bytes, though that backend has no device tier)."""
+def device_expert_nbytes(ops, layout, demotes: bool = False) -> int:
+    """Bytes of one expert in the device tier of `ops` (reference: compute-ready float32, plus the store
+    bytes with a demoting policy; GPU: a slot of store bytes; ggml CPU: store bytes, though that backend
+    has no device tier)."""
     from fomoepy.runtime.ggml_cpu import GgmlBackend
     from fomoepy.runtime.gpu import GpuBackend
 
@@ -87,4 +88,4 @@ def device_expert_nbytes(ops, layout) -> int:
         return gpu_expert_nbytes(layout)
     from fomoepy.runtime.cpu_experts import ready_expert_nbytes
 
-    return ready_expert_nbytes(layout)
+    return ready_expert_nbytes(layout, demotes)

@@ -22,25 +22,28 @@ ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class ReadyExpert:
-    """gate|up stacked as [2F, D] so one matmul serves both; down [D, F]."""
+    """gate|up stacked as [2F, D] so one matmul serves both; down [D, F]; with a demoting policy, the
+    store bytes it was made from (`raw`), which go down to the host tier when it is evicted."""
 
-    __slots__ = ("gate_up", "down")
+    __slots__ = ("down", "gate_up", "raw")
 
-    def __init__(self, gate_up: np.ndarray, down: np.ndarray):
+    def __init__(self, gate_up: np.ndarray, down: np.ndarray, raw: ExpertBytes | None = None):
         self.gate_up = gate_up
         self.down = down
+        self.raw = raw
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
+        kept = sum(part.nbytes for part in self.raw) if self.raw is not None else 0
+        return self.gate_up.nbytes + self.down.nbytes + kept
 
 
-def make_ready(layout: LayerExperts, raw: ExpertBytes) -> ReadyExpert:
+def make_ready(layout: LayerExperts, raw: ExpertBytes, keep_raw: bool = False) -> ReadyExpert:
     gate_m, up_m, down_m = layout.parts
     gate = quants.dequantize(raw[0], gate_m.qtype, gate_m.shape, tensor_name=gate_m.tensor)
     up = quants.dequantize(raw[1], up_m.qtype, up_m.shape, tensor_name=up_m.tensor)
     down = quants.dequantize(raw[2], down_m.qtype, down_m.shape, tensor_name=down_m.tensor)
-    return ReadyExpert(np.concatenate([gate, up], axis=0), np.ascontiguousarray(down))
+    return ReadyExpert(np.concatenate([gate, up], axis=0), np.ascontiguousarray(down), raw if keep_raw else None)
 
 
 class CpuExperts:
@@ -56,8 +59,13 @@ class CpuExperts:
         self.ready: dict[tuple[int, int], ReadyExpert] = {}
         self.routers = routers  # every layer's router, to predict the next layer's experts
         self.timer = timer  # a fomoepy.timing.LayerTimer when --profile-timing is on
+        # float32 cannot be turned back into store bytes: with a demoting policy each device expert keeps
+        # the ones it was made from (counted in the tier's unit, ready_expert_nbytes(demotes=True))
+        self.keep_raw = streamer.demotes
+        if self.keep_raw:
+            streamer.set_downloader(lambda key: self.ready[key].raw)  # type: ignore[arg-type,return-value]
         for key in streamer.seed_from_profile():
-            self.ready[key] = make_ready(self.layers[key[0]], streamer.source.read(*key))
+            self.ready[key] = make_ready(self.layers[key[0]], streamer.source.read(*key), self.keep_raw)
 
     def begin_step(self) -> None:
         self.streamer.begin_step()
@@ -94,7 +102,7 @@ class CpuExperts:
                 key = (layer, item.expert)
                 x = self.ready.get(key)
                 if x is None:
-                    x = make_ready(self.layers[layer], fetched[item.expert])
+                    x = make_ready(self.layers[layer], fetched[item.expert], self.keep_raw and item.to_device)
                     if item.to_device:
                         self.ready[key] = x
                 ready[item.expert] = x
@@ -124,8 +132,9 @@ class CpuExperts:
 
     def ready_nbytes(self, layer: int) -> int:
         """Bytes of one compute-ready expert of `layer` (the device tier's unit on this backend)."""
-        return ready_expert_nbytes(self.layers[layer])
+        return ready_expert_nbytes(self.layers[layer], self.keep_raw)
 
 
-def ready_expert_nbytes(layout: LayerExperts) -> int:
-    return sum(p.shape[0] * p.shape[1] for p in layout.parts) * 4
+def ready_expert_nbytes(layout: LayerExperts, demotes: bool = False) -> int:
+    """float32 gate, up and down, plus the store bytes when a demoting policy keeps them."""
+    return sum(p.shape[0] * p.shape[1] for p in layout.parts) * 4 + (layout.expert_nbytes if demotes else 0)

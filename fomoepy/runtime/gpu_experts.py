@@ -138,6 +138,8 @@ class GpuExperts:
             on_d = [s.nbytes for s, owner in zip(self.slot_layouts, self.device_of_layer) if owner == d]
             self.sides.append(_DeviceSide(dev, max(on_d, default=SLOT_ALIGN)))
         self.uploads = 0
+        self.downloads = 0
+        streamer.set_downloader(self._download)
         for key in streamer.seed_from_profile():
             self.resident[key] = self._upload(key[0], streamer.source.read(*key))
         for side in self.sides:
@@ -228,6 +230,22 @@ class GpuExperts:
         side.pending_uploads += 1
         self.uploads += 1  # experts copied host -> device so far (a device-tier hit copies nothing)
         return buf
+
+    def _download(self, key: Key) -> ExpertBytes:
+        """Copy a resident expert's store bytes back to the host (a demoting policy's device evictee).
+
+        On the copy stream, so it follows the upload that filled the slot; synchronous, and done before
+        the slot is freed for reuse."""
+        side = self.side(key[0])
+        layout = self.slot_layouts[key[0]]
+        parts = self.layers[key[0]].parts
+        end = layout.offsets[2] + parts[2].nbytes
+        out = np.empty(end, np.uint8)
+        side.rt.dtoh(out.ctypes.data, self.resident[key].ptr, end, side.dev.copy_stream)
+        side.rt.sync(side.dev.copy_stream)
+        self.downloads += 1
+        gate, up, down = (out[o : o + p.nbytes] for o, p in zip(layout.offsets, parts))
+        return gate, up, down
 
     # -- arithmetic ---------------------------------------------------------------------------------
     def _compute(self, layer: int, h: DeviceArray, ids: np.ndarray, weights: np.ndarray, slots: dict[int, DeviceBuffer]) -> DeviceArray:
