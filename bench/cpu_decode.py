@@ -26,6 +26,7 @@ import numpy as np
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
+import llama_peer
 from results import record
 
 HERE = Path(__file__).parent
@@ -56,26 +57,6 @@ def timed_run(engine: Engine, prompt: np.ndarray, n_decode: int, cold: bool = Fa
     return len(prompt) / prefill_s, n_decode / (t2 - t1)
 
 
-def llama_cpp_run(path: Path, prompt: np.ndarray, n_decode: int, threads: int) -> tuple[float, float] | str:
-    """llama.cpp on the same file: one batch for the prompt, then one token per call (greedy)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError as e:
-        return f"not run ({e}; pip install -e '.[bench]')"
-    llm = Llama(str(path), n_ctx=len(prompt) + n_decode + 8, n_batch=len(prompt), n_threads=threads,
-                n_threads_batch=threads, logits_all=True, verbose=False)  # fmt: skip  (scores holds every row)
-    t0 = time.perf_counter()
-    llm.eval(prompt.tolist())
-    prefill_s = time.perf_counter() - t0
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t1 = time.perf_counter()
-    for _ in range(n_decode):
-        llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t2 = time.perf_counter()
-    return len(prompt) / prefill_s, n_decode / (t2 - t1)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
@@ -101,7 +82,7 @@ def main() -> int:
     rows.append(f"| fomoepy reference, cold (empty tier at the first decoded token) | {cold[0]:.1f} | {cold[1]:.1f} |")
     rows.append(f"| fomoepy reference, warm (experts compute-ready) | {warm[0]:.1f} | {warm[1]:.1f} |")
     ref.close()
-    peer = llama_cpp_run(path, prompt, args.decode, threads)
+    peer = llama_peer.run(path, prompt, args.decode, threads)
     if isinstance(peer, str):
         rows.append(f"| llama.cpp | {peer} | |")
     else:
