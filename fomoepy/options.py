@@ -115,7 +115,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="pingpong",
                    help="pingpong (layer L on device L mod N), blocks, or one device index per layer: 0,0,1,1")  # fmt: skip
     p.add_argument("--profile-timing", action="store_true", help="host time per MoE layer by phase, on stderr at the end")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for ggml (as llama.cpp's -t) and numpy's BLAS (default: by model size)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for ggml (as llama.cpp's -t), or numpy's BLAS on --backend reference (default: by model size)")
     g = p.add_argument_group("expert streaming")
     g.add_argument("--store", nargs="+", metavar="DIR", default=[], help="expert store directories (fomoe prepare)")
     g.add_argument(
