@@ -51,7 +51,8 @@ class Engine:
 
             self.source = ExpertStore.open(list(options.store), self.file)
         else:
-            self.source = GGUFExpertSource(self.file, self.spec)
+            # --ram-cache bounds the experts' memory: their mapped pages are given back after each use
+            self.source = GGUFExpertSource(self.file, self.spec, unmap_after_use=options.ram_cache is not None)
         self.weights = load_weights(self.file, self.spec, self.devices, self.placement)
         self.timer = LayerTimer(self.spec.n_layer) if options.profile_timing else None
         self.experts = self._open_experts()

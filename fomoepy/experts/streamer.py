@@ -255,15 +255,14 @@ class ExpertStreamer:
 
     def release(self, plan: Plan) -> None:
         self.cache.release(plan)
-        # A source that maps its file (the GGUF, no store) unmaps what computing from an expert made
-        # resident: a fault maps up to a 2 MiB folio around the bytes it needs, so the touched pages, not
-        # the host tier's budget, would otherwise bound the memory experts take. Its host tier then
-        # names what the page cache should hold, and a hit costs a minor fault, not a read.
-        drop = getattr(self.source, "drop", None)
-        if drop is not None:
+        # A source that maps its file (the GGUF, no store), when the user bounded memory, unmaps what
+        # computing from an expert made resident: a fault maps up to a 2 MiB folio around the bytes it
+        # needs, so the touched pages, not the host tier's budget, would otherwise bound the memory
+        # experts take. Its host tier then names what the page cache should hold.
+        if getattr(self.source, "unmap_after_use", False):
             for item in plan.items:
                 if item.source is not Source.DEVICE:
-                    drop(plan.layer, item.expert)
+                    self.source.drop(plan.layer, item.expert)
 
     # -- background results -----------------------------------------------------------------------
     def _collect_background(self, layer: int) -> None:
