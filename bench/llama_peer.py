@@ -4,7 +4,7 @@ Its own process because llama-cpp-python's ggml and ggml-python's (our cpu backe
 builds of one library with the same symbol names: loaded into one process, llama.cpp's calls can land
 in the other build's code and crash. The benchmarks call `run` and get what the child printed.
 
-    python bench/llama_peer.py MODEL THREADS N_DECODE < prompt-token-ids.json
+    python bench/llama_peer.py MODEL THREADS N_DECODE [--no-repack] < prompt-token-ids.json
 """
 
 from __future__ import annotations
@@ -18,10 +18,15 @@ from pathlib import Path
 import numpy as np
 
 
+def command(path: Path, n_decode: int, threads: int, no_repack: bool = False) -> list[str]:
+    """The child's command line (its stdin: the prompt's token ids as JSON)."""
+    return [sys.executable, __file__, str(path), str(threads), str(n_decode)] + (["--no-repack"] if no_repack else [])
+
+
 def run(path: Path, prompt: np.ndarray, n_decode: int, threads: int) -> tuple[float, float] | str:
     """(prefill tok/s, decode tok/s) of llama.cpp on `path`, or why it did not run."""
     child = subprocess.run(
-        [sys.executable, __file__, str(path), str(threads), str(n_decode)],
+        command(path, n_decode, threads),
         input=json.dumps([int(t) for t in prompt]), capture_output=True, text=True, check=False,
     )  # fmt: skip
     if child.returncode != 0:
@@ -31,9 +36,21 @@ def run(path: Path, prompt: np.ndarray, n_decode: int, threads: int) -> tuple[fl
     return result["prefill"], result["decode"]
 
 
-def measure(path: str, prompt: list[int], n_decode: int, threads: int) -> dict:
-    """One batch for the prompt, then one token per call (greedy)."""
+def measure(path: str, prompt: list[int], n_decode: int, threads: int, no_repack: bool = False) -> dict:
+    """One batch for the prompt, then one token per call (greedy). no_repack: weights stay in the mapped
+    file (llama.cpp's --no-repack), as a model larger than memory needs."""
+    import llama_cpp.llama_cpp as api
     from llama_cpp import Llama
+
+    if no_repack:
+        defaults = api.llama_model_default_params
+
+        def without_repack():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        api.llama_model_default_params = without_repack
 
     llm = Llama(path, n_ctx=len(prompt) + n_decode + 8, n_batch=len(prompt), n_threads=threads,
                 n_threads_batch=threads, logits_all=True, verbose=False)  # fmt: skip  (scores holds every row)
@@ -45,7 +62,9 @@ def measure(path: str, prompt: list[int], n_decode: int, threads: int) -> dict:
     for _ in range(n_decode):
         llm.eval([token])
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    return {"prefill": len(prompt) / prefill_s, "decode": n_decode / (time.perf_counter() - t1)}
+    decode_s = time.perf_counter() - t1
+    read = int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("read_bytes")))
+    return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": read}
 
 
 if __name__ == "__main__":
@@ -54,4 +73,4 @@ if __name__ == "__main__":
     except ImportError as e:
         sys.exit(f"{e}; pip install -e '.[bench]'")
     model, n_threads, decode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    print(json.dumps(measure(model, json.load(sys.stdin), decode, n_threads)))
+    print(json.dumps(measure(model, json.load(sys.stdin), decode, n_threads, "--no-repack" in sys.argv[4:])))
