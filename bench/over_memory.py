@@ -11,10 +11,12 @@ The cap charges the page cache too, so what a run reads back after eviction show
 beside them (random 1 MiB reads of the GGUF, two threads). Needs root, for the cgroup and for dropping
 the page cache; prints why not otherwise.
 
-    python bench/over_memory.py [--cap 320M] [--ram-cache 128M] [--decode 16] [--threads 2] [--record]
+    python bench/over_memory.py [--cap 320M] [--ram-cache 128M] [--layers 8,18] [--decode 16] [--threads 2] [--record]
 
-Not yet: synthetic models 2x and 4x the cap with the demo model's measured routing skew (this runs
-the bench model, whose router is the generator's).
+Models: the bench model's shape (bench/cpu_decode.py) with `--layers` layers each, 8 being the bench
+model itself (1.8x a 320 MiB cap) and 18 about 4x; each gets its store beside it under bench/models/.
+Not yet: routing with the demo model's measured skew (these routers are the generator's, close to
+uniform, which is the hard case for a cache).
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ import numpy as np
 import llama_peer
 from fomoepy.experts.sizes import parse_size
 from results import record
-from store_read import MODEL, STORE, RawReader, ensure_model, ensure_store
+from fomoepy.devtools.make_test_model import make_model
+from fomoepy.errors import StoreError
+from fomoepy.experts.store_reader import ExpertStore
+from fomoepy.experts.store_writer import prepare_store
+from store_read import MODEL, RawReader, ensure_model
 
 PROMPT_TOKENS = 16
 
@@ -97,6 +103,19 @@ def fomoepy_child(model: str, store: str, ram_cache: int, threads: int, n_decode
     return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": read}
 
 
+def model_with_layers(n_layer: int) -> tuple[Path, Path]:
+    """The bench-shaped model with `n_layer` layers and its expert store, written once."""
+    model = ensure_model() if n_layer == 8 else MODEL.with_name(f"bench-qwen3moe-{n_layer}l.gguf")
+    if not model.exists():
+        make_model(model, preset="bench-qwen3moe", n_layer=n_layer)
+    store = model.with_suffix(".store")
+    try:
+        ExpertStore.open([store], model).close()
+    except StoreError:
+        prepare_store(model, [store], progress=False)
+    return model, store
+
+
 def disk_bandwidth(path: Path) -> float:
     """GB/s of random O_DIRECT 1 MiB reads of `path` on two threads (one pass over a quarter of it)."""
     reader = RawReader(path, 1 << 20, 2)
@@ -108,20 +127,21 @@ def disk_bandwidth(path: Path) -> float:
     return nbytes / seconds / 1e9
 
 
-def row(name: str, child: subprocess.CompletedProcess, peak: int | None, n_decode: int) -> str:
+def row(model: str, name: str, child: subprocess.CompletedProcess, peak: int | None, n_decode: int) -> str:
     peak_mb = f"{peak / 2**20:.0f}" if peak is not None else "?"
     if child.returncode != 0:
         why = "killed (out of memory)" if child.returncode in (-9, 137) else (child.stderr.strip().splitlines() or ["?"])[-1][:120]
-        return f"| {name} | {why} | | | {peak_mb} |"
+        return f"| {model} | {name} | {why} | | | {peak_mb} |"
     r = json.loads(child.stdout.strip().splitlines()[-1])
     per_token = r["read_bytes"] / (PROMPT_TOKENS + n_decode) / 2**20
-    return f"| {name} | {r['prefill']:.1f} | {r['decode']:.2f} | {per_token:.1f} | {peak_mb} |"
+    return f"| {model} | {name} | {r['prefill']:.1f} | {r['decode']:.2f} | {per_token:.1f} | {peak_mb} |"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cap", default="320M", help="memory cap of each run, page cache included")
     ap.add_argument("--ram-cache", default="128M", help="fomoepy's host tier")
+    ap.add_argument("--layers", default="8,18", help="layers of each model (8: the bench model)")
     ap.add_argument("--decode", type=int, default=16, help="decoded tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
@@ -139,22 +159,23 @@ def main() -> int:
     except OSError as e:
         print(f"over_memory: not run: {e} (this benchmark needs root: a memory cgroup and /proc/sys/vm/drop_caches)", file=sys.stderr)
         return 1
-    model = ensure_model()
-    ensure_store([STORE], mirror=False, threads=2).close()
     prompt = json.dumps(np.random.default_rng(0).integers(0, 30000, size=PROMPT_TOKENS).tolist())
-    bandwidth = disk_bandwidth(model)
+    models = [model_with_layers(int(n)) for n in args.layers.split(",")]
+    bandwidth = disk_bandwidth(models[0][0])
     rows = []
-    child, peak = limiter.run([sys.executable, __file__, "--child", str(model), str(STORE), str(ram_cache), str(args.threads), str(args.decode)], prompt)
-    rows.append(row(f"fomoepy cpu, store + --ram-cache {args.ram_cache}", child, peak, args.decode))
-    child, peak = limiter.run(llama_peer.command(model, args.decode, args.threads, no_repack=True), prompt)
-    rows.append(row("llama.cpp (mmap, --no-repack)", child, peak, args.decode))
+    for model, store in models:
+        size = f"{model.name}, {model.stat().st_size / 2**20:.0f} MiB = {model.stat().st_size / cap:.1f}x the cap"
+        cmd = [sys.executable, __file__, "--child", str(model), str(store), str(ram_cache), str(args.threads), str(args.decode)]
+        rows.append(row(size, "fomoepy cpu, store + --ram-cache " + args.ram_cache, *limiter.run(cmd, prompt), args.decode))
+        cmd = llama_peer.command(model, args.decode, args.threads, no_repack=True)
+        rows.append(row(size, "llama.cpp (mmap, --no-repack)", *limiter.run(cmd, prompt), args.decode))
     report = (
         f"### over_memory — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
-        f"`python bench/over_memory.py --cap {args.cap} --ram-cache {args.ram_cache} --decode {args.decode} --threads {args.threads}`; "
-        f"model {MODEL.name} ({model.stat().st_size / 2**20:.0f} MiB, {model.stat().st_size / cap:.1f}x the cap), "
-        f"{PROMPT_TOKENS}-token prompt; each run in its own memory cgroup of {cap / 2**20:.0f} MiB (page cache charged) "
-        f"after the page cache is dropped; disk: {bandwidth:.2f} GB/s random O_DIRECT 1 MiB reads, 2 threads, this run\n\n"
-        "| run | prefill tok/s | decode tok/s | disk MiB per token | peak MiB (cgroup) |\n|---|---|---|---|---|\n"
+        f"`python bench/over_memory.py --cap {args.cap} --ram-cache {args.ram_cache} --layers {args.layers} --decode {args.decode} --threads {args.threads}`; "
+        f"bench-shaped models (n_embd 1024, 64 experts top-8, Q4_K/Q6_K experts, Q8_0 dense), {PROMPT_TOKENS}-token prompt; each run in its own memory "
+        f"cgroup of {cap / 2**20:.0f} MiB (page cache charged) after the page cache is dropped; disk: {bandwidth:.2f} GB/s random O_DIRECT "
+        "1 MiB reads, 2 threads, this run\n\n"
+        "| model | run | prefill tok/s | decode tok/s | disk MiB per token | peak MiB (cgroup) |\n|---|---|---|---|---|---|\n"
         + "\n".join(rows) + "\n"
     )  # fmt: skip
     print(report)
