@@ -148,6 +148,19 @@ def main() -> int:
     summary = engine.stats_lines()[0]
     engine.close()
 
+    # the exact engine at the same tier fractions, in the same run (its device tier holds float32)
+    reference = ""
+    if args.backend == "cpu":
+        probe = Engine(model, EngineOptions(backend="reference", store=(str(store),), vram_cache=0, ram_cache=0))
+        ref_dev_all = sum(probe.experts.streamer.cache.device_expert_bytes) * n_expert
+        probe.close()
+        ref = Engine(model, EngineOptions(backend="reference", store=(str(store),), vram_cache=int(ref_dev_all * args.vram_frac),
+                                          ram_cache=int(host_all * args.ram_frac)))  # fmt: skip
+        decode_tokens(ref, 8)
+        t_ref = decode_tokens(ref, args.tokens)
+        ref.close()
+        reference = f"| reference backend, same fractions, same run | {1 / t_ref:.2f} tok/s; cpu / reference = {t_ref / t_token:.1f}x |\n"
+
     llama = "not run (no --llama-bench given)"
     if args.llama_bench:
         proc = subprocess.run([args.llama_bench, "-m", str(model), "-p", "0", "-n", str(args.tokens), "--n-cpu-moe", "99"],
@@ -167,7 +180,8 @@ def main() -> int:
         + (f"{h2d_bw / 1e9:.2f} GB/s" if has_device_tier else "none (computed in place)") + " |\n"
         f"| bound | {bound * 1e3:.1f} ms/token; achieved / bound = {bound / t_token:.2f} |\n"
         f"| host µs per MoE layer step (total, router, plan, experts, attn+dense) | {timing.split(None, 2)[2]} |\n"
-        f"| llama.cpp --n-cpu-moe | {llama} |\n"
+        + reference
+        + f"| llama.cpp --n-cpu-moe | {llama} |\n"
     )
     print(report)
     if args.record:
