@@ -36,6 +36,11 @@ def run(path: Path, prompt: np.ndarray, n_decode: int, threads: int) -> tuple[fl
     return result["prefill"], result["decode"]
 
 
+def read_bytes() -> int:
+    """Bytes this process has had fetched from storage so far (/proc/self/io)."""
+    return int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("read_bytes")))
+
+
 def measure(path: str, prompt: list[int], n_decode: int, threads: int, no_repack: bool = False) -> dict:
     """One batch for the prompt, then one token per call (greedy). no_repack: weights stay in the mapped
     file (llama.cpp's --no-repack), as a model larger than memory needs."""
@@ -63,8 +68,7 @@ def measure(path: str, prompt: list[int], n_decode: int, threads: int, no_repack
         llm.eval([token])
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     decode_s = time.perf_counter() - t1
-    read = int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("read_bytes")))
-    return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": read}
+    return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": read_bytes()}
 
 
 if __name__ == "__main__":

@@ -99,8 +99,7 @@ def fomoepy_child(model: str, store: str, ram_cache: int, threads: int, n_decode
     for _ in range(n_decode):
         token = int(np.argmax(engine.eval(state, [token])[-1]))
     decode_s = time.perf_counter() - t1
-    read = int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("read_bytes")))
-    return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": read}
+    return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": llama_peer.read_bytes()}
 
 
 def model_with_layers(n_layer: int) -> tuple[Path, Path]:
