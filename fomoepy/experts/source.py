@@ -6,6 +6,7 @@ An expert is the triple (gate, up, down) of one MoE layer, each in its tensor's 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,7 +81,6 @@ class GGUFExpertSource:
             views.append(data[start : start + size])
         return views[0], views[1], views[2]
 
-    def drop(self, layer: int, expert: int) -> None:
-        """Unmap the pages reading this expert made resident (the page cache keeps them)."""
-        for part in self.layers[layer].parts:
-            self.gf.drop_pages(*part.range_of(expert))
+    def drop(self, layer: int, experts: Iterable[int]) -> None:
+        """Unmap the pages reading these experts made resident (the page cache keeps them)."""
+        self.gf.drop_pages(*(part.range_of(e) for e in experts for part in self.layers[layer].parts))

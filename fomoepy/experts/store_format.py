@@ -110,10 +110,11 @@ def bind_gguf(gf: GGUFFile, layers: tuple[LayerExperts, ...]) -> GGUFBinding:
         for part in layer.parts:
             info = gf.tensor(part.tensor)
             table.update(json.dumps([info.name, info.qtype.name, info.shape, info.offset, info.nbytes]).encode())
-            for start in sorted({0, max(0, info.nbytes // 2 - SAMPLE_BYTES // 2), max(0, info.nbytes - SAMPLE_BYTES)}):
-                n = min(SAMPLE_BYTES, info.nbytes - start)
-                sample.update(gf.raw(info, info.offset + start, n))
-                gf.drop_pages(info.offset + start, n)  # experts come from the store: hold none of the GGUF's
+            starts = sorted({0, max(0, info.nbytes // 2 - SAMPLE_BYTES // 2), max(0, info.nbytes - SAMPLE_BYTES)})
+            ranges = [(info.offset + start, min(SAMPLE_BYTES, info.nbytes - start)) for start in starts]
+            for offset, n in ranges:
+                sample.update(gf.raw(info, offset, n))
+            gf.drop_pages(*ranges)  # experts come from the store: hold none of the GGUF's (a tensor at a time)
     return GGUFBinding(
         file_size=gf.path.stat().st_size,
         table_sha256=table.hexdigest(),

@@ -260,9 +260,7 @@ class ExpertStreamer:
         # needs, so the touched pages, not the host tier's budget, would otherwise bound the memory
         # experts take. Its host tier then names what the page cache should hold.
         if getattr(self.source, "unmap_after_use", False):
-            for item in plan.items:
-                if item.source is not Source.DEVICE:
-                    self.source.drop(plan.layer, item.expert)
+            self.source.drop(plan.layer, [item.expert for item in plan.items if item.source is not Source.DEVICE])
 
     # -- background results -----------------------------------------------------------------------
     def _collect_background(self, layer: int) -> None:

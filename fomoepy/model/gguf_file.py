@@ -90,18 +90,29 @@ class GGUFFile:
         """The whole file as a read-only uint8 memory map (slice it by absolute offsets)."""
         return self._data
 
-    def drop_pages(self, offset: int, nbytes: int) -> None:
-        """Unmap the pages around [offset, offset + nbytes) that reading through the map made resident.
+    def drop_pages(self, *ranges: tuple[int, int]) -> None:
+        """Unmap the pages around each (offset, nbytes) range that reading through the map made resident.
 
         The page cache keeps them; only this process's resident set shrinks (a later read faults them
-        back in). The window is widened to 2 MiB boundaries: kernels that cache files in large folios
-        map a whole folio, up to that size, on one fault, so a 4 KiB read can add 2 MiB to the RSS."""
+        back in). Each window is widened to 2 MiB boundaries: kernels that cache files in large folios
+        map a whole folio, up to that size, on one fault, so a 4 KiB read can add 2 MiB to the RSS.
+        Overlapping windows are merged, one system call each."""
         mm = getattr(self._data, "_mmap", None)
-        if mm is None or not hasattr(mmap, "MADV_DONTNEED") or nbytes <= 0:
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = max(0, offset - offset % _FOLIO_MAX)
-        end = min(len(self._data), -(-(offset + nbytes) // _FOLIO_MAX) * _FOLIO_MAX)
-        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        windows = sorted(
+            (max(0, offset - offset % _FOLIO_MAX), min(len(self._data), -(-(offset + nbytes) // _FOLIO_MAX) * _FOLIO_MAX))
+            for offset, nbytes in ranges
+            if nbytes > 0
+        )
+        merged: list[list[int]] = []
+        for start, end in windows:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        for start, end in merged:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def raw(self, info: TensorInfo, offset: int | None = None, nbytes: int | None = None) -> np.ndarray:
         """The bytes of `info` (or of a sub-range given as an absolute offset) as a read-only uint8 view."""
