@@ -24,9 +24,7 @@ from fomoepy.model.state import InferenceState
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer, load_weights
 from fomoepy.options import EngineOptions
-from fomoepy.runtime.backends import device_expert_nbytes, make_backend, make_experts
-from fomoepy.runtime.cpu import CpuBackend
-from fomoepy.runtime.gpu import GpuBackend
+from fomoepy.runtime.backends import device_expert_nbytes, make_experts, open_backends
 from fomoepy.sampling import Sampler, SamplingParams
 from fomoepy.scheduler import Placement
 from fomoepy.timing import LayerTimer
@@ -41,10 +39,7 @@ class Engine:
         if self.n_ctx < 1:
             raise FomoeError(f"context size must be >= 1, got {self.n_ctx}")
         self.placement = Placement.parse(options.placement, self.spec.n_layer, options.devices)
-        threads = blas_threads(self.spec, options.threads)
-        self.devices = [make_backend(options.backend, threads, d) for d in range(options.devices)]
-        if options.devices > 1 and not isinstance(self.devices[0], (CpuBackend, GpuBackend)):
-            raise FomoeError(f"several devices need a GPU backend (or the reference backend's logical devices), not {options.backend}")
+        self.devices = open_backends(options, self.spec)
         self.ops = self.devices[0]
         if options.store:
             from fomoepy.experts.store_reader import ExpertStore
@@ -72,15 +67,14 @@ class Engine:
             device = 0
         else:
             device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
-        backfills = o.car.enabled and o.backfill != "off"
-        host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or backfills)
+        host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or o.backfills)
         # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
         cache = ExpertCache(
             self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device, host,
             device_policy=make_policy(o.cache_policy), host_policy=make_policy(o.cache_policy),
             device_expert_bytes=device_unit, device_of_layer=self.placement.device_of_layer,
         )  # fmt: skip
-        streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o.streaming(trace), self.spec.name)
+        streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace)
         return make_experts(self.ops, streamer, self.weights.routers(), self.devices, self.placement.device_of_layer, self.timer)
 
     def _default_device_bytes(self, unit: list[int]) -> int:
@@ -183,21 +177,6 @@ def is_ggml_cpu(ops) -> bool:
     from fomoepy.runtime.ggml_cpu import GgmlBackend
 
     return isinstance(ops, GgmlBackend)
-
-
-def blas_threads(spec: ModelSpec, requested: int | None) -> int:
-    """One thread for small models (thread hand-offs cost more than they save on small matrices),
-    every core for larger ones. On the 2-core bench machine, idle, two threads decode the mid-size
-    model at 22.9 tok/s and one at 15.3; but with another process busy on one core two threads
-    fall to 5 tok/s (OpenBLAS threads that lose their core spin) where one keeps 16.4: pass
-    `-t` when the machine is shared (bench/cpu_decode.py, bench/RESULTS.md)."""
-    if requested is not None:
-        if requested < 1:
-            raise FomoeError(f"--threads must be >= 1, got {requested}")
-        return requested
-    if spec.n_embd * spec.moe.expert_ff < 1 << 19:
-        return 1
-    return os.cpu_count() or 1
 
 
 def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:

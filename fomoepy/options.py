@@ -1,9 +1,15 @@
 """The engine's configuration: one frozen, validated `EngineOptions`, and the command-line flags that
 make it (every command that opens a model: generate, logits, serve, ppl, profile, demo).
 
-A flag's path: its definition here (`add_engine_options`), its field (`EngineOptions.from_args`,
-checked once in `__post_init__`), and the module that acts on it. The flag names are a contract:
-other programs pass them.
+A flag's path is at most three files: its definition and field here (`add_engine_options`,
+`EngineOptions.from_args`, checked once in `__post_init__`), then the module that acts on it, which
+reads it off the options object it is given rather than from a copy. For example:
+
+    -t/--threads   options -> runtime/backends.open_backends (cpu_threads) -> runtime/ggml_cpu.GgmlBackend
+    --car-*        experts/car (flags, CarConfig) -> options -> experts/streamer (car.cache_aware_route)
+    --ram-cache    options -> engine (ExpertCache's sizes) -> experts/cache
+
+The flag names are a contract: other programs pass them.
 """
 
 from __future__ import annotations
@@ -14,16 +20,17 @@ from dataclasses import dataclass, field, fields
 from fomoepy.errors import FomoeError
 from fomoepy.experts.car import CarConfig
 from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
-from fomoepy.experts.streamer import BACKFILL_MODES, StreamingOptions
 from fomoepy.runtime.backends import BACKEND_NAMES
 from fomoepy.scheduler import PLACEMENTS
+
+BACKFILL_MODES = ("off", "thread", "sync")  # reload CAR's substituted originals: never, in a thread, N per token
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     backend: str = "reference"  # the exact engine for library callers and tests; the CLI defaults to cpu (ggml)
     n_ctx: int | None = None  # None: the model's training context
-    threads: int | None = None  # CPU threads (ggml, BLAS); None: automatic (engine.blas_threads)
+    threads: int | None = None  # CPU threads (ggml, BLAS); None: automatic (backends.cpu_threads)
     devices: int = 1  # devices the layers are placed on
     placement: str = "pingpong"  # pingpong | blocks | one device index per layer
     profile_timing: bool = False
@@ -85,12 +92,10 @@ class EngineOptions:
             trace=args.trace,
         )
 
-    def streaming(self, trace: bool = True) -> StreamingOptions:
-        """The expert streamer's share of the configuration (the engine sizes the cache it hands the streamer)."""
-        return StreamingOptions(
-            car=self.car, backfill=self.backfill, backfill_per_token=self.backfill_per_token, prefetch=self.prefetch,
-            trace_path=self.trace if trace else None, freq_profile=self.freq_profile,
-        )  # fmt: skip
+    @property
+    def backfills(self) -> bool:
+        """Whether CAR's substituted originals are read back into the host tier (which then needs one)."""
+        return self.car.enabled and self.backfill != "off"
 
     def settings(self) -> dict:
         """Every field as plain values (CAR's flattened), e.g. for a resume file's header; n_ctx is left

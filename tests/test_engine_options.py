@@ -43,5 +43,4 @@ def test_the_flags_build_the_options():
     assert o.car == CarConfig(threshold=0.3, warmup_tokens=5)
     settings = o.settings()
     assert settings["car_threshold"] == 0.3 and settings["vram_cache"] == 4 << 20 and "n_ctx" not in settings
-    streaming = o.streaming()
-    assert (streaming.car, streaming.prefetch, streaming.trace_path) == (o.car, False, None)
+    assert o.backfills and not EngineOptions(car=o.car, backfill="off").backfills and not EngineOptions().backfills

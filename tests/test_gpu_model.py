@@ -20,11 +20,12 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.source import GGUFExpertSource
 from fomoepy.experts.cache import ExpertCache
 from fomoepy.experts.policy import make_policy
-from fomoepy.experts.streamer import ExpertStreamer, StreamingOptions
+from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ATTENTION, ModelSpec
 from fomoepy.model.state import DeltaNetState, InferenceState, KVCache
 from fomoepy.model.transformer import Transformer, load_weights
+from fomoepy.options import EngineOptions
 from fomoepy.runtime.backends import open_gpu
 from fomoepy.runtime.gpu_experts import GpuExperts, gpu_expert_nbytes
 
@@ -122,7 +123,7 @@ def test_a_demoting_policy_copies_device_evictees_down_and_the_logits_stay_exact
     host = sum(layer.expert_nbytes for layer in source.layers) * spec.moe.n_expert
     cache = ExpertCache(spec.moe.n_expert, [layer.expert_nbytes for layer in source.layers], device, host,
                         device_policy=make_policy("lfu-demote"), host_policy=make_policy("lfu-demote"), device_expert_bytes=unit)  # fmt: skip
-    streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used, StreamingOptions(prefetch=False))
+    streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used, EngineOptions(prefetch=False))
     weights = load_weights(gf, spec, dev)
     experts = GpuExperts(streamer, dev, weights.routers())
     model = Transformer(spec, weights, dev, experts)

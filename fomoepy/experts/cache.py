@@ -38,6 +38,9 @@ from fomoepy.experts.cache_stats import CacheStats
 from fomoepy.experts.policy import EvictionPolicy, Key, LRUPolicy
 from fomoepy.experts.tiers import SlotState, TierDirectory
 
+# with a *-pinned policy, the share of each tier a frequency profile's seeds hold for good
+PIN_FRACTION = 0.5
+
 
 class Source(Enum):
     DEVICE = "device"  # hit: already in a device slot

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.cache import PIN_FRACTION
 from fomoepy.experts.car import CarConfig
 from fomoepy.experts import trace_pack
 from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
@@ -35,7 +36,7 @@ def add_simulate_command(sub) -> None:
     p.add_argument("--expert-bytes", help="bytes of one expert in every layer (overrides the trace header)")
     p.add_argument("--profile", help="a .freq profile that seeds VRAM then DRAM before replay")
     p.add_argument(
-        "--pin-fraction", type=float, default=0.5, help="with *-pinned policies: share of each tier pinned (0.5)"
+        "--pin-fraction", type=float, default=PIN_FRACTION, help=f"with *-pinned policies: share of each tier pinned ({PIN_FRACTION}, as the engine)"
     )
     CarConfig.add_arguments(p.add_argument_group("cache-aware routing replayed (off by default)"))
     p.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -18,47 +18,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from fomoepy.errors import FomoeError
 from fomoepy.experts.backfill import BackfillQueue, BackfillThread
-from fomoepy.experts.cache import ExpertCache, Plan, Source
-from fomoepy.experts.car import CarConfig, CarStats, cache_aware_route
+from fomoepy.experts.cache import PIN_FRACTION, ExpertCache, Plan, Source
+from fomoepy.experts.car import CarStats, cache_aware_route
 from fomoepy.experts.policy import Key
 from fomoepy.experts.profile import ExpertCounter, read_freq, seed_order
 from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
 from fomoepy.experts.trace import TraceHeader, TraceWriter
+from fomoepy.options import EngineOptions
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
-BACKFILL_MODES = ("off", "thread", "sync")
+# a substituted original still unread after this many tokens is no longer worth backfilling
+BACKFILL_MAX_AGE = 64
 
 
 class ExpertSourceLike(Protocol):
     layers: tuple[LayerExperts, ...]
 
     def read(self, layer: int, expert: int) -> ExpertBytes: ...
-
-
-@dataclass(frozen=True)
-class StreamingOptions:
-    """What the streamer does around the cache it is given (the tiers' sizes and policies are the cache's)."""
-
-    car: CarConfig = field(default_factory=CarConfig)
-    backfill: str = "thread"  # off | thread | sync (used only when CAR substitutes)
-    backfill_per_token: int = 4  # sync mode
-    backfill_max_age: int = 64  # tokens
-    prefetch: bool = True
-    trace_path: str | None = None
-    freq_profile: str | None = None
-    pin_fraction: float = 0.5  # with a *-pinned policy: share of each tier the profile's seeds hold for good
-
-    def __post_init__(self) -> None:
-        if self.backfill not in BACKFILL_MODES:
-            raise FomoeError(f"backfill must be one of {', '.join(BACKFILL_MODES)}, got {self.backfill!r}")
 
 
 @dataclass
@@ -79,9 +62,13 @@ class ExpertStreamer:
         source: ExpertSourceLike,
         cache: ExpertCache,
         n_expert_used: int,
-        options: StreamingOptions = StreamingOptions(),
+        options: EngineOptions = EngineOptions(),
         model_name: str = "",
+        record_trace: bool = True,
     ):
+        """options: the engine's, of which the streamer acts on car, backfill, backfill_per_token,
+        prefetch, trace and freq_profile (the tiers' sizes and policies are the cache's).
+        record_trace: open options.trace (False when a reset carries the open trace over)."""
         self.source = source
         self.options = options
         self.layers = source.layers
@@ -102,15 +89,15 @@ class ExpertStreamer:
         self._to_prefetch: tuple[int, np.ndarray] | None = None  # (layer, experts) to read from the next acquire
         self._inflight: dict[Key, Future] = {}
         self.trace: TraceWriter | None = None
-        if options.trace_path:
+        if options.trace and record_trace:
             header = TraceHeader(self.n_layer, self.n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name)
-            self.trace = TraceWriter(options.trace_path, header)
+            self.trace = TraceWriter(options.trace, header)
         self._backfill_queue: BackfillQueue | None = None
         self._backfill_thread: BackfillThread | None = None
         if options.car.enabled and options.backfill == "thread":
-            self._backfill_thread = BackfillThread(source.read, options.backfill_max_age)
+            self._backfill_thread = BackfillThread(source.read, BACKFILL_MAX_AGE)
         elif options.car.enabled and options.backfill == "sync":
-            self._backfill_queue = BackfillQueue(options.backfill_max_age)
+            self._backfill_queue = BackfillQueue(BACKFILL_MAX_AGE)
         self.backfilled = 0
 
     @property
@@ -139,7 +126,7 @@ class ExpertStreamer:
         if not self.options.freq_profile:
             return []
         profile = read_freq(self.options.freq_profile, self.n_layer, self.n_expert)
-        device_keys, host_keys = self.cache.seed(seed_order(profile), self.options.pin_fraction)
+        device_keys, host_keys = self.cache.seed(seed_order(profile), PIN_FRACTION)
         for key in host_keys:
             self.host_slots[key] = self.source.read(*key)
         return device_keys

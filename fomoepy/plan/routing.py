@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.cache import PIN_FRACTION
 from fomoepy.experts.car import CarConfig
 from fomoepy.experts.simulate import SimResult, simulate
 from fomoepy.experts.trace import (
@@ -52,7 +53,7 @@ def rates_from_trace(
     car = CarConfig(threshold=car_threshold) if car_threshold is not None else None
     result = simulate(
         trace, sizes, int(device_share * total), int(host_share * total), policy, seed=seed or (), car=car,
-        pin_fraction=0.5 if seed else 0.0,  # as `fomoe simulate`: *-pinned policies pin half of each tier
+        pin_fraction=PIN_FRACTION if seed else 0.0,  # as the engine and `fomoe simulate` do
     )
     what = "synthetic" if not trace.path else f"trace {trace.path}"
     car_text = f", CAR {car_threshold}" if car_threshold is not None else ""

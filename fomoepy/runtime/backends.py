@@ -5,6 +5,7 @@ simulated device, which runs hip_kernels/ on the CPU for debugging and CI (auto 
 from __future__ import annotations
 
 import logging
+import os
 
 from fomoepy.errors import FomoeError
 
@@ -27,19 +28,41 @@ def open_gpu(vendor: str = "auto", device: int = 0):
     raise FomoeError("no GPU backend could start: " + "; ".join(reasons))
 
 
-def make_backend(name: str, cpu_threads: int | None = None, device: int = 0):
-    """The ops object for a --backend value (cpu_threads: BLAS threads if it is the CPU; device: which
+def open_backends(options, spec) -> list:
+    """One ops object per device of `options` (fomoepy.options.EngineOptions): its backend, on
+    `threads` CPU threads (default: cpu_threads)."""
+    threads = cpu_threads(spec, options.threads)
+    return [make_backend(options.backend, threads, d) for d in range(options.devices)]
+
+
+def cpu_threads(spec, requested: int | None) -> int:
+    """One thread for small models (thread hand-offs cost more than they save on small matrices),
+    every core for larger ones. On the 2-core bench machine, idle, two threads decode the mid-size
+    model at 22.9 tok/s and one at 15.3; but with another process busy on one core two threads
+    fall to 5 tok/s (OpenBLAS threads that lose their core spin) where one keeps 16.4: pass
+    `-t` when the machine is shared (bench/cpu_decode.py, bench/RESULTS.md)."""
+    if requested is not None:
+        if requested < 1:
+            raise FomoeError(f"--threads must be >= 1, got {requested}")
+        return requested
+    if spec.n_embd * spec.moe.expert_ff < 1 << 19:
+        return 1
+    return os.cpu_count() or 1
+
+
+def make_backend(name: str, threads: int | None = None, device: int = 0):
+    """The ops object for a --backend value (threads: ggml's or BLAS's if it is the CPU; device: which
     GPU, for placements over several)."""
     if name not in BACKEND_NAMES:
         raise FomoeError(f"backend {name!r} is not available (available: {', '.join(BACKEND_NAMES)})")
     if name == "reference":
         from fomoepy.runtime.cpu import CpuBackend
 
-        return CpuBackend(cpu_threads)
+        return CpuBackend(threads)
     if name == "cpu":
         from fomoepy.runtime.ggml_cpu import GgmlBackend
 
-        return GgmlBackend(cpu_threads)
+        return GgmlBackend(threads)
     if name == "auto":
         try:
             return open_gpu("auto", device)
@@ -47,7 +70,7 @@ def make_backend(name: str, cpu_threads: int | None = None, device: int = 0):
             log.warning("backend auto: using the CPU (%s)", e)
             from fomoepy.runtime.ggml_cpu import GgmlBackend
 
-            return GgmlBackend(cpu_threads)
+            return GgmlBackend(threads)
     return open_gpu(name, device)
 
 
