@@ -28,6 +28,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
+from results import record
 
 from fomoepy.data import demo_heldout_path, demo_model_path
 from fomoepy.engine import Engine, EngineOptions
@@ -35,7 +36,6 @@ from fomoepy.eval import kl as klm
 from fomoepy.eval.ppl import plan_chunks, token_nll
 from fomoepy.experts.car import CarConfig
 from fomoepy.runtime.cpu_experts import ready_expert_nbytes
-from results import record
 
 HERE = Path(__file__).parent
 THRESHOLDS = (0.05, 0.1, 0.25, 0.5, 0.75)

@@ -22,12 +22,12 @@ import time
 from datetime import date
 from pathlib import Path
 
+import llama_peer
 import numpy as np
+from results import record
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
-import llama_peer
-from results import record
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"

@@ -29,13 +29,13 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
+from results import record
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
 from fomoepy.experts.store_reader import ExpertStore
 from fomoepy.experts.store_writer import prepare_store
-from results import record
 
 HERE = Path(__file__).parent
 SHAPES = {

@@ -19,9 +19,10 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 
+from results import record
+
 from fomoepy.devtools import amdgpu_codegen as ag
 from fomoepy.runtime import kernels
-from results import record
 
 TYPE_SUFFIXES = sorted(kernels.KERNEL_TYPE_NAMES.values(), key=len, reverse=True)
 

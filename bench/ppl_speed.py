@@ -24,10 +24,11 @@ import time
 from datetime import date
 from pathlib import Path
 
+from results import load_line, record
+
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.eval.ppl_run import PplRequest, PplRun
-from results import load_line, record
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"

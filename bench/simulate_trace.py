@@ -23,10 +23,11 @@ import sys
 from datetime import date
 from pathlib import Path
 
+from results import record
+
 from fomoepy.cli import main as fomoe
 from fomoepy.experts import trace_pack
 from fomoepy.experts.policy import DEFAULT_POLICY
-from results import record
 
 TRACES = Path(__file__).resolve().parents[1] / "profiles" / "traces"
 PROFILE = TRACES.parent / "demo-qwen3moe.freq"

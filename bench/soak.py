@@ -24,7 +24,6 @@ import random
 import shlex
 import signal
 import socket
-import statistics
 import struct
 import subprocess
 import sys
@@ -36,9 +35,9 @@ from datetime import date
 from pathlib import Path
 
 import msgpack
+from results import record
 
 from fomoepy.serve.protocol import FrameDecoder, encode_frame
-from results import record
 
 PROGRESS = ("queued", "delta")
 

@@ -27,12 +27,12 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
+from results import record
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.errors import StoreError
 from fomoepy.experts.store_reader import O_DIRECT, ExpertStore, aligned_empty
 from fomoepy.experts.store_writer import prepare_store
-from results import record
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 

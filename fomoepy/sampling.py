@@ -6,13 +6,12 @@ The chain order is llama.cpp's default sampler order, so the same settings mean 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from fomoepy.errors import FomoeError
-
 
 GREEDY_BELOW = 1e-6  # a temperature under this samples like temperature 0 (argmax)
 MAX_PENALTY = 1e6  # repeat_penalty range [1/MAX_PENALTY, MAX_PENALTY]

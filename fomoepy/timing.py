@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 PHASES = ("router", "plan", "experts")
 

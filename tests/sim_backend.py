@@ -5,11 +5,11 @@ simulator make their own."""
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from fomoepy.runtime.gpu import GpuBackend
 
 
-@lru_cache(maxsize=None)
+@cache
 def sim_backend(device: int = 0) -> GpuBackend:
     return GpuBackend("sim", device)

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import ORACLE
+
 from fomoepy.cli import main
 
 Q4KM = str(ORACLE / "qwen3moe_q4_k_m.gguf")

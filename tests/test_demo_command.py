@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from conftest import ORACLE
+
 from fomoepy.cli import main
 
 

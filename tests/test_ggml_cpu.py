@@ -8,11 +8,11 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ORACLE
+from float32_bounds import U, reorder_bound
 from gguf import GGMLQuantizationType as QT
 
-from conftest import ORACLE
 from fomoepy import quants
-from float32_bounds import U, reorder_bound
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.store_writer import prepare_store
 from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, mul_mat

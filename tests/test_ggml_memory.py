@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from fomoepy.experts.source import expert_index
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec
-from fomoepy.experts.source import expert_index
 
 ROOT = Path(__file__).resolve().parent.parent
 # the interpreter with numpy, gguf, tokenizers and ggml loaded (48 MB of it), graph work areas,

@@ -7,8 +7,8 @@ import struct
 import gguf
 import numpy as np
 import pytest
-
 from conftest import ORACLE
+
 from fomoepy.errors import ModelFileError
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec

@@ -17,9 +17,9 @@ from conftest import ORACLE, open_oracle_engine
 from sim_backend import sim_backend
 
 from fomoepy.errors import FomoeError
-from fomoepy.experts.source import GGUFExpertSource
 from fomoepy.experts.cache import ExpertCache
 from fomoepy.experts.policy import make_policy
+from fomoepy.experts.source import GGUFExpertSource
 from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ATTENTION, ModelSpec

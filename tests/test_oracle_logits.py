@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import ORACLE, open_oracle_engine
 from float32_bounds import reorder_bound
 

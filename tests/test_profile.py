@@ -9,7 +9,14 @@ import pytest
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.cache import ExpertCache
-from fomoepy.experts.profile import ExpertCounter, FreqProfile, read_freq, seed_order, sorted_entries, write_freq
+from fomoepy.experts.profile import (
+    ExpertCounter,
+    FreqProfile,
+    read_freq,
+    seed_order,
+    sorted_entries,
+    write_freq,
+)
 
 
 def fomoe_bytes(n_layers, entries, magic=0x46524551, version=1, n_entries=None) -> bytes:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-
 from conftest import ORACLE
+
 from fomoepy.cli import main
 from fomoepy.experts.profile import read_freq
 

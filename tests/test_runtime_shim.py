@@ -96,8 +96,8 @@ def test_kernel_parameters_are_packed_in_their_c_types():
 
 
 def test_backend_selection_without_a_gpu():
-    from fomoepy.runtime.cpu import CpuBackend
     from fomoepy.runtime.backends import make_backend
+    from fomoepy.runtime.cpu import CpuBackend
 
     if _has_device("cuda") or _has_device("hip"):
         pytest.skip("a GPU is present")
@@ -171,8 +171,8 @@ def test_a_rocm5_runtime_is_one_error_naming_what_hip_python_needs(monkeypatch):
 
 def test_auto_falls_back_to_the_cpu_whatever_fails_while_opening_a_device(monkeypatch):
     from fomoepy.runtime import gpu
-    from fomoepy.runtime.cpu import CpuBackend
     from fomoepy.runtime.backends import make_backend
+    from fomoepy.runtime.cpu import CpuBackend
 
     def broken(vendor, device=0):
         raise RuntimeError(f"{vendor} driver exploded")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import ORACLE
+
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.errors import FomoeError
 from fomoepy.runtime.cpu_experts import ready_expert_nbytes

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ORACLE
+
 from fomoepy.cli import main
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.errors import StoreError

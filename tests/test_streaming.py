@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import ORACLE
+
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.car import CarConfig
 from fomoepy.experts.policy import DEFAULT_POLICY, policy_demotes

@@ -92,8 +92,8 @@ class KernelResources:
         return self.vgpr_spills > 0 or self.sgpr_spills > 0
 
 
-_METADATA = re.compile(r"^\s*\.amdgpu_metadata\n(.*?)^\s*\.end_amdgpu_metadata", re.S | re.M)
-_FUNCTION = re.compile(r"^(\w+):\s*(?:;.*)?$", re.M)
+_METADATA = re.compile(r"^\s*\.amdgpu_metadata\n(.*?)^\s*\.end_amdgpu_metadata", re.DOTALL | re.MULTILINE)
+_FUNCTION = re.compile(r"^(\w+):\s*(?:;.*)?$", re.MULTILINE)
 _OCCUPANCY = re.compile(r";\s*Occupancy:\s*(\d+)")
 
 

@@ -17,7 +17,7 @@ import heapq
 import itertools
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from fomoepy.experts.policy import Key
 

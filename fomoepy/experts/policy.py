@@ -21,10 +21,9 @@ loading). Time is logical: the number of tokens the engine has processed.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import heapq
 import math
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import closing

@@ -6,9 +6,9 @@ import argparse
 import json
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts import trace_pack
 from fomoepy.experts.cache import PIN_FRACTION
 from fomoepy.experts.car import CarConfig
-from fomoepy.experts import trace_pack
 from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
 from fomoepy.experts.profile import read_freq, seed_order
 from fomoepy.experts.simulate import belady_for, report, simulate

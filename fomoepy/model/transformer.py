@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from fomoepy.model.gguf_file import GGUFFile
-from fomoepy.model.qwen35moe import qwen35moe_layer
 from fomoepy.model.qwen3moe import qwen3moe_layer
+from fomoepy.model.qwen35moe import qwen35moe_layer
 from fomoepy.model.spec import ModelSpec
 from fomoepy.model.state import InferenceState
 from fomoepy.model.weights import ResidentWeights

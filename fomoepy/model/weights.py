@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from fomoepy import quants
+from fomoepy.experts.source import EXPERT_PARTS
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec, expected_tensor_shapes
-from fomoepy.experts.source import EXPERT_PARTS
 
 
 class TokenEmbedding:
@@ -50,7 +50,7 @@ class ResidentWeights:
         """Every MoE layer's router, in layer order (the expert executors predict the next layer with them)."""
         return [self.tensors[f"blk.{il}.ffn_gate_inp.weight"] for il in range(self.n_layer)]
 
-    def layer(self, il: int) -> "LayerView":
+    def layer(self, il: int) -> LayerView:
         return LayerView(self.tensors, f"blk.{il}.")
 
     def __getitem__(self, name: str) -> Any:

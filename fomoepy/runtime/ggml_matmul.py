@@ -50,7 +50,7 @@ class QuantMatrix:
         return (self.n_rows, self.n_cols)
 
     @staticmethod
-    def of(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> "QuantMatrix":
+    def of(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantMatrix:
         if int(qtype) not in SUPPORTED_TYPES:
             raise FomoeError(f"quant type {int(qtype)} is not supported by the ggml CPU backend")
         n, k = int(shape[0]), int(shape[1])

@@ -11,10 +11,9 @@ modules and functions are the bindings' handle objects, passed back untouched.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import ctypes
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
