@@ -1,14 +1,18 @@
 """`fomoe plan`'s time model against measured decode on this machine.
 
-Runs the bench-shaped model (bench/decode.py's `--shape bench`) at four tier settings (all experts
-resident; device 25 % + host 25 %; 10 % + 25 %; 5 % + 10 % of all experts) with 1 and 2 threads,
-and prints measured and projected tok/s side by side. Everything the projection uses is taken in
-the same run, before the decodes of that thread count:
+Runs the bench-shaped model (bench/decode.py's `--shape bench`) at four tier settings with 1 and 2
+threads and prints measured and projected tok/s side by side. The settings give the same memory to
+each backend: on `reference`, all experts resident in its device tier, then device + host 25 % + 25 %,
+10 % + 25 %, 5 % + 10 % of all experts; on `cpu` (ggml, which has no device tier) the host tier
+holds 100 %, 50 %, 35 %, 15 %. Everything the projection uses is taken in the same run, just before
+the decode of each setting:
 
-    compute rate   the backend's own expert FFN (its `_compute` on k ready experts), bytes/s
-    dense family   float32 matvecs of this model's dense and head shapes: its rate / compute rate
-    make ready     store bytes/s turned into compute-ready experts (the CPU backend's "copy up"),
-                   through its own make_ready on bytes read from the store
+    compute rate   the backend's own expert FFN on k experts, bytes/s of the bytes it reads (reference:
+                   compute-ready float32 through CpuExperts; cpu: store bytes through ggml's expert_ffn)
+    dense family   this model's layer-0 dense matrices and head through the backend's own product
+                   (reference: float32 matvecs; cpu: ggml on the file's bytes): its rate / compute rate
+    make ready     reference: store bytes/s turned into compute-ready experts (its "copy up"), through
+                   its own make_ready on bytes read from the store; cpu: none, ggml reads store bytes in place
     disk           O_DIRECT reads of the store: bandwidth (many in flight), latency (one at a time)
     tier shares    the run's own hit counts (prefetch and backfill off, so every miss is a
                    synchronous read, as the model's schedule has it)
@@ -17,11 +21,7 @@ and one fitted constant per thread count, named and printed: the host's per-laye
 (norms, attention arithmetic, routing, cache plan, Python), fitted on the all-resident setting, so
 that row matches by construction and the other three are predictions.
 
-    python bench/plan_fidelity.py [--backend reference] [--tokens 24] [--record]
-
-The figures above are the numpy engine's (`reference`: a float32 compute-ready device tier). The
-ggml `cpu` backend has no device tier and computes from the host tier's quantized bytes; `fomoe plan`
-does not model that schedule yet, so this script does not run on it.
+    python bench/plan_fidelity.py [--backend cpu|reference] [--tokens 24] [--threads 1,2] [--record]
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ from fomoepy.plan.rates import TierRates
 from fomoepy.plan.shapes import model_bytes_from_gguf
 from fomoepy.plan.timemodel import Workload, project
 
-SETTINGS = [("all resident", 1.0, 0.0), ("25% + 25%", 0.25, 0.25), ("10% + 25%", 0.10, 0.25), ("5% + 10%", 0.05, 0.10)]
+# (name, device share, host share) of all experts' bytes, per backend; the first is all resident
+SETTINGS = {
+    "reference": [("all resident", 1.0, 0.0), ("25% + 25%", 0.25, 0.25), ("10% + 25%", 0.10, 0.25), ("5% + 10%", 0.05, 0.10)],
+    "cpu": [("all resident", 0.0, 1.0), ("0% + 50%", 0.0, 0.50), ("0% + 35%", 0.0, 0.35), ("0% + 15%", 0.0, 0.15)],
+}
 WITHIN = 0.15
 
 
@@ -74,11 +78,46 @@ def expert_rate(engine: Engine, repeats: int = 30) -> float:
     return sum(x.nbytes for x in ready.values()) / seconds
 
 
+def ggml_expert_rate(engine: Engine, repeats: int = 30) -> float:
+    """Store bytes per second through ggml's expert FFN (the cpu backend's), k experts, one token."""
+    from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn
+
+    src, k = engine.source, engine.spec.moe.n_expert_used
+    parts = src.layers[0].parts
+    groups = []
+    for e in range(k):
+        raw = src.read(0, e)
+        groups.append((np.zeros(1, np.int64), *(QuantMatrix.of(raw[i], q.qtype, q.shape) for i, q in enumerate(parts))))
+    h = np.random.default_rng(0).standard_normal((1, engine.spec.n_embd)).astype(np.float32)
+    seconds = _best_seconds(lambda: expert_ffn(h, groups, engine.ops.threads), repeats)
+    return k * src.layers[0].expert_nbytes / seconds
+
+
+def dense_names(gf: GGUFFile) -> list[str]:
+    """Layer 0's dense matrices and the output head: the dense family's kernels."""
+    names = [n for n, t in gf.tensors.items() if n.startswith("blk.0.") and len(t.shape) == 2 and "exps" not in n]
+    names.append("output.weight" if "output.weight" in gf.tensors else "token_embd.weight")
+    return names
+
+
+def ggml_dense_rate(model, threads: int, repeats: int = 10) -> float:
+    """File bytes per second through ggml's products on this model's layer-0 dense matrices and head,
+    as the cpu backend computes them (in place on the mapped GGUF)."""
+    from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
+
+    gf = GGUFFile(model)
+    infos = [gf.tensors[n] for n in dense_names(gf)]
+    mats = [QuantMatrix.of(gf.raw(t), t.qtype, t.shape) for t in infos]
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((1, m.n_cols), dtype=np.float32) for m in mats]
+    seconds = _best_seconds(lambda: [mul_mat(x, m, threads) for x, m in zip(xs, mats)], repeats)
+    return sum(m.nbytes for m in mats) / seconds
+
+
 def dense_rate(model, repeats: int = 10) -> float:
     """float32 bytes per second through matvecs of this model's layer-0 dense matrices and its head."""
     gf = GGUFFile(model)
-    names = [n for n, t in gf.tensors.items() if n.startswith("blk.0.") and len(t.shape) == 2 and "exps" not in n]
-    names.append("output.weight" if "output.weight" in gf.tensors else "token_embd.weight")
+    names = dense_names(gf)
     rng = np.random.default_rng(0)
     mats = [rng.standard_normal(gf.tensors[n].shape, dtype=np.float32) for n in names]
     xs = [rng.standard_normal((1, m.shape[1]), dtype=np.float32) for m in mats]
@@ -114,13 +153,18 @@ def disk_latency(model, store, n: int = 16) -> float:
         return (time.perf_counter() - t) / n
 
 
-def measure_hardware(model, store, threads: int) -> tuple[Hardware, float, dict]:
-    """This machine's figures, each the median of three passes (the machine is shared)."""
-    probe = Engine(model, EngineOptions(store=(str(store),), vram_cache=0, ram_cache=0, threads=threads))
-    with threadpool_limits(threads):
-        matvec = expert_rate(probe)
-        dense = dense_rate(model)
-    ready = make_ready_rate(probe)
+def measure_hardware(model, store, backend: str, threads: int) -> tuple[Hardware, float, dict]:
+    """This machine's figures, as the backend computes (each a median: the machine may be shared)."""
+    probe = Engine(model, EngineOptions(backend=backend, store=(str(store),), vram_cache=0, ram_cache=0, threads=threads))
+    if backend == "cpu":
+        matvec = ggml_expert_rate(probe)
+        dense = ggml_dense_rate(model, threads)
+        ready = 0.0  # ggml computes on the store bytes in place: nothing to make ready
+    else:
+        with threadpool_limits(threads):
+            matvec = expert_rate(probe)
+            dense = dense_rate(model)
+        ready = make_ready_rate(probe)
     expert_nbytes = probe.source.layers[0].expert_nbytes
     probe.close()
     bw = float(np.median([disk_bandwidth(model, store) for _ in range(3)]))
@@ -136,17 +180,19 @@ def measure_hardware(model, store, threads: int) -> tuple[Hardware, float, dict]
 
 
 def workload(model, engine: Engine) -> Workload:
-    """Stored bytes from the GGUF; compute bytes as the CPU backend holds them (float32)."""
+    """Stored bytes from the GGUF; compute bytes as the backend reads them: reference, float32
+    experts (its device tier's unit) and float32 dense weights; cpu (ggml), the file's bytes."""
     m = model_bytes_from_gguf(model)
     gf = GGUFFile(model)
-    dense_params = sum(
-        int(np.prod(t.shape)) for n, t in gf.tensors.items() if n.startswith("blk.") and "exps" not in n
-    ) // m.n_layer
+    dense = [t for n, t in gf.tensors.items() if n.startswith("blk.") and "exps" not in n and len(t.shape) == 2]
     head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
+    if engine.options.backend == "cpu":
+        return Workload(m, m.expert_bytes, sum(t.nbytes for t in dense) // m.n_layer, head.nbytes)
+    dense_params = sum(int(np.prod(t.shape)) for t in dense) // m.n_layer
     return Workload(m, engine.experts.streamer.cache.device_expert_bytes[0], 4 * dense_params, 4 * int(np.prod(head.shape)))
 
 
-def run_setting(model, store, backend: str, threads: int, vram_frac: float, ram_frac: float, tokens: int):
+def run_setting(model, store, backend: str, threads: int, vram_frac: float, ram_frac: float, tokens: int, resident: bool):
     probe = Engine(model, EngineOptions(backend=backend, store=(str(store),), vram_cache=0, ram_cache=0))
     layers, n_expert = probe.source.layers, probe.spec.moe.n_expert
     dev_all = sum(probe.experts.streamer.cache.device_expert_bytes) * n_expert  # the unit under the run's policy
@@ -155,10 +201,11 @@ def run_setting(model, store, backend: str, threads: int, vram_frac: float, ram_
     probe.close()
     engine = Engine(model, EngineOptions(
         backend=backend, store=(str(store),), threads=threads, prefetch=False, backfill="off",
-        vram_cache=int(dev_all * vram_frac) + (1 if vram_frac >= 1 else 0), ram_cache=int(host_all * ram_frac),
+        vram_cache=int(dev_all * vram_frac) + (1 if vram_frac >= 1 else 0),
+        ram_cache=int(host_all * ram_frac) + (1 if ram_frac >= 1 else 0),
     ))  # fmt: skip
-    decode_tokens(engine, 8 if vram_frac < 1 else 2)  # warm the tiers (all-resident: fill them)
-    if vram_frac >= 1:
+    decode_tokens(engine, 2 if resident else 8)  # warm the tiers
+    if resident:  # fill them: every expert read once
         decode_tokens(engine, 3 * n_expert // probe.spec.moe.n_expert_used)
     before = engine.stats()["cache"]
     seconds = decode_tokens(engine, tokens)
@@ -173,8 +220,7 @@ def run_setting(model, store, backend: str, threads: int, vram_frac: float, ram_
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="reference", choices=("reference",),
-                    help="the backend decoded on (the ggml cpu backend's schedule is not modelled yet)")
+    ap.add_argument("--backend", default="cpu", choices=tuple(SETTINGS), help="the backend decoded on (default cpu: ggml)")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--record", action="store_true")
@@ -185,16 +231,17 @@ def main() -> int:
     implementation = f"{type(probe.ops).__module__}.{type(probe.ops).__name__}"
     probe.close()
 
+    settings = SETTINGS[args.backend]
     rows, fits, figures = [], {}, {}
     worst = 0.0
     for threads in [int(t) for t in args.threads.split(",")]:
         # each setting's hardware figures are measured just before its decode: drift on a shared
         # machine then moves both columns alike
         results = []
-        for name, vram_frac, ram_frac in SETTINGS:
-            hw, dense_eff, figs = measure_hardware(model, store, threads)
+        for i, (name, vram_frac, ram_frac) in enumerate(settings):
+            hw, dense_eff, figs = measure_hardware(model, store, args.backend, threads)
             figures.setdefault(threads, []).append(figs)
-            measured = run_setting(model, store, args.backend, threads, vram_frac, ram_frac, args.tokens)
+            measured = run_setting(model, store, args.backend, threads, vram_frac, ram_frac, args.tokens, resident=i == 0)
             results.append((name, hw, {"dense": dense_eff, "experts": 1.0}, *measured))
         # the one fitted constant: host overhead per layer step, from the all-resident row
         _, hw, eff, t_res, rates_res, work = results[0]
@@ -204,7 +251,7 @@ def main() -> int:
         for name, hw, eff, measured, rates, work in results:
             p = project(work, hw.with_changes(host={"plan": plan}), rates, efficiency=eff)
             err = measured / p.seconds_per_token - 1  # projected tok/s / measured tok/s - 1
-            if name != SETTINGS[0][0]:
+            if name != settings[0][0]:
                 worst = max(worst, abs(err))
             rows.append((threads, name, rates, 1 / measured, p.tokens_per_s, err))
 
@@ -218,7 +265,7 @@ def main() -> int:
         "|---|---|---|---|---|---|---|---|",
     ]
     for threads, name, r, meas, proj, err in rows:
-        fit = " (fit)" if name == SETTINGS[0][0] else ""
+        fit = " (fit)" if name == settings[0][0] else ""
         lines.append(
             f"| {threads} | {name}{fit} | {100 * r.device:.1f}% | {100 * r.host:.1f}% | {100 * r.disk:.1f}% | "
             f"{meas:.2f} | {proj:.2f} | {100 * err:+.1f}% |"
@@ -228,9 +275,10 @@ def main() -> int:
         def span(key: str, scale: float, figs: list = figs) -> str:
             return f"{min(f[key] for f in figs) * scale:.3g}–{max(f[key] for f in figs) * scale:.3g}"
 
+        ready = "none (ggml reads store bytes in place)" if args.backend == "cpu" else f"{span('ready', 1e-9)} GB/s"
         lines.append(
             f"- measured, {threads} thread(s), range over the four settings: expert FFN {span('expert', 1e-9)} GB/s of "
-            f"ready bytes, dense matvecs {span('dense', 1e-9)} GB/s, make-ready {span('ready', 1e-9)} GB/s, disk "
+            f"the bytes it reads, dense products {span('dense', 1e-9)} GB/s, make-ready {ready}, disk "
             f"{span('disk', 1e-9)} GB/s + {span('latency', 1e6)} µs per read; fitted host_overhead_per_layer = "
             f"{fits[threads] * 1e6:.0f} µs"
         )
