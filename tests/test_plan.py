@@ -12,6 +12,7 @@ from fomoepy.errors import FomoeError
 from fomoepy.plan.hardware import (
     hardware_from_dict,
     load_hardware,
+    parse_flops,
     parse_rate,
     shipped_rigs,
 )
@@ -83,6 +84,21 @@ def test_gguf_model_bytes_are_the_files_tensors():
     gf = GGUFFile(str(data.__path__[0]) + "/demo-qwen3moe.gguf")
     experts = sum(t.nbytes for n, t in gf.tensors.items() if "_exps" in n)
     assert m.store_bytes == experts
+    # flops: 2 per weight of every dense matrix of the blocks, per layer; the head's, once
+    dense = [t for n, t in gf.tensors.items() if n.startswith("blk.") and "_exps" not in n and len(t.shape) == 2]
+    assert m.dense_flops * m.n_layer == pytest.approx(2 * sum(t.shape[0] * t.shape[1] for t in dense), abs=m.n_layer)
+    head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
+    assert m.head_flops == 2 * head.shape[0] * head.shape[1]
+
+
+def test_shape_flops_count_every_dense_matrix():
+    s = SHAPES["qwen3.5-397b-a17b"]
+    m = model_bytes(s)
+    q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    # q (with its gate) + k + v + o, shared expert gate/up/down, router
+    params = 2 * q * s.n_embd + 2 * kv * s.n_embd + q * s.n_embd + 3 * s.shared_ff * s.n_embd + s.n_expert * s.n_embd
+    assert m.dense_flops == 2 * params
+    assert m.expert_flops == 2 * 3 * s.n_embd * s.expert_ff and m.head_flops == 2 * s.vocab * s.n_embd
 
 
 # -- hardware --------------------------------------------------------------------------------------
@@ -94,6 +110,9 @@ def test_shipped_rigs_load_and_units_are_explicit():
         load_hardware(rig)
     assert parse_rate("14.5 GiB/s", "x") == 14.5 * GIB
     assert parse_rate("320 GB/s", "x") == 320e9
+    assert parse_flops("25.6 TFLOPS", "x") == pytest.approx(25.6e12) and parse_flops("900 GFLOP/s", "x") == 900e9
+    with pytest.raises(FomoeError, match="arithmetic rate"):
+        parse_flops("25 TB/s", "x")
 
 
 @pytest.mark.parametrize(
@@ -190,6 +209,26 @@ def test_perfect_overlap_bound_is_never_slower_than_the_schedule(q397, fomoe_rig
             assert p.bound_seconds <= p.seconds_per_token
 
 
+def test_prefill_is_the_slower_of_bytes_and_flops_per_kernel_family():
+    # a small model on a CPU: 512 tokens through every weight is flops bound long before bytes
+    work = Workload(model_bytes(SHAPES["qwen3-30b-a3b"]))
+    m = work.model
+    rates = TierRates(0.0, 1.0, 0.0)
+    no_flops = load_hardware("cpu-only-64g").with_changes(host={"flops": 0.0})
+    bytes_only = project(work, no_flops, rates, prefill_tokens=512)
+    assert not bytes_only.prefill_flops_modelled
+    f = 1e12
+    p = project(work, no_flops.with_changes(host={"flops": f}), rates, prefill_tokens=512)
+    assert p.prefill_flops_modelled and p.prefill_tokens_per_s < bytes_only.prefill_tokens_per_s
+    # flops bound: each token's dense and expert flops at the host's rate; the head, scoring the last
+    # position only, is read once (bytes bound)
+    per_token = m.n_layer * (m.dense_flops + m.n_expert_used * m.expert_flops) / f
+    head = max(m.head_bytes / no_flops.host.matvec, m.head_flops / f)
+    assert p.prefill_tokens_per_s == pytest.approx(512 / (512 * per_token + head), rel=1e-6)
+    # decode reads every weight once per token: bytes bound, flops do not change it
+    assert p.tokens_per_s == bytes_only.tokens_per_s
+
+
 def test_cpu_schedule_adds_every_term(q397):
     hw = load_hardware("cpu-only-64g").with_changes(host={"make_ready": 1e9})
     p = project(q397, hw, TierRates(0.5, 0.3, 0.2), "engine")
@@ -248,7 +287,7 @@ def test_measure_replaces_host_and_drive_figures_and_leaves_no_file(tmp_path, mo
     hw, _ = measure.measured(rig, str(tmp_path))
     assert list(tmp_path.iterdir()) == []
     assert hw.drives.count == rig.drives.count and hw.device == rig.device
-    assert hw.drives.bandwidth > 0 and hw.host.matvec > 0 and hw.host.bandwidth > 0
+    assert hw.drives.bandwidth > 0 and hw.host.matvec > 0 and hw.host.bandwidth > 0 and hw.host.flops > 0
     assert hw.drives.bandwidth != rig.drives.bandwidth and hw.host.matvec != rig.host.matvec
 
 

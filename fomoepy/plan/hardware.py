@@ -7,18 +7,21 @@
     bandwidth = "1008 GB/s"      # device memory bandwidth
     link = "25 GB/s"             # host -> device copies, per device
     sync = "30 us"               # one host round trip: launch, read back the router's choice
+    flops = "82 TFLOPS"          # arithmetic rate of the kernels' math (prefill); optional
     [host]
     memory = "64G"
     bandwidth = "60 GB/s"
     matvec = "20 GB/s"           # CPU backend: weight bytes per second through its expert matvec
     make_ready = "2 GB/s"        # CPU backend: store bytes per second made compute-ready (its "copy up")
     plan = "40 us"               # host bookkeeping per MoE layer step (cache plan, routing)
+    flops = "1 TFLOPS"           # CPU backend: its quantised products at prompt batch sizes; optional
     [drives]
     count = 2
     bandwidth = "7 GB/s"         # each
     latency = "80 us"
 
-Rates are strings with their unit, so "GB/s" (1e9) and "GiB/s" (2^30) cannot be confused.
+Rates are strings with their unit, so "GB/s" (1e9) and "GiB/s" (2^30) cannot be confused. A flops
+figure left out is 0: prefill is then projected from bytes alone, an upper bound, and says so.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ else:  # pragma: no cover - 3.10 has no tomllib
 
 RIGS_DIR = Path(__file__).parent / "rigs"
 _RATE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(i?)B/s\s*", re.IGNORECASE)
+_FLOPS = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTP]?)FLOP(?:S|/s)\s*", re.IGNORECASE)
 _TIME = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ns|us|µs|ms|s)\s*")
-_PREFIX = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+_PREFIX = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -50,6 +54,14 @@ def parse_rate(text: str, where: str) -> float:
         raise FomoeError(f"{where}: expected a rate such as '14.5 GiB/s' or '320 GB/s', got {text!r}")
     base = 1024 if m.group(3) else 1000
     return float(m.group(1)) * base ** _PREFIX[m.group(2).lower()]
+
+
+def parse_flops(text: str, where: str) -> float:
+    """'82.6 TFLOPS' or '900 GFLOP/s' -> operations per second."""
+    m = _FLOPS.fullmatch(str(text))
+    if not m:
+        raise FomoeError(f"{where}: expected an arithmetic rate such as '25 TFLOPS' or '900 GFLOP/s', got {text!r}")
+    return float(m.group(1)) * 1000 ** _PREFIX[m.group(2).lower()]
 
 
 def parse_time(text: str, where: str) -> float:
@@ -66,6 +78,7 @@ class Device:
     bandwidth: float  # bytes/s
     link: float  # host -> device bytes/s, each
     sync: float  # seconds per host round trip
+    flops: float = 0.0  # operations/s of the kernels' arithmetic, each device; 0: not stated
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ class Host:
     matvec: float  # weight bytes/s through the CPU backend's expert matvec
     make_ready: float  # store bytes/s made compute-ready by the CPU backend
     plan: float  # seconds of host bookkeeping per MoE layer step
+    flops: float = 0.0  # operations/s of the CPU backend's products at prompt batch sizes; 0: not stated
 
 
 @dataclass(frozen=True)
@@ -100,13 +114,13 @@ class Hardware:
 
 
 _FIELDS = {
-    "device": {"count": int, "memory": "size", "bandwidth": "rate", "link": "rate", "sync": "time"},
-    "host": {"memory": "size", "bandwidth": "rate", "matvec": "rate", "make_ready": "rate", "plan": "time"},
+    "device": {"count": int, "memory": "size", "bandwidth": "rate", "link": "rate", "sync": "time", "flops": "flops"},
+    "host": {"memory": "size", "bandwidth": "rate", "matvec": "rate", "make_ready": "rate", "plan": "time", "flops": "flops"},
     "drives": {"count": int, "bandwidth": "rate", "latency": "time"},
 }
 _DEFAULTS = {
-    "device": {"count": 0, "memory": 0, "bandwidth": 0.0, "link": 0.0, "sync": 0.0},
-    "host": {"make_ready": 0.0, "plan": 40e-6},
+    "device": {"count": 0, "memory": 0, "bandwidth": 0.0, "link": 0.0, "sync": 0.0, "flops": 0.0},
+    "host": {"make_ready": 0.0, "plan": 40e-6, "flops": 0.0},
     "drives": {},
 }
 
@@ -121,6 +135,8 @@ def _value(kind, raw, where: str):
             return parse_size(str(raw))
         except FomoeError as exc:
             raise FomoeError(f"{where}: {exc}") from None
+    if kind == "flops":
+        return parse_flops(raw, where)
     return parse_rate(raw, where) if kind == "rate" else parse_time(raw, where)
 
 

@@ -31,17 +31,29 @@ def _median_seconds(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def host_figures() -> dict:
+def host_figures(threads: int | None = None) -> dict:
+    """Memory bandwidth (numpy copy), and the CPU backend's own products as it runs them: ggml on a
+    Q4_K matrix, one token (matvec: weight bytes/s) and a prompt batch (flops: 2 per multiply-add)."""
+    from gguf import GGMLQuantizationType
+
+    from fomoepy import quants
+    from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
+
+    threads = threads or os.cpu_count() or 1
     rng = np.random.default_rng(0)
     src = rng.standard_normal(SCRATCH_BYTES // 4, dtype=np.float32)
     dst = np.empty_like(src)
     copy = 2 * src.nbytes / _median_seconds(lambda: np.copyto(dst, src), 3)  # read + write
-    w = rng.standard_normal((4096, 4096), dtype=np.float32)
-    x = rng.standard_normal((1, 4096), dtype=np.float32)
-    matvec = w.nbytes / _median_seconds(lambda: x @ w.T, 5)
+    n, k, batch = 2048, 4096, 128
+    qtype = GGMLQuantizationType.Q4_K
+    w = QuantMatrix.of(quants.quantize(rng.standard_normal((n, k), dtype=np.float32), qtype).reshape(-1), qtype, (n, k))
+    one = rng.standard_normal((1, k), dtype=np.float32)
+    prompt = rng.standard_normal((batch, k), dtype=np.float32)
+    matvec = w.nbytes / _median_seconds(lambda: mul_mat(one, w, threads), 9)
+    flops = 2 * n * k * batch / _median_seconds(lambda: mul_mat(prompt, w, threads), 3)
     # make_ready is left as the file states it: whether a backend converts store bytes at all is the
     # backend's property, not this machine's
-    return {"bandwidth": copy, "matvec": matvec}
+    return {"bandwidth": copy, "matvec": matvec, "flops": flops}
 
 
 def drive_figures(directory: str) -> tuple[dict, list[str]]:

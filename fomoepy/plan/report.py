@@ -35,7 +35,8 @@ def describe(work: Workload, hw: Hardware, hw_source: str, rates: TierRates, p: 
         f"routing ({rates.source}): {rates_line(rates)}",
         f"schedule: {p.schedule}, {p.backend} backend",
         f"decode: {p.tokens_per_s:.2f} tok/s ({p.seconds_per_token * 1e3:.1f} ms/token); "
-        f"prefill <= {p.prefill_tokens_per_s:.1f} tok/s (512-token prompt, bytes bound, flops not modelled)",
+        f"prefill {'' if p.prefill_flops_modelled else '<= '}{p.prefill_tokens_per_s:.1f} tok/s (512-token prompt, "
+        + ("bytes and flops)" if p.prefill_flops_modelled else "bytes bound: the hardware file states no flops)"),
         "time per token by term (busy time, before overlap):",
         f"  {'device compute' if p.backend == 'gpu' else 'compute':<15}{_ms(t['dense'] + t['experts'] + t['head'])}"
         f"  (dense {t['dense'] * 1e3:.1f}, experts {t['experts'] * 1e3:.1f}, head {t['head'] * 1e3:.1f})",

@@ -87,6 +87,8 @@ class ModelBytes:
     head_bytes: int  # output head (read once per token)
     embed_bytes: int  # token embeddings (resident, one row read per token)
     expert_flops: int  # multiply-adds x 2 of one expert for one token
+    dense_flops: int = 0  # multiply-adds x 2 of a layer's dense matrices for one token
+    head_flops: int = 0  # multiply-adds x 2 of the output head for one token
 
     @property
     def store_bytes(self) -> int:
@@ -108,8 +110,9 @@ def model_bytes(shape: ModelShape, mix_name: str | None = None) -> ModelBytes:
         # gate, up: [ff, n_embd]; down: [n_embd, ff] (rows x quantised columns, as in the GGUF)
         expert = 2 * _matrix(mix.expert_gate_up, f, e) + _matrix(mix.expert_down, e, f)
         q_dim, kv_dim = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+        q_rows = q_dim * (2 if shape.gated_q else 1)
         attn = (
-            _matrix(mix.attn, q_dim * (2 if shape.gated_q else 1), e)
+            _matrix(mix.attn, q_rows, e)
             + _matrix(mix.attn, kv_dim, e)
             + _matrix(mix.attn_v, kv_dim, e)
             + _matrix(mix.attn, e, q_dim)
@@ -132,6 +135,8 @@ def model_bytes(shape: ModelShape, mix_name: str | None = None) -> ModelBytes:
         head_bytes=head,
         embed_bytes=embed,
         expert_flops=2 * 3 * e * f,
+        dense_flops=2 * e * (q_rows + 2 * kv_dim + q_dim + 3 * shape.shared_ff + shape.n_expert),
+        head_flops=2 * shape.vocab * e,
     )
 
 
@@ -153,7 +158,9 @@ def model_bytes_from_gguf(path: str) -> ModelBytes:
     spec = ModelSpec.from_gguf(gf)
     layers = expert_index(gf, spec)
     expert_tensors = {p.tensor for layer in layers for p in layer.parts}
-    dense = sum(t.nbytes for name, t in gf.tensors.items() if name.startswith("blk.") and name not in expert_tensors)
+    dense_tensors = [t for name, t in gf.tensors.items() if name.startswith("blk.") and name not in expert_tensors]
+    dense = sum(t.nbytes for t in dense_tensors)
+    dense_params = sum(t.shape[0] * t.shape[1] for t in dense_tensors if len(t.shape) == 2)
     head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]  # tied embeddings
     embed = gf.tensors["token_embd.weight"]
     e, (gate, up, down) = spec.moe, layers[0].parts
@@ -168,4 +175,6 @@ def model_bytes_from_gguf(path: str) -> ModelBytes:
         head_bytes=head.nbytes,
         embed_bytes=embed.nbytes,
         expert_flops=2 * (gate.shape[0] * gate.shape[1] + up.shape[0] * up.shape[1] + down.shape[0] * down.shape[1]),
+        dense_flops=round(2 * dense_params / spec.n_layer),
+        head_flops=2 * head.shape[0] * head.shape[1],
     )

@@ -75,6 +75,7 @@ class Projection:
     bound_resource: str
     prefill_tokens_per_s: float
     efficiency: dict = field(default_factory=dict)
+    prefill_flops_modelled: bool = False  # False: the hardware states no flops, prefill is bytes bound
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,9 +116,11 @@ def project(
     if gpu:
         compute_rate = _rate(hw.device.bandwidth, "device bandwidth")
         copy_rate = _rate(hw.device.link, "device link bandwidth")
+        flop_rate = hw.device.flops
     else:
         compute_rate = _rate(hw.host.matvec, "host matvec throughput")
         copy_rate = hw.host.make_ready  # 0: the CPU backend computes on store bytes in place
+        flop_rate = hw.host.flops
     k = m.n_expert_used
     S = m.expert_bytes
     n_disk = k * rates.disk
@@ -175,24 +178,33 @@ def project(
         waits=max(0.0, total - compute - terms["sync"] - terms["plan"]),
         bound_seconds=busy[bound_resource],
         bound_resource=bound_resource,
-        prefill_tokens_per_s=_prefill(work, hw, rates, compute_rate, copy_rate, eff, prefill_tokens),
+        prefill_tokens_per_s=_prefill(work, hw, rates, (compute_rate, copy_rate, flop_rate), eff, prefill_tokens),
         efficiency=eff,
+        prefill_flops_modelled=flop_rate > 0,
     )
 
 
-def _prefill(work: Workload, hw: Hardware, rates: TierRates, compute_rate, copy_rate, eff, n: int) -> float:
-    """Tokens/s of an n-token prompt, bytes bound: each layer fetches the union of the experts its
-    tokens pick once (uniform routing: E x (1 - (1 - k/E)^n) distinct) and reads every weight once.
-    Flops are not modelled, so this is an upper bound where a prompt is long enough to be compute bound."""
+def _prefill(work: Workload, hw: Hardware, rates: TierRates, rates_of_compute: tuple, eff: dict, n: int) -> float:
+    """Tokens/s of an n-token prompt in one batch. Each layer reads its dense weights once and fetches
+    the union of the experts its tokens pick once (uniform routing: E x (1 - (1 - k/E)^n) distinct);
+    each kernel family takes the longer of its bytes and its flops (2 per multiply-add: n tokens
+    through the dense matrices, n x k expert FFNs) at the family's efficiency. The head scores the
+    last position only, as generation needs. Without a flops figure only bytes count: an upper bound."""
+    compute_rate, copy_rate, flop_rate = rates_of_compute
     m = work.model
+
+    def kernels(nbytes: float, flops: float, family: str) -> float:
+        by_bytes = nbytes / (compute_rate * eff[family])
+        return max(by_bytes, flops / (flop_rate * eff[family])) if flop_rate else by_bytes
+
     distinct = m.n_expert * (1 - (1 - m.n_expert_used / m.n_expert) ** n)
     fetch = distinct * (rates.host + rates.disk) * m.expert_bytes / copy_rate if copy_rate else 0.0
     if rates.disk and hw.drives.bandwidth:
         fetch += distinct * rates.disk * m.expert_bytes / (hw.drives.bandwidth * max(1, hw.drives.count))
-    layer = work.dense_compute / (compute_rate * eff["dense"]) + max(
-        fetch, distinct * work.expert_compute / (compute_rate * eff["experts"])
-    )
-    return n / (m.n_layer * layer + work.head_compute / (compute_rate * eff["dense"]))
+    dense = kernels(work.dense_compute, n * m.dense_flops, "dense")
+    experts = kernels(distinct * work.expert_compute, n * m.n_expert_used * m.expert_flops, "experts")
+    head = kernels(work.head_compute, m.head_flops, "dense")
+    return n / (m.n_layer * (dense + max(fetch, experts)) + head)
 
 
 def fit_efficiency(work: Workload, hw: Hardware, rates: TierRates, tokens_per_s: float, schedule: str) -> float:
