@@ -14,6 +14,7 @@ measured on such a rig.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from datetime import date
 
@@ -56,8 +57,16 @@ def main() -> int:
             f"{100 * (theirs.tokens_per_s / published - 1):+.1f}% | {theirs.terms['disk'] * 1e3:.1f} | "
             f"{ours.tokens_per_s:.2f} | {ahead.tokens_per_s:.2f} | {1 / ours.bound_seconds:.2f} ({ours.bound_resource}) |"
         )
+    lines += ["", "Steps (`fomoe plan --steps`, cumulative from FOMOE's schedule, the published shares held fixed):", ""]
+    for name, shares, _ in PUBLISHED:
+        out = subprocess.run(
+            [sys.executable, "-m", "fomoepy.cli", "plan", "--shape", "qwen3.5-397b-a17b", "--hardware", "fomoe-rig",
+             "--hit-rates", shares, "--efficiency", f"{eff:.6f}", "--steps"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        table = out[out.index("steps (cumulative"):].splitlines()[1:]
+        lines += [f"{name} ({shares}):", "", "```", *table, "```", ""]
     lines += [
-        "",
         f"- fitted constant: kernel efficiency = {eff:.4f} of the device's 320 GB/s, dense and expert FFN "
         "alike, fitted to CAR 0.35 (so that row matches by construction; CAR off is a prediction)",
         "- rests on: FOMOE's published shares; the rig file's stated link (28 GiB/s), drive (14.5 GiB/s, "

@@ -249,6 +249,36 @@ def test_plan_command_json(capsys):
     assert out["routing"]["substituted"] == pytest.approx(0.42)
 
 
+# the steps on FOMOE's rig, CAR off, worked on paper: reads a layer ahead at 85 %, then no router round trip
+PAPER_STEPS = (8.9, 9.2)
+
+
+@pytest.mark.parametrize("shares", [FOMOE_CAR_OFF, FOMOE_CAR_035], ids=["car-off", "car-0.35"])
+def test_steps_each_change_gains_and_the_first_is_fomoes_schedule(capsys, shares, q397, fomoe_rig):
+    rates, _ = shares
+    text = ",".join(str(round(100 * x)) for x in ([rates.device, rates.host, rates.disk] + ([rates.substituted] if rates.substituted else [])))
+    assert main(["plan", "--shape", "qwen3.5-397b-a17b", "--hardware", "fomoe-rig", "--hit-rates", text, "--steps", "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert [s["step"].split(" (")[0] for s in steps] == [
+        "FOMOE's schedule", "+ reads one layer ahead", "+ no router round trip per layer", "+ 2 GPUs computing every layer",
+        "our engine's schedule", "our engine's, reads one layer ahead",
+    ]  # fmt: skip
+    tps = [s["projection"]["tokens_per_s"] for s in steps]
+    assert tps[0] == pytest.approx(project(q397, fomoe_rig, rates, "fomoe").tokens_per_s)
+    assert tps[0] < tps[1] < tps[2] < tps[3]  # every change buys something
+    assert tps[4] < tps[5]
+    for s in steps:  # nothing beats perfect overlap
+        assert s["projection"]["tokens_per_s"] <= s["projection"]["bound_tokens_per_s"] * (1 + 1e-9)
+    if rates is FOMOE_CAR_OFF[0]:
+        for got, paper in zip(tps[1:3], PAPER_STEPS):
+            assert abs(got / paper - 1) <= WITHIN
+
+
+def test_splitting_a_layer_needs_that_many_devices(q397):
+    with pytest.raises(FomoeError, match="split a layer over 2 devices"):
+        project(q397, load_hardware("rtx4090-64g-2nvme"), FOMOE_CAR_OFF[0], devices_per_layer=2)
+
+
 def test_plan_command_sweep_and_what_if_with_synthetic_routing(capsys):
     rc = main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "rtx4090-64g-2nvme", "--vram", "4G", "--ram", "4G",
                "--tokens", "24", "--sweep", "vram=2G,8G", "--what-if", "--json"])  # fmt: skip

@@ -13,7 +13,7 @@ from fomoepy.experts.sizes import parse_size
 from fomoepy.plan.capacity import Capacity, capacity_for
 from fomoepy.plan.hardware import Hardware, load_hardware, shipped_rigs
 from fomoepy.plan.rates import TierRates, parse_hit_rates
-from fomoepy.plan.report import describe, sweep_table
+from fomoepy.plan.report import describe, steps_table, sweep_table
 from fomoepy.plan.routing import (
     fit_routing,
     load_traces,
@@ -27,7 +27,7 @@ from fomoepy.plan.shapes import (
     model_bytes_from_gguf,
     shape_by_name,
 )
-from fomoepy.plan.timemodel import SCHEDULES, TERMS, Workload, project
+from fomoepy.plan.timemodel import SCHEDULES, TERMS, Projection, Workload, project
 
 DEMO_TRACE = Path(__file__).parent / "traces" / "demo-qwen3moe.trace"
 SWEEP_KINDS = ("vram", "ram", "policy", "car")
@@ -58,6 +58,8 @@ def register(sub) -> None:
     p.add_argument("--sweep", help="vram=8G,16G | ram=32G,64G | policy=lru,lfu-decay|all | car=0.2,0.35")
     p.add_argument("--what-if", action="store_true", help="rank upgrades: a drive, 2x RAM, 2x VRAM, a GPU")
     p.add_argument("--png", help="write tok/s against device cache size per policy (needs matplotlib)")
+    p.add_argument("--steps", action="store_true",
+                   help="from FOMOE's schedule, one change at a time: prefetch, no router round trip, both GPUs on every layer; then ours")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print everything as JSON")
     p.set_defaults(handler=cmd_plan)
 
@@ -167,6 +169,30 @@ def _what_if(planner: Planner, hw: Hardware, base_tps: float) -> list:
     return sorted(rows, key=lambda row: -row[3])
 
 
+STEP_PREFETCH = 0.85  # FOMOE's next-layer prediction accuracy, as the issue worked its steps
+
+
+def _steps(planner: Planner, hw: Hardware, rates: TierRates) -> list[tuple[str, Projection]]:
+    """FOMOE's schedule, then cumulatively: reads a layer ahead (--prefetch, default 85 % of misses),
+    no router round trip per layer, every GPU computing a share of every layer; then our engine's
+    schedule with the same reads ahead. Hit rates held fixed: only the schedule changes."""
+    ahead = planner.args.prefetch or STEP_PREFETCH
+    base = {"efficiency": planner.efficiency, "drop": planner.drop}
+    no_sync = planner.drop | {"sync"}
+    rows = [
+        ("FOMOE's schedule", {}),
+        (f"+ reads one layer ahead ({100 * ahead:.0f} % of misses)", {"prefetch": ahead}),
+        ("+ no router round trip per layer", {"prefetch": ahead, "drop": no_sync}),
+    ]
+    if hw.device.count > 1:
+        split = {"prefetch": ahead, "drop": no_sync, "devices_per_layer": hw.device.count}
+        rows.append((f"+ {hw.device.count} GPUs computing every layer", split))
+    out = [(label, project(planner.work, hw, rates, "fomoe", **{**base, **kw})) for label, kw in rows]
+    out.append(("our engine's schedule", project(planner.work, hw, rates, "engine", **base)))
+    out.append((f"our engine's, reads one layer ahead ({100 * ahead:.0f} %)", project(planner.work, hw, rates, "engine", **base, prefetch=ahead)))
+    return out
+
+
 def _png(planner: Planner, hw: Hardware, cap: Capacity, path: str) -> None:
     try:
         import matplotlib
@@ -209,6 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p = planner.project(hw, rates)
     sweep = _sweep(planner, hw, cap, args.sweep) if args.sweep else []
     what_if = _what_if(planner, hw, p.tokens_per_s) if args.what_if else []
+    steps = _steps(planner, hw, rates) if args.steps else []
     if args.png:
         _png(planner, hw, cap, args.png)
     if args.json:
@@ -220,12 +247,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "projection": p.as_dict(),
             "sweep": [{"setting": s, "routing": r.as_dict(), "projection": q.as_dict()} for s, r, q in sweep],
             "what_if": [{"upgrade": n, "routing": r.as_dict(), "projection": q.as_dict(), "gain": g} for n, r, q, g in what_if],
+            "steps": [{"step": label, "projection": q.as_dict()} for label, q in steps],
         }
         print(json.dumps(out, indent=1))
         return 0
     print(describe(work, hw, hw_source, rates, p, cap))
     if sweep:
         print(f"\nsweep ({args.schedule} schedule):\n" + sweep_table(sweep))
+    if steps:
+        print("\nsteps (cumulative; the same hit rates throughout):\n" + steps_table(steps))
     if what_if:
         given = " (hit rates given: capacity upgrades cannot change them)" if args.hit_rates else ""
         print(f"\nwhat if{given}:")

@@ -69,3 +69,18 @@ def sweep_table(rows: list[tuple[str, TierRates, Projection]]) -> str:
             f"{p.tokens_per_s:7.2f} {1 / p.bound_seconds:7.2f}"
         )
     return "\n".join(out)
+
+
+def steps_table(rows: list[tuple[str, Projection]]) -> str:
+    out = [f"{'step':<48} {'tok/s':>7} {'change':>8} {'ms/token':>9} {'waits':>7} {'bound':>7}"]
+    before = None
+    for label, p in rows:
+        change = "" if before is None or label.startswith("our") else f"{100 * (p.tokens_per_s / before - 1):+7.1f}%"
+        out.append(
+            f"{label:<48} {p.tokens_per_s:7.2f} {change:>8} {p.seconds_per_token * 1e3:9.1f} {p.waits * 1e3:7.1f} "
+            f"{1 / p.bound_seconds:7.2f}"
+        )
+        before = p.tokens_per_s
+    bound = rows[0][1]
+    out.append(f"(bound: perfect overlap; FOMOE's schedule is bound by {bound.bound_resource} at {1 / bound.bound_seconds:.2f} tok/s)")
+    return "\n".join(out)

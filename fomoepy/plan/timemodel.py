@@ -104,11 +104,16 @@ def project(
     prefetch: float = 0.0,
     drop: frozenset[str] = frozenset(),
     prefill_tokens: int = 512,
+    devices_per_layer: int = 1,
 ) -> Projection:
     """Seconds per decoded token. `drop` zeroes named terms (to see what each one costs);
-    `prefetch` is the share of next-layer misses read ahead while a step computes (engine only)."""
+    `prefetch` is the share of next-layer misses read ahead while a step computes (it hides at
+    most that step's compute); `devices_per_layer` splits every layer's experts over that many GPUs,
+    each computing its share and copying over its own link (the engine places whole layers: 1)."""
     if schedule not in SCHEDULES:
         raise FomoeError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+    if not 1 <= devices_per_layer <= max(1, hw.device.count):
+        raise FomoeError(f"cannot split a layer over {devices_per_layer} devices: the hardware has {hw.device.count}")
     m = work.model
     gpu = hw.device.count > 0
     eff = {"dense": GPU_EFFICIENCY if gpu else CPU_EFFICIENCY, "experts": GPU_EFFICIENCY if gpu else CPU_EFFICIENCY}
@@ -142,12 +147,16 @@ def project(
         lanes = max(1, min(drives.count, round(n_disk + 0.5)))
         layer["disk"] = drives.latency + n_disk * S / (drives.bandwidth * lanes)
     head = work.head_compute / (compute_rate * eff["dense"])
+    layer["experts"] /= devices_per_layer
+    layer["copy"] /= devices_per_layer
     layer = {name: (0.0 if name in drop else t) for name, t in layer.items()}
     head = 0.0 if "head" in drop else head
 
     one_ffn = layer["experts"] / k
     if schedule == "fomoe":
-        moe = max(layer["disk"], layer["copy"]) + layer["experts"]
+        fetch = max(layer["disk"], layer["copy"])  # the link copies run beside the reads
+        hidden = min(prefetch * fetch, layer["dense"] + layer["experts"])
+        moe = fetch - hidden + layer["experts"]
     elif gpu:
         # a prefetched read overlaps the previous step, so it hides at most that step's compute
         hidden = min(prefetch * (layer["disk"] + layer["copy"]), layer["dense"] + layer["experts"])
