@@ -6,6 +6,12 @@ counts as dense work), `plan`
 misses and the expert arithmetic), and `attention+dense` (the rest of the layer: norms, the
 attention or DeltaNet mixer, the shared expert). The CPU executors (cpu, reference) record the
 phases; the GPU executor records none yet (its work is asynchronous: host time would say little).
+
+Across the phases, two kinds of time are summed where they happen, deep in the code that spends
+them: `MATMUL`, seconds inside ggml's graph computations (every product of the cpu backend), and
+`IO_WAIT`, seconds the inference thread blocks on expert reads. What is left of a layer step is
+the host's own time: Python and numpy outside the matrix products, the number `host` reports.
+(On the reference backend the products are numpy's and count as host time.)
 """
 
 from __future__ import annotations
@@ -18,21 +24,44 @@ from contextlib import contextmanager
 PHASES = ("router", "plan", "experts")
 
 
+class Accumulator:
+    """Seconds of one kind of work, added to by whoever does it (one thread: the inference thread)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+MATMUL = Accumulator()  # inside ggml graph computations
+IO_WAIT = Accumulator()  # blocked on expert reads
+
+
 class LayerTimer:
     def __init__(self, n_layer: int):
         self.n_layer = n_layer
         self.total = [0.0] * n_layer
         self.phases: dict[str, list[float]] = defaultdict(lambda: [0.0] * n_layer)
         self.steps = [0] * n_layer
+        self.matmul = [0.0] * n_layer
+        self.io_wait = [0.0] * n_layer
 
     @contextmanager
     def layer(self, il: int) -> Iterator[None]:
-        t = time.perf_counter()
+        t, matmul, wait = time.perf_counter(), MATMUL.seconds, IO_WAIT.seconds
         try:
             yield
         finally:
             self.total[il] += time.perf_counter() - t
             self.steps[il] += 1
+            self.matmul[il] += MATMUL.seconds - matmul
+            self.io_wait[il] += IO_WAIT.seconds - wait
 
     def add(self, phase: str, il: int, seconds: float) -> None:
         self.phases[phase][il] += seconds
@@ -53,4 +82,18 @@ class LayerTimer:
             n_steps += self.steps[il]
         n = max(n_steps, 1)
         lines.append(f"{'all':>5} {n_steps:>6} " + " ".join(f"{sums[k] / n * 1e6:>10.1f}" for k in ("total", *PHASES, "attn+dense")))
+        lines.append(self.host_line())
         return lines
+
+    def host_seconds(self) -> tuple[float, float, float, float]:
+        """Mean seconds per layer step: (total, inside matrix products, blocked on reads, the rest: host)."""
+        n = max(sum(self.steps), 1)
+        total, matmul, wait = sum(self.total) / n, sum(self.matmul) / n, sum(self.io_wait) / n
+        return total, matmul, wait, total - matmul - wait
+
+    def host_line(self) -> str:
+        total, matmul, wait, host = self.host_seconds()
+        return (
+            f"per layer step: {total * 1e6:.0f} µs = ggml products {matmul * 1e6:.0f} + waiting for reads "
+            f"{wait * 1e6:.0f} + host {host * 1e6:.0f} (Python and numpy outside the products)"
+        )

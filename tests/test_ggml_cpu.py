@@ -131,3 +131,17 @@ def test_vram_cache_on_cpu_backend_is_one_clear_error():
     assert len(lines) == 1 and lines[0].startswith("fomoe: error: --vram-cache must be 0 on the cpu backend")
     ok = subprocess.run(cmd[:-1] + ["0"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_profile_timing_splits_a_layer_step_into_products_read_waits_and_host(stored):
+    # with no host tier every expert is read from the store each step: the inference thread waits on
+    # reads; ggml's products are timed where they run; the host's share is what is left
+    path, store, tokens, _ = stored
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=(store,), ram_cache=0, prefetch=False, profile_timing=True))
+    engine.logits(tokens)
+    timer = engine.timer
+    total, matmul, wait, host = timer.host_seconds()
+    assert sum(timer.steps) == len(engine.source.layers)  # one batched step per layer
+    assert 0 < matmul < total and 0 < wait < total and host == pytest.approx(total - matmul - wait)
+    assert timer.report()[-1].startswith(f"per layer step: {total * 1e6:.0f} µs = ggml products {matmul * 1e6:.0f}")
+    engine.close()

@@ -32,6 +32,7 @@ from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
 from fomoepy.experts.trace import TraceHeader, TraceWriter
 from fomoepy.options import EngineOptions
+from fomoepy.timing import IO_WAIT
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 # a substituted original still unread after this many tokens is no longer worth backfilling
@@ -230,8 +231,9 @@ class ExpertStreamer:
                 reads = {e: submit(layer, e) for e in reads}
         self._issue_prefetch()  # behind this step's reads in the pool, overlapping its compute
         if reads:
-            for e, f in reads.items():
-                fetched[e] = f.result() if f is not None else self.source.read(layer, e)
+            with IO_WAIT.timed():
+                for e, f in reads.items():
+                    fetched[e] = f.result() if f is not None else self.source.read(layer, e)
         for item in plan.items:
             if item.to_host:
                 self.host_slots[(layer, item.expert)] = fetched[item.expert]
@@ -254,7 +256,9 @@ class ExpertStreamer:
         # Reads prefetched for this layer were issued a step ago: wait for those (not for the next
         # layer's), so what the cache holds at this point never depends on thread timing.
         for key in [k for k in self._inflight if k[0] == layer]:
-            self._admit_host(key, self._inflight.pop(key).result(), prefetched=True)
+            with IO_WAIT.timed():
+                data = self._inflight.pop(key).result()
+            self._admit_host(key, data, prefetched=True)
         if self._backfill_thread is not None:
             while not self._backfill_thread.done.empty():
                 key, result = self._backfill_thread.done.get()

@@ -24,6 +24,7 @@ import ggml
 import numpy as np
 
 from fomoepy.errors import FomoeError
+from fomoepy.timing import MATMUL
 
 F32 = np.float32
 # GGUF types ggml computes from (fomoepy.quants supports exactly these)
@@ -95,7 +96,9 @@ class _Graph:
         plan = ggml.ggml_graph_plan(gf, threads, None)
         work = np.empty(max(plan.work_size, 1), np.uint8)
         plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if ggml.ggml_graph_compute(gf, ctypes.byref(plan)) != 0:
+        with MATMUL.timed():
+            status = ggml.ggml_graph_compute(gf, ctypes.byref(plan))
+        if status != 0:
             raise FomoeError("ggml graph computation failed")
 
     def free(self) -> None:
