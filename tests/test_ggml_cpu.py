@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 from fomoepy import quants
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.store_writer import prepare_store
-from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, mul_mat
+from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, fresh_expert_ffn, fresh_mul_mat, mul_mat
 
 F32 = np.float32
 # the type ggml rounds the activations to before a product with each weight type, and that rounding's
@@ -72,6 +72,46 @@ def test_expert_ffn_is_swiglu_of_the_quantized_experts_and_independent_of_its_ne
         assert np.array_equal(y, alone)  # one thread or two, alone or with others: the same bits
         a, b = mul_mat(h[r], e[0], 1), mul_mat(h[r], e[1], 1)
         assert np.array_equal(y, mul_mat(a / (F32(1) + np.exp(-a)) * b, e[2], 1))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_steps_cached_graphs_equal_graphs_built_for_the_call(threads):
+    # one token: the graph is built once per type and shape and reused with new pointers; every call,
+    # with other weights and inputs each time, must give the bits of a graph built for it alone
+    rng = np.random.default_rng(11)
+    d, f = 256, 64
+    for step in range(3):
+        h = rng.standard_normal((1, d)).astype(F32)
+        types = [QT.Q4_K, QT.Q6_K, QT.Q8_0] if step != 1 else [QT.Q8_0, QT.Q8_0, QT.Q8_0]
+        experts = []
+        for _ in range(4):
+            gate, up = quantized(rng, types[0], f, d), quantized(rng, types[1], f, d)
+            down = quantized(rng, types[2], d, f)
+            experts.append((np.zeros(1, np.int64), QuantMatrix.of(gate[0], int(types[0]), (f, d)),
+                            QuantMatrix.of(up[0], int(types[1]), (f, d)), QuantMatrix.of(down[0], int(types[2]), (d, f))))  # fmt: skip
+        cached, fresh = expert_ffn(h, experts, threads), fresh_expert_ffn(h, experts, threads)
+        assert len(cached) == 4 and all(np.array_equal(a, b) for a, b in zip(cached, fresh))
+        w = experts[step][1]
+        assert np.array_equal(mul_mat(h, w, threads), fresh_mul_mat(h, w, threads))
+
+
+def test_a_decode_steps_experts_sum_as_the_batched_path_does(stored):
+    from fomoepy.runtime.ggml_experts import GgmlExperts
+
+    path, store, tokens, _ = stored
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1))
+    experts: GgmlExperts = engine.experts
+    layer, spec = 0, engine.spec
+    parts = experts.layers[layer].parts
+    rng = np.random.default_rng(5)
+    fetched = {e: engine.source.read(layer, e) for e in range(spec.moe.n_expert)}
+    for _ in range(3):
+        h = rng.standard_normal((1, spec.n_embd)).astype(F32)
+        ids = rng.permutation(spec.moe.n_expert)[: spec.moe.n_expert_used][None, :]
+        weights = rng.dirichlet(np.ones(ids.shape[1])).astype(F32)[None, :]
+        one = experts._one_token(h, ids[0], weights[0], parts, fetched)
+        assert np.array_equal(one, experts._batched(h, ids, weights, parts, fetched, ffn=fresh_expert_ffn))
+    engine.close()
 
 
 ORACLE_MODELS = ["qwen3moe_f32", "qwen3moe_q8_0", "qwen3moe_q6_k", "qwen3moe_q4_k_m", "qwen35moe_f32", "qwen35moe_q4_k"]

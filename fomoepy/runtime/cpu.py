@@ -9,6 +9,8 @@ Shapes: T tokens, D = n_embd, H heads of hd dims, E experts.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from fomoepy import quants
@@ -94,10 +96,7 @@ class CpuBackend:
         float64 so that a position's rotation does not depend on how many tokens share the call.
         """
         half = rotary_dim // 2
-        inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rotary_dim)
-        angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
-        cos = np.cos(angles).astype(F32)[:, None, :]
-        sin = np.sin(angles).astype(F32)[:, None, :]
+        cos, sin = _rotations(np.asarray(positions, np.int64).tobytes(), rotary_dim, float(base))
         x1 = x[..., :half]
         x2 = x[..., half:rotary_dim]
         out = x.copy()
@@ -166,3 +165,15 @@ class CpuBackend:
             S += kt[:, :, None] * delta[:, None, :]
             out[t] = np.einsum("hkv,hk->hv", S, q[t])
         return out, S
+
+
+@functools.lru_cache(maxsize=64)
+def _rotations(positions: bytes, rotary_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [T, 1, rotary_dim/2] float32 of the positions (int64 bytes): every layer of a step
+    rotates at the same positions, so a decode step computes them once, not once per layer."""
+    half = rotary_dim // 2
+    inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rotary_dim)
+    angles = np.frombuffer(positions, np.int64).astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
+    cos, sin = np.cos(angles).astype(F32)[:, None, :], np.sin(angles).astype(F32)[:, None, :]
+    cos.flags.writeable = sin.flags.writeable = False
+    return cos, sin

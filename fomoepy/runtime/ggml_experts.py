@@ -50,27 +50,49 @@ class GgmlExperts:
         t1 = time.perf_counter()
         try:
             parts = self.layers[layer].parts
-            flat_ids = ids.reshape(-1)
-            flat_w = weights.reshape(-1)
-            order = np.argsort(flat_ids, kind="stable")
-            bounds = np.flatnonzero(np.diff(flat_ids[order])) + 1
-            k = ids.shape[1]
-            groups, picks = [], []
-            for group in np.split(order, bounds):
-                raw = fetched[int(flat_ids[group[0]])]
-                mats = tuple(QuantMatrix.of(raw[i], p.qtype, p.shape) for i, p in enumerate(parts))
-                groups.append((group // k, *mats))
-                picks.append(group)
-            ys = expert_ffn(h, groups, self.ops.threads)
-            out = np.zeros_like(h)
-            for group, y in zip(picks, ys):  # ascending expert id: a fixed order of additions
-                out[group // k] += y * flat_w[group][:, None]
-            return out
+            if h.shape[0] == 1:
+                return self._one_token(h, ids[0], weights[0], parts, fetched)
+            return self._batched(h, ids, weights, parts, fetched)
         finally:
             self.streamer.release(plan)
             if self.timer is not None:
                 self.timer.add("plan", layer, t1 - t0)
                 self.timer.add("experts", layer, time.perf_counter() - t1)
+
+
+    def _batched(self, h, ids, weights, parts, fetched, ffn=expert_ffn) -> np.ndarray:
+        """Tokens grouped by expert, each expert's rows through its FFN in one graph."""
+        flat_ids = ids.reshape(-1)
+        flat_w = weights.reshape(-1)
+        order = np.argsort(flat_ids, kind="stable")
+        bounds = np.flatnonzero(np.diff(flat_ids[order])) + 1
+        k = ids.shape[1]
+        groups, picks = [], []
+        for group in np.split(order, bounds):
+            raw = fetched[int(flat_ids[group[0]])]
+            mats = tuple(QuantMatrix.of(raw[i], p.qtype, p.shape) for i, p in enumerate(parts))
+            groups.append((group // k, *mats))
+            picks.append(group)
+        ys = ffn(h, groups, self.ops.threads)
+        out = np.zeros_like(h)
+        for group, y in zip(picks, ys):  # ascending expert id: a fixed order of additions
+            out[group // k] += y * flat_w[group][:, None]
+        return out
+
+    def _one_token(self, h, ids, weights, parts, fetched) -> np.ndarray:
+        """A decode step: the same sums, in the same order, as the batched path, without its grouping."""
+        order = np.argsort(ids, kind="stable")  # ascending expert id
+        groups = [
+            (_ROW0, *(QuantMatrix.of(raw[i], q.qtype, q.shape) for i, q in enumerate(parts)))
+            for raw in (fetched[int(ids[j])] for j in order)
+        ]
+        out = np.zeros_like(h)
+        for j, y in zip(order, expert_ffn(h, groups, self.ops.threads)):
+            out += y * weights[j]
+        return out
+
+
+_ROW0 = np.zeros(1, np.int64)
 
 
 def store_expert_nbytes(layout: LayerExperts) -> int:
