@@ -300,6 +300,32 @@ def test_prefetch_goes_on_while_this_layer_computes_and_never_delays_its_reads(m
     engine.close()
 
 
+def test_a_prefetched_expert_the_host_tier_refuses_is_not_read_twice(model):
+    # a host tier just too small for one expert: every prefetched read is refused a slot, and its
+    # bytes go to the step that asked for it instead of a second read from the disk
+    path, store, _, _ = model
+    probe = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=0))
+    one = probe.source.layers[1].expert_nbytes
+    probe.close()
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=one - 1))
+    streamer = engine.experts.streamer
+    streamer.source = SlowStore(streamer.source, 0.0, workers=2)
+    reads = []
+    submit = streamer.source.submit
+    streamer.source.submit = lambda layer, expert: reads.append((layer, expert)) or submit(layer, expert)
+    streamer.predict(1, np.array([[2, 3]]))
+    streamer.release(streamer.acquire(0, np.array([[5]]))[0])
+    plan, fetched = streamer.acquire(1, np.array([[2, 4]]))
+    for e in (2, 4):
+        assert all(np.array_equal(a, b) for a, b in zip(fetched[e], streamer.source.store.read(1, e)))
+    streamer.release(plan)
+    assert sorted(reads) == [(0, 5), (1, 2), (1, 3), (1, 4)]  # expert 2 read once, as a prefetch
+    p = streamer.prefetch_stats
+    assert (p.issued, p.admitted, p.handed) == (2, 0, 1)
+    assert not streamer._unadmitted  # expert 3, predicted but not chosen, is not kept
+    engine.close()
+
+
 def test_prefetch_on_and_off_give_the_same_tokens(model):
     path, store, tokens, _ = model
     outs = []

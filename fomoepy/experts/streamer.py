@@ -51,6 +51,7 @@ class PrefetchStats:
     correct: int = 0  # of those, selected by the router there
     issued: int = 0  # reads started because a prediction was not cached
     admitted: int = 0  # prefetched experts that got a host slot
+    handed: int = 0  # prefetched experts the host tier refused, handed to their step's demand instead of a second read
 
     @property
     def accuracy(self) -> float:
@@ -89,6 +90,7 @@ class ExpertStreamer:
         self._predicted: dict[int, np.ndarray] = {}
         self._to_prefetch: tuple[int, np.ndarray] | None = None  # (layer, experts) to read from the next acquire
         self._inflight: dict[Key, Future] = {}
+        self._unadmitted: dict[Key, ExpertBytes] = {}  # prefetched for this step, refused a host slot
         self.trace: TraceWriter | None = None
         if options.trace and record_trace:
             header = TraceHeader(self.n_layer, self.n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name)
@@ -224,11 +226,17 @@ class ExpertStreamer:
             if item.source is Source.HOST:
                 fetched[item.expert] = self.host_slots[key]
             elif item.source is Source.DISK:
-                reads[item.expert] = None
+                handed = self._unadmitted.pop(key, None)
+                if handed is not None:  # read a step ahead; the host tier would not keep it
+                    fetched[item.expert] = handed
+                    self.prefetch_stats.handed += 1
+                else:
+                    reads[item.expert] = None
         if reads:
             submit = getattr(self.source, "submit", None)
             if submit is not None:  # issue every read before waiting on any
                 reads = {e: submit(layer, e) for e in reads}
+        self._unadmitted.clear()  # predicted for this step but not chosen
         self._issue_prefetch()  # behind this step's reads in the pool, overlapping its compute
         if reads:
             with IO_WAIT.timed():
@@ -258,7 +266,8 @@ class ExpertStreamer:
         for key in [k for k in self._inflight if k[0] == layer]:
             with IO_WAIT.timed():
                 data = self._inflight.pop(key).result()
-            self._admit_host(key, data, prefetched=True)
+            if not self._admit_host(key, data, prefetched=True):
+                self._unadmitted[key] = data
         if self._backfill_thread is not None:
             while not self._backfill_thread.done.empty():
                 key, result = self._backfill_thread.done.get()
@@ -266,10 +275,10 @@ class ExpertStreamer:
                     raise result
                 self._admit_host(key, result)
 
-    def _admit_host(self, key: Key, data: ExpertBytes, prefetched: bool = False) -> None:
+    def _admit_host(self, key: Key, data: ExpertBytes, prefetched: bool = False) -> bool:
         evicted = self.cache.admit_host(key)
         if evicted is None:
-            return
+            return False
         for victim in evicted:
             self.host_slots.pop(victim, None)
         self.host_slots[key] = data
@@ -277,6 +286,7 @@ class ExpertStreamer:
             self.prefetch_stats.admitted += 1
         else:
             self.backfilled += 1
+        return True
 
     # -- reporting and lifetime --------------------------------------------------------------------
     def stats(self) -> dict:
@@ -285,7 +295,7 @@ class ExpertStreamer:
             out["car"] = {"substitution_rate": self.car_stats.rate, "line": self.car_stats.line()}
             out["backfilled"] = self.backfilled
         p = self.prefetch_stats
-        out["prefetch"] = {"predicted": p.predicted, "accuracy": p.accuracy, "issued": p.issued, "admitted": p.admitted}
+        out["prefetch"] = {"predicted": p.predicted, "accuracy": p.accuracy, "issued": p.issued, "admitted": p.admitted, "handed": p.handed}
         return out
 
     def lines(self) -> list[str]:
@@ -294,7 +304,10 @@ class ExpertStreamer:
             lines.append(self.car_stats.line() + f"; backfilled {self.backfilled}")
         p = self.prefetch_stats
         if p.predicted:
-            lines.append(f"prefetch: next-layer prediction accuracy {p.accuracy:.1%}, reads issued {p.issued}, admitted {p.admitted}")
+            lines.append(
+                f"prefetch: next-layer prediction accuracy {p.accuracy:.1%}, reads issued {p.issued}, admitted {p.admitted}, "
+                f"handed to their step {p.handed}"
+            )
         return lines
 
     def close(self) -> None:
