@@ -68,3 +68,22 @@ def test_router_skew_needs_one_positive_scale_per_expert():
         mtm.make_spec("tiny-qwen3moe", router_skew=(1.0, 2.0))
     with pytest.raises(ValueError, match="router_skew"):
         mtm.make_spec("tiny-qwen3moe", router_skew=(0.0,) * N_EXPERT)
+
+
+def test_calibration_on_the_model_moves_its_skew_to_the_target(target, tmp_path):
+    """Routers twice as spread as the Gaussian calibration says: rounds on the model bring the held-out
+    usage back towards the target."""
+    scales = rs.row_scales(target, N_USED, tokens=5000, iterations=100) ** 2
+    path = mtm.make_model(tmp_path / "m.gguf", preset="tiny-qwen3moe", n_layer=4, router_skew=tuple(scales)).path
+
+    def tokens(seed: int) -> list[list[int]]:
+        return [np.random.default_rng([seed, i]).integers(0, 512, size=64).tolist() for i in range(8)]
+
+    def top_quarter() -> float:
+        return rs.top_share(rs.mean_curve(rs.model_counts(path, tokens(0), threads=1).sum(axis=0)), 0.25)
+
+    wanted, before = rs.top_share(target, 0.25), top_quarter()
+    measured = rs.calibrate_in_model(path, target, [tokens(1), tokens(2), tokens(3)], threads=1)
+    after = top_quarter()
+    assert len(measured) == 3
+    assert abs(after - wanted) < abs(before - wanted) / 2, (before, after, wanted)

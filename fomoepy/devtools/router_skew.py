@@ -129,3 +129,44 @@ def demo_sequences() -> tuple[str, list[list[int]]]:
     ids = Tokenizer.from_gguf(model).encode(demo_heldout_path().read_text(encoding="utf-8"))
     n_ctx = ModelSpec.from_gguf(GGUFFile(model)).context_length
     return str(model), [ids[s : s + n_ctx] for s in range(0, len(ids), n_ctx)]
+
+
+def calibrate_in_model(
+    model: str | os.PathLike[str], target: np.ndarray, rounds: Sequence[Sequence[Sequence[int]]], threads: int | None = None
+) -> list[np.ndarray]:
+    """Widen or narrow each layer's spread of router row scales in place, one round per entry of
+    `rounds` (token sequences, each from an empty context), until the layer's usage curve has the
+    target's skew; returns the usage curve (mean over layers) each round measured before it adjusted.
+
+    Why on the model too: `row_scales` assumes router logits that are independent Gaussians. In a random
+    model's deeper layers the hidden states fill fewer directions, the experts' logits are correlated,
+    and the same scales give more skew than on Gaussian logits (bench shape, 9 layers: the last two
+    take 50% of selections in their top quarter of experts where the target has 43%). Matching each
+    row's measured logit spread, or stepping each expert's scale by its own usage, left that excess
+    (the first) or added sampling noise to the scales, which is skew too (the second). So each round
+    measures one number per layer, its skew: the top 10/25/50% shares' excess over uniform routing,
+    summed; and multiplies the layer's log row norms (about their mean) by target skew / measured
+    skew, within 0.5..1.5: the experts keep their ranks, the layer's curve moves towards the target's
+    (skew grows more slowly than the spread of log norms, so the step does not overshoot). Rounds should use tokens other than those the result is
+    judged on."""
+    from gguf import GGUFReader
+
+    def skew(curve: np.ndarray) -> float:
+        return sum(top_share(curve, f) - f for f in FRACTIONS)
+
+    wanted = skew(np.asarray(target, dtype=np.float64))
+    measured = []
+    for sequences in rounds:
+        counts = model_counts(model, sequences, threads=threads).sum(axis=0)
+        measured.append(mean_curve(counts))
+        curves = usage_curves(counts)
+        for tensor in GGUFReader(model, "r+").tensors:
+            if "ffn_gate_inp" not in tensor.name:
+                continue
+            layer = int(tensor.name.split(".")[1])  # blk.{layer}.ffn_gate_inp.weight
+            rows = tensor.data  # [n_expert, n_embd] float32, mapped from the file
+            power = float(np.clip(wanted / max(skew(curves[layer]), 1e-6), 0.5, 1.5))
+            log_norm = np.log(np.linalg.norm(rows, axis=1))
+            rows *= np.exp((power - 1) * (log_norm - log_norm.mean())).astype(np.float32)[:, None]
+            rows.flush()
+    return measured
