@@ -49,7 +49,7 @@ def resample(curve: np.ndarray, n_expert: int) -> np.ndarray:
 
 
 def shares_line(curve: np.ndarray) -> str:
-    """'top expert 2.61x; top 10% 21.3%, ...' of a usage curve."""
+    """'top 10% 21.7%, top 25% 42.8%, top 50% 70.5%; most used expert 2.61x the mean, least 0.05x'."""
     shares = ", ".join(f"top {f:.0%} {top_share(curve, f):.1%}" for f in FRACTIONS)
     return f"{shares}; most used expert {curve[0]:.2f}x the mean, least {curve[-1]:.2f}x"
 
@@ -58,16 +58,16 @@ def row_scales(target: np.ndarray, n_used: int, tokens: int = 20000, iterations:
     """Router row scales, most used first, whose top-`n_used` choices follow the usage curve `target`.
 
     Why this model of the router: a random test model's router input (the normalised hidden state) has
-    no preferred direction and its router rows are independent Gaussian vectors, so a token's router
-    logits are close to independent Gaussians, each with its row's norm as spread. Scaling row e by
-    s_e scales that spread: wider-spread experts reach the top k more often, and never always (at
+    nearly no preferred direction and its router rows are independent Gaussian vectors, so a token's
+    router logits are close to independent Gaussians, each with its row's norm as spread. Scaling row e
+    by s_e scales that spread: wider-spread experts reach the top k more often, and never always (at
     most when their logit is positive, half the tokens; curves that need more are out of reach).
-    Calibrating on such logits drawn here takes a second, where calibrating on the model would
-    regenerate a GB-sized file per iteration; the usage the scales give on the model itself is
-    measured afterwards (`model_counts`) and printed beside the target.
+    Calibrating on such logits drawn here takes a second, where each round on the model runs it over
+    thousands of tokens; `calibrate_in_model` then corrects what the model's deeper layers do otherwise.
 
     Fixed-point iteration on the same draws: s_e <- s_e * sqrt(target_e / usage_e) (each step within
-    0.8..1.25), then scaled to RMS 1 (top-k choices do not depend on a common factor; the router keeps its overall spread)."""
+    0.8..1.25), then scaled to RMS 1 (top-k choices do not depend on a common factor; the router keeps
+    its overall spread)."""
     target = np.asarray(target, dtype=np.float64)
     n_expert = len(target)
     z = np.random.default_rng(seed).standard_normal((tokens, n_expert))
