@@ -274,7 +274,7 @@ def main() -> int:
     run_tokens = PROMPT_TOKENS + args.decode
     target, demo_window, demo_tokens, demo_pieces = demo_routing(spec.n_expert, run_tokens)
     usage = [
-        usage_row("demo model, held-out text (the target)", f"{demo_tokens}", target),
+        usage_row("demo model, held-out text (the target of --routing demo)", f"{demo_tokens}", target),
         usage_row(f"demo model, held-out text in {run_tokens}-token pieces (mean of {demo_pieces})", f"{run_tokens}", demo_window),
     ]
     skew: tuple[float, ...] = ()
