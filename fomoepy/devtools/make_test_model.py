@@ -13,7 +13,8 @@ are stored as used (`x̂ · w`, around 1); `ssm_a` is stored as `−exp(A_log)`,
 
 Weights are drawn so that activations stay O(1) and logits have std ~1: matrices N(0, 1/fan_in),
 embeddings N(0, 1), norms 1 + 0.1·N(0, 1), and the router scaled by `router_scale` so that its top-k
-choices are rarely near-ties. Every tensor chunk (one expert, a block of rows of a large matrix, or a
+choices are rarely near-ties; `router_skew` scales router rows by popularity rank to give the experts
+unequal usage. Every tensor chunk (one expert, a block of rows of a large matrix, or a
 whole small tensor) has its own generator seeded from (seed, tensor index, chunk index): chunks are made
 in parallel threads and the file is still byte-identical for the same arguments.
 """
@@ -68,6 +69,10 @@ class ModelSpec:
     dense_type: GGMLQuantizationType = F32  # token_embd, output and every other 2-D matrix but the router
     seed: int = 0
     router_scale: float = 4.0  # router logits ~ N(0, router_scale²) for a unit-RMS input
+    # Router row scales by popularity rank (most used first), one per expert; empty: none. Each layer
+    # gives them to its experts in its own random order. A row scaled by s has logits of s times the
+    # spread, so it lands in the top k more often: usage skew without a bias (qwen3moe routers have none).
+    router_skew: tuple[float, ...] = ()
     name: str = ""  # general.name; empty: "fomoepy-test-{arch}-seed{seed}"
     # qwen35moe only
     full_attention_interval: int = 4
@@ -85,12 +90,15 @@ class ModelSpec:
         object.__setattr__(self, "expert_types", tuple(Q(t) for t in self.expert_types))
         object.__setattr__(self, "dense_type", Q(self.dense_type))
         object.__setattr__(self, "rope_sections", tuple(int(n) for n in self.rope_sections))
+        object.__setattr__(self, "router_skew", tuple(float(s) for s in self.router_skew))
         if self.arch not in ARCHS:
             raise ValueError(f"arch: expected one of {', '.join(ARCHS)}, got {self.arch!r}")
         if self.n_head % self.n_head_kv:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})")
         if not 0 < self.n_expert_used <= self.n_expert:
             raise ValueError(f"n_expert_used must be in 1..n_expert ({self.n_expert}), got {self.n_expert_used}")
+        if self.router_skew and (len(self.router_skew) != self.n_expert or min(self.router_skew) <= 0):
+            raise ValueError(f"router_skew: expected {self.n_expert} positive scales (one per expert), got {len(self.router_skew)}")
         if len(self.expert_types) != 3:
             raise ValueError(f"expert_types: expected (gate, up, down), got {self.expert_types!r}")
         if self.arch == "qwen35moe":
@@ -122,6 +130,19 @@ def _normal(std: float) -> Init:
 
 def _norm_weight(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return 1 + np.float32(0.1) * rng.standard_normal(shape, dtype=np.float32)
+
+
+def _router(std: float, skew: tuple[float, ...]) -> Init:
+    def init(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        w = _normal(std)(rng, shape)
+        if not skew:  # no further draws: models without skew keep their bytes
+            return w
+        if shape[0] != len(skew):  # a router is one chunk unless n_expert x n_embd passes _CHUNK_ELEMENTS
+            raise ValueError(f"router_skew needs the router in one chunk, got {shape[0]} of {len(skew)} rows")
+        rank = rng.permutation(shape[0])  # expert e has popularity rank rank[e], drawn per layer
+        return w * np.asarray(skew, dtype=np.float32)[rank][:, None]
+
+    return init
 
 
 def _ssm_a(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -204,7 +225,7 @@ def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
         gate_t, up_t, down_t = spec.expert_types
         F, X = spec.expert_ff, spec.n_expert
         plan += [
-            TensorPlan(_name(T.FFN_GATE_INP, il), (X, E), F32, _normal(spec.router_scale * E**-0.5)),
+            TensorPlan(_name(T.FFN_GATE_INP, il), (X, E), F32, _router(spec.router_scale * E**-0.5, spec.router_skew)),
             TensorPlan(_name(T.FFN_GATE_EXP, il), (X, F, E), gate_t, _normal(E**-0.5)),
             TensorPlan(_name(T.FFN_UP_EXP, il), (X, F, E), up_t, _normal(E**-0.5)),
             TensorPlan(_name(T.FFN_DOWN_EXP, il), (X, E, F), down_t, _normal(F**-0.5)),
@@ -426,7 +447,7 @@ def make_model(path: str | os.PathLike[str], *, preset: str | None = None, **fie
 
     `fields` are ModelSpec fields (arch, n_vocab, n_embd, n_layer, n_head, n_head_kv, head_dim, n_expert,
     n_expert_used, expert_ff, context_length, rope_freq_base, rms_eps, expert_types, dense_type, seed,
-    router_scale, name, and for qwen35moe full_attention_interval, rotary_dim, rope_sections,
+    router_scale, router_skew, name, and for qwen35moe full_attention_interval, rotary_dim, rope_sections,
     ssm_conv_kernel, ssm_state_size, ssm_group_count, ssm_time_step_rank, ssm_inner_size, shared_expert_ff).
     """
     return write_model(path, make_spec(preset, **fields))
@@ -455,6 +476,7 @@ _FIELD_PARSERS: dict[str, Callable[[str], Any]] = {
     "expert_types": _tuple_of(_qtype, 3),
     "dense_type": _qtype,
     "rope_sections": _tuple_of(int, 4),
+    "router_skew": lambda text: tuple(float(s) for s in text.split(",")),
 }
 
 
