@@ -326,6 +326,40 @@ def test_a_prefetched_expert_the_host_tier_refuses_is_not_read_twice(model):
     engine.close()
 
 
+def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_read(model):
+    # ggml backend, one token: of the experts chosen, those in the host tier go through their FFN
+    # before this step's reads finish; then the read ones. The logits are the resident engine's, bit for bit.
+    import time
+
+    import fomoepy.runtime.ggml_experts as ge
+
+    path, store, tokens, _ = model
+    resident = Engine(path, EngineOptions(backend="cpu", threads=1))
+    resident_state = resident.new_state()
+    resident.eval(resident_state, tokens[:5])
+    want = resident.eval(resident_state, tokens[5:6])[-1]
+    resident.close()
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=1 << 30, prefetch=False))
+    state = engine.new_state()
+    engine.eval(state, tokens[:5])  # the prompt's experts are now in the host tier
+    streamer = engine.experts.streamer
+    delay = 0.05
+    streamer.source = SlowStore(streamer.source, delay, workers=4)
+    calls, real_ffn = [], ge.expert_ffn
+    ge.expert_ffn = lambda h, groups, threads: calls.append((time.perf_counter(), len(groups))) or real_ffn(h, groups, threads)
+    try:
+        t0 = time.perf_counter()
+        got = engine.eval(state, tokens[5:6])[-1]
+    finally:
+        ge.expert_ffn = real_ffn
+    misses = engine.stats()["cache"]["disk"]["reads"]
+    assert misses > 0 and len(calls) > engine.spec.n_layer  # some steps had experts at hand and to read
+    overlapped = [t for (t, n), (t2, _) in zip(calls, calls[1:]) if t2 - t >= 0.8 * delay]
+    assert overlapped and overlapped[0] - t0 < delay  # computed before its step's reads could have ended
+    assert np.array_equal(got, want)  # the order of additions is the resident engine's
+    engine.close()
+
+
 def test_prefetch_on_and_off_give_the_same_tokens(model):
     path, store, tokens, _ = model
     outs = []

@@ -210,6 +210,13 @@ class ExpertStreamer:
         Waits only for what this step needs: its own reads, and the reads prefetched for this layer
         (admitted here, at a fixed point, so runs stay repeatable). Reads prefetched for the next layer
         are issued after this step's and go on while it computes."""
+        plan, fetched, reads = self.start_acquire(layer, ids)
+        return plan, self.finish_acquire(plan, fetched, reads)
+
+    def start_acquire(self, layer: int, ids: np.ndarray) -> tuple[Plan, dict[int, ExpertBytes], dict[int, Future | None]]:
+        """acquire's first half: the plan, the bytes at hand (host hits, prefetches handed over) and the
+        reads in flight, so a backend can compute the experts at hand while the others are read. The
+        caller must then call finish_acquire, before anything else of this streamer's."""
         self._collect_background(layer)
         plan = self.cache.plan(layer, ids)
         self.cache.commit(plan)
@@ -238,6 +245,11 @@ class ExpertStreamer:
                 reads = {e: submit(layer, e) for e in reads}
         self._unadmitted.clear()  # predicted for this step but not chosen
         self._issue_prefetch()  # behind this step's reads in the pool, overlapping its compute
+        return plan, fetched, reads
+
+    def finish_acquire(self, plan: Plan, fetched: dict[int, ExpertBytes], reads: dict[int, Future | None]) -> dict[int, ExpertBytes]:
+        """acquire's second half: wait for this step's reads; `fetched` then holds every expert's bytes."""
+        layer = plan.layer
         if reads:
             with IO_WAIT.timed():
                 for e, f in reads.items():
@@ -248,7 +260,7 @@ class ExpertStreamer:
         self.cache.mark_ready(plan)
         if self._backfill_thread is not None:
             self._backfill_thread.set_io_busy(False, self.tokens_seen)
-        return plan, fetched
+        return fetched
 
     def release(self, plan: Plan) -> None:
         self.cache.release(plan)

@@ -26,6 +26,7 @@ class GgmlExperts:
         self.ops = ops
         self.routers = routers  # every layer's router, to predict the next layer's experts
         self.timer = timer  # a fomoepy.timing.LayerTimer when --profile-timing is on
+        self._waited = 0.0  # this step's time in finish_acquire (the plan phase's, though it falls among the experts)
 
     def begin_step(self) -> None:
         self.streamer.begin_step()
@@ -46,18 +47,26 @@ class GgmlExperts:
 
     def ffn(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
-        plan, fetched = self.streamer.acquire(layer, ids)
+        plan, fetched, reads = self.streamer.start_acquire(layer, ids)
+        self._waited = 0.0
         t1 = time.perf_counter()
         try:
             parts = self.layers[layer].parts
             if h.shape[0] == 1:
-                return self._one_token(h, ids[0], weights[0], parts, fetched)
-            return self._batched(h, ids, weights, parts, fetched)
+                return self._one_token(h, ids[0], weights[0], parts, fetched, lambda: self._finish(plan, fetched, reads))
+            return self._batched(h, ids, weights, parts, self._finish(plan, fetched, reads))
         finally:
             self.streamer.release(plan)
             if self.timer is not None:
-                self.timer.add("plan", layer, t1 - t0)
-                self.timer.add("experts", layer, time.perf_counter() - t1)
+                self.timer.add("plan", layer, t1 - t0 + self._waited)
+                self.timer.add("experts", layer, time.perf_counter() - t1 - self._waited)
+
+    def _finish(self, plan, fetched, reads) -> dict:
+        t = time.perf_counter()
+        try:
+            return self.streamer.finish_acquire(plan, fetched, reads)
+        finally:
+            self._waited += time.perf_counter() - t
 
 
     def _batched(self, h, ids, weights, parts, fetched, ffn=expert_ffn) -> np.ndarray:
@@ -79,16 +88,25 @@ class GgmlExperts:
             out[group // k] += y * flat_w[group][:, None]
         return out
 
-    def _one_token(self, h, ids, weights, parts, fetched) -> np.ndarray:
-        """A decode step: the same sums, in the same order, as the batched path, without its grouping."""
-        order = np.argsort(ids, kind="stable")  # ascending expert id
-        groups = [
-            (_ROW0, *(QuantMatrix.of(raw[i], q.qtype, q.shape) for i, q in enumerate(parts)))
-            for raw in (fetched[int(ids[j])] for j in order)
-        ]
+    def _one_token(self, h, ids, weights, parts, fetched, finish=None) -> np.ndarray:
+        """A decode step: the same sums, in the same order, as the batched path, without its grouping.
+
+        With `finish` (which waits for this step's reads and completes `fetched`), the experts whose
+        bytes are at hand are computed while the others are still being read, then the rest: an
+        expert's output does not depend on the graph it shares, and the sum keeps ascending id order."""
+        experts = [int(e) for e in ids[np.argsort(ids, kind="stable")]]  # ascending expert id
+        ys: dict[int, np.ndarray] = {}
+        for batch in ([e for e in experts if e in fetched], None):
+            if batch is None:
+                if finish is not None:
+                    finish()
+                batch = [e for e in experts if e not in ys]
+            if batch:
+                groups = [(_ROW0, *(QuantMatrix.of(fetched[e][i], q.qtype, q.shape) for i, q in enumerate(parts))) for e in batch]
+                ys.update(zip(batch, expert_ffn(h, groups, self.ops.threads)))
         out = np.zeros_like(h)
-        for j, y in zip(order, expert_ffn(h, groups, self.ops.threads)):
-            out += y * weights[j]
+        for j in np.argsort(ids, kind="stable"):
+            out += ys[int(ids[j])] * weights[j]
         return out
 
 
