@@ -470,3 +470,14 @@ def test_the_default_policy_on_text_it_was_not_tuned_on(heldout_trace, fraction,
     before, _ = replay(heldout_trace, fraction, "lfu-admit")
     baseline, _ = replay(heldout_trace, fraction, "layer-lru")
     assert ours >= of_belady * best and ours > before and ours > baseline + 0.05, (ours, best, before, baseline)
+
+
+def test_experts_read_outside_a_plan_are_admitted_together_none_evicting_another():
+    # a host tier of two experts; three reads arrive together (prefetched for one layer step)
+    cache = ExpertCache(n_expert=8, expert_bytes=[100], device_bytes=0, host_bytes=200, host_policy=make_policy("lfu-cooc"))
+    admitted, evicted = cache.admit_host([(0, 1), (0, 2), (0, 3), (0, 1)])
+    assert admitted == [(0, 1), (0, 2)] and evicted == []  # (0, 3) may not evict (0, 1) or (0, 2)
+    assert sorted(cache.host.keys()) == [(0, 1), (0, 2)]
+    admitted, evicted = cache.admit_host([(0, 3)])  # alone, it takes a slot by the policy's rule
+    assert admitted == [(0, 3)] and len(evicted) == 1 and sorted(cache.host.keys() + evicted) == [(0, 1), (0, 2), (0, 3)]
+    assert cache.admit_host([(0, 3)]) == ([], [])  # held already: nothing changes

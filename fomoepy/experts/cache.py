@@ -297,24 +297,27 @@ class ExpertCache:
         self.release(plan)
         return plan
 
-    def admit_host(self, key: Key) -> list[Key] | None:
-        """Put an expert read outside any plan (prefetch, backfill) into the host tier, READY.
+    def admit_host(self, keys: Sequence[Key]) -> tuple[list[Key], list[Key]]:
+        """Put experts read outside any plan (prefetch, backfill) into the host tier, READY.
 
-        Evicts unpinned experts by the host policy to make room. Returns the evicted keys, or None
-        when the expert is already held in a tier or cannot get a slot (nothing changes then).
+        One admission plan for all of `keys`, in order (the policy orders its residents once, not once
+        per key, and none of `keys` is evicted for another). Evicts unpinned experts by the host policy
+        to make room. Returns (the keys admitted, the keys evicted); a key already held in a tier, or
+        one that cannot get a slot, is left out, and nothing changes for it.
         """
-        if key in self._dev(key[0]) or key in self.host or not self.host.enabled:
-            return None
-        admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]])], {key}, self.now)
-        if key not in set(admitted):
-            return None
+        if not self.host.enabled:
+            return [], []
+        wanted = [key for key in dict.fromkeys(keys) if key not in self._dev(key[0]) and key not in self.host]
+        admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]]) for key in wanted], set(wanted), self.now)
         for victim in victims:
             freed = self.host.evict(victim)
             self.stats.host[victim[0]].evicted += 1
             self.stats.host[victim[0]].evicted_bytes += freed
-        self.host.admit(key, self.expert_bytes[key[0]], self.now, SlotState.READY)
-        self.generation += 1
-        return list(victims)
+        for key in admitted:
+            self.host.admit(key, self.expert_bytes[key[0]], self.now, SlotState.READY)
+        if admitted:
+            self.generation += 1
+        return admitted, list(victims)
 
     def seed(self, keys: Iterable[Key], pin_fraction: float = 0.0) -> tuple[list[Key], list[Key]]:
         """Fill the device tier, then the host tier, with keys in order (e.g. a profile's seed_order).

@@ -146,7 +146,7 @@ class ExpertStreamer:
                 key = self._backfill_queue.pop(self.tokens_seen)
                 if key is None:
                     break
-                self._admit_host(key, self.source.read(*key))
+                self.backfilled += len(self._admit_host({key: self.source.read(*key)}))
 
     # -- per MoE layer -----------------------------------------------------------------------------
     def choose(self, layer: int, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
@@ -275,30 +275,32 @@ class ExpertStreamer:
     def _collect_background(self, layer: int) -> None:
         # Reads prefetched for this layer were issued a step ago: wait for those (not for the next
         # layer's), so what the cache holds at this point never depends on thread timing.
+        prefetched = {}
         for key in [k for k in self._inflight if k[0] == layer]:
             with IO_WAIT.timed():
-                data = self._inflight.pop(key).result()
-            if not self._admit_host(key, data, prefetched=True):
-                self._unadmitted[key] = data
+                prefetched[key] = self._inflight.pop(key).result()
+        admitted = self._admit_host(prefetched)
+        self.prefetch_stats.admitted += len(admitted)
+        self._unadmitted.update((key, data) for key, data in prefetched.items() if key not in admitted)
         if self._backfill_thread is not None:
+            backfilled = {}
             while not self._backfill_thread.done.empty():
                 key, result = self._backfill_thread.done.get()
                 if isinstance(result, BaseException):
                     raise result
-                self._admit_host(key, result)
+                backfilled[key] = result
+            self.backfilled += len(self._admit_host(backfilled))
 
-    def _admit_host(self, key: Key, data: ExpertBytes, prefetched: bool = False) -> bool:
-        evicted = self.cache.admit_host(key)
-        if evicted is None:
-            return False
+    def _admit_host(self, read: dict[Key, ExpertBytes]) -> set[Key]:
+        """Gives experts read outside a plan host slots where the policy admits them; returns those admitted."""
+        if not read:
+            return set()
+        admitted, evicted = self.cache.admit_host(list(read))
         for victim in evicted:
             self.host_slots.pop(victim, None)
-        self.host_slots[key] = data
-        if prefetched:
-            self.prefetch_stats.admitted += 1
-        else:
-            self.backfilled += 1
-        return True
+        for key in admitted:
+            self.host_slots[key] = read[key]
+        return set(admitted)
 
     # -- reporting and lifetime --------------------------------------------------------------------
     def stats(self) -> dict:
