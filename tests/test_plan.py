@@ -236,6 +236,21 @@ def test_cpu_schedule_adds_every_term(q397):
     assert set(p.terms) == set(TERMS)
 
 
+def test_in_place_cpu_schedule_computes_the_experts_at_hand_while_the_misses_are_read(q397):
+    # ggml (no make-ready): the host tier's share of the FFNs runs beside the reads, the disk share after
+    hw = load_hardware("cpu-only-64g")
+    for shares, read_bound in ((TierRates(0.0, 0.3, 0.7), True), (TierRates(0.0, 0.9, 0.1), False)):
+        p = project(q397, hw, shares, "engine")
+        n_layer = q397.model.n_layer
+        layer = {name: t / n_layer for name, t in p.terms.items()}
+        at_hand = layer["experts"] * shares.host
+        moe = max(at_hand, layer["disk"]) + layer["experts"] * shares.disk
+        assert (layer["disk"] > at_hand) == read_bound  # both sides of the max are taken
+        want = n_layer * (layer["dense"] + layer["plan"] + moe) + p.terms["head"]
+        assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
+        assert p.seconds_per_token < sum(p.terms.values())
+
+
 # -- the command -----------------------------------------------------------------------------------
 
 

@@ -16,7 +16,9 @@ Two schedules combine them:
           dense -> sync -> plan -> all the layer's misses read at once, striped across the drives
           (one latency, then bytes / (drives x bandwidth)) -> copies on the copy stream while the
           device computes the experts already resident; the copied experts' FFNs follow their
-          copy. On the CPU backend there is one thread: every term adds up.
+          copy. The CPU backends compute on the host: the numpy reference reads, makes ready and
+          computes in turn (every term adds up); ggml computes the experts whose store bytes are in
+          the host tier while the misses are read, then the misses.
   fomoe   (FOMOE's published design) dense -> router round trip -> each NVMe read in turn, full
           stride, its latency each time; the link copies run beside the reads; then all k FFNs.
           Layers alternate GPUs, so nothing of one layer overlaps the next.
@@ -164,8 +166,11 @@ def project(
         resident = layer["experts"] * (1 - (rates.host + rates.disk))
         moe = max(resident, fetch) + (layer["experts"] - resident if fetch > resident else 0.0)
         moe = max(moe, layer["experts"], fetch + (one_ffn if n_copy else 0.0))
-    else:  # one CPU thread: read, make ready, compute, in turn
+    elif copy_rate:  # numpy reference: read, make ready, compute, in turn
         moe = (1 - prefetch) * (layer["disk"] + layer["copy"]) + layer["experts"]
+    else:  # ggml, computing on store bytes in place: the experts at hand while the misses are read
+        at_hand = layer["experts"] * (1 - rates.disk)
+        moe = max(at_hand, (1 - prefetch) * layer["disk"]) + layer["experts"] - at_hand
     step = layer["dense"] + layer["sync"] + layer["plan"] + moe
     total = m.n_layer * step + head
     terms = {name: m.n_layer * t for name, t in layer.items()}
