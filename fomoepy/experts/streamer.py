@@ -184,7 +184,7 @@ class ExpertStreamer:
     def predict(self, layer: int, ids: np.ndarray) -> None:
         """Note the experts predicted for `layer`; those no tier holds are read in the background from
         the next `acquire` on, right after that step's own reads are issued (a guess costs bandwidth if
-        wrong, never correctness, and never delays a demand read)."""
+        wrong, never correctness, and is never queued ahead of a demand read)."""
         if not 0 <= layer < self.n_layer:
             return
         predicted = np.unique(ids)
