@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -156,22 +157,42 @@ def test_metrics_parse_as_prometheus_text(served, client):
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_generation(served):
-    before = served.call(lambda: served.daemon.outcomes["cancelled"])
-    host, port = served.http.host, served.http.port
-    body = json.dumps({"messages": chat(4), "max_tokens": 400, "stream": True}).encode()
-    s = socket.create_connection((host, port))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
-    got = b""
-    while got.count(b"data: ") < 3:
-        got += s.recv(4096)
-    s.close()
-    deadline = time.monotonic() + 20
-    while served.call(lambda: served.daemon.outcomes["cancelled"]) == before:
-        assert time.monotonic() < deadline, "the generation was not cancelled"
-        time.sleep(0.05)
-    stats = served.call(served.daemon.stats)
-    assert stats["running"] == 0 and stats["completion_tokens"] < 10_000
+    # The generation holds after 32 tokens until the daemon has seen the client go: otherwise a
+    # reply that ends (400 tokens, or an end-of-generation token) before the disconnect is noticed
+    # would finish as "length" or "stop", and the test would pass or fail by timing.
+    engine, hold = served.daemon.engine, threading.Event()
+    generate = engine.generate
+
+    def held(*args, **kwargs):
+        for i, token in enumerate(generate(*args, **kwargs)):
+            if i == 32:
+                assert hold.wait(30), "the disconnect was not seen"
+            yield token
+
+    engine.generate = held
+    try:
+        before = served.call(lambda: served.daemon.outcomes["cancelled"])
+        host, port = served.http.host, served.http.port
+        body = json.dumps({"messages": chat(4), "max_tokens": 400, "stream": True, "ignore_eos": True}).encode()
+        s = socket.create_connection((host, port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += s.recv(4096)
+        s.close()
+        deadline = time.monotonic() + 20
+        running = lambda: served.daemon.worker.running  # noqa: E731
+        while served.call(lambda: served.daemon.outcomes["cancelled"]) == before:
+            if served.call(lambda: running() is not None and running().cancel_requested):
+                hold.set()  # seen: the held generation may take its next step, and stop there
+            assert time.monotonic() < deadline, "the generation was not cancelled"
+            time.sleep(0.02)
+        stats = served.call(served.daemon.stats)
+        assert stats["running"] == 0 and stats["completion_tokens"] < 10_000
+    finally:
+        hold.set()
+        engine.generate = generate
 
 
 @pytest.mark.slow
