@@ -15,6 +15,7 @@ from fomoepy.experts.car import CarConfig
 from fomoepy.experts.policy import DEFAULT_POLICY, policy_demotes
 from fomoepy.experts.profile import read_freq, write_freq
 from fomoepy.experts.store_writer import prepare_store
+from fomoepy.experts.tiers import SlotState
 from fomoepy.experts.trace import read_trace
 from fomoepy.runtime.cpu_experts import ready_expert_nbytes
 from fomoepy.sampling import SamplingParams
@@ -410,6 +411,39 @@ def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_rea
     assert engine.stats()["cache"]["disk"]["reads"] - reads == len(gated.released) > 0
     assert any(gated.released)  # some step computed experts at hand while its reads were pending
     assert np.array_equal(got, want)  # the order of additions is the resident engine's
+    engine.close()
+
+
+def test_a_cpu_decode_step_that_fails_among_the_experts_at_hand_leaves_the_cache_whole(model):
+    # the at-hand FFN raises while the step's reads are in flight: the error reaches the caller, the
+    # reads still land, and the next request computes what a fresh engine does
+    import fomoepy.runtime.ggml_experts as ge
+
+    path, store, tokens, _ = model
+    fresh = Engine(path, EngineOptions(backend="cpu", threads=1))
+    want = fresh.logits(tokens[:6])[-1]
+    fresh.close()
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=1 << 30, prefetch=False))
+    state = engine.new_state()
+    engine.eval(state, tokens[:5])
+    streamer = engine.experts.streamer
+    streamer.source = source = HeldStore(streamer.source, held=set())
+    real_ffn = ge.expert_ffn
+
+    def failing(h, groups, threads):
+        if source.submitted:  # a step with reads in flight
+            raise RuntimeError("ggml failed")
+        return real_ffn(h, groups, threads)
+
+    ge.expert_ffn = failing
+    try:
+        with pytest.raises(RuntimeError, match="ggml failed"):
+            engine.eval(state, tokens[5:6])
+    finally:
+        ge.expert_ffn = real_ffn
+    host = streamer.cache.host
+    assert source.submitted and all(host.state(k) is SlotState.READY for k in host.keys())
+    assert np.array_equal(engine.logits(tokens[:6])[-1], want)
     engine.close()
 
 

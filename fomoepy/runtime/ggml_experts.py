@@ -27,6 +27,7 @@ class GgmlExperts:
         self.routers = routers  # every layer's router, to predict the next layer's experts
         self.timer = timer  # a fomoepy.timing.LayerTimer when --profile-timing is on
         self._waited = 0.0  # this step's time in finish_acquire (the plan phase's, though it falls among the experts)
+        self._finished = False  # this step's finish_acquire has been called
 
     def begin_step(self) -> None:
         self.streamer.begin_step()
@@ -48,7 +49,7 @@ class GgmlExperts:
     def ffn(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
         plan, fetched, reads = self.streamer.start_acquire(layer, ids)
-        self._waited = 0.0
+        self._waited, self._finished = 0.0, False
         t1 = time.perf_counter()
         try:
             parts = self.layers[layer].parts
@@ -56,6 +57,8 @@ class GgmlExperts:
                 return self._one_token(h, ids[0], weights[0], parts, fetched, lambda: self._finish(plan, fetched, reads))
             return self._batched(h, ids, weights, parts, self._finish(plan, fetched, reads))
         finally:
+            if not self._finished:  # the experts at hand failed: the step's reads still land in the cache
+                self._finish(plan, fetched, reads)
             self.streamer.release(plan)
             if self.timer is not None:
                 self.timer.add("plan", layer, t1 - t0 + self._waited)
@@ -63,6 +66,7 @@ class GgmlExperts:
 
     def _finish(self, plan, fetched, reads) -> dict:
         t = time.perf_counter()
+        self._finished = True
         try:
             return self.streamer.finish_acquire(plan, fetched, reads)
         finally:
