@@ -80,14 +80,11 @@ def expert_rate(engine: Engine, repeats: int = 30) -> float:
 
 def ggml_expert_rate(engine: Engine, repeats: int = 30) -> float:
     """Store bytes per second through ggml's expert FFN (the cpu backend's), k experts, one token."""
-    from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn
+    from fomoepy.runtime.ggml_experts import expert_matrices
+    from fomoepy.runtime.ggml_matmul import expert_ffn
 
     src, k = engine.source, engine.spec.moe.n_expert_used
-    parts = src.layers[0].parts
-    groups = []
-    for e in range(k):
-        raw = src.read(0, e)
-        groups.append((np.zeros(1, np.int64), *(QuantMatrix.of(raw[i], q.qtype, q.shape) for i, q in enumerate(parts))))
+    groups = [(np.zeros(1, np.int64), *expert_matrices(src.read(0, e), src.layers[0].parts)) for e in range(k)]
     h = np.random.default_rng(0).standard_normal((1, engine.spec.n_embd)).astype(np.float32)
     seconds = _best_seconds(lambda: expert_ffn(h, groups, engine.ops.threads), repeats)
     return k * src.layers[0].expert_nbytes / seconds

@@ -252,20 +252,17 @@ def test_a_demoting_policy_moves_device_evictees_into_the_host_tier_with_their_b
     engine.close()
 
 
-class SlowStore:
-    """The engine's expert store with `delay` seconds added to every read, on a pool of `workers` threads:
-    one worker is a disk whose bandwidth is the limit (reads queue), many a disk limited by latency."""
+class PooledStore:
+    """The engine's expert store behind a pool of `workers` threads, as ExpertStore's submit is; the
+    stores below change what a read does before it reads."""
 
-    def __init__(self, store, delay: float, workers: int):
+    def __init__(self, store, workers: int):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.store, self.delay = store, delay
+        self.store = store
         self.pool = ThreadPoolExecutor(max_workers=workers)
 
     def read(self, layer: int, expert: int):
-        import time
-
-        time.sleep(self.delay)
         return self.store.read(layer, expert)
 
     def submit(self, layer: int, expert: int):
@@ -275,32 +272,42 @@ class SlowStore:
         return getattr(self.store, name)
 
 
-class HeldStore:
-    """The engine's expert store, whose reads of the keys in `held` wait until `release` (or `patience`
-    seconds): what a step waits for, and what it leaves in flight, is then a matter of order, not time."""
+class SlowStore(PooledStore):
+    """`delay` seconds added to every read: one worker is a disk whose bandwidth is the limit (reads
+    queue), many a disk limited by latency."""
+
+    def __init__(self, store, delay: float, workers: int):
+        super().__init__(store, workers)
+        self.delay = delay
+
+    def read(self, layer: int, expert: int):
+        import time
+
+        time.sleep(self.delay)
+        return super().read(layer, expert)
+
+
+class HeldStore(PooledStore):
+    """Reads of the keys in `held` wait until `release` (or `patience` seconds): what a step waits for,
+    and what it leaves in flight, is then a matter of order, not time."""
 
     def __init__(self, store, held, patience: float = 5.0):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.store, self.held, self.patience = store, set(held), patience
+        super().__init__(store, workers=4)
+        self.held, self.patience = set(held), patience
         self.gate = threading.Event()
         self.submitted = []
-        self.pool = ThreadPoolExecutor(max_workers=4)
 
     def submit(self, layer: int, expert: int):
         self.submitted.append((layer, expert))
-        return self.pool.submit(self._read, layer, expert)
+        return super().submit(layer, expert)
 
-    def _read(self, layer: int, expert: int):
+    def read(self, layer: int, expert: int):
         if (layer, expert) in self.held:
             self.gate.wait(self.patience)
-        return self.store.read(layer, expert)
+        return super().read(layer, expert)
 
     def release(self) -> None:
         self.gate.set()
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
 
 
 def test_prefetch_goes_on_while_this_layer_computes_and_never_delays_its_reads(model):
@@ -354,29 +361,24 @@ def test_a_prefetched_expert_the_host_tier_refuses_is_not_read_twice(model):
     engine.close()
 
 
-class ComputeGatedStore:
-    """The engine's expert store whose reads finish only once an expert FFN has been computed since
-    they were issued (or after `patience` seconds): a step that waits for its reads before computing
-    anything makes them wait out their patience."""
+class ComputeGatedStore(PooledStore):
+    """Reads finish only once an expert FFN has been computed since they were issued (or after
+    `patience` seconds): a step that waits for its reads before computing anything makes them wait
+    out their patience."""
 
     def __init__(self, store, patience: float):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.store, self.patience = store, patience
+        super().__init__(store, workers=4)
+        self.patience = patience
         self.computed = threading.Event()
         self.released = []  # per read: True when a computation let it finish, False when it waited out
-        self.pool = ThreadPoolExecutor(max_workers=4)
 
     def submit(self, layer: int, expert: int):
         self.computed.clear()
-        return self.pool.submit(self._read, layer, expert)
+        return super().submit(layer, expert)
 
-    def _read(self, layer: int, expert: int):
+    def read(self, layer: int, expert: int):
         self.released.append(self.computed.wait(self.patience))
-        return self.store.read(layer, expert)
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
+        return super().read(layer, expert)
 
 
 def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_read(model):

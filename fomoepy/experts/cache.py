@@ -308,7 +308,7 @@ class ExpertCache:
         if not self.host.enabled:
             return [], []
         wanted = [key for key in dict.fromkeys(keys) if key not in self._dev(key[0]) and key not in self.host]
-        admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]]) for key in wanted], set(wanted), self.now)
+        admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]]) for key in wanted], (), self.now)
         for victim in victims:
             freed = self.host.evict(victim)
             self.stats.host[victim[0]].evicted += 1

@@ -26,8 +26,6 @@ class GgmlExperts:
         self.ops = ops
         self.routers = routers  # every layer's router, to predict the next layer's experts
         self.timer = timer  # a fomoepy.timing.LayerTimer when --profile-timing is on
-        self._waited = 0.0  # this step's time in finish_acquire (the plan phase's, though it falls among the experts)
-        self._finished = False  # this step's finish_acquire has been called
 
     def begin_step(self) -> None:
         self.streamer.begin_step()
@@ -49,29 +47,19 @@ class GgmlExperts:
     def ffn(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
         plan, fetched, reads = self.streamer.start_acquire(layer, ids)
-        self._waited, self._finished = 0.0, False
+        reads_landed = _ReadsLanded(self.streamer, plan, fetched, reads)
         t1 = time.perf_counter()
         try:
             parts = self.layers[layer].parts
             if h.shape[0] == 1:
-                return self._one_token(h, ids[0], weights[0], parts, fetched, lambda: self._finish(plan, fetched, reads))
-            return self._batched(h, ids, weights, parts, self._finish(plan, fetched, reads))
+                return self._one_token(h, ids[0], weights[0], parts, fetched, reads_landed)
+            return self._batched(h, ids, weights, parts, reads_landed())
         finally:
-            if not self._finished:  # the experts at hand failed: the step's reads still land in the cache
-                self._finish(plan, fetched, reads)
+            reads_landed()  # if the experts at hand failed, the step's reads still land in the cache
             self.streamer.release(plan)
-            if self.timer is not None:
-                self.timer.add("plan", layer, t1 - t0 + self._waited)
-                self.timer.add("experts", layer, time.perf_counter() - t1 - self._waited)
-
-    def _finish(self, plan, fetched, reads) -> dict:
-        t = time.perf_counter()
-        self._finished = True
-        try:
-            return self.streamer.finish_acquire(plan, fetched, reads)
-        finally:
-            self._waited += time.perf_counter() - t
-
+            if self.timer is not None:  # waiting for reads is the plan phase's, though it falls among the experts
+                self.timer.add("plan", layer, t1 - t0 + reads_landed.seconds)
+                self.timer.add("experts", layer, time.perf_counter() - t1 - reads_landed.seconds)
 
     def _batched(self, h, ids, weights, parts, fetched, ffn=expert_ffn) -> np.ndarray:
         """Tokens grouped by expert, each expert's rows through its FFN in one graph."""
@@ -82,9 +70,7 @@ class GgmlExperts:
         k = ids.shape[1]
         groups, picks = [], []
         for group in np.split(order, bounds):
-            raw = fetched[int(flat_ids[group[0]])]
-            mats = tuple(QuantMatrix.of(raw[i], p.qtype, p.shape) for i, p in enumerate(parts))
-            groups.append((group // k, *mats))
+            groups.append((group // k, *expert_matrices(fetched[int(flat_ids[group[0]])], parts)))
             picks.append(group)
         ys = ffn(h, groups, self.ops.threads)
         out = np.zeros_like(h)
@@ -92,26 +78,55 @@ class GgmlExperts:
             out[group // k] += y * flat_w[group][:, None]
         return out
 
-    def _one_token(self, h, ids, weights, parts, fetched, finish=None) -> np.ndarray:
+    def _one_token(self, h, ids, weights, parts, fetched, reads_landed=None) -> np.ndarray:
         """A decode step: the same sums, in the same order, as the batched path, without its grouping.
 
-        With `finish` (which waits for this step's reads and completes `fetched`), the experts whose
-        bytes are at hand are computed while the others are still being read, then the rest: an
+        With `reads_landed` (which waits for this step's reads and completes `fetched`), the experts
+        whose bytes are at hand are computed while the others are still being read, then the rest: an
         expert's output does not depend on the graph it shares, and the sum keeps ascending id order."""
-        experts = [int(e) for e in ids[np.argsort(ids, kind="stable")]]  # ascending expert id
-        ys: dict[int, np.ndarray] = {}
-        for batch in ([e for e in experts if e in fetched], None):
-            if batch is None:
-                if finish is not None:
-                    finish()
-                batch = [e for e in experts if e not in ys]
-            if batch:
-                groups = [(_ROW0, *(QuantMatrix.of(fetched[e][i], q.qtype, q.shape) for i, q in enumerate(parts))) for e in batch]
-                ys.update(zip(batch, expert_ffn(h, groups, self.ops.threads)))
+        order = np.argsort(ids, kind="stable")
+        experts = [int(e) for e in ids[order]]  # ascending expert id
+        ys = self._ffns(h, [e for e in experts if e in fetched], parts, fetched)
+        if reads_landed is not None:
+            reads_landed()
+        ys.update(self._ffns(h, [e for e in experts if e not in ys], parts, fetched))
         out = np.zeros_like(h)
-        for j in np.argsort(ids, kind="stable"):
-            out += ys[int(ids[j])] * weights[j]
+        for j, e in zip(order, experts):
+            out += ys[e] * weights[j]
         return out
+
+    def _ffns(self, h, experts: list[int], parts, fetched) -> dict[int, np.ndarray]:
+        """Each of `experts`' FFN of the one token h, in one graph."""
+        if not experts:
+            return {}
+        groups = [(_ROW0, *expert_matrices(fetched[e], parts)) for e in experts]
+        return dict(zip(experts, expert_ffn(h, groups, self.ops.threads)))
+
+
+class _ReadsLanded:
+    """Waits, once, for a step's reads (streamer.finish_acquire); `fetched` then holds every expert.
+    Later calls return at once, so the wait can be both a point in the computation and a finally."""
+
+    def __init__(self, streamer: ExpertStreamer, plan, fetched: dict, reads: dict):
+        self._finish = lambda: streamer.finish_acquire(plan, fetched, reads)
+        self._fetched = fetched
+        self._done = False
+        self.seconds = 0.0  # spent waiting
+
+    def __call__(self) -> dict:
+        if not self._done:
+            self._done = True  # not again, even if a read failed: its error has been raised once
+            t = time.perf_counter()
+            try:
+                self._finish()
+            finally:
+                self.seconds = time.perf_counter() - t
+        return self._fetched
+
+
+def expert_matrices(raw, parts) -> tuple[QuantMatrix, ...]:
+    """An expert's gate, up and down as ggml reads them: views of its store-form bytes `raw`."""
+    return tuple(QuantMatrix.of(raw[i], q.qtype, q.shape) for i, q in enumerate(parts))
 
 
 _ROW0 = np.zeros(1, np.int64)
