@@ -174,9 +174,7 @@ class Engine:
 
 
 def is_ggml_cpu(ops) -> bool:
-    from fomoepy.runtime.ggml_cpu import GgmlBackend
-
-    return isinstance(ops, GgmlBackend)
+    return ops.experts_kind == "ggml"
 
 
 def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:

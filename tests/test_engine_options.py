@@ -44,3 +44,22 @@ def test_the_flags_build_the_options():
     settings = o.settings()
     assert settings["car_threshold"] == 0.3 and settings["vram_cache"] == 4 << 20 and "n_ctx" not in settings
     assert o.backfills and not EngineOptions(car=o.car, backfill="off").backfills and not EngineOptions().backfills
+
+
+def test_a_gpu_engine_opens_without_the_cpu_backends_library(tmp_path):
+    """A GPU install need not have ggml: choosing the executor and sizing the device tier import no other
+    backend's library (on the first real GPU run the cuda engine failed on `import ggml`)."""
+    import subprocess
+    import sys
+
+    from conftest import ORACLE
+
+    script = (
+        "import sys; sys.modules['ggml'] = None\n"  # any `import ggml` now raises ImportError
+        "from fomoepy.engine import Engine\nfrom fomoepy.options import EngineOptions\n"
+        f"e = Engine({str(ORACLE / 'qwen3moe_f32.gguf')!r}, EngineOptions(backend='sim', vram_cache=0, ram_cache=0))\n"
+        "print(type(e.experts).__name__)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "GpuExperts"

@@ -78,14 +78,11 @@ def make_experts(ops, streamer, routers=None, devices=None, device_of_layer=None
     """The routed-expert executor that matches `ops` (GgmlExperts, CpuExperts or GpuExperts); on GPUs,
     `devices` and `device_of_layer` place each layer's expert slots with the layer. `timer` (host time
     per phase, --profile-timing) is kept by the CPU executors; the GPU one records none yet."""
-    from fomoepy.runtime.ggml_cpu import GgmlBackend
-    from fomoepy.runtime.gpu import GpuBackend
-
-    if isinstance(ops, GgmlBackend):
+    if ops.experts_kind == "ggml":
         from fomoepy.runtime.ggml_experts import GgmlExperts
 
         return GgmlExperts(streamer, ops, routers, timer)
-    if isinstance(ops, GpuBackend):
+    if ops.experts_kind == "gpu":
         from fomoepy.runtime.gpu_experts import GpuExperts
 
         return GpuExperts(streamer, devices or [ops], routers, device_of_layer)
@@ -98,14 +95,11 @@ def device_expert_nbytes(ops, layout, demotes: bool = False) -> int:
     """Bytes of one expert in the device tier of `ops` (reference: compute-ready float32, plus the store
     bytes with a demoting policy; GPU: a slot of store bytes; ggml CPU: store bytes, though that backend
     has no device tier)."""
-    from fomoepy.runtime.ggml_cpu import GgmlBackend
-    from fomoepy.runtime.gpu import GpuBackend
-
-    if isinstance(ops, GgmlBackend):
+    if ops.experts_kind == "ggml":
         from fomoepy.runtime.ggml_experts import store_expert_nbytes
 
         return store_expert_nbytes(layout)
-    if isinstance(ops, GpuBackend):
+    if ops.experts_kind == "gpu":
         from fomoepy.runtime.gpu_experts import gpu_expert_nbytes
 
         return gpu_expert_nbytes(layout)

@@ -22,6 +22,9 @@ F32 = np.float32
 
 class CpuBackend:
     name = "cpu"
+    # which routed-expert executor computes on it (backends.make_experts); a string, so that choosing
+    # one imports no other backend's libraries (a GPU install need not have ggml)
+    experts_kind = "reference"
 
     def __init__(self, threads: int | None = None):
         """threads: BLAS threads for every matmul of the process (None: leave BLAS's default).

@@ -21,6 +21,9 @@ _NOT_MATRICES = (".ssm_conv1d.weight",)
 
 class GgmlBackend(CpuBackend):
     name = "cpu"
+    # which routed-expert executor computes on it (backends.make_experts); a string, so that choosing
+    # one imports no other backend's libraries (a GPU install need not have ggml)
+    experts_kind = "ggml"
 
     def __init__(self, threads: int | None = None):
         """threads: ggml's threads for every product (llama.cpp's -t).

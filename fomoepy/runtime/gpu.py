@@ -94,6 +94,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class GpuBackend:
+    experts_kind = "gpu"  # backends.make_experts: GpuExperts computes on it
+
     def __init__(self, vendor: str = "cuda", device: int = 0, rt: DriverShim | None = None, binaries: dict[str, bytes] | None = None):
         """`rt` and `binaries` replace the driver and the compiled modules (tests: a stand-in driver)."""
         self.rt = rt or open_runtime(vendor, device)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The checks that need a real NVIDIA GPU, in one run: the kernels and the whole model against the CPU
+# (the `gpu`-marked tests), compute-sanitizer's race, sync and memory checks over the ops, the expert
+# kernels' bandwidth, and a decode with the per-layer timing split. Logs go to DIR; RESULTS.md gets the
+# bandwidth table from bench/gpu_kernels.py --record, and DIR a copy of it.
+#
+#     bash bench/gpu_checks.sh DIR
+set -uo pipefail
+out=${1:?usage: bash bench/gpu_checks.sh DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 FOMOEPY_TEST_GPU=cuda PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+step() { echo; echo "=== $1 ($(date +%T))"; }
+
+step "device and bindings"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+python3 - <<'EOF'
+import importlib.metadata as m
+for p in ("cuda-bindings", "cuda-python", "nvidia-cuda-nvrtc", "numpy", "gguf"):
+    try:
+        print(p, m.version(p))
+    except m.PackageNotFoundError:
+        print(p, "absent")
+EOF
+
+step "gpu-marked tests: every op and the oracle models against the CPU backend"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_ops.py tests/test_gpu_model.py 2>&1 | tee "$out/pytest_gpu.log" | tail -25
+
+sanitize() {  # tool, seconds: compute-sanitizer over the reductions, the router and the products
+    step "compute-sanitizer --tool $1"
+    timeout "$2" compute-sanitizer --tool "$1" --error-exitcode 9 --print-limit 20 \
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_ops.py \
+        -k "rms_norm or softmax or router or argmax or attention or linear_equals" 2>&1 \
+        | tee "$out/sanitizer_$1.log" | tail -12
+    echo "exit: ${PIPESTATUS[0]}"
+}
+command -v compute-sanitizer >/dev/null && sanitize racecheck 70 || echo "compute-sanitizer: not on this machine"
+
+step "expert and dense kernel bandwidth"
+timeout 80 python3 bench/gpu_kernels.py --vendor cuda --reps 50 --record 2>&1 | tee "$out/gpu_kernels.log" | tail -15
+cp bench/RESULTS.md "$out/RESULTS.md"
+
+step "decode on the device, demo model, per-layer timing split"
+timeout 50 python3 -m fomoepy.cli generate -p "import os" -n 64 --backend cuda --seed 0 --temp 0 --profile-timing 2>&1 | tee "$out/generate_cuda.log" | tail -14
+
+command -v compute-sanitizer >/dev/null && sanitize memcheck 45
+step "done"
