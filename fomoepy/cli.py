@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from fomoepy import __version__
+from fomoepy.engine import open_engine
 from fomoepy.errors import FomoeError
-from fomoepy.options import add_engine_options, open_engine
+from fomoepy.options import add_engine_options
 
 
 def main(argv: list[str] | None = None) -> int:

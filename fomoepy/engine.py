@@ -7,6 +7,7 @@ prefill (every prompt token in one batched pass) and then one-token decode steps
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 from collections.abc import Iterator, Sequence
@@ -15,8 +16,10 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.cache import ExpertCache
+from fomoepy.experts.device import Phase
 from fomoepy.experts.policy import make_policy, policy_demotes
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
+from fomoepy.experts.step import MoEStep
 from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec
@@ -24,7 +27,7 @@ from fomoepy.model.state import InferenceState
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer, load_weights
 from fomoepy.options import EngineOptions
-from fomoepy.runtime.backends import device_expert_nbytes, make_experts, open_backends
+from fomoepy.runtime.backends import make_expert_device, open_backends
 from fomoepy.sampling import Sampler, SamplingParams
 from fomoepy.scheduler import Placement
 from fomoepy.timing import LayerTimer
@@ -53,29 +56,30 @@ class Engine:
         self.experts = self._open_experts()
         self.model = Transformer(self.spec, self.weights, self.devices, self.experts, self.placement, self.timer)
 
-    def _open_experts(self, trace: bool = True):
+    def _open_experts(self, trace: bool = True) -> MoEStep:
+        """The MoE step: its device (the backend's expert executor), the cache over the tiers, the streamer."""
         o = self.options
         layers = self.source.layers
-        demotes = policy_demotes(o.cache_policy)
-        device_unit = [device_expert_nbytes(self.ops, layer, demotes) for layer in layers]
-        if is_ggml_cpu(self.ops):
-            if o.vram_cache:
-                raise FomoeError(
-                    "--vram-cache must be 0 on the cpu backend: ggml computes from the host tier's quantized "
-                    "bytes in place (--backend reference keeps a float32 device tier)"
-                )
-            device = 0
-        else:
-            device = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
         host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or o.backfills)
+        # exclusive tiers need a host tier to demote into; the reference device then keeps store bytes too
+        demotes = policy_demotes(o.cache_policy) and host > 0
+        device = make_expert_device(self.ops, layers, self.weights.routers(), self.devices, self.placement.device_of_layer, demotes)
+        device_unit = [device.expert_nbytes(layer.layer) for layer in layers]
+        if is_ggml_cpu(self.ops):
+            if o.vram_cache:  # --backend auto fell back to the cpu backend (an explicit cpu is refused by the options)
+                raise FomoeError("--vram-cache must be 0 on the cpu backend, which --backend auto chose: no GPU could start")
+            device_bytes = 0
+        else:
+            device_bytes = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
         # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
         cache = ExpertCache(
-            self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device, host,
+            self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device_bytes, host,
             device_policy=make_policy(o.cache_policy), host_policy=make_policy(o.cache_policy),
             device_expert_bytes=device_unit, device_of_layer=self.placement.device_of_layer,
         )  # fmt: skip
-        streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace)
-        return make_experts(self.ops, streamer, self.weights.routers(), self.devices, self.placement.device_of_layer, self.timer)
+        streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace,
+                                  download=device.download if device.can_download else None)  # fmt: skip
+        return MoEStep(streamer, device, predicts=self.weights.routers() is not None, timer=self.timer)
 
     def _default_device_bytes(self, unit: list[int]) -> int:
         mem_info = getattr(getattr(self.ops, "rt", None), "mem_info", None)
@@ -111,10 +115,7 @@ class Engine:
         return lines
 
     def _close_experts(self) -> None:
-        close = getattr(self.experts, "close", None)
-        if close is not None:
-            close()
-        self.experts.streamer.close()
+        self.experts.close()
 
     def close(self) -> None:
         self._close_experts()
@@ -133,9 +134,14 @@ class Engine:
             self.spec, self.n_ctx, zeros_of_layer=lambda il: getattr(self.devices[owner[il]], "zeros", np.zeros)
         )
 
-    def eval(self, state: InferenceState, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
+    def eval(self, state: InferenceState, tokens: Sequence[int] | np.ndarray, all_logits: bool = False,
+             phase: Phase = Phase.PREFILL) -> np.ndarray:  # fmt: skip
         """Append tokens to the sequence; logits of every new position, or of the last one only."""
-        return np.asarray(self.model.forward(np.asarray(tokens, dtype=np.int64), state, all_logits=all_logits))
+        return np.asarray(self.model.forward(np.asarray(tokens, dtype=np.int64), state, all_logits=all_logits, phase=phase))
+
+    def decode(self, state: InferenceState, token: int) -> np.ndarray:
+        """One decode step: the logits [V] after `token`, predicting and prefetching each next layer's experts."""
+        return self.eval(state, [token], phase=Phase.DECODE)[-1]
 
     def logits(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """float32 [T, n_vocab]: row i scores the token after tokens[0..i], from an empty state."""
@@ -170,7 +176,7 @@ class Engine:
                 return
             if state.n_past >= state.n_ctx:
                 return
-            logits = self.eval(state, [token])[-1]
+            logits = self.decode(state, token)
 
 
 def is_ggml_cpu(ops) -> bool:
@@ -201,3 +207,27 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return 4 << 30
+
+
+def open_engine(args: argparse.Namespace):
+    """An Engine for args.model (the demo model when none is given) with the parsed engine options."""
+    EngineOptions.from_args(args)  # every flag checked before anything is loaded or written
+    resolve_model(args)
+    return Engine(args.model, EngineOptions.from_args(args))
+
+
+def resolve_model(args: argparse.Namespace) -> bool:
+    """No MODEL given: use the embedded demo model, reading its experts from a store prepared on
+    first use in the user's cache directory. Returns whether the demo model was chosen."""
+    if getattr(args, "model", None):
+        return False
+    from fomoepy.data import demo_model_path, ensure_demo_store
+
+    try:
+        path = demo_model_path()
+    except FileNotFoundError as e:
+        raise FomoeError(f"no MODEL given and the embedded demo model is missing ({e})") from None
+    args.model = str(path)
+    if not getattr(args, "store", None):
+        args.store = [str(ensure_demo_store(path))]
+    return True

@@ -8,6 +8,7 @@ reads it off the options object it is given rather than from a copy. For example
     -t/--threads   options -> runtime/backends.open_backends (cpu_threads) -> runtime/ggml_cpu.GgmlBackend
     --car-*        experts/car (flags, CarConfig) -> options -> experts/streamer (car.cache_aware_route)
     --ram-cache    options -> engine (ExpertCache's sizes) -> experts/cache
+    --vram-cache   options (refused on the cpu backend, here, before anything loads) -> engine -> experts/cache
 
 The flag names are a contract: other programs pass them.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from fomoepy.errors import FomoeError
 from fomoepy.experts.car import CarConfig
 from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
-from fomoepy.runtime.backends import BACKEND_NAMES
+from fomoepy.runtime.names import BACKEND_NAMES
 from fomoepy.scheduler import PLACEMENTS
 
 BACKFILL_MODES = ("off", "thread", "sync")  # reload CAR's substituted originals: never, in a thread, N per token
@@ -53,6 +54,9 @@ class EngineOptions:
             bad("backend", f"{self.backend!r} is not available (available: {', '.join(BACKEND_NAMES)})")
         if self.n_ctx is not None and self.n_ctx < 1:
             bad("ctx-size", f"must be >= 1, got {self.n_ctx}")
+        if self.backend == "cpu" and self.vram_cache:
+            bad("vram-cache", "must be 0 on the cpu backend: ggml computes from the host tier's quantized bytes in place "
+                "(--backend reference keeps a float32 device tier)")
         if self.threads is not None and self.threads < 1:
             bad("threads", f"must be >= 1, got {self.threads}")
         if self.devices < 1:
@@ -137,29 +141,3 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backfill", default="thread", choices=list(BACKFILL_MODES),
                    help="reload substituted originals: in a background thread, or N per token (repeatable)")  # fmt: skip
     g.add_argument("--backfill-per-token", type=int, default=4, metavar="N", help="with --backfill sync")
-
-
-def open_engine(args: argparse.Namespace):
-    """An Engine for args.model (the demo model when none is given) with the parsed engine options."""
-    from fomoepy.engine import Engine
-
-    EngineOptions.from_args(args)  # every flag checked before anything is loaded or written
-    resolve_model(args)
-    return Engine(args.model, EngineOptions.from_args(args))
-
-
-def resolve_model(args: argparse.Namespace) -> bool:
-    """No MODEL given: use the embedded demo model, reading its experts from a store prepared on
-    first use in the user's cache directory. Returns whether the demo model was chosen."""
-    if getattr(args, "model", None):
-        return False
-    from fomoepy.data import demo_model_path, ensure_demo_store
-
-    try:
-        path = demo_model_path()
-    except FileNotFoundError as e:
-        raise FomoeError(f"no MODEL given and the embedded demo model is missing ({e})") from None
-    args.model = str(path)
-    if not getattr(args, "store", None):
-        args.store = [str(ensure_demo_store(path))]
-    return True

@@ -5,13 +5,13 @@ counts as dense work), `plan`
 (cache plan and commit, gathering host bytes, waiting for disk reads), `experts` (dequantising
 misses and the expert arithmetic), and `attention+dense` (the rest of the layer: norms, the
 attention or DeltaNet mixer, the shared expert). The CPU executors (cpu, reference) record the
-phases; the GPU executor records none yet (its work is asynchronous: host time would say little).
+phases. Each MoE step hands its record (fomoepy.experts.device.StepTiming) to `add_step`; on a GPU
+backend its `experts` part is the host's calls that queue the copies and launches.
 
-Across the phases, two kinds of time are summed where they happen, deep in the code that spends
-them: `MATMUL`, seconds inside ggml's graph computations (every product of the cpu backend), and
-`IO_WAIT`, seconds the inference thread blocks on expert reads. What is left of a layer step is
-the host's own time: Python and numpy outside the matrix products, the number `host` reports.
-(On the reference backend the products are numpy's and count as host time.)
+`MATMUL` sums the seconds inside ggml's graph computations (every product of the cpu backend, dense
+ones too, so it is counted where ggml runs). Blocked on expert reads is the step record's `wait`.
+What is left of a layer step is the host's own time: Python and numpy outside the matrix products,
+the number `host` reports. (On the reference backend the products are numpy's and count as host time.)
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ class Accumulator:
 
 
 MATMUL = Accumulator()  # inside ggml graph computations
-IO_WAIT = Accumulator()  # blocked on expert reads
 
 
 class LayerTimer:
@@ -54,17 +53,21 @@ class LayerTimer:
 
     @contextmanager
     def layer(self, il: int) -> Iterator[None]:
-        t, matmul, wait = time.perf_counter(), MATMUL.seconds, IO_WAIT.seconds
+        t, matmul = time.perf_counter(), MATMUL.seconds
         try:
             yield
         finally:
             self.total[il] += time.perf_counter() - t
             self.steps[il] += 1
             self.matmul[il] += MATMUL.seconds - matmul
-            self.io_wait[il] += IO_WAIT.seconds - wait
 
-    def add(self, phase: str, il: int, seconds: float) -> None:
-        self.phases[phase][il] += seconds
+    def add_step(self, step) -> None:
+        """A MoE step's record (StepTiming): waiting for reads counts in the plan phase, where it falls."""
+        il = step.layer
+        self.phases["router"][il] += step.route
+        self.phases["plan"][il] += step.plan + step.wait
+        self.phases["experts"][il] += step.compute + step.release
+        self.io_wait[il] += step.wait
 
     def report(self) -> list[str]:
         """Mean microseconds per layer step, per layer and over all layers."""

@@ -58,7 +58,7 @@ def test_a_gpu_engine_opens_without_the_cpu_backends_library(tmp_path):
         "import sys; sys.modules['ggml'] = None\n"  # any `import ggml` now raises ImportError
         "from fomoepy.engine import Engine\nfrom fomoepy.options import EngineOptions\n"
         f"e = Engine({str(ORACLE / 'qwen3moe_f32.gguf')!r}, EngineOptions(backend='sim', vram_cache=0, ram_cache=0))\n"
-        "print(type(e.experts).__name__)\n"
+        "print(type(e.experts.device).__name__)\n"
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -14,8 +14,15 @@ from gguf import GGMLQuantizationType as QT
 
 from fomoepy import quants
 from fomoepy.engine import Engine, EngineOptions
+from fomoepy.experts.device import Phase
 from fomoepy.experts.store_writer import prepare_store
-from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, fresh_expert_ffn, fresh_mul_mat, mul_mat
+from fomoepy.runtime.ggml_matmul import (
+    QuantMatrix,
+    expert_ffn,
+    fresh_expert_ffn,
+    fresh_mul_mat,
+    mul_mat,
+)
 
 F32 = np.float32
 # the type ggml rounds the activations to before a product with each weight type, and that rounding's
@@ -95,22 +102,35 @@ def test_a_decode_steps_cached_graphs_equal_graphs_built_for_the_call(threads):
         assert np.array_equal(mul_mat(h, w, threads), fresh_mul_mat(h, w, threads))
 
 
-def test_a_decode_steps_experts_sum_as_the_batched_path_does(stored):
-    from fomoepy.runtime.ggml_experts import GgmlExperts
+def test_a_decode_steps_experts_sum_the_same_whatever_was_at_hand(stored):
+    """One token's experts through the device's compute (cached decode graphs), with every expert's bytes
+    at hand and with half of them landing only at the wait, equal bit for bit a sum of freshly built
+    one-expert graphs in ascending expert id."""
+    from fomoepy.experts.device import StepExperts
+    from fomoepy.runtime.ggml_experts import expert_matrices
 
     path, store, tokens, _ = stored
     engine = Engine(path, EngineOptions(backend="cpu", threads=1))
-    experts: GgmlExperts = engine.experts
+    device = engine.experts.device
     layer, spec = 0, engine.spec
-    parts = experts.layers[layer].parts
+    parts = device.layers[layer].parts
     rng = np.random.default_rng(5)
-    fetched = {e: engine.source.read(layer, e) for e in range(spec.moe.n_expert)}
+    every = {e: engine.source.read(layer, e) for e in range(spec.moe.n_expert)}
     for _ in range(3):
         h = rng.standard_normal((1, spec.n_embd)).astype(F32)
         ids = rng.permutation(spec.moe.n_expert)[: spec.moe.n_expert_used][None, :]
         weights = rng.dirichlet(np.ones(ids.shape[1])).astype(F32)[None, :]
-        one = experts._one_token(h, ids[0], weights[0], parts, fetched)
-        assert np.array_equal(one, experts._batched(h, ids, weights, parts, fetched, ffn=fresh_expert_ffn))
+        late = set(ids[0, ::2].tolist())
+        at_hand = {e: b for e, b in every.items() if e not in late}
+        split = StepExperts(None, Phase.DECODE, at_hand, {}, lambda: at_hand.update(every))
+        whole = StepExperts(None, Phase.DECODE, dict(every), {}, lambda: None)
+        got = device.compute(layer, h, ids, weights, split)
+        assert np.array_equal(got, device.compute(layer, h, ids, weights, whole))
+        want = np.zeros_like(h)
+        for j in np.argsort(ids[0], kind="stable"):
+            e = int(ids[0, j])
+            want += fresh_expert_ffn(h, [(np.zeros(1, np.int64), *expert_matrices(every[e], parts))], 1)[0] * weights[0, j]
+        assert np.array_equal(got, want)
     engine.close()
 
 
@@ -159,7 +179,7 @@ def test_cpu_backend_streamed_equals_resident_bit_for_bit(stored, ram_experts):
     assert np.array_equal(engine.model.forward(tokens[:split], state), ref.model.forward(tokens[:split], ref_state))
     for i in range(split, len(tokens)):
         step = tokens[i : i + 1]
-        assert np.array_equal(engine.model.forward(step, state), ref.model.forward(step, ref_state))
+        assert np.array_equal(engine.model.forward(step, state, phase=Phase.DECODE), ref.model.forward(step, ref_state, phase=Phase.DECODE))
 
 
 def test_vram_cache_on_cpu_backend_is_one_clear_error():

@@ -18,8 +18,10 @@ from sim_backend import sim_backend
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.cache import ExpertCache
+from fomoepy.experts.device import Phase
 from fomoepy.experts.policy import make_policy
 from fomoepy.experts.source import GGUFExpertSource
+from fomoepy.experts.step import MoEStep
 from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ATTENTION, ModelSpec
@@ -51,10 +53,10 @@ def gpu_model(dev, name: str, cache_fraction: float):
     unit = [gpu_expert_nbytes(layer) for layer in source.layers]
     budget = int(sum(unit) * spec.moe.n_expert * cache_fraction)
     cache = ExpertCache(spec.moe.n_expert, [layer.expert_nbytes for layer in source.layers], budget, 0, device_expert_bytes=unit)
-    streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used)
     weights = load_weights(gf, spec, dev)
-    experts = GpuExperts(streamer, dev, weights.routers())
-    return Transformer(spec, weights, dev, experts), spec, experts
+    device = GpuExperts(source.layers, dev, weights.routers())
+    experts = MoEStep(ExpertStreamer(source, cache, spec.moe.n_expert_used, download=device.download), device)
+    return Transformer(spec, weights, dev, experts), spec, device
 
 
 def device_state(dev, spec: ModelSpec, n_ctx: int) -> InferenceState:
@@ -80,7 +82,7 @@ def test_gpu_model_equals_cpu_model_prefill_then_decode(dev, name, fraction):
     half = len(tokens) // 2
     parts = [np.asarray(model.forward(tokens[:half], state, all_logits=True))]  # prefill: tiled expert kernels
     for t in tokens[half:]:  # decode: one token, the fused down + weighted-sum kernel
-        parts.append(np.asarray(model.forward(np.array([t]), state, all_logits=True)))
+        parts.append(np.asarray(model.forward(np.array([t]), state, all_logits=True, phase=Phase.DECODE)))
     gpu = np.concatenate(parts)
     err = np.abs(gpu - cpu).max() / cpu.std()
     assert err <= LOGIT_TOL, f"{name}, device tier {fraction:.0%}: max |gpu - cpu| = {err:.2e} x std"
@@ -123,12 +125,12 @@ def test_a_demoting_policy_copies_device_evictees_down_and_the_logits_stay_exact
     host = sum(layer.expert_nbytes for layer in source.layers) * spec.moe.n_expert
     cache = ExpertCache(spec.moe.n_expert, [layer.expert_nbytes for layer in source.layers], device, host,
                         device_policy=make_policy("lfu-demote"), host_policy=make_policy("lfu-demote"), device_expert_bytes=unit)  # fmt: skip
-    streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used, EngineOptions(prefetch=False))
     weights = load_weights(gf, spec, dev)
-    experts = GpuExperts(streamer, dev, weights.routers())
-    model = Transformer(spec, weights, dev, experts)
+    experts = GpuExperts(source.layers, dev, weights.routers())
+    streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used, EngineOptions(prefetch=False), download=experts.download)
+    model = Transformer(spec, weights, dev, MoEStep(streamer, experts))
     state = device_state(dev, spec, 64)
-    gpu = np.concatenate([np.asarray(model.forward(np.array([t]), state, all_logits=True)) for t in tokens])
+    gpu = np.concatenate([np.asarray(model.forward(np.array([t]), state, all_logits=True, phase=Phase.DECODE)) for t in tokens])
     assert np.abs(gpu - cpu).max() / cpu.std() <= LOGIT_TOL
     s = streamer.cache.stats.summary()
     assert experts.downloads == s["host"]["demoted"] > 0 and s["host"]["hits"] > 0

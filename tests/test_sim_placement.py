@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import ORACLE, open_oracle_engine
 
+from fomoepy.experts.device import Phase
 from fomoepy.runtime.sim.shim import configure
 
 # the simulated device itself, or (test_standin_bindings.py) cuda / hip through the real binding
@@ -29,7 +30,7 @@ def sim_engine_logits(name: str, **options) -> np.ndarray:
     state = engine.new_state()
     half = len(tokens) // 2
     parts = [engine.eval(state, tokens[:half], all_logits=True)]
-    parts += [engine.eval(state, [t], all_logits=True) for t in tokens[half:]]
+    parts += [engine.eval(state, [t], all_logits=True, phase=Phase.DECODE) for t in tokens[half:]]
     engine.experts.close()
     return np.concatenate(parts)
 
@@ -69,17 +70,17 @@ def test_expert_uploads_are_ordered_by_events_not_by_luck(monkeypatch, deferred_
     good = sim_engine_logits(name, vram_cache=0)
     assert np.abs(good - cpu).max() / cpu.std() <= LOGIT_TOL
 
-    real_ffn = GpuExperts.ffn
+    real_compute = GpuExperts.compute
 
-    def ffn_without_the_wait(self, layer, h, ids, weights):
+    def compute_without_the_wait(self, layer, h, ids, weights, experts):
         side = self.side(layer)
         real_wait = side.rt.wait
         side.rt.wait = lambda stream, event: None if event == side.copied else real_wait(stream, event)
         try:
-            return real_ffn(self, layer, h, ids, weights)
+            return real_compute(self, layer, h, ids, weights, experts)
         finally:
             del side.rt.wait
 
-    monkeypatch.setattr(GpuExperts, "ffn", ffn_without_the_wait)
+    monkeypatch.setattr(GpuExperts, "compute", compute_without_the_wait)
     bad = sim_engine_logits(name, vram_cache=0)
     assert not np.abs(bad - cpu).max() / cpu.std() <= LOGIT_TOL  # NaN (never-written slots) or wrong

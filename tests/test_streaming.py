@@ -12,6 +12,7 @@ from conftest import ORACLE
 
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.car import CarConfig
+from fomoepy.experts.device import Phase
 from fomoepy.experts.policy import DEFAULT_POLICY, policy_demotes
 from fomoepy.experts.profile import read_freq, write_freq
 from fomoepy.experts.store_writer import prepare_store
@@ -34,11 +35,12 @@ def model(request, tmp_path_factory):
     return path, [str(store / "a"), str(store / "b")], tokens, resident
 
 
-def one_expert(path, policy: str = DEFAULT_POLICY) -> tuple[int, int]:
-    """One expert's bytes in the reference backend's device tier under `policy`, and in the host tier."""
+def one_expert(path, policy: str = DEFAULT_POLICY, host_tier: bool = True) -> tuple[int, int]:
+    """One expert's bytes in the reference backend's device tier under `policy`, and in the host tier.
+    Its device experts keep their store bytes only where a demoting policy has a host tier to demote into."""
     e = Engine(path, EngineOptions(vram_cache=0))
     layer = e.source.layers[0]
-    return ready_expert_nbytes(layer, policy_demotes(policy)), layer.expert_nbytes
+    return ready_expert_nbytes(layer, policy_demotes(policy) and host_tier), layer.expert_nbytes
 
 
 @pytest.mark.parametrize(
@@ -55,7 +57,7 @@ def one_expert(path, policy: str = DEFAULT_POLICY) -> tuple[int, int]:
 )
 def test_streamed_logits_equal_all_resident_bit_for_bit(model, vram, ram, policy, use_store):
     path, store, tokens, resident = model
-    dev_unit, host_unit = one_expert(path, policy)
+    dev_unit, host_unit = one_expert(path, policy, host_tier=ram != 0)
     opts = EngineOptions(
         store=tuple(store) if use_store else (),
         vram_cache=None if vram is None else vram * dev_unit,
@@ -68,11 +70,11 @@ def test_streamed_logits_equal_all_resident_bit_for_bit(model, vram, ram, policy
     state = engine.new_state()
     half = len(tokens) // 2
     stepped = [engine.eval(state, tokens[:half], all_logits=True)]
-    stepped += [engine.eval(state, tokens[i : i + 1], all_logits=True) for i in range(half, len(tokens))]
+    stepped += [engine.eval(state, tokens[i : i + 1], all_logits=True, phase=Phase.DECODE) for i in range(half, len(tokens))]
     reference_state = Engine(path, EngineOptions()).new_state()
     ref = Engine(path, EngineOptions())
     expected = [ref.eval(reference_state, tokens[:half], all_logits=True)]
-    expected += [ref.eval(reference_state, tokens[i : i + 1], all_logits=True) for i in range(half, len(tokens))]
+    expected += [ref.eval(reference_state, tokens[i : i + 1], all_logits=True, phase=Phase.DECODE) for i in range(half, len(tokens))]
     assert np.array_equal(np.concatenate(stepped), np.concatenate(expected))
     assert_conserved(engine.stats()["cache"])
     engine.close()
@@ -98,7 +100,7 @@ def test_small_cache_misses_and_reports_hit_rates(model):
     engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=2 * dev_unit, ram_cache=4 * host_unit))
     state = engine.new_state()
     for t in tokens[:12]:  # token by token: n_expert_used experts per MoE layer per token
-        engine.eval(state, np.array([t]))
+        engine.decode(state, int(t))
     s = engine.stats()["cache"]
     n_moe = engine.spec.n_layer
     assert s["accesses"] == 12 * n_moe * engine.spec.moe.n_expert_used
@@ -164,17 +166,19 @@ def test_trace_records_original_choices_and_profile_seeds_the_device_tier(model,
     dev_unit, _ = one_expert(path)
     seeded = Engine(path, EngineOptions(vram_cache=3 * dev_unit, freq_profile=str(freq)))
     top3 = [(int(l), int(e)) for l, e, _ in loaded.items()[:3]]
-    assert sorted(seeded.experts.ready) == sorted(top3)
+    assert sorted(seeded.experts.device.ready) == sorted(top3)
     seeded.close()
 
 
 def test_device_tier_holds_what_its_budget_allows_in_compute_ready_bytes(model):
+    """Without a host tier (no store, no --ram-cache) a demoting policy has nowhere to demote to: the
+    device experts keep no store bytes, and the tier's unit counts none (it once did, and held fewer)."""
     path, store, tokens, _ = model
-    dev_unit, _ = one_expert(path)
+    dev_unit, _ = one_expert(path, host_tier=False)
     engine = Engine(path, EngineOptions(vram_cache=3 * dev_unit))
     engine.logits(tokens)
     tier = engine.experts.streamer.cache.device
-    assert len(engine.experts.ready) == len(tier) == 3
+    assert len(engine.experts.device.ready) == len(tier) == 3
     assert tier.used == 3 * dev_unit <= tier.capacity
     engine.close()
 
@@ -197,7 +201,7 @@ def test_pinned_policies_keep_the_profiles_seeds_in_the_engine(tmp_path, policy,
     engine = Engine(path, EngineOptions(vram_cache=12 * dev_unit, cache_policy=policy, freq_profile=str(profile_path)))
     state = engine.new_state()
     for t in tokens:
-        engine.eval(state, np.array([t]))
+        engine.decode(state, int(t))
     held = {(l, e) for l in range(engine.spec.n_layer) for e in engine.experts.streamer.cache.resident(l)}
     assert set(rarest) <= held if kept else not set(rarest) <= held
     engine.close()
@@ -217,7 +221,7 @@ def test_the_simulator_replays_the_engines_hit_rates(model, tmp_path, policy):
     engine = Engine(path, opts)
     state = engine.new_state()
     for t in tokens:
-        engine.eval(state, np.array([t]))
+        engine.decode(state, int(t))
     measured = engine.stats()["cache"]
     sizes = [layer.expert_nbytes for layer in engine.source.layers]
     device_sizes = [ready_expert_nbytes(layer, policy_demotes(policy)) for layer in engine.source.layers]
@@ -243,7 +247,7 @@ def test_a_demoting_policy_moves_device_evictees_into_the_host_tier_with_their_b
     streamer.source.submit = lambda layer, expert: reads.append((layer, expert)) or submit(layer, expert)
     state = engine.new_state()
     for t in tokens:
-        engine.eval(state, np.array([t]))
+        engine.decode(state, int(t))
     s = engine.stats()["cache"]
     assert s["host"]["demoted"] > 0 and s["host"]["hits"] > 0
     assert len(reads) == s["disk"]["reads"]  # a demotion reads nothing from the disk
@@ -390,7 +394,7 @@ def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_rea
     resident = Engine(path, EngineOptions(backend="cpu", threads=1))
     resident_state = resident.new_state()
     resident.eval(resident_state, tokens[:5])
-    want = resident.eval(resident_state, tokens[5:6])[-1]
+    want = resident.eval(resident_state, tokens[5:6], phase=Phase.DECODE)[-1]
     resident.close()
     engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=1 << 30, prefetch=False))
     state = engine.new_state()
@@ -407,7 +411,7 @@ def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_rea
     ge.expert_ffn = ffn
     reads = engine.stats()["cache"]["disk"]["reads"]
     try:
-        got = engine.eval(state, tokens[5:6])[-1]
+        got = engine.eval(state, tokens[5:6], phase=Phase.DECODE)[-1]
     finally:
         ge.expert_ffn = real_ffn
     assert engine.stats()["cache"]["disk"]["reads"] - reads == len(gated.released) > 0
@@ -440,7 +444,7 @@ def test_a_cpu_decode_step_that_fails_among_the_experts_at_hand_leaves_the_cache
     ge.expert_ffn = failing
     try:
         with pytest.raises(RuntimeError, match="ggml failed"):
-            engine.eval(state, tokens[5:6])
+            engine.eval(state, tokens[5:6], phase=Phase.DECODE)
     finally:
         ge.expert_ffn = real_ffn
     host = streamer.cache.host

@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from fomoepy.data import demo_heldout_path, demo_model_path
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts import trace_pack
@@ -44,7 +42,7 @@ def record(model: str, text: str, out: Path, max_tokens: int) -> None:
         for start in range(0, len(tokens), window):
             state = engine.new_state()
             for token in tokens[start : start + window]:
-                engine.eval(state, np.array([token]))
+                engine.decode(state, int(token))
         engine.close()
         trace_pack.save(out, read_trace(raw))
         print(f"{out}: {len(tokens)} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

@@ -1,12 +1,13 @@
-"""`fomoe` subcommands of this subsystem (registered by fomoepy.cli)."""
+"""`fomoe` subcommands of this subsystem (registered by fomoepy.cli): ppl, and profile (fomoepy.eval.profile_cli)."""
 
 from __future__ import annotations
 
 import argparse
 
+from fomoepy.engine import open_engine, resolve_model
 from fomoepy.errors import FomoeError
 from fomoepy.eval.ppl import DEFAULT_BATCH, DEFAULT_CTX, check_ctx
-from fomoepy.options import add_engine_options, open_engine, resolve_model
+from fomoepy.options import add_engine_options
 
 PPL_DESCRIPTION = """\
 Perplexity of a text file by llama.cpp's llama-perplexity method, with its flags and output: the text (minus one
@@ -68,6 +69,10 @@ def register(sub) -> None:
     )
     add_engine_options(p)
     p.set_defaults(handler=cmd_ppl)
+
+    from fomoepy.eval.profile_cli import add_profile_command
+
+    add_profile_command(sub)
 
 
 def engine_option_values(args: argparse.Namespace) -> dict:

@@ -41,6 +41,7 @@ from fomoepy.eval.ppl import (
     plan_chunks,
     token_nll,
 )
+from fomoepy.experts.device import Phase
 
 BLOCK_ELEMENTS = 1 << 22  # scored rows x vocabulary handled at once in float64 (32 MiB a temporary)
 
@@ -100,8 +101,10 @@ def scored_logits(engine: Any, chunk: np.ndarray, spans: list[tuple[int, int]], 
     """float32 [n_scored, V]: logits of positions first .. n_ctx-2 of one chunk, from an empty state."""
     state = engine.new_state()
     parts = []
+    # a batch size of 1 (llama-perplexity's -b 1) is token-by-token decoding, with its prefetch
+    phase = Phase.DECODE if spans[0][1] - spans[0][0] == 1 else Phase.PREFILL
     for s, e in spans:
-        logits = engine.eval(state, chunk[s:e], all_logits=True)  # [e - s, V]
+        logits = engine.eval(state, chunk[s:e], all_logits=True, phase=phase)  # [e - s, V]
         if e > plan.first:
             parts.append(logits[max(plan.first - s, 0) :])
     return np.concatenate(parts)[: plan.n_scored]

@@ -1,4 +1,4 @@
-"""`fomoe` subcommands of this subsystem (registered by fomoepy.cli): prepare, verify-store, simulate, profile."""
+"""`fomoe` subcommands of this subsystem (registered by fomoepy.cli): prepare, verify-store, simulate."""
 
 from __future__ import annotations
 
@@ -25,10 +25,6 @@ def register(sub) -> None:
     from fomoepy.experts.simulate_cli import add_simulate_command
 
     add_simulate_command(sub)
-
-    from fomoepy.experts.profile_cli import add_profile_command
-
-    add_profile_command(sub)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -1,21 +1,21 @@
-"""ExpertStreamer: everything between the router and the expert kernels that is not arithmetic.
-
-Per MoE layer step the inference thread calls
+"""ExpertStreamer: the host side of the MoE step (fomoepy.experts.step.MoEStep), which drives it:
 
     ids, weights = streamer.choose(layer, exact)     # trace + profile counts + cache-aware routing
-    plan, fetched = streamer.acquire(layer, ids)     # cache plan; host bytes and disk reads gathered
-    ... backend computes, filling its device tier for plan items with to_device ...
+    plan, fetched, reads = streamer.start_acquire(layer, ids)   # cache plan; host bytes; reads issued
+    ... the device computes, filling its tier for plan items with to_device ...
+    streamer.finish_acquire(plan, fetched, reads)    # this step's reads landed (the device says when)
     streamer.release(plan)
 
 and `begin_step` / `end_step` around each batch of tokens. The streamer owns the cache
 bookkeeping, the host (DRAM) tier's bytes, the reads from the expert source, prefetch and
-backfill; the backend owns the device tier's contents (it alone knows their form). Only the
+backfill; the device owns the device tier's contents (it alone knows their form). Only the
 inference thread calls in here; the backfill thread and the reader pool hand results back
 through futures and a queue.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,7 +32,6 @@ from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
 from fomoepy.experts.trace import TraceHeader, TraceWriter
 from fomoepy.options import EngineOptions
-from fomoepy.timing import IO_WAIT
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 # a substituted original still unread after this many tokens is no longer worth backfilling
@@ -67,10 +66,13 @@ class ExpertStreamer:
         options: EngineOptions = EngineOptions(),
         model_name: str = "",
         record_trace: bool = True,
+        download: Callable[[Key], ExpertBytes | None] | None = None,
     ):
         """options: the engine's, of which the streamer acts on car, backfill, backfill_per_token,
         prefetch, trace and freq_profile (the tiers' sizes and policies are the cache's).
-        record_trace: open options.trace (False when a reset carries the open trace over)."""
+        record_trace: open options.trace (False when a reset carries the open trace over).
+        download: gives back the store bytes of an expert the device tier holds; with it, and only
+        with it, a demoting policy's device evictees move down into the host tier (decided here, once)."""
         self.source = source
         self.options = options
         self.layers = source.layers
@@ -78,11 +80,12 @@ class ExpertStreamer:
         self.n_expert = cache.n_expert
         self.cache = cache
         self.host_slots: dict[Key, ExpertBytes] = {}
-        # a demoting policy needs the backend to copy an evicted device expert's store bytes down;
-        # until one offers to (set_downloader), device evictees are dropped as with any policy
+        # a demoting policy needs the device to copy an evicted expert's store bytes down; a device that
+        # cannot (download None) has its evictees dropped as with any policy
         self._demotes = self.cache.demote
-        self.cache.demote = False
-        self._download: Callable[[Key], ExpertBytes] | None = None
+        self.cache.demote = self._demotes and download is not None
+        self._download = download
+        self.background_wait = 0.0  # seconds blocked on prefetched reads, for the step's record
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()
         self.counter = ExpertCounter(self.n_layer, self.n_expert)
@@ -105,7 +108,7 @@ class ExpertStreamer:
 
     @property
     def demotes(self) -> bool:
-        """Whether the cache's policy wants device evictees demoted (the backend must copy them down)."""
+        """Whether the cache's policy wants device evictees demoted (the device must copy them down)."""
         return self._demotes
 
     # -- start-up ----------------------------------------------------------------------------------
@@ -116,12 +119,6 @@ class ExpertStreamer:
         self.car_stats, self.prefetch_stats, self.counter = old.car_stats, old.prefetch_stats, old.counter
         self.tokens_seen, self.backfilled = old.tokens_seen, old.backfilled
         self.trace = trace
-
-    def set_downloader(self, download: Callable[[Key], ExpertBytes]) -> None:
-        """The backend can give back the store-form bytes of an expert its device tier holds, so a
-        demoting policy's device evictees move into the host tier (ExpertCache.demote)."""
-        self._download = download
-        self.cache.demote = self._demotes
 
     def seed_from_profile(self) -> list[Key]:
         """Fill the tiers with the profile's most frequent experts; returns the device tier's keys
@@ -251,9 +248,8 @@ class ExpertStreamer:
         """acquire's second half: wait for this step's reads; `fetched` then holds every expert's bytes."""
         layer = plan.layer
         if reads:
-            with IO_WAIT.timed():
-                for e, f in reads.items():
-                    fetched[e] = f.result() if f is not None else self.source.read(layer, e)
+            for e, f in reads.items():
+                fetched[e] = f.result() if f is not None else self.source.read(layer, e)
         for item in plan.items:
             if item.to_host:
                 self.host_slots[(layer, item.expert)] = fetched[item.expert]
@@ -276,9 +272,10 @@ class ExpertStreamer:
         # Reads prefetched for this layer were issued a step ago: wait for those (not for the next
         # layer's), so what the cache holds at this point never depends on thread timing.
         prefetched = {}
+        t = time.perf_counter()
         for key in [k for k in self._inflight if k[0] == layer]:
-            with IO_WAIT.timed():
-                prefetched[key] = self._inflight.pop(key).result()
+            prefetched[key] = self._inflight.pop(key).result()
+        self.background_wait += time.perf_counter() - t
         admitted = self._admit_host(prefetched)
         self.prefetch_stats.admitted += len(admitted)
         self._unadmitted.update((key, data) for key, data in prefetched.items() if key not in admitted)

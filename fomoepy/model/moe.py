@@ -11,8 +11,7 @@ def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray) -> np.ndarra
     """h [T, D] (already normed) → [T, D]."""
     router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
     exact = ops.route(router_logits, m.gating, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
-    ids, weights = experts.choose(layer, h, exact)  # cache-aware routing may swap ids; off: exact ones
-    out = experts.ffn(layer, h, ids, weights)
+    out = experts(layer, h, exact)  # Σ_j weights[t, j] · expert_ids[t, j](h[t]); CAR may swap ids (off: exact)
     if m.shared_ff:
         shared = ops.swiglu_ffn(h, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)
         if m.shared_gate:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from fomoepy.experts.device import Phase
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.qwen3moe import qwen3moe_layer
 from fomoepy.model.qwen35moe import qwen35moe_layer
@@ -42,8 +43,9 @@ class Transformer:
     def layer_ops(self, il: int) -> Any:
         return self.devices[self.placement.device_of_layer[il]]
 
-    def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True) -> np.ndarray:
-        """Evaluate `tokens` after the state's past; logits [T, V] (or [1, V] for the last token)."""
+    def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True, phase: Phase = Phase.PREFILL) -> np.ndarray:
+        """Evaluate `tokens` after the state's past; logits [T, V] (or [1, V] for the last token). `phase`
+        says what the caller is doing (a decode step predicts and prefetches the next layer's experts)."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             return np.zeros((0, self.spec.n_vocab), np.float32)
@@ -53,7 +55,7 @@ class Transformer:
         state.reserve(len(tokens))
         ops, w = self.ops, self.weights
         x = self.weights.embedding(tokens)  # [T, D], on the device that owns the embedding (the head's)
-        self.experts.begin_step()
+        self.experts.begin_step(phase)
         here = self.ops
         for il in range(self.spec.n_layer):
             owner = self.layer_ops(il)

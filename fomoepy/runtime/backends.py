@@ -8,8 +8,8 @@ import logging
 import os
 
 from fomoepy.errors import FomoeError
+from fomoepy.runtime.names import BACKEND_NAMES
 
-BACKEND_NAMES = ("cpu", "reference", "cuda", "hip", "sim", "auto")
 log = logging.getLogger(__name__)
 
 
@@ -74,35 +74,19 @@ def make_backend(name: str, threads: int | None = None, device: int = 0):
     return open_gpu(name, device)
 
 
-def make_experts(ops, streamer, routers=None, devices=None, device_of_layer=None, timer=None):
-    """The routed-expert executor that matches `ops` (GgmlExperts, CpuExperts or GpuExperts); on GPUs,
-    `devices` and `device_of_layer` place each layer's expert slots with the layer. `timer` (host time
-    per phase, --profile-timing) is kept by the CPU executors; the GPU one records none yet."""
+def make_expert_device(ops, layers, routers=None, devices=None, device_of_layer=None, keep_raw: bool = False):
+    """The routed-expert device that matches `ops` (fomoepy.experts.device.ExpertDevice): GgmlExperts,
+    CpuExperts or GpuExperts; on GPUs, `devices` and `device_of_layer` place each layer's expert slots
+    with the layer. keep_raw: the reference backend's compute-ready experts keep their store bytes, so a
+    demoting policy can move them down."""
     if ops.experts_kind == "ggml":
         from fomoepy.runtime.ggml_experts import GgmlExperts
 
-        return GgmlExperts(streamer, ops, routers, timer)
+        return GgmlExperts(layers, ops, routers)
     if ops.experts_kind == "gpu":
         from fomoepy.runtime.gpu_experts import GpuExperts
 
-        return GpuExperts(streamer, devices or [ops], routers, device_of_layer)
+        return GpuExperts(layers, devices or [ops], routers, device_of_layer)
     from fomoepy.runtime.cpu_experts import CpuExperts
 
-    return CpuExperts(streamer, routers, timer)
-
-
-def device_expert_nbytes(ops, layout, demotes: bool = False) -> int:
-    """Bytes of one expert in the device tier of `ops` (reference: compute-ready float32, plus the store
-    bytes with a demoting policy; GPU: a slot of store bytes; ggml CPU: store bytes, though that backend
-    has no device tier)."""
-    if ops.experts_kind == "ggml":
-        from fomoepy.runtime.ggml_experts import store_expert_nbytes
-
-        return store_expert_nbytes(layout)
-    if ops.experts_kind == "gpu":
-        from fomoepy.runtime.gpu_experts import gpu_expert_nbytes
-
-        return gpu_expert_nbytes(layout)
-    from fomoepy.runtime.cpu_experts import ready_expert_nbytes
-
-    return ready_expert_nbytes(layout, demotes)
+    return CpuExperts(layers, routers, keep_raw)

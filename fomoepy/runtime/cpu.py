@@ -22,7 +22,7 @@ F32 = np.float32
 
 class CpuBackend:
     name = "cpu"
-    # which routed-expert executor computes on it (backends.make_experts); a string, so that choosing
+    # which routed-expert executor computes on it (backends.make_expert_device); a string, so that choosing
     # one imports no other backend's libraries (a GPU install need not have ggml)
     experts_kind = "reference"
 

@@ -21,7 +21,7 @@ _NOT_MATRICES = (".ssm_conv1d.weight",)
 
 class GgmlBackend(CpuBackend):
     name = "cpu"
-    # which routed-expert executor computes on it (backends.make_experts); a string, so that choosing
+    # which routed-expert executor computes on it (backends.make_expert_device); a string, so that choosing
     # one imports no other backend's libraries (a GPU install need not have ggml)
     experts_kind = "ggml"
 

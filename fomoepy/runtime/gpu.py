@@ -94,7 +94,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class GpuBackend:
-    experts_kind = "gpu"  # backends.make_experts: GpuExperts computes on it
+    experts_kind = "gpu"  # backends.make_expert_device: GpuExperts computes on it
 
     def __init__(self, vendor: str = "cuda", device: int = 0, rt: DriverShim | None = None, binaries: dict[str, bytes] | None = None):
         """`rt` and `binaries` replace the driver and the compiled modules (tests: a stand-in driver)."""

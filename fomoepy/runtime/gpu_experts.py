@@ -1,8 +1,8 @@
 """Routed experts on the GPU: the device tier's slots hold each expert's store bytes (quantised), and
 one grouped launch per stage computes every selected expert of a layer straight from its slot.
 
-The same ExpertStreamer as on the CPU decides where each expert comes from; this class only fills
-and reads device slots. A miss is copied host → device on the copy stream through a ring of pinned
+The MoE step (fomoepy.experts.step) decides where each expert comes from, as on the CPU; this class
+is its device (fomoepy.experts.device.ExpertDevice): it only fills and reads device slots. A miss is copied host → device on the copy stream through a ring of pinned
 staging buffers (the host side packs buffer i+1 while buffer i crosses PCIe), and the compute
 stream waits on an event, not the host. Slot layout, mirrored in the staging buffers so one copy
 moves an expert:
@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from fomoepy.errors import UnsupportedQuantType
+from fomoepy.experts.device import StepExperts
 from fomoepy.experts.policy import Key
-from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
-from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
@@ -108,20 +107,21 @@ class _DeviceSide:
 
 
 class GpuExperts:
-    """The routed-expert half of a MoE layer on the GPU; the interface of CpuExperts.
+    """The routed-expert device of a MoE layer on the GPU (fomoepy.experts.device.ExpertDevice).
 
     `devs` is one backend, or one per device with `device_of_layer` placing each layer's slots
     (the scheduler's placement): each device has its own slots, staging buffers and streams."""
 
-    def __init__(self, streamer: ExpertStreamer, devs: GpuBackend | list[GpuBackend], routers: list | None = None,
+    can_download = True  # a slot's bytes are the store's: a demoted expert is copied down, not re-read
+
+    def __init__(self, layers: tuple[LayerExperts, ...], devs: GpuBackend | list[GpuBackend], routers: list | None = None,
                  device_of_layer: tuple[int, ...] | None = None):  # fmt: skip
-        self.streamer = streamer
         self.devs = list(devs) if isinstance(devs, (list, tuple)) else [devs]
-        self.device_of_layer = tuple(device_of_layer) if device_of_layer is not None else (0,) * len(streamer.layers)
-        if len(self.device_of_layer) != len(streamer.layers) or max(self.device_of_layer) >= len(self.devs):
-            raise ValueError(f"device_of_layer {self.device_of_layer} does not fit {len(streamer.layers)} layers on {len(self.devs)} devices")
+        self.device_of_layer = tuple(device_of_layer) if device_of_layer is not None else (0,) * len(layers)
+        if len(self.device_of_layer) != len(layers) or max(self.device_of_layer) >= len(self.devs):
+            raise ValueError(f"device_of_layer {self.device_of_layer} does not fit {len(layers)} layers on {len(self.devs)} devices")
         self.dev = self.devs[0]
-        self.layers = streamer.layers
+        self.layers = layers
         self.routers = routers
         self.slot_layouts = [SlotLayout.of(layer) for layer in self.layers]
         for layer in self.layers:
@@ -139,69 +139,58 @@ class GpuExperts:
             self.sides.append(_DeviceSide(dev, max(on_d, default=SLOT_ALIGN)))
         self.uploads = 0
         self.downloads = 0
-        streamer.set_downloader(self._download)
-        for key in streamer.seed_from_profile():
-            self.resident[key] = self._upload(key[0], streamer.source.read(*key))
-        for side in self.sides:
-            side.rt.sync(side.dev.copy_stream)
-            side.pending_uploads = 0
 
     def side(self, layer: int) -> _DeviceSide:
         return self.sides[self.device_of_layer[layer]]
 
-    # -- the CpuExperts interface -------------------------------------------------------------------
-    def begin_step(self) -> None:
-        self.streamer.begin_step()
-
-    def end_step(self, n_tokens: int) -> None:
-        self.streamer.end_step(n_tokens)
-
-    def choose(self, layer: int, h, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
-        ids, weights = self.streamer.choose(layer, exact)
-        nxt = layer + 1
-        if self.routers is not None and nxt < len(self.routers) and h.shape[0] == 1:
-            dev = self.side(nxt).dev  # the next router lives where the next layer does
-            if dev is not self.side(layer).dev:
-                h = relay(h, self.side(layer).dev, dev)
-            logits = dev.linear(h, self.routers[nxt])
-            self.streamer.predict(nxt, dev.route(logits, "softmax", exact.ids.shape[1]).ids)
-        return ids, weights
-
-    def ffn(self, layer: int, h, ids: np.ndarray, weights: np.ndarray) -> DeviceArray:
-        """h [T, D], ids/weights [T, k] → [T, D] on the device."""
-        plan, fetched = self.streamer.acquire(layer, ids)
-        side = self.side(layer)
-        try:
-            for victim in plan.device_evictions:
-                buf = self.resident.pop(victim, None)
-                if buf is not None:
-                    self.side(victim[0]).free.setdefault(buf.nbytes, []).append(buf)
-            slots: dict[int, DeviceBuffer] = {}
-            temporary: list[DeviceBuffer] = []
-            for item in plan.items:
-                key = (layer, item.expert)
-                buf = self.resident.get(key)
-                if buf is None:
-                    buf = self._upload(layer, fetched[item.expert])
-                    if item.to_device:
-                        self.resident[key] = buf
-                    else:
-                        temporary.append(buf)  # streamed through a slot that is free again after this layer
-                slots[item.expert] = buf
-            if side.pending_uploads:
-                side.rt.record(side.copied, side.dev.copy_stream)
-                side.rt.wait(side.dev.stream, side.copied)
-                side.pending_uploads = 0
-            out = self._compute(layer, side.dev.asdevice(h).contiguous(), ids, weights, slots)
-            side.rt.record(side.computed, side.dev.stream)
-            for buf in temporary:
-                side.free.setdefault(buf.nbytes, []).append(buf)
-            return out
-        finally:
-            self.streamer.release(plan)
-
-    def ready_nbytes(self, layer: int) -> int:
+    # -- the ExpertDevice interface -----------------------------------------------------------------
+    def expert_nbytes(self, layer: int) -> int:
         return self.slot_layouts[layer].nbytes
+
+    def install(self, key: Key, parts: ExpertBytes) -> None:
+        self.resident[key] = self._upload(key[0], parts)
+
+    def evict(self, key: Key) -> None:
+        buf = self.resident.pop(key, None)
+        if buf is not None:
+            self.side(key[0]).free.setdefault(buf.nbytes, []).append(buf)
+
+    def download(self, key: Key) -> ExpertBytes:
+        return self._download(key)
+
+    def route(self, layer: int, h, k: int) -> np.ndarray:
+        """Top-k of `layer`'s router for h, which sits on the previous layer's device."""
+        dev, here = self.side(layer).dev, self.side(layer - 1).dev  # the router lives where its layer does
+        if dev is not here:
+            h = relay(h, here, dev)
+        return dev.route(dev.linear(h, self.routers[layer]), "softmax", k).ids
+
+    def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
+        """h [T, D], ids/weights [T, k] → [T, D] on the device."""
+        fetched = experts.landed()
+        plan = experts.plan
+        side = self.side(layer)
+        slots: dict[int, DeviceBuffer] = {}
+        temporary: list[DeviceBuffer] = []
+        for item in plan.items:
+            key = (layer, item.expert)
+            buf = self.resident.get(key)
+            if buf is None:
+                buf = self._upload(layer, fetched[item.expert])
+                if item.to_device:
+                    self.resident[key] = buf
+                else:
+                    temporary.append(buf)  # streamed through a slot that is free again after this layer
+            slots[item.expert] = buf
+        if side.pending_uploads:
+            side.rt.record(side.copied, side.dev.copy_stream)
+            side.rt.wait(side.dev.stream, side.copied)
+            side.pending_uploads = 0
+        out = self._compute(layer, side.dev.asdevice(h).contiguous(), ids, weights, slots)
+        side.rt.record(side.computed, side.dev.stream)
+        for buf in temporary:
+            side.free.setdefault(buf.nbytes, []).append(buf)
+        return out
 
     def close(self) -> None:
         """Free the pinned staging buffers and every device slot (the engine's reset and close)."""

@@ -7,8 +7,9 @@ import logging
 import os
 import sys
 
+from fomoepy.engine import open_engine, resolve_model
 from fomoepy.errors import FomoeError
-from fomoepy.options import add_engine_options, open_engine, resolve_model
+from fomoepy.options import add_engine_options
 
 
 def register(sub) -> None:

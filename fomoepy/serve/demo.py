@@ -30,7 +30,7 @@ def add_demo_command(sub) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from fomoepy.options import open_engine
+    from fomoepy.engine import open_engine
     from fomoepy.serve.client import Client
     from fomoepy.serve.thread import DaemonThread
 

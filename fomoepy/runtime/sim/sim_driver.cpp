@@ -11,6 +11,10 @@
 // work only when something needs it: a sync of the stream, a sync of an event recorded on it, or
 // another stream reaching a wait on such an event. A missing wait then reads stale memory every
 // time, instead of whenever the host threads happen to interleave badly.
+//
+// In null mode (sim_set_null, for measuring the host's own time through the real bindings) the device
+// does no work: device memory is address space only (reserved, never backed), copies, memsets and
+// launches are checked as always and then complete at once, and events are ready at once.
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -91,7 +95,14 @@ struct Config {
     int n_devices = 2;
     size_t memory_per_device = size_t(16) << 30;
     bool deferred = false;
+    bool null_device = false;  // sim_set_null: nothing runs, memory is address space only
 };
+
+// Null mode's device memory: one reservation of address space, handed out in order and never reused
+// (a bench allocates far less than this over its life; nothing is ever backed by memory).
+const size_t NULL_ARENA_BYTES = size_t(1) << 42;
+char* null_arena = nullptr;
+size_t null_arena_used = 0;
 
 std::mutex memory_mutex;
 std::map<uintptr_t, Allocation> allocations;
@@ -393,6 +404,14 @@ EXPORT int sim_configure(int n_devices, unsigned long long memory_per_device, in
     return OK;
 }
 
+EXPORT int sim_set_null(int on) {
+    std::lock_guard<std::mutex> g(memory_mutex);
+    for (auto& [p, a] : allocations)
+        if (a.kind == DEVICE) return fail(INVALID_VALUE, "null mode is set before any device memory is allocated");
+    config.null_device = on != 0;
+    return OK;
+}
+
 EXPORT int sim_device_count(int* n) {
     *n = config.n_devices;
     return OK;
@@ -417,7 +436,19 @@ static int allocate(int device, Kind kind, void** out, size_t n) {
                         config.memory_per_device - used[device], config.memory_per_device);
     }
     void* p = nullptr;
-    if (posix_memalign(&p, 256, n ? n : 1) != 0) return fail(OUT_OF_MEMORY, "host allocation of %zu bytes failed", n);
+    if (kind == DEVICE && config.null_device) {
+        if (!null_arena) {
+            void* a = mmap(nullptr, NULL_ARENA_BYTES, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (a == MAP_FAILED) return fail(OUT_OF_MEMORY, "null device: reserving %zu bytes of address space failed", NULL_ARENA_BYTES);
+            null_arena = static_cast<char*>(a);
+        }
+        const size_t size = ((n ? n : 1) + 255) / 256 * 256;
+        if (null_arena_used + size > NULL_ARENA_BYTES) return fail(OUT_OF_MEMORY, "null device: address space exhausted");
+        p = null_arena + null_arena_used;
+        null_arena_used += size;
+    } else if (posix_memalign(&p, 256, n ? n : 1) != 0) {
+        return fail(OUT_OF_MEMORY, "host allocation of %zu bytes failed", n);
+    }
     allocations[(uintptr_t)p] = Allocation{n, kind == DEVICE ? device : -1, kind};
     if (kind == DEVICE) used[device] += n;
     *out = p;
@@ -439,7 +470,8 @@ static int release(void* p, Kind kind) {
     if (it == allocations.end()) return fail(INVALID_VALUE, "double free of %p", p);
     if (kind == DEVICE) used[it->second.device] -= it->second.size;
     allocations.erase(it);
-    free(p);
+    const bool in_arena = null_arena && (char*)p >= null_arena && (char*)p < null_arena + NULL_ARENA_BYTES;
+    if (!in_arena) free(p);
     return OK;
 }
 
@@ -484,6 +516,13 @@ EXPORT int sim_event_create(int device, void** out) {
 EXPORT int sim_event_record(void* e, void* s) {
     Event* ev = static_cast<Event*>(e);
     Stream* st = static_cast<Stream*>(s);
+    if (config.null_device) {  // nothing is ever in flight: the event is reached at once
+        std::lock_guard<std::mutex> g(ev->m);
+        ev->done = ++ev->issued;
+        ev->stream = nullptr;
+        ev->when = std::chrono::steady_clock::now();
+        return OK;
+    }
     Op op;
     op.type = Op::RECORD;
     op.event = ev;
@@ -547,6 +586,7 @@ EXPORT int sim_memcpy_async(void* dst, const void* src, size_t n, void* s, int k
         if ((kind == 2 || kind == 3) && !find((uintptr_t)src, n))
             return fail(ILLEGAL_ADDRESS, "copy of %zu bytes from %p: outside every device allocation", n, src);
     }
+    if (config.null_device) return OK;
     Op op;
     op.type = Op::COPY;
     op.dst = dst;
@@ -562,6 +602,7 @@ EXPORT int sim_memset_d32_async(void* dst, unsigned value, size_t count, void* s
         if (!find((uintptr_t)dst, count * 4))
             return fail(ILLEGAL_ADDRESS, "memset of %zu words at %p: outside every device allocation", count, dst);
     }
+    if (config.null_device) return OK;
     Op op;
     op.type = Op::MEMSET32;
     op.dst = dst;
@@ -670,6 +711,7 @@ EXPORT int sim_launch(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned 
             return fail(ILLEGAL_ADDRESS, "kernel %s on device %d: argument %d (%p) is memory of device %d", k->name, st->device, i,
                         (void*)p, a->device);
     }
+    if (config.null_device) return OK;  // checked like a real launch; runs nothing
     st->submit(std::move(op));
     return OK;
 }

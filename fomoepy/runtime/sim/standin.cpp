@@ -14,7 +14,9 @@
 //
 // Settings: FOMOE_STANDIN_DEVICES (default 2), FOMOE_STANDIN_MEMORY (bytes per device, default 16 GiB),
 // FOMOE_STANDIN_DEFERRED=1 (streams run only what a sync or an event needs), FOMOE_STANDIN_SM (90),
-// FOMOE_STANDIN_GFX (gfx1030: what Debian's hiprtc compiles; a real RDNA4 card reports gfx1201).
+// FOMOE_STANDIN_GFX (gfx1030: what Debian's hiprtc compiles; a real RDNA4 card reports gfx1201),
+// FOMOE_STANDIN_NULL=1 (the null device: nothing runs, device memory is address space only; for timing
+// the host's own calls through the real bindings, bench/host_time.py).
 #include "sim_driver.cpp"
 
 #include <dirent.h>
@@ -38,6 +40,7 @@ void standin_init() {
         const char* mem = getenv("FOMOE_STANDIN_MEMORY");
         sim_configure(env_int("FOMOE_STANDIN_DEVICES", 2), mem && *mem ? strtoull(mem, nullptr, 10) : (16ull << 30),
                       env_int("FOMOE_STANDIN_DEFERRED", 0));
+        sim_set_null(env_int("FOMOE_STANDIN_NULL", 0));
         const char* dir = getenv("FOMOE_STANDIN_MODULES");
         if (!dir || !*dir) {
             standin_error = "FOMOE_STANDIN_MODULES is not set: no simulator builds of the kernels to run";

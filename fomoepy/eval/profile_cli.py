@@ -41,9 +41,9 @@ def read_prompts(path: str) -> list[str]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from fomoepy.engine import open_engine
     from fomoepy.experts.profile import write_freq
     from fomoepy.model.chat import render_chat
-    from fomoepy.options import open_engine
     from fomoepy.sampling import SamplingParams
 
     if args.n_predict < 0:

@@ -1,0 +1,106 @@
+"""What the MoE step (fomoepy.experts.step) asks of a compute device, and what it hands it.
+
+The step owns every decision: routing and CAR, the cache plan, the reads, prefetch and backfill,
+what each tier keeps. A device only holds its tier's experts in its own form and does arithmetic:
+
+    expert_nbytes(layer)      one expert of `layer` in the device tier's form (the tier's unit)
+    install(key, parts)       put an expert into the device tier (a seed, or a plan's admission)
+    evict(key)                drop it (the cache chose it)
+    download(key)             its store bytes back, for a demoting policy; None if it cannot
+    route(layer, h, k)        the top-k ids of `layer`'s router for h: the next layer's prediction
+    compute(layer, h, ids, weights, experts)   Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]), filling
+                              the tier with the plan's admissions as their bytes land
+
+`experts` (StepExperts) says where each selected expert's bytes are: already in the device tier,
+at hand in host memory, or still being read. The device decides the order: it may compute what it
+holds while the rest arrive, then call `experts.landed()`, which waits for the step's reads once.
+Nothing here imports a backend, and no backend imports the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+import numpy as np
+
+from fomoepy.experts.policy import Key
+
+ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]  # gate, up, down in store form
+
+
+class Phase(Enum):
+    """What a forward pass is, stated by its caller (never read off the number of rows)."""
+
+    PREFILL = "prefill"  # many tokens of one sequence: no next-layer prediction (the union is most of a layer)
+    DECODE = "decode"  # one token: prediction, prefetch and the one-token fast paths
+
+
+@dataclass
+class StepTiming:
+    """Host seconds of one MoE layer step, by part (a record per step, summed by whoever wants a mean)."""
+
+    layer: int = 0
+    route: float = 0.0  # cache-aware routing, the trace, counting, next-layer prediction
+    plan: float = 0.0  # cache plan and policy, host-tier bytes, issuing reads, device evictions
+    wait: float = 0.0  # blocked on this step's expert reads
+    compute: float = 0.0  # the device's part: fills and arithmetic (on a GPU: the calls that queue them)
+    release: float = 0.0  # unpinning, unmapping
+
+    @property
+    def total(self) -> float:
+        return self.route + self.plan + self.wait + self.compute + self.release
+
+
+class StepExperts:
+    """The experts of one step: their plan, the bytes at hand, and one wait for the rest.
+
+    `fetched[e]` holds the store bytes of every expert not in the device tier once `landed()` has
+    returned; before that, only those at hand (host-tier hits, prefetches handed over)."""
+
+    __slots__ = ("plan", "phase", "fetched", "pending", "_finish", "_done", "wait_seconds")
+
+    def __init__(self, plan, phase: Phase, fetched: dict[int, ExpertBytes], pending: dict, finish: Callable[[], None]):
+        self.plan = plan
+        self.phase = phase
+        self.fetched = fetched
+        self.pending = pending  # expert -> its read in flight
+        self._finish = finish
+        self._done = False
+        self.wait_seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        """Whether landed() has been called."""
+        return self._done
+
+    def landed(self) -> dict[int, ExpertBytes]:
+        """Wait, once, for this step's reads; later calls return at once (so it is both a point in the
+        computation and a `finally`). A failed read raises here, once."""
+        if not self._done:
+            self._done = True
+            t = time.perf_counter()
+            try:
+                self._finish()
+            finally:
+                self.wait_seconds = time.perf_counter() - t
+        return self.fetched
+
+
+class ExpertDevice(Protocol):
+    def expert_nbytes(self, layer: int) -> int: ...
+
+    def install(self, key: Key, parts: ExpertBytes) -> None: ...
+
+    def evict(self, key: Key) -> None: ...
+
+    def download(self, key: Key) -> ExpertBytes | None: ...
+
+    def route(self, layer: int, h: Any, k: int) -> np.ndarray: ...
+
+    def compute(self, layer: int, h: Any, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> Any: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,88 @@
+"""MoEStep: the routed-expert half of a MoE layer, whole, in one place.
+
+    out = step(layer, h, exact)      # h [T, D] normed; exact: the router's own choice (ids, weights, probs)
+
+does, in order:
+    1. routing: the trace, usage counts, cache-aware substitutions (streamer.choose);
+    2. the next layer's prediction on a decode step (device.route), whose misses are read during this one;
+    3. the cache plan and its reads (streamer.start_acquire), and the device tier's evictions;
+    4. the device's arithmetic (device.compute), which fills the tier as the bytes land;
+    5. release: the plan's experts are unpinned.
+and keeps a StepTiming record of each step when asked (`records`).
+
+The streamer (fomoepy.experts.streamer) is the host side the step owns: the cache, the host tier's
+bytes, the reads, prefetch and backfill. The device (fomoepy.experts.device.ExpertDevice) is the
+compute side: it knows the form its tier holds, nothing of the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fomoepy.experts.device import ExpertDevice, Phase, StepExperts, StepTiming
+from fomoepy.experts.routing import Routing
+from fomoepy.experts.streamer import ExpertStreamer
+
+
+class MoEStep:
+    def __init__(self, streamer: ExpertStreamer, device: ExpertDevice, predicts: bool = True, timer: Any = None):
+        """predicts: decode steps predict the next layer's experts (device.route) so the streamer can read
+        them ahead. timer: a fomoepy.timing.LayerTimer (`--profile-timing`) that gets every step's record."""
+        self.streamer = streamer
+        self.device = device
+        self.predicts = predicts
+        self.timer = timer
+        self.layers = streamer.layers
+        self.phase = Phase.PREFILL
+        self.records: list[StepTiming] | None = None  # set to [] to keep every step's record
+        for key in streamer.seed_from_profile():
+            device.install(key, streamer.source.read(*key))
+
+    def begin_step(self, phase: Phase) -> None:
+        """A forward pass starts: what kind it is, as its caller states it."""
+        self.phase = phase
+        self.streamer.begin_step()
+
+    def end_step(self, n_tokens: int) -> None:
+        self.streamer.end_step(n_tokens)
+
+    def __call__(self, layer: int, h: Any, exact: Routing) -> Any:
+        """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]."""
+        s, device = self.streamer, self.device
+        t0 = time.perf_counter()
+        ids, weights = s.choose(layer, exact)
+        if self.phase is Phase.DECODE and self.predicts and layer + 1 < s.n_layer:
+            s.predict(layer + 1, device.route(layer + 1, h, exact.ids.shape[1]))
+        t1 = time.perf_counter()
+        background = s.background_wait
+        plan, fetched, reads = s.start_acquire(layer, ids)
+        for victim in plan.device_evictions:
+            device.evict(victim)
+        experts = StepExperts(plan, self.phase, fetched, reads, lambda: s.finish_acquire(plan, fetched, reads))
+        t2 = time.perf_counter()
+        try:
+            out = device.compute(layer, h, ids, weights, experts)
+        finally:
+            t3 = time.perf_counter()
+            waited_inside = experts.done
+            try:
+                experts.landed()  # a device that failed still lands the step's reads: no slot stays LOADING
+            finally:
+                s.release(plan)
+        t4 = time.perf_counter()
+        if self.records is not None or self.timer is not None:
+            wait, prefetched = experts.wait_seconds, s.background_wait - background  # prefetched: this layer's
+            if waited_inside:  # the device waited among its work
+                timing = StepTiming(layer, t1 - t0, t2 - t1 - prefetched, wait + prefetched, t3 - t2 - wait, t4 - t3)
+            else:  # it never called landed(): the wait fell after it returned
+                timing = StepTiming(layer, t1 - t0, t2 - t1 - prefetched, wait + prefetched, t3 - t2, t4 - t3 - wait)
+            if self.records is not None:
+                self.records.append(timing)
+            if self.timer is not None:
+                self.timer.add_step(timing)
+        return out
+
+    def close(self) -> None:
+        self.device.close()
+        self.streamer.close()
