@@ -210,15 +210,20 @@ class GpuExperts:
             # a reused slot may still be read by the last grouped launch: copies wait for it
             side.rt.wait(side.dev.copy_stream, side.computed)
         host_ptr, view, done = side.staging.take()
-        for offset, part in zip(layout.offsets, parts):
-            raw = np.frombuffer(np.ascontiguousarray(part), np.uint8)
-            view[offset : offset + raw.size] = raw
+        self._pack(view, layout, parts)
         end = layout.offsets[2] + parts[2].nbytes
         side.rt.htod(buf.ptr, host_ptr, end, side.dev.copy_stream)
         side.rt.record(done, side.dev.copy_stream)
         side.pending_uploads += 1
         self.uploads += 1  # experts copied host -> device so far (a device-tier hit copies nothing)
         return buf
+
+    @staticmethod
+    def _pack(view: np.ndarray, layout: SlotLayout, parts: ExpertBytes) -> None:
+        """The expert's parts into a pinned staging buffer at its slot offsets (a host memcpy of its bytes)."""
+        for offset, part in zip(layout.offsets, parts):
+            raw = np.frombuffer(np.ascontiguousarray(part), np.uint8)
+            view[offset : offset + raw.size] = raw
 
     def _download(self, key: Key) -> ExpertBytes:
         """Copy a resident expert's store bytes back to the host (a demoting policy's device evictee).

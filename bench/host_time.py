@@ -1,0 +1,301 @@
+"""Host time per MoE layer step: the host's own work, where no device and no disk hide it.
+
+GPU path, at Qwen3.5-397B-A17B's shape (60 layers x 512 experts, top-10, every expert's true bytes at
+Q4_K_M in every tier's bookkeeping), through the real hip-python (or cuda-python) binding over the
+stand-in driver in its null mode: allocations reserve address space only, copies and launches are
+checked and complete at once, events are ready at once; the store is a null store (reads complete at
+once, carrying no bytes). The engine's own MoE step (fomoepy.experts.step.MoEStep) runs it with the
+default cache policy and capped tiers (the fomoe-rig's share: 11.3 % device, 12.9 % host), so there
+are misses, copies, evictions and prefetches. Routing follows a synthetic decode trace fitted to the
+demo model's (fomoepy.plan.routing); each step makes the router's launches and read-back as the model
+does, then routes by the trace. A step is timed from the router launch to the step's return.
+
+cpu backend, on the bench model (bench/decode.py's, host tier 25 %), through the engine: the same step
+records, less the time inside ggml's products and the time blocked on reads.
+
+Prints median and p90 µs per step, split into routing (the router's launches and read-back, CAR, the
+trace, next-layer prediction), plan (the cache plan and policy, host bytes, reads issued), binding calls
+(every driver call's time, counted) and the rest of Python.
+
+    python bench/host_time.py [--json] [--record] [--vendor hip|cuda] [--tokens 96] [--warm 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SHAPE = "qwen3.5-397b-a17b"
+DEVICE_SHARE, HOST_SHARE = 0.113, 0.129  # fomoe plan's tiers on the fomoe-rig, as shares of the store
+PREDICT_ACCURACY = 0.8  # share of the next layer's experts a prediction gets right (the demo model: 0.63-0.85)
+
+
+def percentiles(us: list[float]) -> tuple[float, float]:
+    return float(np.median(us)), float(np.percentile(us, 90))
+
+
+# -- the GPU path, in a child process that loads the stand-in driver ------------------------------------
+def gpu_child(args: argparse.Namespace) -> dict:
+    from fomoepy.devtools.null_store import NullStore, shape_layers
+    from fomoepy.experts.cache import ExpertCache
+    from fomoepy.experts.device import Phase
+    from fomoepy.experts.policy import DEFAULT_POLICY, make_policy, policy_demotes
+    from fomoepy.experts.routing import Routing
+    from fomoepy.experts.step import MoEStep
+    from fomoepy.experts.streamer import ExpertStreamer
+    from fomoepy.plan.routing import RoutingFit, fit_routing, load_traces, synthetic_trace
+    from fomoepy.plan.shapes import model_bytes, shape_by_name
+    from fomoepy.runtime.gpu import GpuBackend
+    from fomoepy.runtime.gpu_experts import GpuExperts
+    from fomoepy.runtime.shim import DriverShim
+
+    shape = shape_by_name(SHAPE)
+    layers = shape_layers(shape)
+    n_layer, n_expert, k = shape.n_layer, shape.n_expert, shape.n_expert_used
+    store_bytes = model_bytes(shape).store_bytes
+    dev = GpuBackend(args.vendor)
+    routers_host = np.zeros((n_expert, shape.n_embd), np.float32)  # one host array: the null device copies nothing
+    routers = [dev.upload(routers_host, exact=True) for _ in range(n_layer)]
+    device = GpuExperts(layers, dev, routers)
+    unit = [device.expert_nbytes(il) for il in range(n_layer)]
+    policy = args.policy or DEFAULT_POLICY
+    cache = ExpertCache(n_expert, [layer.expert_nbytes for layer in layers], int(DEVICE_SHARE * store_bytes),
+                        int(HOST_SHARE * store_bytes), make_policy(policy), make_policy(policy), device_expert_bytes=unit)  # fmt: skip
+    source = NullStore(layers)
+    streamer = ExpertStreamer(source, cache, k, download=device.download if policy_demotes(policy) else None)
+    step = MoEStep(streamer, device)
+
+    fit = fit_routing(load_traces([str(ROOT / "fomoepy" / "plan" / "traces" / "demo-qwen3moe.trace")]))
+    n_tokens = args.warm + args.tokens
+    trace = synthetic_trace(n_layer, n_expert, k, n_tokens + 1, RoutingFit(fit.skew, fit.reuse), layers[0].expert_nbytes)
+    ids = np.array([r.ids[0] for r in trace.records]).reshape(n_tokens + 1, n_layer, k)
+    rng = np.random.default_rng(1)
+    weights = np.full((1, k), 1.0 / k, np.float32)
+    probs = np.full((1, n_expert), 1.0 / n_expert, np.float32)
+
+    # the device's route makes its launches and read-back; what it returns is the trace's choice (the
+    # null device computes nothing): the step's own routing, or a prediction of the next layer's
+    real_route = dev.route
+    answer: list[Routing] = []
+
+    def route(logits, gating, kk):
+        real_route(logits, gating, kk)
+        return answer.pop()
+
+    dev.route = route  # type: ignore[method-assign]
+
+    calls = {"n": 0, "s": 0.0, "pack": 0.0}
+    real_call = DriverShim.call
+    real_pack = GpuExperts._pack
+
+    def timed_pack(view, layout, parts):  # the host memcpy of a copied expert into pinned staging
+        t = time.perf_counter()
+        try:
+            real_pack(view, layout, parts)
+        finally:
+            calls["pack"] += time.perf_counter() - t
+
+    def counted(self, name, *a):
+        t = time.perf_counter()
+        try:
+            return real_call(self, name, *a)
+        finally:
+            calls["s"] += time.perf_counter() - t
+            calls["n"] += 1
+
+    h = dev.upload(np.zeros((1, shape.n_embd), np.float32))
+    router_w = routers[0]
+
+    def run(tokens: range, instrumented: bool) -> list[tuple]:
+        samples = []
+        DriverShim.call = counted if instrumented else real_call  # type: ignore[method-assign]
+        GpuExperts._pack = staticmethod(timed_pack) if instrumented else staticmethod(real_pack)  # type: ignore[method-assign]
+        try:
+            for t in tokens:
+                step.begin_step(Phase.DECODE)
+                for il in range(n_layer):
+                    if il + 1 < n_layer:  # the prediction the step will ask the device for
+                        guess = ids[t, il + 1].copy()
+                        wrong = rng.random(k) > PREDICT_ACCURACY
+                        guess[wrong] = rng.choice(np.setdiff1d(np.arange(n_expert), ids[t, il + 1]), int(wrong.sum()), replace=False)
+                        answer.append(Routing(guess[None, :], weights, probs))
+                    answer.append(Routing(ids[t, il][None, :], weights, probs))
+                    c0, s0, p0 = calls["n"], calls["s"], calls["pack"]
+                    t0 = time.perf_counter()
+                    exact = dev.route(dev.linear(h, router_w), "softmax", k)  # the model's router, as moe.py runs it
+                    t1 = time.perf_counter()
+                    step(il, h, exact)
+                    t2 = time.perf_counter()
+                    rec = step.records[-1] if step.records else None
+                    samples.append((t2 - t0, t1 - t0, rec, calls["n"] - c0, calls["s"] - s0, calls["pack"] - p0))
+                step.end_step(1)
+        finally:
+            DriverShim.call = real_call  # type: ignore[method-assign]
+            GpuExperts._pack = staticmethod(real_pack)  # type: ignore[method-assign]
+        return samples
+
+    run(range(args.warm), False)
+    plain = run(range(args.warm, n_tokens), False)
+    step.records = []
+    reads, uploads = source.reads, device.uploads
+    split = run(range(args.warm, n_tokens), True)
+    reads, uploads = source.reads - reads, device.uploads - uploads
+    totals = [s[0] * 1e6 for s in plain]
+    median, p90 = percentiles(totals)
+    n = len(split)
+    route_us = float(np.median([(s[1] + s[2].route) * 1e6 for s in split]))
+    plan_us = float(np.median([(s[2].plan + s[2].wait) * 1e6 for s in split]))
+    binding_us = float(np.median([s[4] * 1e6 for s in split]))
+    calls_per_step = float(np.median([s[3] for s in split]))
+    pack_us = float(np.mean([s[5] * 1e6 for s in split]))
+    total_split = float(np.median([s[0] * 1e6 for s in split]))
+    stats = cache.stats.summary()
+    return {
+        "shape": SHAPE, "median_us": median, "p90_us": p90, "steps": len(totals), "vendor": args.vendor, "policy": policy,
+        "split_median_us": {"total (instrumented)": total_split, "routing": route_us, "plan": plan_us,
+                            "binding calls": binding_us, "calls per step": calls_per_step,
+                            "staging copies (mean)": pack_us},
+        "tiers": {"device_hit": stats["device"]["hit_rate"], "host_hit": stats["host"]["hit_rate"]},
+        "reads_per_step": reads / n, "uploads_per_step": uploads / n,
+    }  # fmt: skip
+
+
+def gpu_path(args: argparse.Namespace) -> dict:
+    """Runs gpu_child in a process whose loader finds the stand-in driver (LD_LIBRARY_PATH is read at start)."""
+    from fomoepy.runtime.sim.build import standin_drivers
+    from fomoepy.runtime.kernels import cache_root
+
+    standin = standin_drivers(cache_root() / "standin-null")
+    paths = [str(standin)]
+    if args.vendor == "hip":
+        setup = subprocess.run(["bash", str(ROOT / "tools" / "setup_kernel_compilers.sh")], capture_output=True, text=True)
+        found = [line.split(": ", 1)[1] for line in setup.stdout.splitlines() if line.startswith("hiprtc: ")]
+        if not found:
+            raise SystemExit(f"bench/host_time.py: Debian's hiprtc is not available for --vendor hip:\n{setup.stderr[-1500:]}")
+        paths.append(found[0])
+    env = os.environ | {
+        "LD_LIBRARY_PATH": ":".join(paths + [os.environ.get("LD_LIBRARY_PATH", "")]),
+        "FOMOE_STANDIN_MODULES": str(standin / "modules"), "FOMOE_STANDIN_NULL": "1", "FOMOE_STANDIN_DEVICES": "1",
+        "FOMOE_STANDIN_MEMORY": str(64 << 30),
+    }  # fmt: skip
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-gpu", "--vendor", args.vendor,
+           "--tokens", str(args.tokens), "--warm", str(args.warm)] + (["--policy", args.policy] if args.policy else [])  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench/host_time.py: the GPU path failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- the cpu backend on the bench model ------------------------------------------------------------------
+def cpu_path(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(HERE))
+    from decode import ensure_model
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.timing import MATMUL
+
+    model, store = ensure_model("bench")
+    probe = Engine(model, EngineOptions(backend="cpu", store=(str(store),), vram_cache=0, ram_cache=0))
+    host_all = sum(layer.expert_nbytes for layer in probe.source.layers) * probe.spec.moe.n_expert
+    probe.close()
+    engine = Engine(model, EngineOptions(backend="cpu", threads=args.threads, store=(str(store),), vram_cache=0,
+                                         ram_cache=int(0.25 * host_all)))  # fmt: skip
+    step = engine.experts
+    products: list[float] = []
+    real_compute = step.device.compute
+
+    def compute(*a):  # ggml's products inside the step: arithmetic, not host time
+        before = MATMUL.seconds
+        try:
+            return real_compute(*a)
+        finally:
+            products.append(MATMUL.seconds - before)
+
+    step.device.compute = compute  # type: ignore[method-assign]
+    state = engine.new_state()
+    token = int(np.argmax(engine.eval(state, [1, 2, 3, 4])[-1]))
+    for _ in range(args.cpu_warm):
+        token = int(np.argmax(engine.decode(state, token)))
+    step.records, products[:] = [], []
+    for _ in range(args.cpu_tokens):
+        token = int(np.argmax(engine.decode(state, token)))
+    host = [(r.total - r.wait - p) * 1e6 for r, p in zip(step.records, products)]
+    median, p90 = percentiles(host)
+    rec = step.records
+    stats = engine.experts.streamer.cache.stats.summary()
+    engine.close()
+    return {
+        "shape": "bench (8 layers x 64 experts, top-8, Q4_K/Q6_K)", "median_us": median, "p90_us": p90, "steps": len(host),
+        "split_median_us": {"routing": float(np.median([r.route * 1e6 for r in rec])),
+                            "plan": float(np.median([r.plan * 1e6 for r in rec])),
+                            "products": float(np.median([p * 1e6 for p in products])),
+                            "wait": float(np.median([r.wait * 1e6 for r in rec]))},
+        "tiers": {"host_hit": stats["host"]["hit_rate"]},
+    }  # fmt: skip
+
+
+def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
+    g, c = gpu["split_median_us"], cpu["split_median_us"]
+    rest = g["total (instrumented)"] - g["routing"] - g["plan"]
+    lines = [
+        f"### host_time — {date.today()} — {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "",
+        f"`python bench/host_time.py --tokens {args.tokens} --warm {args.warm}`: µs of host time per MoE layer step",
+        "",
+        "| path | shape | median µs | p90 µs | steps | split (medians, µs) |",
+        "|---|---|---|---|---|---|",
+        f"| GPU, {gpu['vendor']} binding over the null stand-in, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} | "
+        f"{gpu['p90_us']:.1f} | {gpu['steps']} | routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
+        f"{g['binding calls']:.1f} ({g['calls per step']:.0f} calls), staging copies {g['staging copies (mean)']:.1f} (mean), "
+        f"rest {rest - g['binding calls']:.1f} "
+        f"(instrumented total {g['total (instrumented)']:.1f}); device hits {gpu['tiers']['device_hit']:.1%}, "
+        f"host {gpu['tiers']['host_hit']:.1%} |",
+        f"| cpu backend, host tier 25 % | {cpu['shape']} | {cpu['median_us']:.1f} | {cpu['p90_us']:.1f} | {cpu['steps']} | "
+        f"routing {c['routing']:.1f}, plan {c['plan']:.1f}; not host: ggml products {c['products']:.1f}, reads {c['wait']:.1f}; "
+        f"host hits {cpu['tiers']['host_hit']:.1%} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object: {gpu: {...}, cpu: {...}}")
+    ap.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
+    ap.add_argument("--vendor", default="hip", choices=["hip", "cuda"], help="the binding the GPU path runs through")
+    ap.add_argument("--tokens", type=int, default=48, help="decoded tokens measured on the GPU path (x 60 layers)")
+    ap.add_argument("--warm", type=int, default=32, help="tokens decoded first, to fill the tiers")
+    ap.add_argument("--cpu-tokens", type=int, default=48)
+    ap.add_argument("--cpu-warm", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2, help="ggml threads on the cpu path")
+    ap.add_argument("--policy", default=None, help="cache policy (default: the engine's)")
+    ap.add_argument("--child-gpu", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child_gpu:
+        print(json.dumps(gpu_child(args)))
+        return 0
+    gpu = gpu_path(args)
+    cpu = cpu_path(args)
+    if args.json:
+        print(json.dumps({"gpu": gpu, "cpu": cpu}))
+    else:
+        print(report(gpu, cpu, args))
+    if args.record:
+        from results import record
+
+        record(report(gpu, cpu, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
