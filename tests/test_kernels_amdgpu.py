@@ -17,8 +17,9 @@ with the largest card of each target (SIMDs = 2 per CU) and LOADED_LATENCY = 1 u
 takes about 0.5-0.7 us unloaded (published pointer-chase measurements), and queueing near full bandwidth
 adds about as much again. That gives 10 waves on RDNA3/4 (about 5 GB/s per SIMD) and 7 on RDNA2 (3.2 GB/s
 per SIMD). A wave with more loads in flight needs fewer waves: the floor assumes the least. The
-hardware's own limit is 16; occupancy is set by VGPRs (RDNA3/4: 1536 per SIMD lane, so <= 144 VGPRs for
-10 waves; RDNA2: 1024, <= 128 VGPRs for 7) and by static LDS.
+hardware's own limit is 16; occupancy is set by VGPRs (a wave32 may hold <= 144 VGPRs for 10 waves on
+RDNA3/4, 1536 per SIMD lane in blocks of 24; <= 144 for 7 on RDNA2, 1024 in blocks of 16) and by static
+LDS (128 KB per WGP of 4 SIMDs).
 
 clang-19, the HIP headers and Debian's device libraries come from tools/setup_kernel_compilers.sh
 (Debian's packages); the tests skip, saying why, only where they cannot be had.
@@ -66,6 +67,10 @@ def _toolchain() -> str:
     ag.hip_include_root()
     devlibs.library_dir()
     return clang
+
+
+def test_floors_are_the_stated_derivation():
+    assert {t: occupancy_floor(t) for t in ag.TARGETS} == {"gfx1200": 10, "gfx1201": 10, "gfx1100": 10, "gfx1030": 7}
 
 
 @pytest.fixture(scope="session")
