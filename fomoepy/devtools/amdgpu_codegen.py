@@ -69,7 +69,7 @@ def compile_to_assembly(
     clang = clang or find_clang()
     libs = devlibs.libraries(arch, clang) if libraries is None else libraries
     cmd = compile_command(clang, arch, d / f"{module}.hip", d, libs)
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if run.returncode != 0:
         raise kernels.KernelCompileError(f"{module}.hip for {arch}: clang failed:\n{run.stderr.strip()}")
     return run.stdout
@@ -133,6 +133,7 @@ def parse_resources(asm: str) -> list[KernelResources]:
     bodies = _bodies(asm)
     out = []
     for k in meta["amdhsa.kernels"]:
+        body = bodies.get(str(k[".name"]), "")
         args = tuple(
             KernelArg(int(a[".size"]), str(a[".value_kind"]))
             for a in k.get(".args", [])
@@ -151,10 +152,10 @@ def parse_resources(asm: str) -> list[KernelResources]:
                 lds_bytes=int(k[".group_segment_fixed_size"]),
                 wavefront=int(k[".wavefront_size"]),
                 max_block=int(k[".max_flat_workgroup_size"]),
-                occupancy=_occupancy(bodies.get(str(k[".name"]), "")),
+                occupancy=_occupancy(body),
                 args=args,
-                calls=len(_CALL.findall(bodies.get(str(k[".name"]), ""))),
-                library_calls=tuple(sorted(set(_LIBRARY_SYMBOL.findall(bodies.get(str(k[".name"]), ""))))),
+                calls=len(_CALL.findall(body)),
+                library_calls=tuple(sorted(set(_LIBRARY_SYMBOL.findall(body)))),
             )
         )
     return out

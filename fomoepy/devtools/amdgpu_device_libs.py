@@ -32,7 +32,9 @@ from pathlib import Path
 from fomoepy.errors import FomoeError
 from fomoepy.runtime import kernels
 
-CODE_OBJECT_VERSION = 5  # ROCm 6's default; named on the command line so the ABI library and module agree
+# ROCm 6's default. Named on the command line: left out, clang-19's driver picks the ABI library of code
+# object 4 while its back end emits 5 (the module's own __oclc_ABI_version, 500, then wins anyway)
+CODE_OBJECT_VERSION = 5
 # clang's HIP defaults: f32 denormals kept, no unsafe or finite-only math, correctly rounded f32 sqrt/div
 CONTROL_LIBRARIES = (
     "oclc_daz_opt_off.bc",
