@@ -2,7 +2,9 @@
 from clang's AMDGPU back end (fomoepy/devtools/amdgpu_codegen.py), one table per target.
 
 Kernels that differ only in the weight type share a row when their figures are equal (`mv_*_t1` for the
-nine types), so the table shows what differs.
+nine types), so the table shows what differs. The device libraries are linked as hiprtc links them
+(fomoepy/devtools/amdgpu_device_libs.py); each table's last line counts the kernels that still call a
+function or use a dynamic stack (both 0 for code a run-time compiler would produce).
 
     python bench/kernel_resources.py [--target gfx1201 ...] [--record]
 """
@@ -18,10 +20,12 @@ import sys
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
+from pathlib import Path
 
 from results import record
 
 from fomoepy.devtools import amdgpu_codegen as ag
+from fomoepy.devtools import amdgpu_device_libs as devlibs
 from fomoepy.runtime import kernels
 
 TYPE_SUFFIXES = sorted(kernels.KERNEL_TYPE_NAMES.values(), key=len, reverse=True)
@@ -50,8 +54,26 @@ def table(target: str, resources: list[ag.KernelResources]) -> str:
     occ = [k.occupancy for k in resources]
     lines.append("")
     lines.append(f"{len(resources)} kernels; occupancy min {min(occ)}, median {sorted(occ)[len(occ) // 2]}; "
-                 f"{sum(k.scratch_bytes > 0 for k in resources)} use scratch; {sum(k.spills for k in resources)} spill")  # fmt: skip
+                 f"{sum(k.scratch_bytes > 0 for k in resources)} use scratch; {sum(k.spills for k in resources)} spill; "
+                 f"{sum(k.calls > 0 for k in resources)} call a function; {sum(k.dynamic_stack for k in resources)} use a dynamic stack")  # fmt: skip
     return "\n".join(lines)
+
+
+def shown_command(target: str, clang: str) -> list[str]:
+    """The compile command with the library directories as $DEVLIBS (Debian's) and $CACHE (written here)."""
+    shown = {devlibs.library_dir(): "$DEVLIBS", devlibs.default_cache_dir(): "$CACHE"}
+    libs = devlibs.libraries(target, clang)
+    named = {str(p): f"{shown[p.parent]}/{p.name}" for p in libs}
+    return [named.get(c, c) for c in ag.compile_command("clang", target, Path("X.hip"), Path("hip_kernels"), libs)]
+
+
+def linked_line(targets: list[str], clang: str) -> str:
+    cache = devlibs.default_cache_dir()
+    written = [t for t in targets if devlibs.isa_version_library(t, clang, cache).parent == cache]
+    line = f"Device libraries linked: $DEVLIBS = {devlibs.library_dir()} ({devlibs.package_version()})"
+    if written:
+        line += f"; oclc_isa_version for {', '.join(written)} written into $CACHE (Debian's set has none)"
+    return line + "."
 
 
 def main() -> int:
@@ -69,7 +91,9 @@ def main() -> int:
     report = "\n".join([
         f"### kernel_resources — {date.today()} — {platform.machine()}",
         "",
-        f"`{cmd.strip()}`; {ag.clang_version(clang)}; `{shlex.join(ag.compile_command('clang', 'TARGET', 'X.hip', 'hip_kernels'))}`",  # type: ignore[arg-type]
+        f"`{cmd.strip()}`; {ag.clang_version(clang)}; `{shlex.join(shown_command(targets[0], clang))}`",
+        "",
+        linked_line(targets, clang),
         "",
         "\n\n".join(tables),
     ])  # fmt: skip

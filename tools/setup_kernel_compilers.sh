@@ -2,8 +2,9 @@
 # Make the kernel compilers available on a machine without a GPU, for the compile checks
 # (tests/test_kernels_compile.py, tests/test_kernels_amdgpu.py) and for CI (.ci/run):
 #   NVRTC  - cuda-python + the nvidia-cuda-nvrtc wheel (the `cuda` extra of pyproject.toml), via pip
-#   clang  - Debian's clang-19 and ROCm 5.2 HIP headers (apt-get install, as root): the AMDGPU back end
-#            that knows RDNA4 (gfx1200/gfx1201), for code generation and resource checks
+#   clang  - Debian's clang-19, ROCm 5.2 HIP headers and device libraries (apt-get install, as root): the
+#            AMDGPU back end that knows RDNA4 (gfx1200/gfx1201), for code generation and resource checks;
+#            the device libraries (ocml/ockl bitcode) are linked into that code as hiprtc links them
 #   hiprtc - Debian's ROCm runtime packages, downloaded with apt-get and unpacked (dpkg-deb -x) into
 #            a cache directory: nothing is installed system-wide; tests load it with ctypes
 # Idempotent and cached: a second run does nothing. Prints "hiprtc: <dir>" with the libraries' path.
@@ -33,16 +34,19 @@ fi
 # --- clang for AMDGPU code generation -------------------------------------------------------------------
 # Debian 12's ROCm 5.2 hiprtc aborts for gfx11/gfx12; its clang-19 compiles them. Not fatal: the
 # code generation tests skip, saying why, where this cannot be installed.
-if ! command -v clang-19 >/dev/null || [ ! -f /usr/include/hip/hip_runtime.h ]; then
+AMDGPU_PACKAGES="clang-19 libamdhip64-dev rocm-device-libs"
+if ! command -v clang-19 >/dev/null || [ ! -f /usr/include/hip/hip_runtime.h ] \
+    || ! dpkg-query -W -f '${Status}' rocm-device-libs 2>/dev/null | grep -q "install ok installed"; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        install_clang() { DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends clang-19 libamdhip64-dev; }
+        install_clang() { DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $AMDGPU_PACKAGES; }
         install_clang >/tmp/fomoepy-clang.log 2>&1 || { apt-get update >/dev/null 2>&1; install_clang >/tmp/fomoepy-clang.log 2>&1; } \
-            || echo "amdgpu clang: apt-get install clang-19 libamdhip64-dev failed (see /tmp/fomoepy-clang.log)" >&2
+            || echo "amdgpu clang: apt-get install $AMDGPU_PACKAGES failed (see /tmp/fomoepy-clang.log)" >&2
     else
-        echo "amdgpu clang: unavailable (needs root and apt-get: apt-get install clang-19 libamdhip64-dev)" >&2
+        echo "amdgpu clang: unavailable (needs root and apt-get: apt-get install $AMDGPU_PACKAGES)" >&2
     fi
 fi
 if command -v clang-19 >/dev/null; then echo "amdgpu-clang: $(command -v clang-19)"; fi
+if devlibs="$(dpkg-query -L rocm-device-libs 2>/dev/null | grep '/ocml\.bc$')"; then echo "amdgpu-device-libs: $(dirname "$devlibs")"; fi
 
 # --- hiprtc --------------------------------------------------------------------------------------------
 HIP_DIR="$CACHE/hiprtc"

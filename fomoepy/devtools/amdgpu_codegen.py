@@ -4,10 +4,10 @@ each kernel's resources read back from the code object's metadata.
 Why clang and not hiprtc: the run-time compiler a user gets is hiprtc from their ROCm (>= 6.4 for RDNA4);
 the only hiprtc CI can have is Debian's ROCm 5.2, which aborts the process for gfx1100 and gfx1201.
 Debian's clang-19 (the LLVM AMDGPU back end RDNA4 support landed in) with ROCm 5.2's HIP headers
-compiles every module for gfx1200/gfx1201: the same front end and back end hiprtc drives, so register
-counts, spills and occupancy are those a user's card would see, short of ROCm's newer device libraries
-(`-nogpulib`: the kernels call none of them). Output is assembly (`-S`): linking a code object would need
-gfx12 device libraries, which Debian does not ship.
+compiles every module for gfx1200/gfx1201: the same front end and back end hiprtc drives. The device
+libraries are linked as hiprtc links them (amdgpu_device_libs.py): without them threadIdx and blockDim
+are calls, and every figure would describe call-laden code no run-time compiler produces. What remains
+different from a user's ROCm is the device libraries' version (Debian's 5.2). Output is assembly (`-S`).
 
 The assembly carries, per kernel, the AMDHSA metadata (YAML between .amdgpu_metadata markers): argument
 layout, register counts, spill counts, scratch and LDS sizes, wavefront size; and the back end's own
@@ -16,6 +16,7 @@ layout, register counts, spill counts, scratch and LDS sizes, wavefront size; an
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from fomoepy.devtools import amdgpu_device_libs as devlibs
 from fomoepy.errors import FomoeError
 from fomoepy.runtime import kernels
 
@@ -48,18 +50,26 @@ def hip_include_root() -> Path:
     raise FomoeError("HIP headers not found (apt-get install libamdhip64-dev)")
 
 
-def compile_command(clang: str, arch: str, source: Path, kernel_dir: Path) -> list[str]:
+def compile_command(clang: str, arch: str, source: Path, kernel_dir: Path, libraries: list[Path]) -> list[str]:
+    """The clang command line: -nogpulib keeps the driver from looking for its own device libraries (it
+    finds none for gfx11/gfx12 in Debian's set); `libraries` are linked explicitly instead."""
     # contraction off as on every other path: an fma here would be a different function from numpy's
     return [clang, "-x", "hip", f"--offload-arch={arch}", "--cuda-device-only", "-nogpulib",
-            f"--rocm-path={hip_include_root()}", "-include", "hip/hip_runtime.h", "-O3", "-std=c++17",
+            f"--rocm-path={hip_include_root()}", f"-mcode-object-version={devlibs.CODE_OBJECT_VERSION}",
+            *devlibs.link_flags(libraries), "-include", "hip/hip_runtime.h", "-O3", "-std=c++17",
             "-ffp-contract=off", "-I", str(kernel_dir), "-S", "-o", "-", str(source)]  # fmt: skip
 
 
-def compile_to_assembly(module: str, arch: str, clang: str | None = None, kernel_dir: Path | None = None) -> str:
-    """AMDGPU assembly of hip_kernels/<module>.hip for `arch`; a compile error is a KernelCompileError."""
+def compile_to_assembly(
+    module: str, arch: str, clang: str | None = None, kernel_dir: Path | None = None, libraries: list[Path] | None = None
+) -> str:
+    """AMDGPU assembly of hip_kernels/<module>.hip for `arch`, the device libraries linked (`libraries`,
+    default: devlibs.libraries(arch)); a compile error is a KernelCompileError."""
     d = kernel_dir or kernels.kernel_dir()
-    cmd = compile_command(clang or find_clang(), arch, d / f"{module}.hip", d)
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    clang = clang or find_clang()
+    libs = devlibs.libraries(arch, clang) if libraries is None else libraries
+    cmd = compile_command(clang, arch, d / f"{module}.hip", d, libs)
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if run.returncode != 0:
         raise kernels.KernelCompileError(f"{module}.hip for {arch}: clang failed:\n{run.stderr.strip()}")
     return run.stdout
@@ -86,6 +96,8 @@ class KernelResources:
     max_block: int
     occupancy: int  # waves per SIMD, from the back end
     args: tuple[KernelArg, ...]  # the explicit arguments, in order (hidden ones dropped)
+    calls: int = 0  # s_swappc_b64 in the kernel's body: calls to functions not inlined
+    library_calls: tuple[str, ...] = ()  # device-library functions (__ockl_*, __ocml_*) the body names
 
     @property
     def spills(self) -> bool:
@@ -95,17 +107,20 @@ class KernelResources:
 _METADATA = re.compile(r"^\s*\.amdgpu_metadata\n(.*?)^\s*\.end_amdgpu_metadata", re.DOTALL | re.MULTILINE)
 _FUNCTION = re.compile(r"^(\w+):\s*(?:;.*)?$", re.MULTILINE)
 _OCCUPANCY = re.compile(r";\s*Occupancy:\s*(\d+)")
+_CALL = re.compile(r"^\s*s_swappc_b64\b", re.MULTILINE)
+_LIBRARY_SYMBOL = re.compile(r"\b__o(?:ckl|cml)_\w+")
 
 
-def _occupancy_by_kernel(asm: str) -> dict[str, int]:
-    """The `; Occupancy: N` comment the back end writes after each function's body, keyed by function."""
-    found: dict[str, int] = {}
+def _bodies(asm: str) -> dict[str, str]:
+    """Each function's text, from its label to the next function's, keyed by function: the back end's
+    `; Occupancy: N` comment follows the body it describes."""
     starts = [(m.start(), m.group(1)) for m in _FUNCTION.finditer(asm)]
-    for (start, name), (end, _) in zip(starts, starts[1:] + [(len(asm), "")]):
-        m = _OCCUPANCY.search(asm, start, end)
-        if m:
-            found[name] = int(m.group(1))
-    return found
+    return {name: asm[start:end] for (start, name), (end, _) in zip(starts, starts[1:] + [(len(asm), "")])}
+
+
+def _occupancy(body: str) -> int:
+    m = _OCCUPANCY.search(body)
+    return int(m.group(1)) if m else 0
 
 
 def parse_resources(asm: str) -> list[KernelResources]:
@@ -115,9 +130,10 @@ def parse_resources(asm: str) -> list[KernelResources]:
         raise FomoeError("no .amdgpu_metadata block in the assembly (not an amdhsa target?)")
     meta = yaml.safe_load(m.group(1))
     target = str(meta["amdhsa.target"]).rsplit("-", 1)[-1]
-    occupancy = _occupancy_by_kernel(asm)
+    bodies = _bodies(asm)
     out = []
     for k in meta["amdhsa.kernels"]:
+        body = bodies.get(str(k[".name"]), "")
         args = tuple(
             KernelArg(int(a[".size"]), str(a[".value_kind"]))
             for a in k.get(".args", [])
@@ -136,8 +152,10 @@ def parse_resources(asm: str) -> list[KernelResources]:
                 lds_bytes=int(k[".group_segment_fixed_size"]),
                 wavefront=int(k[".wavefront_size"]),
                 max_block=int(k[".max_flat_workgroup_size"]),
-                occupancy=occupancy.get(str(k[".name"]), 0),
+                occupancy=_occupancy(body),
                 args=args,
+                calls=len(_CALL.findall(body)),
+                library_calls=tuple(sorted(set(_LIBRARY_SYMBOL.findall(body)))),
             )
         )
     return out
@@ -149,12 +167,17 @@ def clang_version(clang: str) -> str:
 
 
 def cached_assembly(source: kernels.KernelSource, arch: str, clang: str, cache_dir: Path) -> str:
-    """compile_to_assembly, kept on disk keyed by the source digest (headers included), target and clang."""
-    key = f"{source.name}-{arch}-{source.digest[:16]}-{re.sub(r'[^0-9A-Za-z.]+', '_', clang_version(clang))}.s"
+    """compile_to_assembly, kept on disk keyed by the source digest (headers included), target, clang,
+    the command line and the linked libraries' contents."""
+    libs = devlibs.libraries(arch, clang)
+    flags = hashlib.sha256(
+        "\0".join([*compile_command("clang", arch, Path("x"), Path("k"), libs), devlibs.digest(libs)]).encode()
+    ).hexdigest()[:12]
+    key = f"{source.name}-{arch}-{source.digest[:16]}-{flags}-{re.sub(r'[^0-9A-Za-z.]+', '_', clang_version(clang))}.s"
     path = cache_dir / key
     if path.is_file():
         return path.read_text()
-    asm = compile_to_assembly(source.name, arch, clang)
+    asm = compile_to_assembly(source.name, arch, clang, libraries=libs)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
     tmp.write_text(asm)
