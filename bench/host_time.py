@@ -73,7 +73,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
     cache = ExpertCache(n_expert, [layer.expert_nbytes for layer in layers], int(DEVICE_SHARE * store_bytes),
                         int(HOST_SHARE * store_bytes), make_policy(policy), make_policy(policy), device_expert_bytes=unit)  # fmt: skip
     source = NullStore(layers)
-    streamer = ExpertStreamer(source, cache, k, download=device.download if policy_demotes(policy) else None)
+    streamer = ExpertStreamer(source, cache, k, download=device.download if policy_demotes(policy) else None,
+                              buffers=device.host_buffer)  # as the engine builds it (fomoepy.engine)
     step = MoEStep(streamer, device)
 
     fit = fit_routing(load_traces([str(ROOT / "fomoepy" / "plan" / "traces" / "demo-qwen3moe.trace")]))
@@ -167,7 +168,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
                             "binding calls": binding_us, "calls per step": calls_per_step,
                             "staging copies (mean)": pack_us},
         "tiers": {"device_hit": stats["device"]["hit_rate"], "host_hit": stats["host"]["hit_rate"]},
-        "reads_per_step": reads / n, "uploads_per_step": uploads / n,
+        "reads_per_step": reads / n, "uploads_per_step": uploads / n, "direct_uploads": device.direct_uploads,
     }  # fmt: skip
 
 

@@ -78,7 +78,8 @@ class Engine:
             device_expert_bytes=device_unit, device_of_layer=self.placement.device_of_layer,
         )  # fmt: skip
         streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace,
-                                  download=device.download if device.can_download else None)  # fmt: skip
+                                  download=device.download if device.can_download else None,
+                                  buffers=getattr(device, "host_buffer", None))  # fmt: skip
         return MoEStep(streamer, device, predicts=self.weights.routers() is not None, timer=self.timer)
 
     def _default_device_bytes(self, unit: list[int]) -> int:

@@ -53,7 +53,16 @@ class NullStore:
             parts = self._parts[sizes] = tuple(block[a:b] for a, b in zip(bounds, bounds[1:]))
         return parts  # type: ignore[return-value]
 
-    def submit(self, layer: int, expert: int) -> Future:
+    def slot_nbytes(self, layer: int) -> int:
+        return self.layers[layer].expert_nbytes
+
+    def submit(self, layer: int, expert: int, out: np.ndarray | None = None) -> Future:
+        """A read into `out` (views of it, its bytes untouched) or into the shared buffer."""
         done: Future = Future()
-        done.set_result(self.read(layer, expert))
+        if out is None:
+            done.set_result(self.read(layer, expert))
+        else:
+            self.reads += 1
+            bounds = np.cumsum([0] + [p.nbytes for p in self.layers[layer].parts])
+            done.set_result(tuple(out[a:b] for a, b in zip(bounds, bounds[1:])))
         return done

@@ -67,12 +67,15 @@ class ExpertStreamer:
         model_name: str = "",
         record_trace: bool = True,
         download: Callable[[Key], ExpertBytes | None] | None = None,
+        buffers: Callable[[int], np.ndarray] | None = None,
     ):
         """options: the engine's, of which the streamer acts on car, backfill, backfill_per_token,
         prefetch, trace and freq_profile (the tiers' sizes and policies are the cache's).
         record_trace: open options.trace (False when a reset carries the open trace over).
         download: gives back the store bytes of an expert the device tier holds; with it, and only
-        with it, a demoting policy's device evictees move down into the host tier (decided here, once)."""
+        with it, a demoting policy's device evictees move down into the host tier (decided here, once).
+        buffers: a buffer of at least n bytes for a read to land in (a GPU device's pinned memory, so the
+        copy up needs no staging memcpy), used where the source reads into given buffers."""
         self.source = source
         self.options = options
         self.layers = source.layers
@@ -85,6 +88,8 @@ class ExpertStreamer:
         self._demotes = self.cache.demote
         self.cache.demote = self._demotes and download is not None
         self._download = download
+        slot_nbytes = getattr(source, "slot_nbytes", None)
+        self._read_buffer = (lambda layer: buffers(slot_nbytes(layer))) if buffers and slot_nbytes else None
         self.background_wait = 0.0  # seconds blocked on prefetched reads, for the step's record
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()
@@ -198,7 +203,7 @@ class ExpertStreamer:
             key = (layer, e)
             if key in self._inflight or self.cache.on_device(key) or key in self.cache.host:
                 continue
-            self._inflight[key] = self.source.submit(layer, e)  # type: ignore[attr-defined]
+            self._inflight[key] = self._submit(layer, e)
             self.prefetch_stats.issued += 1
 
     def acquire(self, layer: int, ids: np.ndarray) -> tuple[Plan, dict[int, ExpertBytes]]:
@@ -236,13 +241,16 @@ class ExpertStreamer:
                     self.prefetch_stats.handed += 1
                 else:
                     reads[item.expert] = None
-        if reads:
-            submit = getattr(self.source, "submit", None)
-            if submit is not None:  # issue every read before waiting on any
-                reads = {e: submit(layer, e) for e in reads}
+        if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
+            reads = {e: self._submit(layer, e) for e in reads}
         self._unadmitted.clear()  # predicted for this step but not chosen
         self._issue_prefetch()  # behind this step's reads in the pool, overlapping its compute
         return plan, fetched, reads
+
+    def _submit(self, layer: int, expert: int) -> Future:
+        if self._read_buffer is not None:
+            return self.source.submit(layer, expert, out=self._read_buffer(layer))  # type: ignore[attr-defined]
+        return self.source.submit(layer, expert)  # type: ignore[attr-defined]
 
     def finish_acquire(self, plan: Plan, fetched: dict[int, ExpertBytes], reads: dict[int, Future | None]) -> dict[int, ExpertBytes]:
         """acquire's second half: wait for this step's reads; `fetched` then holds every expert's bytes."""

@@ -24,6 +24,7 @@ from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
+from fomoepy.runtime.pinned import PinnedPool
 from fomoepy.scheduler import relay
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -139,6 +140,11 @@ class GpuExperts:
             self.sides.append(_DeviceSide(dev, max(on_d, default=SLOT_ALIGN)))
         self.uploads = 0
         self.downloads = 0
+        self.direct_uploads = 0  # of those, copied straight from a pinned read buffer (no staging memcpy)
+        # reads land in pinned buffers (host_buffer), so an upload is a DMA from them; on one device only:
+        # page-locked memory belongs to the context that took it
+        self.pool = PinnedPool(self.dev.rt, [self.dev.copy_stream]) if len(self.devs) == 1 else None
+        self.host_buffer = self.pool.take if self.pool is not None else None
 
     def side(self, layer: int) -> _DeviceSide:
         return self.sides[self.device_of_layer[layer]]
@@ -198,6 +204,8 @@ class GpuExperts:
             side.staging.close()
             side.free.clear()
         self.resident.clear()
+        if self.pool is not None:
+            self.pool.close()
 
     # -- copies -------------------------------------------------------------------------------------
     def _upload(self, layer: int, parts: ExpertBytes) -> DeviceBuffer:
@@ -209,6 +217,15 @@ class GpuExperts:
         if not side.pending_uploads:
             # a reused slot may still be read by the last grouped launch: copies wait for it
             side.rt.wait(side.dev.copy_stream, side.computed)
+        if self.pool is not None and all(self.pool.holds(part) for part in parts):
+            # the bytes are in a pinned read buffer: copied from there, part by part, with no staging
+            # memcpy; the pool hands the buffer out again only after these copies are done
+            for offset, part in zip(layout.offsets, parts):
+                side.rt.htod(buf.ptr + offset, part.ctypes.data, part.nbytes, side.dev.copy_stream)
+            side.pending_uploads += 1
+            self.uploads += 1
+            self.direct_uploads += 1
+            return buf
         host_ptr, view, done = side.staging.take()
         self._pack(view, layout, parts)
         end = layout.offsets[2] + parts[2].nbytes
@@ -234,7 +251,8 @@ class GpuExperts:
         layout = self.slot_layouts[key[0]]
         parts = self.layers[key[0]].parts
         end = layout.offsets[2] + parts[2].nbytes
-        out = np.empty(end, np.uint8)
+        # into pinned memory when there is a pool: the DMA needs no bounce, and a later copy up is direct too
+        out = self.pool.take(end) if self.pool is not None else np.empty(end, np.uint8)
         side.rt.dtoh(out.ctypes.data, self.resident[key].ptr, end, side.dev.copy_stream)
         side.rt.sync(side.dev.copy_stream)
         self.downloads += 1

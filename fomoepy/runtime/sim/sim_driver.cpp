@@ -15,7 +15,7 @@
 // In null mode (sim_set_null, for measuring the host's own time through the real bindings) the device
 // does no work: device memory is address space only (reserved, never backed), copies, memsets and
 // launches are checked as always and then complete at once (a read-back leaves the host bytes as they
-// were; pinned host memory starts zeroed), and events are ready at once.
+// were; pinned host memory is demand-zero pages), and events are ready at once.
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -447,10 +447,14 @@ static int allocate(int device, Kind kind, void** out, size_t n) {
         if (null_arena_used + size > NULL_ARENA_BYTES) return fail(OUT_OF_MEMORY, "null device: address space exhausted");
         p = null_arena + null_arena_used;
         null_arena_used += size;
+    } else if (kind == HOST && config.null_device) {
+        // demand-zero pages: a null store's reads never touch them, so a host tier of a model far larger
+        // than this machine's memory costs only address space; and a read-back of nothing reads zeros
+        void* a = mmap(nullptr, n ? n : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (a == MAP_FAILED) return fail(OUT_OF_MEMORY, "null device: mapping %zu bytes of host memory failed", n);
+        p = a;
     } else if (posix_memalign(&p, 256, n ? n : 1) != 0) {
         return fail(OUT_OF_MEMORY, "host allocation of %zu bytes failed", n);
-    } else if (config.null_device) {
-        memset(p, 0, n);  // pinned host memory starts zeroed: what a null device "reads back" (error flags: none)
     }
     allocations[(uintptr_t)p] = Allocation{n, kind == DEVICE ? device : -1, kind};
     if (kind == DEVICE) used[device] += n;
@@ -472,9 +476,11 @@ static int release(void* p, Kind kind) {
     auto it = allocations.find((uintptr_t)p);
     if (it == allocations.end()) return fail(INVALID_VALUE, "double free of %p", p);
     if (kind == DEVICE) used[it->second.device] -= it->second.size;
+    const size_t size = it->second.size;
     allocations.erase(it);
     const bool in_arena = null_arena && (char*)p >= null_arena && (char*)p < null_arena + NULL_ARENA_BYTES;
-    if (!in_arena) free(p);
+    if (kind == HOST && config.null_device) munmap(p, size ? size : 1);
+    else if (!in_arena) free(p);
     return OK;
 }
 

@@ -1,0 +1,93 @@
+"""Pinned host buffers that expert reads land in, so an expert's copy up to the device is a DMA straight
+from where its bytes already are: no memcpy into a staging buffer, which for a 7 MiB expert costs the
+host about a millisecond, ten times the whole step's budget.
+
+A buffer is a numpy array over page-locked memory (4 KiB-aligned, as O_DIRECT reads need). It goes back
+to the pool when the last view of it is dropped (the host tier evicted it, or the step that streamed it
+is over), from whichever thread drops it. It is handed out again only after the copies queued on the
+device's copy streams by then have completed: a copy may still be reading it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+ALIGN = 4096
+CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a time (its calls are slow)
+
+
+class PinnedPool:
+    def __init__(self, rt: Any, copy_streams: list[Any]):
+        self.rt = rt
+        self.copy_streams = copy_streams
+        self.free: dict[int, deque[tuple[int, list[Any] | None]]] = {}  # size → (address, fences)
+        self.returned: deque[tuple[int, int]] = deque()  # (address, size), appended by any thread
+        self.blocks: list[int] = []  # what the driver gave, freed at close
+        self.addresses: set[int] = set()  # every buffer's start: what `holds` recognises
+        self.events: list[Any] = []  # fences no longer needed, for reuse
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A pinned uint8 buffer of at least `nbytes`, free of any copy still reading it."""
+        size = -(-nbytes // ALIGN) * ALIGN
+        self._collect()
+        queue = self.free.get(size)
+        if not queue:
+            self._grow(size)
+            queue = self.free[size]
+        address, fences = queue.popleft()
+        for event in fences or ():
+            self.rt.event_sync(event)  # the copies that may have read it: done, almost always already
+            self.events.append(event)
+        memory = (ctypes.c_uint8 * size).from_address(address)
+        weakref.finalize(memory, self.returned.append, (address, size))
+        return np.frombuffer(memory, np.uint8)
+
+    def holds(self, part: np.ndarray) -> bool:
+        """Whether `part` is a view of one of this pool's buffers (so a copy may read it in place)."""
+        root: Any = part
+        while isinstance(root, np.ndarray) and root.base is not None:
+            root = root.base
+        return isinstance(root, ctypes.Array) and ctypes.addressof(root) in self.addresses
+
+    def _collect(self) -> None:
+        """Buffers given back since the last take: fenced by one event per copy stream, recorded now (a
+        later record waits for more copies than needed, never fewer)."""
+        if not self.returned:
+            return
+        fences = []
+        for stream in self.copy_streams:
+            event = self.events.pop() if self.events else self.rt.event()
+            self.rt.record(event, stream)
+            fences.append(event)
+        while self.returned:
+            address, size = self.returned.popleft()
+            self.free.setdefault(size, deque()).append((address, fences))
+
+    def _grow(self, size: int) -> None:
+        count = max(1, CHUNK_BYTES // size)
+        base = self.rt.host_alloc(count * size + ALIGN)
+        self.blocks.append(base)
+        start = -(-base // ALIGN) * ALIGN
+        queue = self.free.setdefault(size, deque())
+        for i in range(count):
+            self.addresses.add(start + i * size)
+            queue.append((start + i * size, None))
+
+    def close(self) -> None:
+        """Give the pinned memory back once every buffer is back and every copy done; while one is still
+        held (a read in flight at a reset) the memory stays with the process instead of under its feet."""
+        self._collect()
+        if sum(len(q) for q in self.free.values()) < len(self.addresses):
+            return
+        for stream in self.copy_streams:
+            self.rt.sync(stream)
+        for base in self.blocks:
+            self.rt.host_free(base)
+        self.blocks.clear()
+        self.free.clear()
+        self.addresses.clear()
