@@ -156,6 +156,31 @@ def test_metrics_parse_as_prometheus_text(served, client):
     assert sum(done.values()) >= 1
 
 
+def http_responses(served) -> dict[tuple[str, str], float]:
+    """fomoe_http_responses_total by (route, status), as a scrape reads it."""
+    req = urllib.request.Request(served.http_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    samples = families["fomoe_http_responses"].samples
+    return {(s.labels["route"], s.labels["status"]): s.value for s in samples if s.name == "fomoe_http_responses_total"}
+
+
+def test_metrics_count_every_http_response_by_route_and_status(served, client):
+    # The refusals never become generations, so the outcome counts miss them (32 clients sending
+    # max_tokens: -5 left fomoe_requests_total unmoved): each must show here
+    before = http_responses(served)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=chat(0), max_tokens=-5)
+    assert post(served.http_url + "/v1/completions", b'{"prompt": "x"}', key=None)[0] == 401
+    assert post(served.http_url + "/v1/nowhere", b"{}")[0] == 404
+    client.models.list()
+    after = http_responses(served)
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    want = {("/v1/chat/completions", "400"): 1, ("/v1/completions", "401"): 1, ("unmatched", "404"): 1,
+            ("/v1/models", "200"): 1, ("/metrics", "200"): 1}  # fmt: skip  # the first scrape, counted once sent
+    assert {k: n for k, n in moved.items() if n} == want, moved
+
+
 def test_a_client_that_disconnects_mid_stream_cancels_its_generation(served):
     # The generation holds after 32 tokens until the daemon has seen the client go: otherwise a
     # reply that ends (400 tokens, or an end-of-generation token) before the disconnect is noticed
