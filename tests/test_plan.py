@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -387,3 +388,13 @@ def test_what_if_on_a_cpu_only_box_ranks_drive_and_ram(capsys):
     assert rc == 0
     names = {row["upgrade"] for row in json.loads(capsys.readouterr().out)["what_if"]}
     assert names == {"another drive", "2x RAM"}
+
+
+def test_the_readme_plan_example_is_what_the_command_prints(capsys):
+    # README quotes this run's figures (5.33 tok/s, the terms, the bound): they must be the command's
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = "fomoe plan --shape qwen3.5-397b-a17b --hardware fomoe-rig --schedule fomoe --hit-rates 60,12,28"
+    start = readme.index(f"$ {command}\n") + len(f"$ {command}\n")
+    quoted = readme[start : readme.index("```", start)]
+    assert main(command.split()[1:]) == 0
+    assert capsys.readouterr().out == quoted
