@@ -21,13 +21,17 @@ import openai
 import pytest
 from conftest import ORACLE
 from prometheus_client.parser import text_string_to_metric_families
+from test_serve import raw_connect
+from test_serve_fairness import GatedEngine, held
 
 from fomoepy.engine import Engine
 from fomoepy.errors import FomoeError
 from fomoepy.sampling import SamplingParams
 from fomoepy.serve.commands import parse_host_port
+from fomoepy.serve.config import DaemonConfig
 from fomoepy.serve.http import check_exposure
 from fomoepy.serve.jobs import prompt_text
+from fomoepy.serve.protocol import encode_frame
 from fomoepy.serve.thread import DaemonThread
 
 MODEL = "qwen3moe_q4_k_m"
@@ -154,6 +158,54 @@ def test_metrics_parse_as_prometheus_text(served, client):
     assert tiers["device"] == pytest.approx(stats["engine"]["cache"]["device"]["hit_rate"])
     done = {s.labels["outcome"]: s.value for s in families["fomoe_requests"].samples if s.name == "fomoe_requests_total"}
     assert sum(done.values()) >= 1
+
+
+def http_responses(served) -> dict[tuple[str, str], float]:
+    """fomoe_http_responses_total by (route, status), as a scrape reads it."""
+    req = urllib.request.Request(served.http_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    samples = families["fomoe_http_responses"].samples
+    return {(s.labels["route"], s.labels["status"]): s.value for s in samples if s.name == "fomoe_http_responses_total"}
+
+
+def test_metrics_count_every_http_response_by_route_and_status(served, client):
+    # The refusals never become generations, so the outcome counts miss them (32 clients sending
+    # max_tokens: -5 left fomoe_requests_total unmoved): each must show here
+    before = http_responses(served)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=chat(0), max_tokens=-5)
+    assert post(served.http_url + "/v1/completions", b'{"prompt": "x"}', key=None)[0] == 401
+    assert post(served.http_url + "/v1/nowhere", b"{}")[0] == 404
+    client.models.list()
+    after = http_responses(served)
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    want = {("/v1/chat/completions", "400"): 1, ("/v1/completions", "401"): 1, ("unmatched", "404"): 1,
+            ("/v1/models", "200"): 1, ("/metrics", "200"): 1}  # fmt: skip  # the first scrape, counted once sent
+    assert {k: n for k, n in moved.items() if n} == want, moved
+
+
+def test_metrics_count_the_full_queue_and_shutdown_refusals():
+    # a daemon whose queue holds one generation: a socket client's, held inside its first step, fills it,
+    # so an HTTP request gets 429; once the daemon is stopping, 503
+    d = tempfile.mkdtemp(dir="/tmp", prefix="fomoe-h-")
+    engine = GatedEngine(Engine(ORACLE / f"{MODEL}.gguf"))
+    try:
+        with DaemonThread(engine, f"{d}/d.sock", DaemonConfig(max_queue=1), http=("127.0.0.1", 0), api_key=KEY) as t:
+            s = raw_connect(t.path)
+            with held(engine):
+                s.sendall(encode_frame({"op": "generate", "id": 1, "prompt": "fox", "max_tokens": 4}))
+                assert engine.in_step.wait(10)
+                body = json.dumps({"prompt": "fox", "max_tokens": 1}).encode()
+                assert post(t.http_url + "/v1/completions", body)[0] == 429
+                t.call(lambda: setattr(t.daemon, "stopping", True))
+                assert post(t.http_url + "/v1/completions", body)[0] == 503
+                t.call(lambda: setattr(t.daemon, "stopping", False))
+            counted = http_responses(t)
+            s.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    assert counted[("/v1/completions", "429")] == 1 and counted[("/v1/completions", "503")] == 1, counted
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_generation(served):

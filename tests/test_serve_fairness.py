@@ -13,9 +13,10 @@ import random
 import shutil
 import socket
 import struct
+import sys
 import tempfile
 import threading
-import time
+from collections import Counter
 from contextlib import contextmanager
 
 import msgpack
@@ -110,6 +111,19 @@ def read_until(s: socket.socket, dec: FrameDecoder, pred) -> list[dict]:
         inbox += [msgpack.unpackb(p, raw=False) for p in dec.feed(data)]
 
 
+def told_place(s: socket.socket, dec: FrameDecoder, ids) -> list[dict]:
+    """Messages up to the one that completes a `queued` message for each of `ids`: what the daemon sends
+    once it has queued them, so the queue holds them all when this returns (no sleep to wait them out)."""
+    waiting = set(ids)
+
+    def last_one(m: dict) -> bool:
+        if m["type"] == "queued":
+            waiting.discard(m["id"])
+        return not waiting
+
+    return read_until(s, dec, last_one)
+
+
 def final(s: socket.socket, dec: FrameDecoder, id) -> tuple[dict, list[dict]]:
     """(the final reply to `id`, every message read on the way)."""
     seen = read_until(s, dec, lambda m: m.get("id") == id and m["type"] not in ("queued", "delta"))
@@ -165,13 +179,13 @@ def test_a_short_request_waits_for_one_long_one_not_for_a_whole_pipeline(engine)
     encode = engine.tokenizer.encode
     with daemon(engine, max_pending=32) as d:
         a, b = raw_connect(d.path), raw_connect(d.path)
-        dec_b = FrameDecoder(1 << 24)
+        dec_a, dec_b = FrameDecoder(1 << 24), FrameDecoder(1 << 24)
         engine.started.clear()
         with held(engine):
             for i in range(16):
                 send(a, op="generate", id=i, prompt=f"fox {i}", max_tokens=256, ignore_eos=True, temperature=0, stream=False)
             assert engine.in_step.wait(10)  # A's first request is in its prefill
-            time.sleep(0.3)  # the other 15 are queued
+            told_place(a, dec_a, range(1, 16))  # the other 15 are queued
             send(b, op="generate", id="b", prompt="fox", max_tokens=8, ignore_eos=True, temperature=0, stream=False)
             queued = read_until(b, dec_b, lambda m: m["type"] == "queued")[-1]
             assert queued["position"] == 0  # next, ahead of A's 15
@@ -190,8 +204,8 @@ def test_queued_requests_are_told_their_place_and_told_again_as_it_moves(engine)
             for i in range(40):
                 send(s, op="generate", id=i, prompt="fox", max_tokens=1, temperature=0)
             assert engine.in_step.wait(10)
-            time.sleep(0.3)
-        seen = read_until(s, dec, lambda m: m.get("id") == 39 and m["type"] == "done")
+            seen = told_place(s, dec, range(40))  # all 40 queued before any moves
+        seen += read_until(s, dec, lambda m: m.get("id") == 39 and m["type"] == "done")
         positions: dict[int, list[int]] = {}
         for m in seen:
             if m["type"] == "queued":
@@ -305,38 +319,63 @@ def test_min_token_count_is_a_lower_bound(engine):
 
 
 def test_tokenizing_a_large_text_lets_other_threads_run(engine):
-    # A ticker thread sleeps 2 ms at a time; while encode holds the interpreter lock no tick can happen,
-    # so the longest gap between ticks would span the whole encode (3.4 s for 4 MB before the fix)
+    # Decided by order, not time. With the switch interval raised far past the test's length, the
+    # interpreter never takes its lock from a running thread: another thread runs only where one gives
+    # the lock up. This thread starts the encoder and waits for the lock; if encode gives it up while it
+    # works, this thread runs while the encoder is still inside encode; if encode holds it throughout
+    # (4 MB took 3.4 s so before the fix), this thread runs next only once encode has returned.
     text = "def f(x):\n    return x + 1  # 漢字\n" * 40_000  # 1.4 MB
-    gaps, stop = [], threading.Event()
+    tokenizer = engine.tokenizer  # built here: building it gives the lock up too
+    where = ["not started"]
+    ids: list[int] = []
 
-    def ticker():
-        last = time.perf_counter()
-        while not stop.is_set():
-            time.sleep(0.002)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+    def encoder():
+        where[0] = "inside encode"
+        ids.extend(tokenizer.encode(text))
+        where[0] = "returned"
 
-    t = threading.Thread(target=ticker)
-    t.start()
-    t0 = time.perf_counter()
-    engine.tokenizer.encode(text)
-    took = time.perf_counter() - t0
-    stop.set()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e6)
+    try:
+        t = threading.Thread(target=encoder)
+        t.start()  # gives up the lock until the encoder has started; this returns when it gives it up
+        seen = where[0]
+    finally:
+        sys.setswitchinterval(interval)
     t.join()
-    assert took > 0.05 and max(gaps) < 0.5 * took, (max(gaps), took)
+    assert seen == "inside encode", seen
+    assert where[0] == "returned" and len(ids) > 40_000
 
 
 # -- sampling values --------------------------------------------------------------------------------
 
-# any float at all, floats in the usual ranges (so that many draws are valid and sample), and the edges
-any_float = (
-    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True)
-    | st.floats(0, 2)
-    | st.sampled_from([5e-324, -5e-324, 1e-308, 1e-7, 1e-6, 1e6, 1e308, -0.0, 0.0, 1.0, math.inf, -math.inf, math.nan])
+# Values that break the arithmetic pass validation, so the profile draws each parameter inside its
+# valid range three times in four (edges included) and anything at all otherwise, and a quarter of the
+# temperatures below the smallest normal float: a subnormal temperature makes z / temperature overflow to
+# inf and the probabilities NaN unless it is greedy. Of the 200 draws, 93 pass validation and 18 of those
+# have a subnormal temperature (18-28 under other seeds, about 1 in 10: 200 draws all miss with odds near
+# 1e-9). The draws are derandomized (one fixed sequence for this pinned hypothesis and this test), so
+# every run tests the same 200; with the greedy edge reverted, each of 15 other seeds found it too.
+any_float = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True) | st.sampled_from(
+    [5e-324, -5e-324, 1e-308, 1e-7, 1e-6, 1e6, 1e308, -0.0, 0.0, 1.0, math.inf, -math.inf, math.nan]
 )
 any_int = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
+
+
+def mostly(valid: st.SearchStrategy, wild: st.SearchStrategy = any_float) -> st.SearchStrategy:
+    """`valid` three times in four, `wild` otherwise."""
+    return st.integers(0, 3).flatmap(lambda k: valid if k else wild)
+
+
+subnormal_or_zero = st.floats(0, sys.float_info.min)  # zero, the subnormals and the smallest normal float
+sampling_values = {
+    "temperature": st.integers(0, 3).flatmap(lambda k: (subnormal_or_zero, st.floats(0, 2), any_float, any_float)[k]),
+    "top_p": mostly(st.floats(0, 1, exclude_min=True)),
+    "min_p": mostly(st.floats(0, 1)),
+    "repeat_penalty": mostly(st.floats(1e-6, 1e6)),
+    "top_k": mostly(st.integers(0, 200), any_int),
+    "repeat_last_n": mostly(st.integers(0, 200), any_int),
+}
 
 
 @pytest.fixture(scope="module")
@@ -345,9 +384,9 @@ def sampling_daemon(engine):
         yield d
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(temperature=any_float, top_p=any_float, min_p=any_float, repeat_penalty=any_float, top_k=any_int,
-       repeat_last_n=any_int)  # fmt: skip
+@settings(max_examples=200, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(**sampling_values)
 def test_any_number_gives_tokens_or_bad_request_never_internal(sampling_daemon, **sampling):
     s = raw_connect(sampling_daemon.path)
     try:
@@ -388,9 +427,11 @@ def test_sampling_edges(sampling_daemon, sampling, outcome):
 # -- fuzz -----------------------------------------------------------------------------------------
 
 N_FUZZ = 10_000  # frames, each followed by a ping round trip: 3-4 s here, well under a minute on 2 cores
+CODES = {"bad_frame", "bad_request", "busy", "frame_too_large"}  # what a fuzzed frame may be refused with
 
 
-def fuzz_frame(rng: random.Random) -> bytes:
+def fuzz_frame(rng: random.Random) -> tuple[str, bytes]:
+    """(what kind of frame, its bytes)."""
     kind = rng.random()
     scalars = [None, True, -1, 0, 7, 2**63, 1.5, math.nan, "", "x" * rng.randint(0, 300), b"\x00\xff", [], {}]
     if kind < 0.45:  # a request with random fields
@@ -398,36 +439,87 @@ def fuzz_frame(rng: random.Random) -> bytes:
         fields = {rng.choice(["prompt", "messages", "max_tokens", "stream", "stop", "session", "temperature",
                               "top_k", "top_p", "min_p", "repeat_penalty", "seed", "target", "text", "bogus"]):
                   rng.choice(scalars) for _ in range(rng.randint(0, 4))}  # fmt: skip
-        return encode_frame({**fields, "op": op, "id": rng.choice([rng.randint(-5, 5), "i", None, 1.5])})
+        return "request", encode_frame({**fields, "op": op, "id": rng.choice([rng.randint(-5, 5), "i", None, 1.5])})
     if kind < 0.5:  # a small valid generation
-        return encode_frame({"op": "generate", "id": f"g{rng.random()}", "prompt": "fox", "max_tokens": rng.randint(0, 2)})
+        return "generation", encode_frame({"op": "generate", "id": f"g{rng.random()}", "prompt": "fox", "max_tokens": rng.randint(0, 2)})
     if kind < 0.75:  # msgpack that is not a map
         payload = msgpack.packb(rng.choice(scalars), use_bin_type=True)
-        return struct.pack(">I", len(payload)) + payload
+        return "not a map", struct.pack(">I", len(payload)) + payload
     if kind < 0.95:  # garbage in a frame
         payload = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 40)))
-        return struct.pack(">I", len(payload)) + payload
-    return struct.pack(">I", rng.choice([0x7FFFFFFF, 1 << 30]))  # too large: the daemon closes
+        return "garbage", struct.pack(">I", len(payload)) + payload
+    return "too large", struct.pack(">I", rng.choice([0x7FFFFFFF, 1 << 30]))  # the daemon replies, then closes
+
+
+class Closed(Exception):
+    pass
+
+
+class Conn:
+    """One connection; every reply read on it is kept in `replies`, in order."""
+
+    def __init__(self, path: str):
+        self.sock, self.dec = raw_connect(path), FrameDecoder(1 << 26)
+        self.replies: list[dict] = []
+        self._unread = 0  # replies[_unread:] are read from the socket but not yet returned
+
+    def until(self, pred) -> list[dict]:
+        """The replies up to and including the first that satisfies `pred`; `Closed` if the daemon closes first."""
+        while True:
+            for i in range(self._unread, len(self.replies)):
+                if pred(self.replies[i]):
+                    out, self._unread = self.replies[self._unread : i + 1], i + 1
+                    return out
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise Closed(f"closed after {self.replies[self._unread :]}")
+            self.replies += [msgpack.unpackb(p, raw=False) for p in self.dec.feed(data)]
+
+    def rest(self) -> list[dict]:
+        """The replies until the daemon closes the connection."""
+        try:
+            self.until(lambda m: False)
+        except Closed:
+            out, self._unread = self.replies[self._unread :], len(self.replies)
+            return out
 
 
 @pytest.mark.slow
 def test_ten_thousand_fuzzed_frames_the_daemon_answers_a_ping_after_each(engine):
+    # Every frame but one over the size limit leaves the connection open: the ping sent after it is
+    # answered on the same connection (a daemon that closed after a bad frame fails here). A frame over
+    # the limit is answered `frame_too_large` and closed, nothing after it; the next frame uses a new
+    # connection. Every reply on every connection is kept and checked.
     rng = random.Random(1234)
+    kinds: Counter[str] = Counter()
     with daemon(engine, max_frame=1 << 16) as d:
-        s, dec = raw_connect(d.path), FrameDecoder(1 << 26)
+        conns = [Conn(d.path)]
         for k in range(N_FUZZ):
+            kind, frame = fuzz_frame(rng)
+            kinds[kind] += 1
+            c = conns[-1]
+            c.sock.sendall(frame)
+            if kind == "too large":
+                rest = c.rest()
+                assert rest and rest[-1]["type"] == "error" and rest[-1]["code"] == "frame_too_large", (k, rest)
+                c.sock.close()
+                conns.append(Conn(d.path))
+                continue
+            ping = f"p{k}"
+            send(c.sock, op="ping", id=ping)
             try:
-                s.sendall(fuzz_frame(rng))
-                send(s, op="ping", id=f"p{k}")
-                replies = read_until(s, dec, lambda m: m.get("id") == f"p{k}" or m.get("code") == "frame_too_large")
-            except (BrokenPipeError, ConnectionResetError, AssertionError):
-                replies = [{"code": "frame_too_large"}]
-            if replies[-1].get("code") == "frame_too_large":  # closed on purpose: a new connection, and ping
-                s.close()
-                s, dec = raw_connect(d.path), FrameDecoder(1 << 26)
-                send(s, op="ping", id=f"p{k}")
-                replies = read_until(s, dec, lambda m: m.get("id") == f"p{k}")
-            assert replies[-1]["type"] == "pong"
-            assert all(m.get("code") != "internal" for m in replies), replies
-        s.close()
+                replies = c.until(lambda m, ping=ping: m.get("id") == ping)
+            except Closed as e:
+                pytest.fail(f"frame {k} ({kind}, {frame[:40]!r}) closed the connection: {e}")
+            assert replies[-1]["type"] == "pong", (k, replies)
+            if kind in ("not a map", "garbage"):  # answered in order, before the ping
+                assert any(m["type"] == "error" and m["id"] is None for m in replies), (k, kind, replies)
+        conns[-1].sock.close()
         assert d.alive
+    assert kinds["too large"] > 100 and len(conns) == kinds["too large"] + 1  # the close was exercised
+    replies = [m for c in conns for m in c.replies]
+    errors = Counter(m["code"] for m in replies if m["type"] == "error")
+    assert set(errors) <= CODES, errors  # no `internal`, nothing unexpected
+    assert errors["bad_frame"] >= kinds["not a map"] and errors["frame_too_large"] == kinds["too large"], errors
+    types = Counter(m["type"] for m in replies)
+    assert set(types) <= {"error", "pong", "queued", "delta", "done", "ok", "tokens", "stats"}, types

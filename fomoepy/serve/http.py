@@ -13,7 +13,9 @@ Routes (`Authorization: Bearer KEY` on all but /health and the static page when 
   POST /v1/chat/completions  messages through the model's chat template; stream (SSE, `data: [DONE]`)
   POST /v1/completions       a raw prompt
   GET  /metrics              Prometheus text: tok/s, queue, per-tier hit rates, substitution rate,
-                             prefetch accuracy, requests by outcome
+                             prefetch accuracy, generations by outcome, and every HTTP response by
+                             route and status (`fomoe_http_responses_total`: the 400s, 401s, 404s,
+                             429s and 503s too, which never become generations)
   GET  /v1/fomoe/stats       the daemon's statistics as JSON (what `fomoe chat --stats --json` prints)
   GET  /                     a small page: a chat box that streams, live charts of tok/s and hit rates
                              (a static file: it holds no data, so it is served without the key; every
@@ -34,6 +36,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from importlib import resources
 from typing import Any
 
@@ -180,8 +183,11 @@ class HttpFront:
         self.model_name = str(getattr(getattr(daemon.engine, "file", None), "path", "model")).rsplit("/", 1)[-1]
         self.runner: web.AppRunner | None = None
         self.streams: set[asyncio.Task] = set()
+        # (route, status) → responses sent; a request the router matched nothing for is one route,
+        # "unmatched", so that clients cannot grow the label set with made-up paths
+        self.responses: Counter[tuple[str, int]] = Counter()
         self.registry = CollectorRegistry()
-        self.registry.register(MetricsCollector(daemon))
+        self.registry.register(MetricsCollector(daemon, self.responses))
 
     @property
     def description(self) -> str:
@@ -196,7 +202,14 @@ class HttpFront:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/fomoe/stats", self.stats)
+        # counted as each response's status line is sent: whatever produced it (a route, the key check,
+        # the router's 404, a refusal), and a stream once, when it starts
+        app.on_response_prepare.append(self._count_response)
         return app
+
+    async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        resource = request.match_info.route.resource
+        self.responses[(resource.canonical if resource is not None else "unmatched", response.status)] += 1
 
     async def start(self) -> None:
         self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
@@ -357,8 +370,9 @@ class Shape:
 class MetricsCollector:
     """The daemon's statistics, read at each scrape (prometheus_client formats them)."""
 
-    def __init__(self, daemon):
+    def __init__(self, daemon, responses: Counter[tuple[str, int]]):
         self.daemon = daemon
+        self.responses = responses
 
     def collect(self):
         s = self.daemon.stats()
@@ -391,3 +405,8 @@ class MetricsCollector:
         for outcome, n in sorted(s.get("outcomes", {}).items()):
             outcomes.add_metric([outcome], n)
         yield outcomes
+        # read on the loop thread, which alone writes it (a scrape counts itself at the next one)
+        http = CounterMetricFamily("fomoe_http_responses", "HTTP responses by route and status", labels=["route", "status"])
+        for (route, status), n in sorted(self.responses.items()):
+            http.add_metric([route, str(status)], n)
+        yield http
