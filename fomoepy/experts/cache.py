@@ -125,6 +125,12 @@ class ExpertCache:
         # the two tiers hold mostly different experts. The runtime must copy a demoted expert's bytes
         # down (the streamer turns this off when no backend can).
         self.demote = bool(getattr(self.host.policy, "demotes", False)) and self.host.enabled
+        # Both tiers see every use (commit: the device tier's policy first): where their policies learn
+        # the same things from it, they learn them once (lfu-cooc's co-use counts took half its cost)
+        dev_policy, host_policy = self.device.policy, self.host.policy
+        if n_devices == 1 and self.device.enabled and self.host.enabled and type(dev_policy) is type(host_policy) \
+                and hasattr(dev_policy, "learn_with"):  # fmt: skip
+            dev_policy.learn_with(host_policy)
         self.now = 0
         self.generation = 0
 

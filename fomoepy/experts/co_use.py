@@ -38,7 +38,59 @@ import heapq
 from collections.abc import Generator, Sequence
 from contextlib import closing
 
-from fomoepy.experts.policy import DemotingFrequencyPolicy, Key
+from fomoepy.experts.policy import AdmittingFrequencyPolicy, DemotingFrequencyPolicy, Key
+
+
+class CoUseCounts:
+    """What the policy learns from the stream of uses: the co-use counts C and N, the experts of the last
+    token and of this one, and the announcements they make. One set serves both tiers (learn_with)."""
+
+    def __init__(self, weight_next: float, weight_this: float, co_half_life_tokens: int, successors: int):
+        self.successors = successors
+        self.weight_next, self.weight_this = weight_next, weight_this
+        self.co_half_life = co_half_life_tokens
+        self.co: dict[Key, dict[Key, float]] = {}  # a → {b: uses of b in the token after a use of a}
+        self.uses: dict[Key, float] = {}  # N[a], halved with C
+        self.now = -1
+        self.last: dict[int, list[Key]] = {}  # experts of the previous token, by layer
+        self.current: dict[int, list[Key]] = {}  # experts of this token so far, by layer
+        self.announced: dict[Key, float] = {}  # b → the two weighted sums above
+        self.halved_at = 0
+
+    def observe(self, key: Key, now: int) -> None:
+        if now != self.now:
+            self._next_token(now)
+        for a in self.last.get(key[0], ()):
+            row = self.co.setdefault(a, {})
+            row[key] = row.get(key, 0.0) + 1.0
+            if len(row) > 2 * self.successors:
+                self.co[a] = dict(heapq.nlargest(self.successors, row.items(), key=lambda kv: kv[1]))
+        self.uses[key] = self.uses.get(key, 0.0) + 1.0
+        self.current.setdefault(key[0], []).append(key)
+        self._announce(self.announced, key, self.weight_next)
+
+    def _next_token(self, now: int) -> None:
+        self.now = now
+        self.last, self.current = self.current, {}
+        if now - self.halved_at >= self.co_half_life:
+            self.halved_at = now
+            for row in self.co.values():
+                for b in row:
+                    row[b] *= 0.5
+            for a in self.uses:
+                self.uses[a] *= 0.5
+        announced: dict[Key, float] = {}
+        for keys in self.last.values():
+            for a in keys:
+                self._announce(announced, a, self.weight_this)
+        self.announced = announced
+
+    def _announce(self, announced: dict[Key, float], a: Key, weight: float) -> None:
+        row = self.co.get(a)
+        if row:
+            scale = weight / self.uses[a]
+            for b, c in row.items():
+                announced[b] = announced.get(b, 0.0) + c * scale
 
 
 class CoUsePolicy(DemotingFrequencyPolicy):
@@ -53,55 +105,20 @@ class CoUsePolicy(DemotingFrequencyPolicy):
         successors: int = 16,
     ):
         super().__init__(half_life_tokens)
-        self.successors = successors
-        self.weight_next, self.weight_this = weight_next, weight_this
-        self.co_half_life = co_half_life_tokens
-        self._co: dict[Key, dict[Key, float]] = {}  # a → {b: uses of b in the token after a use of a}
-        self._uses: dict[Key, float] = {}  # N[a], halved with C
-        self._now = -1
-        self._last: dict[int, list[Key]] = {}  # experts of the previous token, by layer
-        self._current: dict[int, list[Key]] = {}  # experts of this token so far, by layer
-        self._announced: dict[Key, float] = {}  # b → the two weighted sums above
-        self._halved_at = 0
+        self.counts = CoUseCounts(weight_next, weight_this, co_half_life_tokens, successors)
+
+    def learn_with(self, other: AdmittingFrequencyPolicy) -> None:
+        super().learn_with(other)
+        if isinstance(other, CoUsePolicy):
+            other.counts = self.counts
 
     def observe(self, key: Key, now: int) -> None:
         super().observe(key, now)
-        if now != self._now:
-            self._next_token(now)
-        for a in self._last.get(key[0], ()):
-            row = self._co.setdefault(a, {})
-            row[key] = row.get(key, 0.0) + 1.0
-            if len(row) > 2 * self.successors:
-                self._co[a] = dict(heapq.nlargest(self.successors, row.items(), key=lambda kv: kv[1]))
-        self._uses[key] = self._uses.get(key, 0.0) + 1.0
-        self._current.setdefault(key[0], []).append(key)
-        self._announce(self._announced, key, self.weight_next)
-
-    def _next_token(self, now: int) -> None:
-        self._now = now
-        self._last, self._current = self._current, {}
-        if now - self._halved_at >= self.co_half_life:
-            self._halved_at = now
-            for row in self._co.values():
-                for b in row:
-                    row[b] *= 0.5
-            for a in self._uses:
-                self._uses[a] *= 0.5
-        announced: dict[Key, float] = {}
-        for keys in self._last.values():
-            for a in keys:
-                self._announce(announced, a, self.weight_this)
-        self._announced = announced
-
-    def _announce(self, announced: dict[Key, float], a: Key, weight: float) -> None:
-        row = self._co.get(a)
-        if row:
-            scale = weight / self._uses[a]
-            for b, c in row.items():
-                announced[b] = announced.get(b, 0.0) + c * scale
+        if self._learns:
+            self.counts.observe(key, now)
 
     def score(self, key: Key, now: int) -> float:
-        return self.freq.score(key, now) + self._announced.get(key, 0.0)
+        return self.freq.score(key, now) + self.counts.announced.get(key, 0.0)
 
     def admits(self, key: Key, victims: Sequence[Key], now: int) -> bool:
         worst = max((self.score(v, now) for v in victims if v not in self._duplicates), default=0.0)
@@ -111,9 +128,9 @@ class CoUsePolicy(DemotingFrequencyPolicy):
         # The frequency heap gives residents by ascending use count f; an announcement only raises a
         # score, so once the stream reaches f, no key still to come scores below f: everything pending
         # at or below it goes out in score order. Lazy: a few evictions cost a few heap steps.
-        tracked = self.freq._tracked
-        yield from sorted(k for k in self._duplicates if k in tracked)
-        now = self._now
+        with closing(self._duplicates_in_order()) as duplicates:
+            yield from duplicates
+        now, announced = self.counts.now, self.counts.announced
         pending: list[tuple[float, Key]] = []
         with closing(self.freq.eviction_order()) as order:
             for key in order:
@@ -122,6 +139,6 @@ class CoUsePolicy(DemotingFrequencyPolicy):
                 f = self.freq.score(key, now)
                 while pending and pending[0][0] <= f:
                     yield heapq.heappop(pending)[1]
-                heapq.heappush(pending, (f + self._announced.get(key, 0.0), key))
+                heapq.heappush(pending, (f + announced.get(key, 0.0), key))
         while pending:
             yield heapq.heappop(pending)[1]

@@ -193,6 +193,11 @@ class FrequencyDecayPolicy(EvictionPolicy):
         self._tracked.add(key)
         self._push(key)
 
+    def rank_changed(self, key: Key) -> None:
+        """Another policy sharing this one's scores (learn_with) has just counted a use of key."""
+        if key in self._tracked:
+            self._push(key)
+
     def _push(self, key: Key) -> None:
         v, t = self._score[key]
         heapq.heappush(self._heap, (v, t, key))
@@ -249,12 +254,26 @@ class AdmittingFrequencyPolicy(EvictionPolicy):
     def __init__(self, half_life_tokens: float = 64.0):
         self.freq = FrequencyDecayPolicy(half_life_tokens)  # its scores: every use; its heap: residents
         self._duplicates: set[Key] = set()
+        self._dup_heap: list[Key] = []  # the resident duplicates in key order (lazily: stale entries skipped)
+        self._learns = True  # False: another tier's policy counts the uses (learn_with)
+
+    def learn_with(self, other: AdmittingFrequencyPolicy) -> None:
+        """`other` (the next tier's policy, observing the same uses after this one) reads what this one
+        learns instead of counting every use again: one set of scores for both tiers."""
+        other.freq._score = self.freq._score
+        other._learns = False
 
     def observe(self, key: Key, now: int) -> None:
-        self.freq.add_use(key, now)
+        if self._learns:
+            self.freq.add_use(key, now)
+        else:
+            self.freq.rank_changed(key)
 
     def touch(self, key: Key, now: int) -> None:
+        new = key not in self.freq._tracked
         self.freq.track(key, now)
+        if new and key in self._duplicates:
+            self._push_duplicate(key)
 
     def forget(self, key: Key) -> None:
         self.freq.forget(key)
@@ -262,9 +281,35 @@ class AdmittingFrequencyPolicy(EvictionPolicy):
 
     def covered(self, key: Key, by_faster_tier: bool) -> None:
         if by_faster_tier:
-            self._duplicates.add(key)
+            if key not in self._duplicates:
+                self._duplicates.add(key)
+                self._push_duplicate(key)
         else:
             self._duplicates.discard(key)
+
+    def _push_duplicate(self, key: Key) -> None:
+        """A key both resident here and covered by the faster tier joins the heap of victims-first (most
+        covered keys are not resident here: the heap holds only the ones a walk may yield)."""
+        if key in self.freq._tracked:
+            heapq.heappush(self._dup_heap, key)
+            if len(self._dup_heap) > 2 * len(self.freq._tracked) + 64:
+                tracked = self.freq._tracked
+                self._dup_heap = sorted(k for k in self._duplicates if k in tracked)
+
+    def _duplicates_in_order(self) -> Generator[Key, None, None]:
+        """The resident duplicates, ascending key, popped lazily and put back when the walk stops."""
+        tracked = self.freq._tracked
+        popped: list[Key] = []
+        try:
+            while self._dup_heap:
+                key = heapq.heappop(self._dup_heap)
+                if key not in self._duplicates or key not in tracked or (popped and popped[-1] == key):
+                    continue  # no longer a resident duplicate (dropped: pushed again if it becomes one), or a second entry
+                popped.append(key)
+                yield key
+        finally:
+            for key in popped:
+                heapq.heappush(self._dup_heap, key)
 
     def admits(self, key: Key, victims: Sequence[Key], now: int) -> bool:
         worst = max((self.freq.score(v, now) for v in victims if v not in self._duplicates), default=0.0)
@@ -274,8 +319,8 @@ class AdmittingFrequencyPolicy(EvictionPolicy):
         return len(self.freq)
 
     def eviction_order(self) -> Generator[Key, None, None]:
-        tracked = self.freq._tracked
-        yield from sorted(k for k in self._duplicates if k in tracked)
+        with closing(self._duplicates_in_order()) as duplicates:
+            yield from duplicates
         with closing(self.freq.eviction_order()) as order:
             for key in order:
                 if key not in self._duplicates:

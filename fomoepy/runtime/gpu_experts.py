@@ -271,20 +271,28 @@ class GpuExperts:
         w_s = np.take_along_axis(weights, order, axis=1).astype(np.float32)
         flat = ids_s.reshape(-1)
 
+        base = np.fromiter((slots[e].ptr for e in flat.tolist()), np.uint64, count=flat.size)  # each pair's slot
         pairs = np.zeros(T * k, PAIR_DTYPE)
-        pairs["down"] = [slots[int(e)].ptr + offsets[2] for e in flat]
+        pairs["down"] = base + np.uint64(offsets[2])
         pairs["weight"] = w_s.reshape(-1)
-        work_rows = []
-        for e in np.unique(flat).tolist():
-            ps = np.flatnonzero(flat == e)
-            base = slots[e].ptr
-            for start in range(0, len(ps), MOE_TILE):
-                chunk = ps[start : start + MOE_TILE]
-                pair = np.zeros(MOE_TILE, np.int32)
-                pair[: len(chunk)] = chunk
-                work_rows.append((base + offsets[0], base + offsets[1], base + offsets[2], len(chunk), 0, pair))
-        work = np.array(work_rows, EXPERT_WORK_DTYPE)
-        tile = 1 if all(r[3] == 1 for r in work_rows) else MOE_TILE
+        if T == 1:  # a decode step: k distinct experts, ascending, one work item (one pair) each
+            work = np.zeros(k, EXPERT_WORK_DTYPE)
+            work["gate"], work["up"], work["down"] = (base + np.uint64(o) for o in offsets)
+            work["n_pairs"] = 1
+            work["pair"][:, 0] = np.arange(k)
+            tile = 1
+        else:
+            work_rows = []
+            for e in np.unique(flat).tolist():
+                ps = np.flatnonzero(flat == e)
+                ptr = slots[e].ptr
+                for start in range(0, len(ps), MOE_TILE):
+                    chunk = ps[start : start + MOE_TILE]
+                    pair = np.zeros(MOE_TILE, np.int32)
+                    pair[: len(chunk)] = chunk
+                    work_rows.append((ptr + offsets[0], ptr + offsets[1], ptr + offsets[2], len(chunk), 0, pair))
+            work = np.array(work_rows, EXPERT_WORK_DTYPE)
+            tile = 1 if all(r[3] == 1 for r in work_rows) else MOE_TILE
         dev = self.side(layer).dev
         work_d, pairs_d = dev.upload(work.view(np.uint8)), dev.upload(pairs.view(np.uint8))
 
