@@ -65,6 +65,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
     n_layer, n_expert, k = shape.n_layer, shape.n_expert, shape.n_expert_used
     store_bytes = model_bytes(shape).store_bytes
     dev = GpuBackend(args.vendor)
+    device_name = dev.rt.device_name
     routers_host = np.zeros((n_expert, shape.n_embd), np.float32)  # one host array: the null device copies nothing
     routers = [dev.upload(routers_host, exact=True) for _ in range(n_layer)]
     device = GpuExperts(layers, dev, routers)
@@ -164,6 +165,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
     stats = cache.stats.summary()
     return {
         "shape": SHAPE, "median_us": median, "p90_us": p90, "steps": len(totals), "vendor": args.vendor, "policy": policy,
+        "device": device_name,
         "split_median_us": {"total (instrumented)": total_split, "routing": route_us, "plan": plan_us,
                             "binding calls": binding_us, "calls per step": calls_per_step,
                             "staging copies (mean)": pack_us},
@@ -280,10 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-warm", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="ggml threads on the cpu path")
     ap.add_argument("--policy", default=None, help="cache policy (default: the engine's)")
+    ap.add_argument("--real-gpu", action="store_true",
+                    help="the GPU path on this machine's real GPU and driver (--vendor's), not the null stand-in: "
+                         "the step's wall time then includes waiting for the device at each read-back")  # fmt: skip
     ap.add_argument("--child-gpu", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child_gpu:
-        print(json.dumps(gpu_child(args)))
+    if args.child_gpu or args.real_gpu:
+        result = gpu_child(args)
+        if args.real_gpu:
+            result["driver"] = "real"
+        print(json.dumps(result))
         return 0
     gpu = gpu_path(args)
     cpu = cpu_path(args)
