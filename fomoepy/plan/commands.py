@@ -227,7 +227,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.measure:
         from fomoepy.plan.measure import measured
 
-        hw, notes = measured(hw, args.measure)
+        hw, notes = measured(hw, args.measure, None if args.shape else args.model)
         hw_source += f"; host and drive figures measured here ({args.measure})" + "".join(f"; {n}" for n in notes)
     planner = Planner(args, work)
     cap = planner.capacity(hw)

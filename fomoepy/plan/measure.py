@@ -1,4 +1,5 @@
-"""`fomoe plan --measure DIR`: this machine's host and drive figures from short measurements.
+"""`fomoe plan --measure DIR`: this machine's host and drive figures from short measurements, and, for a
+model file, the host's own time per layer step as the engine spends it (`host.plan`).
 
 Each figure is the median of a few passes. The drive is measured in DIR (on the drive the store
 would live on) with O_DIRECT reads of a scratch file, so the page cache does not answer for it; the
@@ -94,8 +95,35 @@ def drive_figures(directory: str) -> tuple[dict, list[str]]:
     return {"bandwidth": bandwidth, "latency": latency}, notes
 
 
-def measured(hw: Hardware, directory: str) -> tuple[Hardware, list[str]]:
-    """`hw` with its host and drive figures replaced by this machine's (drive count kept)."""
+def host_step_seconds(model: str, threads: int | None = None, tokens: int = 24) -> float:
+    """Seconds of the host's own work per layer step of a decode on `model` with the cpu backend (what
+    `--profile-timing` reports as `host`: the step's time less ggml's products and the waits for expert
+    reads), with the host tier at a quarter of the experts, as bench/host_time.py measures it."""
+    from fomoepy.engine import Engine, EngineOptions
+
+    probe = Engine(model, EngineOptions(backend="cpu", vram_cache=0, ram_cache=0))
+    experts = sum(layer.expert_nbytes for layer in probe.source.layers) * probe.spec.moe.n_expert
+    probe.close()
+    options = EngineOptions(backend="cpu", threads=threads, vram_cache=0, ram_cache=experts // 4, profile_timing=True)
+    engine = Engine(model, options)
+    try:
+        state = engine.new_state()
+        token = int(np.argmax(engine.eval(state, [1, 2, 3, 4])[-1]))
+        for _ in range(tokens):
+            token = int(np.argmax(engine.decode(state, token)))
+        return engine.timer.host_seconds()[3]
+    finally:
+        engine.close()
+
+
+def measured(hw: Hardware, directory: str, model: str | None = None) -> tuple[Hardware, list[str]]:
+    """`hw` with its host and drive figures replaced by this machine's (drive count kept); given a model
+    file, its host time per layer step too (otherwise the hardware file's stated figure stays)."""
     drive, notes = drive_figures(directory)
     host = host_figures()
+    if model is not None:
+        host["plan"] = host_step_seconds(model)
+        notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us, measured on {Path(model).name} (cpu backend)")
+    else:
+        notes.append(f"host time per layer step {hw.host.plan * 1e6:.0f} us, as the hardware file states it")
     return hw.with_changes(host=host, drives=drive), notes

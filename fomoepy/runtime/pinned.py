@@ -22,8 +22,9 @@ CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a 
 
 
 class PinnedPool:
-    def __init__(self, rt: Any, copy_streams: list[Any]):
+    def __init__(self, rt: Any, copy_streams: list[Any], chunk_bytes: int = CHUNK_BYTES):
         self.rt = rt
+        self.chunk_bytes = chunk_bytes
         self.copy_streams = copy_streams
         self.free: dict[int, deque[tuple[int, list[Any] | None]]] = {}  # size → (address, fences)
         self.returned: deque[tuple[int, int]] = deque()  # (address, size), appended by any thread
@@ -69,7 +70,7 @@ class PinnedPool:
             self.free.setdefault(size, deque()).append((address, fences))
 
     def _grow(self, size: int) -> None:
-        count = max(1, CHUNK_BYTES // size)
+        count = max(1, self.chunk_bytes // size)
         base = self.rt.host_alloc(count * size + ALIGN)
         self.blocks.append(base)
         start = -(-base // ALIGN) * ALIGN
