@@ -5,6 +5,8 @@ overwrites the bytes the copy has not read yet, every time."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from sim_backend import sim_backend
@@ -77,4 +79,79 @@ def test_an_engine_with_a_store_copies_every_miss_straight_from_its_pinned_read(
     assert np.abs(got - cpu).max() / cpu.std() <= 1e-3  # the ladder's GPU tolerance (test_gpu_model.py)
     assert device.uploads > 0 and device.direct_uploads == device.uploads
     assert device.downloads > 0  # lfu-cooc demoted some, into pinned memory, and copied them up again
+    engine.close()
+
+
+class _HeldRead:
+    """An expert store whose first read of layer 0's highest expert waits until `release` (or `patience`
+    seconds), so what happens before it lands is decided by order, not time."""
+
+    def __init__(self, store, patience: float):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.store, self.layers, self.slot_nbytes = store, store.layers, store.slot_nbytes
+        self.pool = ThreadPoolExecutor(4)
+        self.gate, self.patience = threading.Event(), patience
+        self.held: tuple[int, int] | None = None
+        self.released_by = None
+
+    def read(self, layer, expert):
+        return self.store.read(layer, expert)
+
+    def submit(self, layer, expert, out=None):
+        return self.pool.submit(self._read, layer, expert, out)
+
+    def _read(self, layer, expert, out):
+        if (layer, expert) == self.held and not self.gate.wait(self.patience):
+            self.release("patience")
+        return self.store.read_into(layer, expert, out)
+
+    def release(self, by: str) -> None:
+        if self.released_by is None:  # the first thing that let the held read go
+            self.released_by = by
+        self.gate.set()
+
+
+def test_a_miss_is_copied_up_before_the_last_read_of_its_layer_lands(tmp_path):
+    """The copy of an expert whose bytes are here is issued while another read of the same layer is
+    still held back: reads and copies overlap. Waiting for every read before copying any only gets past
+    the held read when its patience runs out."""
+    from conftest import ORACLE
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.experts.store_writer import prepare_store
+
+    name = "qwen3moe_q4_k_m"
+    store = tmp_path / "store"
+    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=0, ram_cache=0))
+    streamer, device = engine.experts.streamer, engine.experts.device
+    held = streamer.source = _HeldRead(streamer.source, patience=20.0)
+    token = int(np.load(ORACLE / f"{name}.tokens.npy")[0])
+    first_ids = []
+    real_choose = streamer.choose
+    streamer.choose = lambda layer, r: first_ids.append((layer, r.ids)) or real_choose(layer, r)
+    # the first MoE step's choice, from the same token on the reference engine: hold its highest expert
+    probe = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="reference", vram_cache=0, ram_cache=0))
+    probe_ids = []
+    probe_choose = probe.experts.streamer.choose
+    probe.experts.streamer.choose = lambda layer, r: probe_ids.append((layer, r.ids)) or probe_choose(layer, r)
+    probe.eval(probe.new_state(), [token])
+    held.held = (0, int(probe_ids[0][1].max()))
+    rt = device.dev.rt
+    real_htod = rt.htod
+
+    def htod(dst, src, nbytes, stream):
+        if stream is device.dev.copy_stream:
+            held.release("a copy")
+        return real_htod(dst, src, nbytes, stream)
+
+    rt.htod = htod
+    try:
+        engine.eval(engine.new_state(), [token])
+    finally:
+        del rt.htod
+        held.release("the end")
+    assert first_ids[0][0] == 0 and held.held[1] in first_ids[0][1]
+    assert held.released_by == "a copy"
     engine.close()

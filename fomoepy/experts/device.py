@@ -20,7 +20,8 @@ Nothing here imports a backend, and no backend imports the step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import as_completed
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -72,6 +73,20 @@ class StepExperts:
         self._done = False
         self.wait_seconds = 0.0
 
+    def as_they_land(self) -> Iterator[tuple[int, ExpertBytes]]:
+        """(expert, bytes) of this step's reads in flight, each as soon as it lands, in the order they
+        land: a device can start copying one up while the others are still being read. Reads the source
+        makes without a pool (no future) are left to landed()."""
+        futures = {f: e for e, f in self.pending.items() if f is not None}
+        t = time.perf_counter()
+        try:
+            for f in as_completed(futures):
+                self.wait_seconds += time.perf_counter() - t
+                yield futures[f], f.result()
+                t = time.perf_counter()
+        finally:
+            self.wait_seconds += time.perf_counter() - t
+
     @property
     def done(self) -> bool:
         """Whether landed() has been called."""
@@ -86,7 +101,7 @@ class StepExperts:
             try:
                 self._finish()
             finally:
-                self.wait_seconds = time.perf_counter() - t
+                self.wait_seconds += time.perf_counter() - t
         return self.fetched
 
 

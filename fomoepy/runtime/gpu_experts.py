@@ -172,22 +172,36 @@ class GpuExperts:
         return dev.route(dev.linear(h, self.routers[layer]), "softmax", k).ids
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
-        """h [T, D], ids/weights [T, k] → [T, D] on the device."""
-        fetched = experts.landed()
+        """h [T, D], ids/weights [T, k] → [T, D] on the device. Each missing expert's copy up is issued as
+        soon as its bytes are here: those at hand first, then each read as it lands, so the layer's reads
+        and copies overlap (fetch time max(disk, copy), not their sum); the grouped launch waits for the
+        copies on the device, not on the host."""
         plan = experts.plan
         side = self.side(layer)
         slots: dict[int, DeviceBuffer] = {}
         temporary: list[DeviceBuffer] = []
+        to_device = {item.expert: item.to_device for item in plan.items}
+
+        def place(expert: int, parts: ExpertBytes) -> None:
+            buf = self._upload(layer, parts)
+            if to_device[expert]:
+                self.resident[(layer, expert)] = buf
+            else:
+                temporary.append(buf)  # streamed through a slot that is free again after this layer
+            slots[expert] = buf
+
         for item in plan.items:
-            key = (layer, item.expert)
-            buf = self.resident.get(key)
-            if buf is None:
-                buf = self._upload(layer, fetched[item.expert])
-                if item.to_device:
-                    self.resident[key] = buf
-                else:
-                    temporary.append(buf)  # streamed through a slot that is free again after this layer
-            slots[item.expert] = buf
+            buf = self.resident.get((layer, item.expert))
+            if buf is not None:
+                slots[item.expert] = buf
+            elif item.expert in experts.fetched:
+                place(item.expert, experts.fetched[item.expert])
+        for expert, parts in experts.as_they_land():
+            place(expert, parts)
+        fetched = experts.landed()  # every read is in: the cache's bookkeeping (host admissions)
+        for item in plan.items:
+            if item.expert not in slots:  # read by a source with no pool of its own, at landed()
+                place(item.expert, fetched[item.expert])
         if side.pending_uploads:
             side.rt.record(side.copied, side.dev.copy_stream)
             side.rt.wait(side.dev.stream, side.copied)
