@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from fomoepy.errors import FomoeError
-from fomoepy.experts.policy import POLICIES
+from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
 from fomoepy.experts.sizes import parse_size
 from fomoepy.plan.capacity import Capacity, capacity_for
 from fomoepy.plan.hardware import Hardware, load_hardware, shipped_rigs
@@ -46,7 +46,8 @@ def register(sub) -> None:
     p.add_argument("--fit-trace", nargs="+", metavar="TRACE",
                    help="traces the synthetic routing's skew and reuse are fitted to (default: the demo model's)")
     p.add_argument("--tokens", type=int, default=128, help="synthetic trace length in tokens (default 128)")
-    p.add_argument("--policy", default="lru", help=f"cache policy for trace replay ({', '.join(POLICIES)})")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"cache policy for trace replay ({', '.join(POLICIES)}; default the engine's, {DEFAULT_POLICY})")  # fmt: skip
     p.add_argument("--car-threshold", type=float, default=None, help="replay cache-aware routing (needs --trace with probs)")
     p.add_argument("--vram", help="expert cache on the devices (default: VRAM left after resident weights)")
     p.add_argument("--ram", help="expert cache in DRAM (default: RAM less a 4 GiB reserve)")
