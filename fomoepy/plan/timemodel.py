@@ -14,8 +14,9 @@ Two schedules combine them:
 
   engine  (what fomoepy does, DESIGN.md "data path of one decoded token")
           dense -> sync -> plan -> all the layer's misses read at once, striped across the drives
-          (one latency, then bytes / (drives x bandwidth)) -> copies on the copy stream while the
-          device computes the experts already resident; the copied experts' FFNs follow their
+          (one latency, then bytes / (drives x bandwidth)); each miss copied up on the copy stream
+          as soon as its read lands, so the fetch is max(disk, copy) plus the last read's copy, while
+          the device computes the experts already resident; the copied experts' FFNs follow their
           copy. The CPU backends compute on the host: the numpy reference reads, makes ready and
           computes in turn (every term adds up); ggml computes the experts whose store bytes are in
           the host tier while the misses are read, then the misses.
@@ -160,9 +161,13 @@ def project(
         hidden = min(prefetch * fetch, layer["dense"] + layer["experts"])
         moe = fetch - hidden + layer["experts"]
     elif gpu:
+        # each miss is copied up as soon as its read lands (GpuExperts.compute), so the link works beside
+        # the drives: the layer's fetch is the slower of the two, plus the copy of the last read to land
+        one_copy = S / copy_rate / devices_per_layer if n_copy and copy_rate else 0.0
+        raw = max(layer["disk"], layer["copy"]) + (one_copy if n_disk else 0.0)
         # a prefetched read overlaps the previous step, so it hides at most that step's compute
-        hidden = min(prefetch * (layer["disk"] + layer["copy"]), layer["dense"] + layer["experts"])
-        fetch = layer["disk"] + layer["copy"] - hidden  # copies of disk reads follow the reads
+        hidden = min(prefetch * raw, layer["dense"] + layer["experts"])
+        fetch = raw - hidden
         resident = layer["experts"] * (1 - (rates.host + rates.disk))
         moe = max(resident, fetch) + (layer["experts"] - resident if fetch > resident else 0.0)
         moe = max(moe, layer["experts"], fetch + (one_ffn if n_copy else 0.0))
