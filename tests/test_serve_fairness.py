@@ -35,8 +35,8 @@ MODEL = "qwen3moe_q4_k_m"
 
 
 class GatedEngine:
-    """The real engine, whose generation steps wait while `open` is clear; `started` lists the prompts
-    of the generations in the order the engine began them."""
+    """The real engine, whose steps (prompt chunks, decode steps) wait while `open` is clear; `started`
+    lists the prompts of the generations in the order the engine began them."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
@@ -48,21 +48,21 @@ class GatedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, prompt, *args, **kw):
+    def start(self, prompt, *args, **kw):
         self.started.append(tuple(prompt))
-        inner = self._engine.generate(prompt, *args, **kw)
+        return self._engine.start(prompt, *args, **kw)
 
-        def gated():
-            while True:
-                self.in_step.set()
-                self.open.wait()
-                try:
-                    token = next(inner)
-                except StopIteration:
-                    return
-                yield token
+    def _gate(self) -> None:
+        self.in_step.set()
+        self.open.wait()
 
-        return gated()
+    def prefill(self, gen):
+        self._gate()
+        return self._engine.prefill(gen)
+
+    def decode(self, gens):
+        self._gate()
+        return self._engine.decode(gens)
 
 
 @pytest.fixture(scope="module")
