@@ -215,3 +215,17 @@ def test_generation_refuses_bad_input_with_one_clear_error(engine):
         engine.start([1] * (engine.n_ctx + 1), 3)
     with pytest.raises(FomoeError, match="expected generations in decode"):
         engine.decode([engine.start([1, 2], 3)])
+
+
+def test_the_default_kv_budget_holds_one_full_context_at_least_and_the_batch_at_most(monkeypatch):
+    from fomoepy import engine as engine_module
+    from fomoepy.serve.worker import default_kv_budget
+
+    e = Engine(ORACLE / "qwen3moe_q4_k_m.gguf")
+    full = e.kv_nbytes(e.n_ctx)
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 1 << 40)
+    assert default_kv_budget(e, 8) == 8 * full
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 4 * 3 * full)
+    assert default_kv_budget(e, 8) == 3 * full  # a quarter of what is available
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 0)
+    assert default_kv_budget(e, 8) == full  # one request with the whole context always fits

@@ -29,8 +29,9 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help=f"generations decoded together in one step (default {d.max_batch}; 1: one at a time)")  # fmt: skip
     p.add_argument("--kv-budget", metavar="SIZE", default=None,
-                   help="KV cache the batch may reserve, e.g. 512M (default: --max-batch full contexts); a request "
-                        "whose prompt + max_tokens cannot fit is refused, one that fits waits its turn")  # fmt: skip
+                   help="KV cache the batch may reserve, e.g. 512M (default: --max-batch full contexts within a quarter "
+                        "of the available memory, at least one); a request whose prompt + max_tokens cannot fit is "
+                        "refused, one that fits waits its turn")  # fmt: skip
     p.add_argument("--http", metavar="[HOST:]PORT", help="also serve the OpenAI-compatible HTTP API (HOST default 127.0.0.1; off by default)")
     p.add_argument("--api-key", default=os.environ.get("FOMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $FOMOE_API_KEY)")  # fmt: skip

@@ -18,7 +18,7 @@ class DaemonConfig:
     pause_timeout: float = 60.0  # seconds a paused generation waits for its client before it is cancelled
     drain_timeout: float = 5.0  # seconds shutdown waits for clients to take their last messages
     max_batch: int = 8  # generations decoded together in one engine step (bench/batch.py)
-    kv_budget: int | None = None  # bytes of KV cache the batch may reserve; None: max_batch full contexts
+    kv_budget: int | None = None  # bytes of KV cache the batch may reserve; None: worker.default_kv_budget
 
     def __post_init__(self) -> None:
         for name in ("max_frame", "max_sessions", "max_pending", "max_queue", "write_buffer", "max_batch"):

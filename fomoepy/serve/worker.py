@@ -118,7 +118,7 @@ class InferenceWorker:
     def __init__(self, engine, *, max_sessions: int = 8, pause_timeout: float = 60.0, max_batch: int = 8,
                  kv_budget: int | None = None):  # fmt: skip
         """max_batch: jobs in one step (1 on a backend that cannot batch); kv_budget: bytes of KV cache
-        the batch may reserve (None: max_batch full contexts)."""
+        the batch may reserve (None: default_kv_budget)."""
         self.engine = engine
         self.sessions = Sessions(max_sessions)
         self.pause_timeout = pause_timeout
@@ -127,8 +127,8 @@ class InferenceWorker:
             raise FomoeError(f"max_batch must be >= 1, got {max_batch}")
         if self.max_batch < max_batch:
             log.info("this backend decodes one sequence per step: --max-batch %d runs as 1", max_batch)
-        limit = kv_budget if kv_budget is not None else max_batch * engine.kv_nbytes(engine.n_ctx)
-        self.kv = KVBudget(limit, engine.kv_nbytes, engine.n_ctx)
+        self.kv = KVBudget(kv_budget if kv_budget is not None else default_kv_budget(engine, max_batch),
+                           engine.kv_nbytes, engine.n_ctx)  # fmt: skip
         self.totals = Totals()
         self.batch: list[Job] = []  # admitted: in their prompt or decoding, in admission order
         self.observe: Any = None  # called on the loop after each step with (prefill (job, n) or None, decoded jobs)
@@ -394,6 +394,15 @@ class InferenceWorker:
         if job in self._paused:
             log.info("request %r cancelled: its client read nothing for %.0f s", job.id, self.pause_timeout)
             self.cancel(job)
+
+
+def default_kv_budget(engine, max_batch: int) -> int:
+    """max_batch full contexts, within a quarter of the memory available now (the host tier's default
+    takes another quarter), but always one full context: what one request could always use."""
+    from fomoepy.engine import available_memory_bytes
+
+    full = engine.kv_nbytes(engine.n_ctx)
+    return max(full, min(max_batch * full, available_memory_bytes() // 4))
 
 
 def plain(value: Any, depth: int = 0) -> Any:
