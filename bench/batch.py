@@ -42,7 +42,8 @@ from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
 from fomoepy.experts.store_reader import ExpertStore
 
 HERE = Path(__file__).parent
-WORDS = "river stone light garden window morning paper music winter silver market bridge forest letter".split()
+WORDS = ["river", "stone", "light", "garden", "window", "morning", "paper", "music", "winter", "silver", "market",
+         "bridge", "forest", "letter"]
 
 
 def prompts(n: int) -> list[str]:
@@ -83,6 +84,25 @@ def cache_bytes(sock: str) -> tuple[int, int]:
     return cache["accessed_bytes"], cache["disk"]["read_bytes"]
 
 
+class Stream:
+    """One request's streamed messages: the time to its first, then the gaps between them."""
+
+    def __init__(self, t_send: float, firsts: list[float]):
+        self.t_send, self.firsts = t_send, firsts
+        self.last: float | None = None
+        self.gaps: list[float] = []
+
+    def __call__(self, m: dict) -> None:
+        if m["type"] != "delta":
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.firsts.append(now - self.t_send)
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+
 def serve_all(sock: str, texts: list[str], n_tokens: int, n_clients: int) -> dict:
     """Every request once, by n_clients concurrent clients; the run's measures."""
     todo = list(range(len(texts)))
@@ -99,25 +119,13 @@ def serve_all(sock: str, texts: list[str], n_tokens: int, n_clients: int) -> dic
                 if not todo:
                     break
                 i = todo.pop(0)
-            t_send = time.perf_counter()
-            last = [None]
-            mine: list[float] = []
-
-            def on_message(m: dict) -> None:
-                if m["type"] == "delta":
-                    now = time.perf_counter()
-                    if last[0] is None:
-                        firsts.append(now - t_send)
-                    else:
-                        mine.append(now - last[0])
-                    last[0] = now
-
-            done = c.final(c.send("generate", prompt=texts[i], max_tokens=n_tokens, temperature=0, ignore_eos=True), on_message)
+            watch = Stream(time.perf_counter(), firsts)
+            done = c.final(c.send("generate", prompt=texts[i], max_tokens=n_tokens, temperature=0, ignore_eos=True), watch)
             with lock:
                 if done["type"] != "done" or done["usage"]["completion_tokens"] != n_tokens:
                     errors.append(str(done)[:200])
                 produced[0] += done.get("usage", {}).get("completion_tokens", 0)
-                gaps.extend(mine)
+                gaps.extend(watch.gaps)
         c.close()
 
     before = cache_bytes(sock)

@@ -19,9 +19,9 @@ from fomoepy.experts.cache import ExpertCache
 from fomoepy.experts.policy import make_policy, policy_demotes
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.streamer import ExpertStreamer
+from fomoepy.generation import Generation
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec
-from fomoepy.generation import Generation
 from fomoepy.model.state import InferenceState, kv_nbytes, kv_positions
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer, load_weights
