@@ -91,7 +91,7 @@ def run(model: Path, tokens: np.ndarray, ctx: int, n_chunks: int, setting: Setti
         chunk = plan.eval_tokens(tokens, i)
         state = engine.new_state()
         for pos, token in enumerate(chunk[: plan.first + plan.n_scored].tolist()):
-            logits = engine.decode(state, token)
+            logits = engine.decode_token(state, token)
             if pos >= plan.first:
                 rows.append(logits)
     seconds = time.perf_counter() - t

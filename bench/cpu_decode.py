@@ -52,7 +52,7 @@ def timed_run(engine: Engine, prompt: np.ndarray, n_decode: int, cold: bool = Fa
     token = int(np.argmax(logits[-1]))
     t1 = time.perf_counter()
     for _ in range(n_decode):
-        token = int(np.argmax(engine.decode(state, token)))
+        token = int(np.argmax(engine.decode_token(state, token)))
     t2 = time.perf_counter()
     return len(prompt) / prefill_s, n_decode / (t2 - t1)
 

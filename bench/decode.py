@@ -66,7 +66,7 @@ def decode_tokens(engine: Engine, n: int) -> float:
     token = int(np.argmax(engine.eval(state, [1, 2, 3, 4])[-1]))
     t = time.perf_counter()
     for _ in range(n):
-        token = int(np.argmax(engine.decode(state, token)))
+        token = int(np.argmax(engine.decode_token(state, token)))
     return (time.perf_counter() - t) / n
 
 

@@ -229,10 +229,10 @@ def cpu_path(args: argparse.Namespace) -> dict:
     state = engine.new_state()
     token = int(np.argmax(engine.eval(state, [1, 2, 3, 4])[-1]))
     for _ in range(args.cpu_warm):
-        token = int(np.argmax(engine.decode(state, token)))
+        token = int(np.argmax(engine.decode_token(state, token)))
     step.records, products[:] = [], []
     for _ in range(args.cpu_tokens):
-        token = int(np.argmax(engine.decode(state, token)))
+        token = int(np.argmax(engine.decode_token(state, token)))
     host = [(r.total - r.wait - p) * 1e6 for r, p in zip(step.records, products)]
     median, p90 = percentiles(host)
     rec = step.records

@@ -118,7 +118,7 @@ def fomoepy_child(model: str, store: str, ram_cache: int, threads: int, n_decode
     prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     for _ in range(n_decode):
-        token = int(np.argmax(engine.decode(state, token)))
+        token = int(np.argmax(engine.decode_token(state, token)))
     decode_s = time.perf_counter() - t1
     counts = engine.experts.streamer.counter.counts  # the router's own choices, whatever the cache did
     return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": llama_peer.read_bytes(),

@@ -1,8 +1,9 @@
 """Engine: one opened model (file, spec, tokenizer, backend, experts) and what can be asked of it.
 
-`logits` scores a token sequence at every position; `generate` streams sampled tokens. Both run
-prefill (every prompt token in one batched pass) and then one-token decode steps on an
-`InferenceState` that a caller may keep to continue a conversation.
+`logits` scores a token sequence at every position; `generate` streams sampled tokens: the prompt
+in chunks of at most `prefill_chunk` tokens, then one-token decode steps, on an `InferenceState` that
+a caller may keep to continue a conversation. The daemon drives the same steps for many requests
+(`start`, `prefill`, `decode`): a decode step evaluates one token of each of several sequences at once.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from fomoepy.experts.policy import make_policy, policy_demotes
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.step import MoEStep
 from fomoepy.experts.streamer import ExpertStreamer
+from fomoepy.generation import Generation
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec
-from fomoepy.model.state import InferenceState
+from fomoepy.model.state import InferenceState, kv_nbytes, kv_positions
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer, load_weights
 from fomoepy.options import EngineOptions
 from fomoepy.runtime.backends import make_expert_device, open_backends
-from fomoepy.sampling import Sampler, SamplingParams
+from fomoepy.sampling import SamplingParams
 from fomoepy.scheduler import Placement
 from fomoepy.timing import LayerTimer
 
@@ -140,13 +142,52 @@ class Engine:
         """Append tokens to the sequence; logits of every new position, or of the last one only."""
         return np.asarray(self.model.forward(np.asarray(tokens, dtype=np.int64), state, all_logits=all_logits, phase=phase))
 
-    def decode(self, state: InferenceState, token: int) -> np.ndarray:
-        """One decode step: the logits [V] after `token`, predicting and prefetching each next layer's experts."""
+    def decode_token(self, state: InferenceState, token: int) -> np.ndarray:
+        """One decode step of one sequence: the logits [V] after `token` (predicting and prefetching each
+        next layer's experts), without sampling (benchmarks, traces)."""
         return self.eval(state, [token], phase=Phase.DECODE)[-1]
 
     def logits(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """float32 [T, n_vocab]: row i scores the token after tokens[0..i], from an empty state."""
         return self.eval(self.new_state(), tokens, all_logits=True)
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Most prompt tokens one prefill step evaluates (a running stream waits at most one such step
+        between two of its tokens while a newcomer's prompt is evaluated)."""
+        return self.options.prefill_chunk
+
+    @property
+    def batches(self) -> bool:
+        """Whether one decode step can evaluate several sequences (the backend's products give each row
+        the bits it gets alone; not the gpu backends yet)."""
+        return self.model.batches
+
+    def kv_nbytes(self, n_tokens: int) -> int:
+        """Bytes a sequence's state takes once it holds n_tokens (its KV caches grow by whole chunks)."""
+        return kv_nbytes(self.spec, kv_positions(n_tokens, self.n_ctx))
+
+    def start(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams.greedy(),
+              state: InferenceState | None = None, stop_at_eog: bool = True) -> Generation:  # fmt: skip
+        """A generation of up to max_tokens after `prompt`, continuing `state` when given."""
+        return Generation(state if state is not None else self.new_state(), prompt, max_tokens, params,
+                          frozenset(self.tokenizer.eog_ids), stop_at_eog)  # fmt: skip
+
+    def prefill(self, gen: Generation) -> int | None:
+        """Evaluate the generation's next prompt chunk; after the last one, the first sampled token
+        (None while prompt tokens remain, or when max_tokens is 0)."""
+        chunk = gen.take_chunk(self.prefill_chunk)
+        logits = self.eval(gen.state, chunk)
+        return gen.prompt_done(logits[-1]) if not gen.pending else None
+
+    def decode(self, gens: Sequence[Generation]) -> list[int]:
+        """One step for generations in decode: each one's pending token evaluated (all in one batched
+        step), and each one's next token sampled."""
+        tokens = [g.next_token for g in gens]
+        if any(t is None for t in tokens):
+            raise FomoeError("expected generations in decode, got one with no token to evaluate")
+        logits = self.model.forward_batch(np.asarray(tokens, np.int64), [g.state for g in gens])
+        return [g.sampled(np.asarray(row)) for g, row in zip(gens, logits)]
 
     def generate(
         self,
@@ -160,24 +201,15 @@ class Engine:
 
         The prompt continues `state` when one is given (its past stays), so a chat can keep its cache.
         """
-        if max_tokens < 0:
-            raise FomoeError(f"max_tokens must be >= 0, got {max_tokens}")
-        if not len(prompt):
-            raise FomoeError("the prompt is empty: give at least one token")
-        state = state if state is not None else self.new_state()
-        sampler = Sampler(params)
-        history = list(state.tokens) + list(prompt)
-        logits = self.eval(state, prompt)[-1]
-        eog = set(self.tokenizer.eog_ids)
-        for _ in range(max_tokens):
-            token = sampler(logits, history)
-            yield token
-            history.append(token)
-            if stop_at_eog and token in eog:
-                return
-            if state.n_past >= state.n_ctx:
-                return
-            logits = self.decode(state, token)
+        gen = self.start(prompt, max_tokens, params, state, stop_at_eog)
+        token = None
+        while gen.pending:
+            token = self.prefill(gen)
+        if token is None:
+            return
+        yield token
+        while not gen.finished:
+            yield self.decode([gen])[0]
 
 
 def is_ggml_cpu(ops) -> bool:

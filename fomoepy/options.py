@@ -45,6 +45,7 @@ class EngineOptions:
     prefetch: bool = True
     freq_profile: str | None = None
     trace: str | None = None
+    prefill_chunk: int = 64  # prompt tokens per prefill step (a running stream's gap is one such step)
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str):
@@ -72,6 +73,8 @@ class EngineOptions:
             bad("backfill", f"must be one of {', '.join(BACKFILL_MODES)}, got {self.backfill!r}")
         if self.backfill_per_token < 0:
             bad("backfill-per-token", f"must be >= 0, got {self.backfill_per_token}")
+        if self.prefill_chunk < 1:
+            bad("prefill-chunk", f"must be >= 1, got {self.prefill_chunk}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -94,6 +97,7 @@ class EngineOptions:
             prefetch=not args.no_prefetch,
             freq_profile=args.freq_profile,
             trace=args.trace,
+            prefill_chunk=args.prefill_chunk,
         )
 
     @property
@@ -123,6 +127,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=1, help="devices to place the layers on")
     p.add_argument("--placement", default="pingpong",
                    help="pingpong (layer L on device L mod N), blocks, or one device index per layer: 0,0,1,1")  # fmt: skip
+    p.add_argument("--prefill-chunk", type=int, default=64, metavar="N",
+                   help="prompt tokens evaluated per prefill step (default 64): the daemon runs other requests' "
+                        "decode steps between chunks")  # fmt: skip
     p.add_argument("--profile-timing", action="store_true", help="host time per MoE layer by phase, on stderr at the end")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for ggml (as llama.cpp's -t), or numpy's BLAS on --backend reference (default: by model size)")
     g = p.add_argument_group("expert streaming")

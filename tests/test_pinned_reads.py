@@ -73,7 +73,7 @@ def test_an_engine_with_a_store_copies_every_miss_straight_from_its_pinned_read(
     engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000, ram_cache=1_200_000))
     state, half = engine.new_state(), len(tokens) // 2
     got = np.concatenate([engine.eval(state, tokens[:half], all_logits=True)]
-                         + [engine.decode(state, int(t))[None] for t in tokens[half:]])  # fmt: skip
+                         + [engine.decode_token(state, int(t))[None] for t in tokens[half:]])  # fmt: skip
     device = engine.experts.device
     cpu = open_oracle_engine(name).logits(tokens)
     assert np.abs(got - cpu).max() / cpu.std() <= 1e-3  # the ladder's GPU tolerance (test_gpu_model.py)

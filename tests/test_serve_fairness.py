@@ -36,8 +36,8 @@ MODEL = "qwen3moe_q4_k_m"
 
 
 class GatedEngine:
-    """The real engine, whose generation steps wait while `open` is clear; `started` lists the prompts
-    of the generations in the order the engine began them."""
+    """The real engine, whose steps (prompt chunks, decode steps) wait while `open` is clear; `started`
+    lists the prompts of the generations in the order the engine began them."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
@@ -49,21 +49,21 @@ class GatedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, prompt, *args, **kw):
+    def start(self, prompt, *args, **kw):
         self.started.append(tuple(prompt))
-        inner = self._engine.generate(prompt, *args, **kw)
+        return self._engine.start(prompt, *args, **kw)
 
-        def gated():
-            while True:
-                self.in_step.set()
-                self.open.wait()
-                try:
-                    token = next(inner)
-                except StopIteration:
-                    return
-                yield token
+    def _gate(self) -> None:
+        self.in_step.set()
+        self.open.wait()
 
-        return gated()
+    def prefill(self, gen):
+        self._gate()
+        return self._engine.prefill(gen)
+
+    def decode(self, gens):
+        self._gate()
+        return self._engine.decode(gens)
 
 
 @pytest.fixture(scope="module")
@@ -188,10 +188,15 @@ def test_a_short_request_waits_for_one_long_one_not_for_a_whole_pipeline(engine)
             told_place(a, dec_a, range(1, 16))  # the other 15 are queued
             send(b, op="generate", id="b", prompt="fox", max_tokens=8, ignore_eos=True, temperature=0, stream=False)
             queued = read_until(b, dec_b, lambda m: m["type"] == "queued")[-1]
-            assert queued["position"] == 0  # next, ahead of A's 15
+            assert queued["position"] == 0  # next, ahead of A's queued ones
+            # what had joined the batch before B came (the held step's: A's first, and with a batch,
+            # whichever of A's were queued by then); nothing joins while the step is held
+            before = d.call(lambda: len(engine.started))
         done_b, _ = final(b, dec_b, "b")
         assert done_b["type"] == "done" and done_b["usage"]["completion_tokens"] == 8
-        assert engine.started[:2] == [tuple(encode("fox 0")), tuple(encode("fox"))]
+        assert engine.started[0] == tuple(encode("fox 0"))
+        assert all(p != tuple(encode("fox")) for p in engine.started[:before])
+        assert engine.started[before] == tuple(encode("fox"))  # B joined at the next step, before A's others
         a.close()  # cancels A's other requests
         b.close()
 

@@ -100,7 +100,7 @@ def test_small_cache_misses_and_reports_hit_rates(model):
     engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=2 * dev_unit, ram_cache=4 * host_unit))
     state = engine.new_state()
     for t in tokens[:12]:  # token by token: n_expert_used experts per MoE layer per token
-        engine.decode(state, int(t))
+        engine.decode_token(state, int(t))
     s = engine.stats()["cache"]
     n_moe = engine.spec.n_layer
     assert s["accesses"] == 12 * n_moe * engine.spec.moe.n_expert_used
@@ -201,7 +201,7 @@ def test_pinned_policies_keep_the_profiles_seeds_in_the_engine(tmp_path, policy,
     engine = Engine(path, EngineOptions(vram_cache=12 * dev_unit, cache_policy=policy, freq_profile=str(profile_path)))
     state = engine.new_state()
     for t in tokens:
-        engine.decode(state, int(t))
+        engine.decode_token(state, int(t))
     held = {(l, e) for l in range(engine.spec.n_layer) for e in engine.experts.streamer.cache.resident(l)}
     assert set(rarest) <= held if kept else not set(rarest) <= held
     engine.close()
@@ -221,7 +221,7 @@ def test_the_simulator_replays_the_engines_hit_rates(model, tmp_path, policy):
     engine = Engine(path, opts)
     state = engine.new_state()
     for t in tokens:
-        engine.decode(state, int(t))
+        engine.decode_token(state, int(t))
     measured = engine.stats()["cache"]
     sizes = [layer.expert_nbytes for layer in engine.source.layers]
     device_sizes = [ready_expert_nbytes(layer, policy_demotes(policy)) for layer in engine.source.layers]
@@ -247,7 +247,7 @@ def test_a_demoting_policy_moves_device_evictees_into_the_host_tier_with_their_b
     streamer.source.submit = lambda layer, expert: reads.append((layer, expert)) or submit(layer, expert)
     state = engine.new_state()
     for t in tokens:
-        engine.decode(state, int(t))
+        engine.decode_token(state, int(t))
     s = engine.stats()["cache"]
     assert s["host"]["demoted"] > 0 and s["host"]["hits"] > 0
     assert len(reads) == s["disk"]["reads"]  # a demotion reads nothing from the disk

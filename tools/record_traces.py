@@ -42,7 +42,7 @@ def record(model: str, text: str, out: Path, max_tokens: int) -> None:
         for start in range(0, len(tokens), window):
             state = engine.new_state()
             for token in tokens[start : start + window]:
-                engine.decode(state, int(token))
+                engine.decode_token(state, int(token))
         engine.close()
         trace_pack.save(out, read_trace(raw))
         print(f"{out}: {len(tokens)} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

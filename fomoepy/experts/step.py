@@ -45,7 +45,9 @@ class MoEStep:
         self.streamer.begin_step()
 
     def end_step(self, n_tokens: int) -> None:
-        self.streamer.end_step(n_tokens)
+        """The forward pass is done: a decode step (one row per sequence) is one tick of the policies' time,
+        a prefill one tick per token."""
+        self.streamer.end_step(n_tokens, ticks=1 if self.phase is Phase.DECODE else n_tokens)
 
     def __call__(self, layer: int, h: Any, exact: Routing) -> Any:
         """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]."""

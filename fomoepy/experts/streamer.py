@@ -140,11 +140,15 @@ class ExpertStreamer:
     def begin_step(self) -> None:
         self._first_token = self.tokens_seen
 
-    def end_step(self, n_tokens: int) -> None:
+    def end_step(self, n_tokens: int, ticks: int | None = None) -> None:
+        """A step of n_tokens rows is done. `ticks`: how far the policies' logical time moves (default
+        n_tokens: a prefill's rows are consecutive tokens; a batch of decodes is one tick, whatever its
+        rows, so half-lives do not shrink as a batch grows)."""
+        ticks = n_tokens if ticks is None else ticks
         self.tokens_seen += n_tokens
-        self.cache.tick(n_tokens)
+        self.cache.tick(ticks)
         if self._backfill_queue is not None:
-            for _ in range(self.options.backfill_per_token * n_tokens):
+            for _ in range(self.options.backfill_per_token * ticks):
                 key = self._backfill_queue.pop(self.tokens_seen)
                 if key is None:
                     break

@@ -4,30 +4,42 @@ from __future__ import annotations
 
 import numpy as np
 
+from fomoepy.model.rows import Segment, rows_of, stack
 from fomoepy.model.spec import AttentionSpec
 from fomoepy.model.state import KVCache
 
 
-def attention_mixer(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, cache: KVCache, n_past: int) -> np.ndarray:
-    """x [T, D] (already normed) → [T, D]; appends this step's keys and values to `cache`."""
-    T = x.shape[0]
-    H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
-    positions = np.arange(n_past, n_past + T)
-
-    q = ops.linear(x, w.attn_q)  # [T, H·hd] or, gated, [T, H·2hd] = per head [q | gate]
+def attention_mixer(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int, segments: list[Segment]) -> np.ndarray:
+    """x [N, D] (already normed) → [N, D]; each segment's rows attend over its own sequence's cache,
+    to which they append their keys and values. The projections run on all N rows at once."""
+    N = x.shape[0]
+    H, hd = a.n_head, a.head_dim
+    q = ops.linear(x, w.attn_q)  # [N, H·hd] or, gated, [N, H·2hd] = per head [q | gate]
     if a.gated:
-        q_and_gate = q.reshape(T, H, 2 * hd)
-        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T, H * hd)
-    q = q.reshape(T, H, hd)
-    k = ops.linear(x, w.attn_k).reshape(T, Hkv, hd)
-    v = ops.linear(x, w.attn_v).reshape(T, Hkv, hd)
-
-    q = ops.rope_neox(ops.rms_norm(q, w.attn_q_norm, eps), positions, a.rotary_dim, a.rope_base)
-    k = ops.rope_neox(ops.rms_norm(k, w.attn_k_norm, eps), positions, a.rotary_dim, a.rope_base)
-    cache.k[n_past : n_past + T] = k
-    cache.v[n_past : n_past + T] = v
-
-    out = ops.attention(q, cache.k, cache.v, n_past).reshape(T, H * hd)
+        q_and_gate = q.reshape(N, H, 2 * hd)
+        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(N, H * hd)
+    k = ops.linear(x, w.attn_k)
+    v = ops.linear(x, w.attn_v)
+    single = len(segments) == 1
+    out = stack(
+        [
+            _attend(ops, w, a, eps, rows_of(q, s, single), rows_of(k, s, single), rows_of(v, s, single),
+                    s.state.layers[il], s.state.n_past)
+            for s in segments
+        ]
+    ).reshape(N, H * hd)  # fmt: skip
     if a.gated:
         out = out * ops.sigmoid(gate)
     return ops.linear(out, w.attn_output)
+
+
+def _attend(ops, w, a: AttentionSpec, eps: float, q, k, v, cache: KVCache, n_past: int) -> np.ndarray:
+    """One sequence's T new rows: q [T, H·hd], k, v [T, Hkv·hd] → [T, H, hd]."""
+    T = q.shape[0]
+    H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+    positions = np.arange(n_past, n_past + T)
+    q = ops.rope_neox(ops.rms_norm(q.reshape(T, H, hd), w.attn_q_norm, eps), positions, a.rotary_dim, a.rope_base)
+    k = ops.rope_neox(ops.rms_norm(k.reshape(T, Hkv, hd), w.attn_k_norm, eps), positions, a.rotary_dim, a.rope_base)
+    cache.k[n_past : n_past + T] = k
+    cache.v[n_past : n_past + T] = v.reshape(T, Hkv, hd)
+    return ops.attention(q, cache.k, cache.v, n_past)

@@ -8,16 +8,36 @@ from __future__ import annotations
 
 import numpy as np
 
+from fomoepy.model.rows import Segment, rows_of, stack
 from fomoepy.model.spec import DeltaNetSpec
 from fomoepy.model.state import DeltaNetState
 
 
-def deltanet_mixer(ops, w, dn: DeltaNetSpec, eps: float, x: np.ndarray, state: DeltaNetState) -> np.ndarray:
-    """x [T, D] (already normed) → [T, D]; advances the convolution and delta-rule states."""
-    T = x.shape[0]
-    Hk, Hv, dk, dv = dn.n_k_heads, dn.n_v_heads, dn.state_size, dn.v_head_dim
+def deltanet_mixer(ops, w, dn: DeltaNetSpec, eps: float, x: np.ndarray, il: int, segments: list[Segment]) -> np.ndarray:
+    """x [N, D] (already normed) → [N, D]; each segment advances its own sequence's convolution and
+    delta-rule states. The projections run on all N rows at once."""
+    N = x.shape[0]
+    Hv, dv = dn.n_v_heads, dn.v_head_dim
+    qkv = ops.linear(x, w.attn_qkv)  # [N, 2·Hk·dk + Hv·dv], before the convolution
+    beta = ops.sigmoid(ops.linear(x, w.ssm_beta))  # [N, Hv]
+    g = ops.softplus(ops.linear(x, w.ssm_alpha) + w.ssm_dt_bias) * w.ssm_a  # log-decay, [N, Hv]
+    single = len(segments) == 1
+    o = stack(
+        [
+            _recur(ops, w, dn, eps, rows_of(qkv, s, single), rows_of(beta, s, single), rows_of(g, s, single), s.state.layers[il])
+            for s in segments
+        ]
+    )  # [N, Hv, dv]
+    z = ops.linear(x, w.attn_gate).reshape(N, Hv, dv)
+    o = ops.rms_norm(o, w.ssm_norm, eps) * ops.silu(z)
+    return ops.linear(o.reshape(N, Hv * dv), w.ssm_out)
 
-    qkv, state.conv = ops.causal_conv1d(ops.linear(x, w.attn_qkv), state.conv, w.ssm_conv1d)
+
+def _recur(ops, w, dn: DeltaNetSpec, eps: float, qkv, beta, g, state: DeltaNetState):
+    """One sequence's T rows through its convolution and delta rule → o [T, Hv, dv]."""
+    T = qkv.shape[0]
+    Hk, Hv, dk, dv = dn.n_k_heads, dn.n_v_heads, dn.state_size, dn.v_head_dim
+    qkv, state.conv = ops.causal_conv1d(qkv, state.conv, w.ssm_conv1d)
     qkv = ops.silu(qkv)  # [T, 2·Hk·dk + Hv·dv]
     q = qkv[:, : Hk * dk].reshape(T, Hk, dk)
     k = qkv[:, Hk * dk : 2 * Hk * dk].reshape(T, Hk, dk)
@@ -28,11 +48,5 @@ def deltanet_mixer(ops, w, dn: DeltaNetSpec, eps: float, x: np.ndarray, state: D
     tile = np.arange(Hv) % Hk  # v head j ← q/k head j mod Hk
     q, k = q[:, tile], k[:, tile]  # [T, Hv, dk]
 
-    beta = ops.sigmoid(ops.linear(x, w.ssm_beta))  # [T, Hv]
-    g = ops.softplus(ops.linear(x, w.ssm_alpha) + w.ssm_dt_bias) * w.ssm_a  # log-decay, [T, Hv]
-
     o, state.ssm = ops.delta_rule(q, k, v, g, beta, state.ssm)  # [T, Hv, dv]
-
-    z = ops.linear(x, w.attn_gate).reshape(T, Hv, dv)
-    o = ops.rms_norm(o, w.ssm_norm, eps) * ops.silu(z)
-    return ops.linear(o.reshape(T, Hv * dv), w.ssm_out)
+    return o

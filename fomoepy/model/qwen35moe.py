@@ -9,13 +9,14 @@ from fomoepy.model.moe import moe_ffn
 from fomoepy.model.spec import ATTENTION
 
 
-def qwen35moe_layer(model, il: int, x, state):
-    ops, spec, w = model.layer_ops(il), model.spec, model.weights.layer(il)
+def qwen35moe_layer(model, il: int, x, segments):
+    """x [N, D]: the rows of one or more sequences (`segments`, fomoepy.model.rows)."""
+    ops, spec, w = model.layer_ops(il, len(segments) > 1), model.spec, model.weights.layer(il)
     eps = spec.rms_eps
     xn = ops.rms_norm(x, w.attn_norm, eps)
     if spec.layer_kinds[il] == ATTENTION:
-        x = x + attention_mixer(ops, w, spec.attention, eps, xn, state.layers[il], state.n_past)
+        x = x + attention_mixer(ops, w, spec.attention, eps, xn, il, segments)
     else:
-        x = x + deltanet_mixer(ops, w, spec.deltanet, eps, xn, state.layers[il])
+        x = x + deltanet_mixer(ops, w, spec.deltanet, eps, xn, il, segments)
     x = x + moe_ffn(ops, w, spec.moe, model.experts, il, ops.rms_norm(x, w.post_attention_norm, eps))
     return x

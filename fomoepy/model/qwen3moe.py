@@ -6,9 +6,10 @@ from fomoepy.model.attention import attention_mixer
 from fomoepy.model.moe import moe_ffn
 
 
-def qwen3moe_layer(model, il: int, x, state):
-    ops, spec, w = model.layer_ops(il), model.spec, model.weights.layer(il)
+def qwen3moe_layer(model, il: int, x, segments):
+    """x [N, D]: the rows of one or more sequences (`segments`, fomoepy.model.rows)."""
+    ops, spec, w = model.layer_ops(il, len(segments) > 1), model.spec, model.weights.layer(il)
     eps = spec.rms_eps
-    x = x + attention_mixer(ops, w, spec.attention, eps, ops.rms_norm(x, w.attn_norm, eps), state.layers[il], state.n_past)
+    x = x + attention_mixer(ops, w, spec.attention, eps, ops.rms_norm(x, w.attn_norm, eps), il, segments)
     x = x + moe_ffn(ops, w, spec.moe, model.experts, il, ops.rms_norm(x, w.ffn_norm, eps))
     return x

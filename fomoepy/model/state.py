@@ -1,4 +1,9 @@
-"""Per-sequence inference state: the KV cache of attention layers and the recurrent state of DeltaNet layers."""
+"""Per-sequence inference state: the KV cache of attention layers and the recurrent state of DeltaNet layers.
+
+A KV cache holds what its sequence uses, not the whole context: it starts at KV_CHUNK positions and
+grows by whole chunks (capped at n_ctx) before a step that would overflow it. So a daemon's many
+sequences take memory for their own lengths, and `kv_nbytes` says what a given length costs.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,26 @@ class ContextFullError(FomoeError):
     """The sequence would grow past the context the state was created with."""
 
 
+KV_CHUNK = 256  # positions a KV cache grows by: one copy per 256 tokens, at most 255 positions unused
+
+
 @dataclass
 class KVCache:
-    k: np.ndarray  # [n_ctx, Hkv, hd]
-    v: np.ndarray  # [n_ctx, Hkv, hd]
+    k: np.ndarray  # [capacity, Hkv, hd], capacity a multiple of KV_CHUNK (or n_ctx) >= the sequence's length
+    v: np.ndarray  # [capacity, Hkv, hd]
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k.shape[0])
+
+    def grow(self, capacity: int, n_kept: int, zeros) -> None:
+        """Larger arrays of `capacity` positions holding the first n_kept positions of the old ones."""
+        shape = (capacity, *self.k.shape[1:])
+        k, v = zeros(shape, np.float32), zeros(shape, np.float32)
+        if n_kept:
+            k[:n_kept] = self.k[:n_kept]
+            v[:n_kept] = self.v[:n_kept]
+        self.k, self.v = k, v
 
 
 @dataclass
@@ -32,6 +53,7 @@ class InferenceState:
     layers: list[KVCache | DeltaNetState]
     n_past: int = 0
     tokens: list[int] = field(default_factory=list)  # every token evaluated so far, in order
+    allocators: list = field(default_factory=list)  # per layer: zeros(shape, dtype) of its device
 
     @classmethod
     def new(cls, spec: ModelSpec, n_ctx: int, zeros=np.zeros, zeros_of_layer=None) -> InferenceState:
@@ -39,11 +61,13 @@ class InferenceState:
         zeros_of_layer(il) gives the allocator of the device that owns layer il."""
         a, dn = spec.attention, spec.deltanet
         layers: list[KVCache | DeltaNetState] = []
+        allocators = []
         for il, kind in enumerate(spec.layer_kinds):
             if zeros_of_layer is not None:
                 zeros = zeros_of_layer(il)
+            allocators.append(zeros)
             if kind == ATTENTION:
-                shape = (n_ctx, a.n_head_kv, a.head_dim)
+                shape = (min(KV_CHUNK, n_ctx), a.n_head_kv, a.head_dim)
                 layers.append(KVCache(zeros(shape, np.float32), zeros(shape, np.float32)))
             else:
                 assert dn is not None  # the spec has DELTANET layers only with a DeltaNetSpec
@@ -53,14 +77,28 @@ class InferenceState:
                         ssm=zeros((dn.n_v_heads, dn.state_size, dn.v_head_dim), np.float32),
                     )
                 )
-        return cls(n_ctx=n_ctx, layers=layers)
+        return cls(n_ctx=n_ctx, layers=layers, allocators=allocators)
 
     def reserve(self, n_new: int) -> None:
-        """Raise before any layer is touched, so a refused batch leaves the state as it was."""
+        """Room for n_new more tokens: raise before any layer is touched, so a refused batch leaves the
+        state as it was; else grow every KV cache to hold them (whole chunks, at most n_ctx)."""
+        self.check_room(n_new)
+        need = self.n_past + n_new
+        capacity = min(self.n_ctx, -(-need // KV_CHUNK) * KV_CHUNK)
+        for layer, zeros in zip(self.layers, self.allocators):
+            if isinstance(layer, KVCache) and layer.capacity < need:
+                layer.grow(capacity, self.n_past, zeros)
+
+    def check_room(self, n_new: int) -> None:
         if self.n_past + n_new > self.n_ctx:
             raise ContextFullError(
                 f"context full: {self.n_past} tokens + {n_new} new exceed the context of {self.n_ctx}"
             )
+
+    @property
+    def kv_capacity(self) -> int:
+        """Positions the KV caches hold now (0 without attention layers)."""
+        return next((layer.capacity for layer in self.layers if isinstance(layer, KVCache)), 0)
 
     def truncate(self, n: int) -> None:
         """Forget everything after the first n tokens (KV caches only: recurrent states cannot rewind)."""
@@ -68,3 +106,20 @@ class InferenceState:
             raise FomoeError("cannot rewind a recurrent (DeltaNet) state; start a new sequence")
         self.n_past = n
         del self.tokens[n:]
+
+
+def kv_nbytes(spec: ModelSpec, n_tokens: int) -> int:
+    """Bytes of one sequence's state when its KV caches hold n_tokens positions: float32 keys and
+    values of every attention layer, plus the fixed-size DeltaNet states."""
+    a, dn = spec.attention, spec.deltanet
+    n_attention = spec.layer_kinds.count(ATTENTION)
+    fixed = 0
+    if dn is not None:
+        per_layer = (dn.conv_kernel - 1) * dn.conv_channels + dn.n_v_heads * dn.state_size * dn.v_head_dim
+        fixed = 4 * per_layer * (len(spec.layer_kinds) - n_attention)
+    return 2 * 4 * n_attention * a.n_head_kv * a.head_dim * n_tokens + fixed
+
+
+def kv_positions(n_tokens: int, n_ctx: int) -> int:
+    """Positions a KV cache holds once a sequence reaches n_tokens (whole chunks, at most n_ctx)."""
+    return min(n_ctx, max(1, -(-n_tokens // KV_CHUNK)) * KV_CHUNK)

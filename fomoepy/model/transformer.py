@@ -1,4 +1,9 @@
-"""The forward pass: embed → layers (one function per architecture) → norm → output head."""
+"""The forward pass: embed → layers (one function per architecture) → norm → output head.
+
+`forward` evaluates tokens of one sequence; `forward_batch` one new token of each of several
+sequences in one step: their dense products and the MoE half run on all rows at once (each selected
+expert is read and computed once for every row that picked it), attention and DeltaNet per sequence.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from fomoepy.errors import FomoeError
 from fomoepy.experts.device import Phase
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.qwen3moe import qwen3moe_layer
 from fomoepy.model.qwen35moe import qwen35moe_layer
+from fomoepy.model.rows import RowwiseOps, Segment, supports_rows
 from fomoepy.model.spec import ModelSpec
 from fomoepy.model.state import InferenceState
 from fomoepy.model.weights import ResidentWeights
@@ -39,22 +46,57 @@ class Transformer:
         self.weights = weights
         self.layer_fn = LAYER_FUNCTIONS[spec.arch]
         self.timer = timer
+        # a step over several sequences needs products whose rows are independent (fomoepy.model.rows)
+        self.batches = all(supports_rows(d) for d in self.devices)
+        self._rowwise = [RowwiseOps(d) if supports_rows(d) else d for d in self.devices]
 
-    def layer_ops(self, il: int) -> Any:
-        return self.devices[self.placement.device_of_layer[il]]
+    def layer_ops(self, il: int, rowwise: bool = False) -> Any:
+        """The backend that owns layer il; rowwise: its products give each row the bits it gets alone."""
+        device = self.placement.device_of_layer[il]
+        return self._rowwise[device] if rowwise else self.devices[device]
 
     def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True, phase: Phase = Phase.PREFILL) -> np.ndarray:
         """Evaluate `tokens` after the state's past; logits [T, V] (or [1, V] for the last token). `phase`
         says what the caller is doing (a decode step predicts and prefetches the next layer's experts)."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        tokens = self._checked(tokens)
         if tokens.size == 0:
             return np.zeros((0, self.spec.n_vocab), np.float32)
+        state.reserve(len(tokens))
+        x = self._layers(tokens, [Segment(state, 0, len(tokens))], phase)
+        if not all_logits:
+            x = x[-1:]
+        return self._head(x, rowwise=False)
+
+    def forward_batch(self, tokens: np.ndarray, states: list[InferenceState]) -> np.ndarray:
+        """One new token per sequence: tokens[i] follows states[i]'s past; logits [B, V], row i of which
+        has the bits `forward(tokens[i:i+1], states[i])` gives alone (the MoE half's own products aside:
+        see fomoepy.model.rows). The states must be distinct."""
+        tokens = self._checked(tokens)
+        if len(tokens) != len(states):
+            raise ValueError(f"{len(tokens)} tokens for {len(states)} sequences")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("a sequence appears twice in one batched step")
+        if len(states) == 1:
+            return self.forward(tokens, states[0], all_logits=False, phase=Phase.DECODE)
+        if not self.batches:
+            raise FomoeError("this backend cannot decode several sequences in one step (its products are not row-independent)")
+        for s in states:  # a full context refuses the step before any state grows
+            if s.n_past + 1 > s.n_ctx:
+                s.reserve(1)
+        for s in states:
+            s.reserve(1)
+        x = self._layers(tokens, [Segment(s, i, 1) for i, s in enumerate(states)], Phase.DECODE)
+        return self._head(x, rowwise=True)
+
+    def _checked(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         bad = tokens[(tokens < 0) | (tokens >= self.spec.n_vocab)]
         if bad.size:
             raise ValueError(f"token id {int(bad[0])} outside the vocabulary [0, {self.spec.n_vocab})")
-        state.reserve(len(tokens))
-        ops, w = self.ops, self.weights
-        x = self.weights.embedding(tokens)  # [T, D], on the device that owns the embedding (the head's)
+        return tokens
+
+    def _layers(self, tokens: np.ndarray, segments: list[Segment], phase: Phase) -> Any:
+        x = self.weights.embedding(tokens)  # [N, D], on the device that owns the embedding (the head's)
         self.experts.begin_step(phase)
         here = self.ops
         for il in range(self.spec.n_layer):
@@ -62,16 +104,20 @@ class Transformer:
             if owner is not here:  # the hidden state moves to the device that owns this layer
                 x, here = relay(x, here, owner), owner
             if self.timer is None:
-                x = self.layer_fn(self, il, x, state)
+                x = self.layer_fn(self, il, x, segments)
             else:
                 with self.timer.layer(il):
-                    x = self.layer_fn(self, il, x, state)
+                    x = self.layer_fn(self, il, x, segments)
         self.experts.end_step(len(tokens))
-        state.n_past += len(tokens)
-        state.tokens.extend(tokens.tolist())
-        if not all_logits:
-            x = x[-1:]
-        return ops.linear(ops.rms_norm(x, w["output_norm.weight"], self.spec.rms_eps), w["output.weight"])
+        for s in segments:
+            s.state.n_past += s.n
+            s.state.tokens.extend(tokens[s.start : s.start + s.n].tolist())
+        return x
+
+    def _head(self, x, rowwise: bool) -> np.ndarray:
+        ops, w = self.ops, self.weights
+        head = self._rowwise[self.placement.device_of_layer[-1]] if rowwise else ops
+        return head.linear(ops.rms_norm(x, w["output_norm.weight"], self.spec.rms_eps), w["output.weight"])
 
 
 def load_weights(gf: GGUFFile, spec: ModelSpec, ops: Any, placement: Placement | None = None) -> ResidentWeights:

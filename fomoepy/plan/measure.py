@@ -110,7 +110,7 @@ def host_step_seconds(model: str, threads: int | None = None, tokens: int = 24) 
         state = engine.new_state()
         token = int(np.argmax(engine.eval(state, [1, 2, 3, 4])[-1]))
         for _ in range(tokens):
-            token = int(np.argmax(engine.decode(state, token)))
+            token = int(np.argmax(engine.decode_token(state, token)))
         return engine.timer.host_seconds()[3]
     finally:
         engine.close()

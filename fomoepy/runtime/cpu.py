@@ -79,6 +79,12 @@ class CpuBackend:
         """x [T, K] · wᵀ for w [N, K] (GGUF row-major weights) → [T, N]."""
         return x @ w.T
 
+    @staticmethod
+    def linear_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """linear with each row's bits those it gets alone: one [1, K] product per row (a GEMV each,
+        as `linear` does for one row), where a [B, K] GEMM would sum in another order."""
+        return np.matmul(x[:, None, :], w.T)[:, 0]
+
     def swiglu_ffn(self, x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
         return self.linear(self.silu(self.linear(x, gate)) * self.linear(x, up), down)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from fomoepy import quants
-from fomoepy.experts.device import StepExperts
+from fomoepy.experts.device import Phase, StepExperts
 from fomoepy.experts.routing import softmax_route
 from fomoepy.experts.source import LayerExperts
 
@@ -86,13 +86,15 @@ class CpuExperts:
                 if item.to_device:
                     self.ready[key] = x
             ready[item.expert] = x
-        return self._compute(h, ids, weights, ready)
+        # a decode step's rows (one per sequence of a batch) are multiplied one at a time, so each
+        # sequence gets the bits it gets alone; a prefill's rows share one GEMM per expert
+        return self._compute(h, ids, weights, ready, rowwise=experts.phase is Phase.DECODE)
 
     def close(self) -> None:
         self.ready.clear()
 
     @staticmethod
-    def _compute(h: np.ndarray, ids: np.ndarray, weights: np.ndarray, ready: dict[int, ReadyExpert]) -> np.ndarray:
+    def _compute(h: np.ndarray, ids: np.ndarray, weights: np.ndarray, ready: dict[int, ReadyExpert], rowwise: bool = False) -> np.ndarray:
         """Experts are visited in ascending id order, so each token's k contributions are added in the
         same order whether it is decoded alone or prefilled with others, and whatever the cache held."""
         out = np.zeros_like(h)
@@ -104,10 +106,15 @@ class CpuExperts:
         for group in np.split(order, bounds):
             x = ready[int(flat_ids[group[0]])]
             rows = group // k  # tokens that chose this expert (each chooses it at most once)
-            gu = h[rows] @ x.gate_up.T  # [n, 2F]
             F = x.down.shape[1]
-            act = gu[:, :F] / (F32(1) + np.exp(-gu[:, :F])) * gu[:, F:]
-            out[rows] += (act @ x.down.T) * flat_w[group][:, None]  # [n, D]
+            if rowwise:  # numpy's stacked matmul: one GEMV per row, the product a row gets alone
+                gu = np.matmul(h[rows][:, None, :], x.gate_up.T)[:, 0]  # [n, 2F]
+                act = gu[:, :F] / (F32(1) + np.exp(-gu[:, :F])) * gu[:, F:]
+                out[rows] += np.matmul(act[:, None, :], x.down.T)[:, 0] * flat_w[group][:, None]  # [n, D]
+            else:
+                gu = h[rows] @ x.gate_up.T  # [n, 2F]
+                act = gu[:, :F] / (F32(1) + np.exp(-gu[:, :F])) * gu[:, F:]
+                out[rows] += (act @ x.down.T) * flat_w[group][:, None]  # [n, D]
         return out
 
 

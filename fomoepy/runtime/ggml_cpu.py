@@ -45,3 +45,12 @@ class GgmlBackend(CpuBackend):
         if isinstance(w, QuantMatrix):
             return mul_mat(x, w, self.threads)
         return x @ w.T
+
+    def linear_rows(self, x: np.ndarray, w) -> np.ndarray:
+        """linear for rows of several sequences. ggml computes each output element as one dot product of
+        the row's own Q8 activations with a weight row, by one thread, so a row's bits do not depend on
+        the rows beside it (checked on this build in tests/test_batch.py); the few float32 weights
+        multiplied here go through numpy's row-by-row products as on the reference backend."""
+        if isinstance(w, QuantMatrix):
+            return mul_mat(x, w, self.threads)
+        return CpuBackend.linear_rows(x, w)

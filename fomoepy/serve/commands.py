@@ -27,6 +27,12 @@ def register(sub) -> None:
     p.add_argument("--max-pending", type=int, default=d.max_pending, help=f"unfinished requests per connection (default {d.max_pending})")  # fmt: skip
     p.add_argument("--pause-timeout", type=float, default=d.pause_timeout,
                    help=f"seconds a generation paused by a client that does not read waits before it is cancelled (default {d.pause_timeout:g})")  # fmt: skip
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help=f"generations decoded together in one step (default {d.max_batch}; 1: one at a time)")  # fmt: skip
+    p.add_argument("--kv-budget", metavar="SIZE", default=None,
+                   help="KV cache the batch may reserve, e.g. 512M (default: --max-batch full contexts within a quarter "
+                        "of the available memory, at least one); a request whose prompt + max_tokens cannot fit is "
+                        "refused, one that fits waits its turn")  # fmt: skip
     p.add_argument("--http", metavar="[HOST:]PORT", help="also serve the OpenAI-compatible HTTP API (HOST default 127.0.0.1; off by default)")
     p.add_argument("--api-key", default=os.environ.get("FOMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every HTTP route but /health (default: $FOMOE_API_KEY)")  # fmt: skip
@@ -75,6 +81,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from fomoepy.experts.sizes import parse_size
     from fomoepy.serve.config import DaemonConfig
     from fomoepy.serve.daemon import Daemon
     from fomoepy.serve.listen import (
@@ -94,6 +101,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_pending=args.max_pending,
         pause_timeout=args.pause_timeout,
+        max_batch=args.max_batch,
+        kv_budget=None if args.kv_budget is None else parse_size(args.kv_budget),
     )
     http = parse_host_port(args.http) if args.http else None
     if http is not None:

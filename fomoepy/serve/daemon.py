@@ -144,7 +144,8 @@ class Daemon:
         self.engine = engine
         self.config = config = config if config is not None else DaemonConfig()
         self.state = ServerState()
-        self.worker = InferenceWorker(engine, max_sessions=config.max_sessions, pause_timeout=config.pause_timeout)
+        self.worker = InferenceWorker(engine, max_sessions=config.max_sessions, pause_timeout=config.pause_timeout,
+                                      max_batch=config.max_batch, kv_budget=config.kv_budget)  # fmt: skip
         self.should_exit = asyncio.Event()
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -360,7 +361,7 @@ class Daemon:
             "model": str(self.engine.file.path),
             "n_ctx": self.engine.n_ctx,
             "queue_length": self.worker.queue_length,
-            "running": int(self.worker.running is not None),
+            "running": self.worker.running,
             "paused": self.worker.paused_count,
             "connections": len(self.state.connections),
             "sessions": len(self.worker.sessions),

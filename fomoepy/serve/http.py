@@ -381,7 +381,7 @@ class MetricsCollector:
         speed.add_metric(["decode"], s["decode_tok_per_s"])
         yield speed
         yield GaugeMetricFamily("fomoe_queue_length", "Generations waiting for the engine", value=s["queue_length"])
-        yield GaugeMetricFamily("fomoe_running", "Generations running (0 or 1)", value=s["running"])
+        yield GaugeMetricFamily("fomoe_running", "Generations in the batch (0 to --max-batch)", value=s["running"])
         yield GaugeMetricFamily("fomoe_paused", "Generations paused: their client is not reading", value=s["paused"])
         yield GaugeMetricFamily("fomoe_connections", "Open socket connections", value=s["connections"])
         tokens = CounterMetricFamily("fomoe_tokens", "Tokens processed", labels=["kind"])

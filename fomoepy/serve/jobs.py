@@ -1,8 +1,10 @@
 """One generation request's life, and the pure pieces it is made of (stop strings, session reuse).
 
 A Job is driven by the worker on the event loop: `begin` (take the session's state, plan the cached
-prefix), then `step` once per token on the inference thread, `accept` each token on the loop (text,
-stop strings, streaming), and `finish` (final message, session returned). Only `step` touches the engine.
+prefix, start its `Generation`), then the worker's engine steps advance `gen` on the inference thread
+(prompt chunks, then batched decode steps), `accept` takes each token on the loop (text, stop strings,
+streaming), and `finish` sends the final message and returns the session. Only the worker's steps
+touch the engine.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from fomoepy.errors import FomoeError
+from fomoepy.generation import Generation, Phase
 from fomoepy.model.chat import render_chat
 from fomoepy.model.state import DeltaNetState, InferenceState
 from fomoepy.sampling import SamplingParams
@@ -23,7 +26,7 @@ from fomoepy.serve.protocol import Generate, RequestId
 class JobState(enum.Enum):
     PREPARING = "preparing"  # the prompt is being rendered and tokenized
     QUEUED = "queued"
-    RUNNING = "running"  # prefill, then decode: one engine step per token
+    RUNNING = "running"  # in the batch: prompt chunks, then one token per decode step
     PAUSED = "paused"  # the client is not reading; the engine serves others meanwhile
     DONE = "done"
 
@@ -163,7 +166,7 @@ class Job:
         self.t_first: float | None = None
         self.completion: list[int] = []
         self.cached = 0
-        self._gen: Iterator[int] | None = None
+        self.gen: Generation | None = None
         self._inference: InferenceState | None = None
         self._text: list[str] = []  # the whole answer, when not streamed
         self._decoder = None
@@ -190,15 +193,15 @@ class Job:
         self._inference = state
         self._decoder = engine.tokenizer.stream_decoder()
         self._eog = frozenset(engine.tokenizer.eog_ids)
-        self._gen = engine.generate(
+        self.gen = engine.start(
             self.prompt[keep:], self.request.max_tokens, self.params, state=state,
             stop_at_eog=not self.request.ignore_eos,
         )  # fmt: skip
 
-    def step(self) -> int | None:
-        """On the inference thread: the next token (the first one runs the prefill), None when done."""
-        assert self._gen is not None
-        return next(self._gen, None)
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt, with a token for the next decode step."""
+        return self.gen is not None and self.gen.phase is Phase.DECODE
 
     def accept(self, token: int) -> str | None:
         """On the loop thread: a produced token; a finish reason when it ends the generation."""
@@ -218,9 +221,7 @@ class Job:
     def finish(self, reason: str, sessions: Sessions | None) -> dict[str, Any]:
         """Send the final message; return the state to the session (None: drop it). Returns timings."""
         self.outcome = reason
-        if self._gen is not None:
-            self._gen.close()  # suspended between steps, so this runs no engine code
-            self._gen = None
+        self.gen = None
         if reason != "stop" and self._decoder is not None:
             text, _ = self._stop.feed(self._decoder.flush())
             self._emit(text + self._stop.flush())
@@ -260,9 +261,7 @@ class Job:
     def fail(self, code: str, message: str) -> None:
         """End with an error reply instead of `done`; the state, possibly half-updated, is dropped."""
         self.outcome = code
-        if self._gen is not None:
-            self._gen.close()
-            self._gen = None
+        self.gen = None
         self._inference = None
         self.state = JobState.DONE
         self.sink.send({"type": "error", "id": self.id, "code": code, "message": message})

@@ -38,7 +38,8 @@ Replies (daemon → client), each a map with `type` and `id`:
 
 Error codes: `bad_frame` (not a msgpack map), `frame_too_large` (then closed), `bad_request` (a field is
 missing, unknown, of the wrong type or out of range; an unknown op; a prompt longer than the context,
-refused before tokenizing when its byte count already rules it out), `busy` (too many unfinished requests
+refused before tokenizing when its byte count already rules it out; a prompt + max_tokens whose KV cache
+exceeds the daemon's KV budget), `busy` (too many unfinished requests
 on the connection, or `max_queue` unfinished generations, or as many unfinished tokenize/stats requests,
 daemon-wide), `shutting_down`, `internal` (a bug: logged by the daemon).
 

@@ -1,16 +1,22 @@
-"""The inference worker: one thread owns the engine; generation jobs take turns, round-robin across clients.
+"""The inference worker: one thread owns the engine; the loop forms a batch of generations every step.
 
-Scheduling lives on the event loop (plain deques, no locks); the inference thread only runs one engine
-step at a time (`Job.step`: the prefill with the first token, then one token). Turns: each client
-(sink) has its own first-come-first-served queue, and the clients take turns, one request each, so one
-connection's pipeline of long requests delays another client's request by at most the one running
-when it arrived. Every queued job is told its place (`queued` messages) as the queue moves.
+Scheduling lives on the event loop (plain deques, no locks); the inference thread runs one engine step
+at a time. A step is one decode step for every job of the batch that is decoding (one token each, in
+one batched forward pass: fomoepy.engine.Engine.decode) and at most one prefill chunk (at most
+`prefill_chunk` prompt tokens) of one job still in its prompt, those taking the chunk in turn. So while
+a newcomer's prompt is evaluated, a running stream waits at most one chunk between two of its tokens:
+its gap is bounded by one decode step plus one chunk, however long the prompt.
 
-Between steps the loop checks the running job:
+Joining and leaving happen between steps (at a token boundary). Jobs join from the ready queue while
+the batch has fewer than `max_batch` jobs and the KV budget (fomoepy.serve.kv_budget) has room for
+their worst case. Turns: each client (sink) has its own first-come-first-served queue, and the
+clients take turns, one request each, so one connection's pipeline of long requests waits behind
+another's one request, and a full batch keeps newcomers queued in that fair order, each told its place
+(`queued` messages) as the queue moves. A job leaves the batch when it ends, or when:
 
-- cancelled (a `cancel` request, a client that went away, shutdown): it ends with `done`/`cancelled`;
+- it is cancelled (a `cancel` request, a client that went away, shutdown): it ends with `done`/`cancelled`;
 - its client is not reading (the connection's write buffer is over its limit): the job is *paused*:
-  set aside with its state, and the engine moves on to the next job. When the client has drained its
+  set aside with its state, and the batch goes on without it. When the client has drained its
   buffer the job goes back to the end of its client's queue; a job paused longer than `pause_timeout`
   is cancelled. So a slow reader never blocks the engine, and its buffer grows by at most one frame.
 
@@ -33,6 +39,7 @@ from typing import Any
 
 from fomoepy.errors import FomoeError
 from fomoepy.serve.jobs import Job, JobState, Sessions, Sink
+from fomoepy.serve.kv_budget import KVBudget
 
 log = logging.getLogger("fomoe.serve")
 
@@ -108,14 +115,26 @@ class FairQueue:
 
 
 class InferenceWorker:
-    def __init__(self, engine, *, max_sessions: int = 8, pause_timeout: float = 60.0):
+    def __init__(self, engine, *, max_sessions: int = 8, pause_timeout: float = 60.0, max_batch: int = 8,
+                 kv_budget: int | None = None):  # fmt: skip
+        """max_batch: jobs in one step (1 on a backend that cannot batch); kv_budget: bytes of KV cache
+        the batch may reserve (None: default_kv_budget)."""
         self.engine = engine
         self.sessions = Sessions(max_sessions)
         self.pause_timeout = pause_timeout
+        self.max_batch = max_batch if getattr(engine, "batches", False) else 1
+        if max_batch < 1:
+            raise FomoeError(f"max_batch must be >= 1, got {max_batch}")
+        if self.max_batch < max_batch:
+            log.info("this backend decodes one sequence per step: --max-batch %d runs as 1", max_batch)
+        self.kv = KVBudget(kv_budget if kv_budget is not None else default_kv_budget(engine, max_batch),
+                           engine.kv_nbytes, engine.n_ctx)  # fmt: skip
         self.totals = Totals()
-        self.running: Job | None = None
+        self.batch: list[Job] = []  # admitted: in their prompt or decoding, in admission order
+        self.observe: Any = None  # called on the loop after each step with (prefill (job, n) or None, decoded jobs)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fomoe-engine")
         self._ready = FairQueue()
+        self._prefill_turn = 0  # which job in its prompt gets the next chunk
         self._stepping = False  # an engine step is in flight on the inference thread
         self._snapshot: Any = None
         self._snapshot_t = 0.0
@@ -135,9 +154,14 @@ class InferenceWorker:
         return len(self._paused)
 
     @property
+    def running(self) -> int:
+        """Jobs in the batch."""
+        return len(self.batch)
+
+    @property
     def backlog(self) -> int:
         """Jobs waiting for the engine: queued, paused and running."""
-        return len(self._ready) + len(self._paused) + (self.running is not None)
+        return len(self._ready) + len(self._paused) + len(self.batch)
 
     # -- commands (loop thread) --------------------------------------------------------------------
 
@@ -145,24 +169,29 @@ class InferenceWorker:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="fomoe-worker")
 
     def submit(self, job: Job) -> None:
+        self.totals.requests += 1
+        refusal = self.kv.refusal(len(job.prompt), job.request.max_tokens)
+        if refusal is not None:
+            job.fail("bad_request", f"generate: {refusal}")
+            return
         job.state = JobState.QUEUED
         self._ready.push(job)
-        self.totals.requests += 1
         self._tell_positions()
         self._wake.set()
 
     def cancel(self, job: Job) -> bool:
-        """Cancel a job at its next token (running) or now (queued, paused); False if already done."""
+        """Cancel a job at its next token (in the batch) or now (queued, paused); False if already done."""
         if job.state is JobState.DONE:
             return False
-        if job is self.running or job.state is JobState.PREPARING:  # preparing: its owner ends it
+        if job in self.batch or job.state is JobState.PREPARING:  # preparing: its owner ends it
             job.cancel_requested = True
+            self._wake.set()
         elif job.state is JobState.PAUSED:
             self._paused.pop(job).cancel()
-            job.finish("cancelled", self.sessions)
+            self._end(job, "cancelled")
         else:
             self._ready.remove(job)
-            job.finish("cancelled", self.sessions)
+            self._end(job, "cancelled")
             self._tell_positions()
         return True
 
@@ -176,12 +205,12 @@ class InferenceWorker:
         self._wake.set()
 
     async def stop(self) -> None:
-        """Cancel every job (each gets its final message) and wait for the running one to end."""
+        """Cancel every job (each gets its final message) and wait for the batch's to end."""
         self._stopping = True
         for job in [*self._ready, *self._paused]:
             self.cancel(job)
-        if self.running is not None:
-            self.running.cancel_requested = True
+        for job in self.batch:
+            job.cancel_requested = True
         self._wake.set()
         if self._task is not None:
             await self._task
@@ -212,72 +241,151 @@ class InferenceWorker:
     # -- the loop ----------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
-            while not self._ready:
-                if self._stopping:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-            job = self._ready.pop()
-            self.running = job
-            self._tell_positions()
-            try:
-                await self._drive(job)
-            finally:
-                self.running = None
-
-    async def _drive(self, job: Job) -> None:
-        """Run the job until it ends or pauses."""
-        try:
-            reason = await self._steps(job)
-            if reason is not None:
-                job.finish(reason, self.sessions)
-        except FomoeError as e:
-            job.fail("bad_request", str(e))
-        except Exception as e:  # a bug in a step must end this request, not the daemon
-            log.exception("request %r failed", job.id)
-            job.fail("internal", f"internal error: {type(e).__name__}: {e}")
-
-    async def _steps(self, job: Job) -> str | None:
-        """Engine steps until a finish reason, or None when the job was paused."""
         loop = asyncio.get_running_loop()
-        if job.t_start is None:
-            job.begin(self.engine, self.sessions)
-        job.state = JobState.RUNNING
         while True:
-            if job.cancel_requested:
-                return "cancelled"
-            if job.sink.write_paused and not self._stopping:
-                self._park(job)
-                return None
-            prefill = job.t_first is None
-            t0 = time.perf_counter()
+            self._wake.clear()
+            admitted = self._admit()
+            self._leave_between_steps()
+            if not self.batch:
+                if admitted:
+                    continue  # they left at once (cancelled, paused): others may join now
+                if self._stopping and not self._ready:
+                    return
+                await self._wake.wait()  # a job queued or resumed, or memory released
+                continue
+            prefill = self._next_prefill()
+            decoders = [j for j in self.batch if j.decoding]
             self._stepping = True
             try:
-                token = await loop.run_in_executor(self._thread, job.step)
+                result = await loop.run_in_executor(self._thread, self._engine_step, prefill, decoders)
             finally:
                 self._stepping = False
             if time.monotonic() - self._snapshot_t >= SNAPSHOT_EVERY:
                 self._take_snapshot()
-            self._account(job, prefill, time.perf_counter() - t0, token is not None)
-            if token is None:
-                return "length"  # max_tokens reached or the context is full
-            reason = job.accept(token)
-            if reason is not None:
-                return reason
+            self._deliver(prefill, decoders, result)
 
-    def _account(self, job: Job, prefill: bool, seconds: float, produced: bool) -> None:
+    def _admit(self) -> bool:
+        """Jobs join the batch in fair order while it has room and the KV budget has their worst case;
+        whether any did."""
+        admitted = False
+        while self._ready and len(self.batch) < self.max_batch and not self._stopping:
+            job = self._ready.order()[0]
+            worst = self.kv.worst_tokens(len(job.prompt), job.request.max_tokens)
+            if not self.kv.can_reserve(job, worst):
+                break  # the head waits for memory; jobs behind it do not overtake it
+            self._ready.pop()
+            self.kv.reserve(job, worst)
+            try:
+                if job.t_start is None:
+                    job.begin(self.engine, self.sessions)
+            except FomoeError as e:
+                self._fail(job, "bad_request", str(e))
+                continue
+            job.state = JobState.RUNNING
+            self.batch.append(job)
+            admitted = True
+        if admitted:
+            self._tell_positions()
+        return admitted
+
+    def _leave_between_steps(self) -> None:
+        """At the token boundary: cancelled jobs end, jobs whose client does not read are paused."""
+        for job in list(self.batch):
+            if job.cancel_requested:
+                self.batch.remove(job)
+                self._end(job, "cancelled")
+            elif job.sink.write_paused and not self._stopping:
+                self.batch.remove(job)
+                self._park(job)
+
+    def _next_prefill(self) -> Job | None:
+        """The job in its prompt whose turn it is to have a chunk evaluated (round robin)."""
+        in_prompt = [j for j in self.batch if not j.decoding]
+        if not in_prompt:
+            return None
+        self._prefill_turn = (self._prefill_turn + 1) % len(in_prompt)
+        return in_prompt[self._prefill_turn]
+
+    def _engine_step(self, prefill: Job | None, decoders: list[Job]):
+        """On the inference thread: one decode step for `decoders`, then one prompt chunk of `prefill`.
+        Each part's outcome is its own: ([tokens] or an exception, seconds), (token or None or an
+        exception, seconds)."""
+        decoded: Any = []
+        t0 = time.perf_counter()
+        if decoders:
+            try:
+                decoded = self.engine.decode([j.gen for j in decoders])
+            except Exception as e:  # every job of the step fails with it; the others go on
+                decoded = e
+        t1 = time.perf_counter()
+        first: Any = None
+        if prefill is not None:
+            try:
+                first = self.engine.prefill(prefill.gen)
+            except Exception as e:
+                first = e
+        return (decoded, t1 - t0), (first, time.perf_counter() - t1)
+
+    def _deliver(self, prefill: Job | None, decoders: list[Job], result) -> None:
+        (decoded, decode_s), (first, prefill_s) = result
         t = self.totals
-        if prefill:
-            t.prompt_tokens += len(job.prompt) - job.cached
-            t.prefill_s += seconds
-        else:
-            t.decode_s += seconds
-            t.decode_tokens += produced
-        t.completion_tokens += produced
+        if decoders:
+            t.decode_s += decode_s
+            if isinstance(decoded, BaseException):
+                for job in decoders:
+                    self._step_failed(job, decoded)
+            else:
+                t.decode_tokens += len(decoders)
+                t.completion_tokens += len(decoders)
+                for job, token in zip(decoders, decoded):
+                    self._accept(job, token)
+        if prefill is not None:
+            t.prefill_s += prefill_s
+            t.prompt_tokens += prefill.gen.last_chunk
+            if isinstance(first, BaseException):
+                self._step_failed(prefill, first)
+            elif first is not None:
+                t.completion_tokens += 1
+                self._accept(prefill, first)
+            elif prefill.gen.finished:  # max_tokens 0: the prompt evaluated, nothing sampled
+                self._leave(prefill, "length")
+        if self.observe is not None:
+            self.observe((prefill, prefill.gen.last_chunk) if prefill is not None else None, decoders)
+
+    def _accept(self, job: Job, token: int) -> None:
+        reason = job.accept(token)
+        if reason is None and job.gen.finished:
+            reason = "length"  # max_tokens reached or the context is full
+        if reason is not None:
+            self._leave(job, reason)
+
+    def _step_failed(self, job: Job, e: BaseException) -> None:
+        if job in self.batch:
+            self.batch.remove(job)
+        if isinstance(e, FomoeError):
+            self._fail(job, "bad_request", str(e))
+        else:  # a bug in a step must end its requests, not the daemon
+            log.error("request %r failed", job.id, exc_info=e)
+            self._fail(job, "internal", f"internal error: {type(e).__name__}: {e}")
+
+    def _leave(self, job: Job, reason: str) -> None:
+        self.batch.remove(job)
+        self._end(job, reason)
+
+    def _end(self, job: Job, reason: str) -> None:
+        self.kv.release(job)
+        self._wake.set()  # its memory may let the head of the queue in
+        job.finish(reason, self.sessions)
+
+    def _fail(self, job: Job, code: str, message: str) -> None:
+        self.kv.release(job)
+        self._wake.set()
+        job.fail(code, message)
 
     def _park(self, job: Job) -> None:
         job.state = JobState.PAUSED
+        if job.gen is not None:
+            self.kv.hold_only(job, self.engine.kv_nbytes(job.gen.state.kv_capacity))
         loop = asyncio.get_running_loop()
         self._paused[job] = loop.call_later(self.pause_timeout, self._pause_expired, job)
         log.info("request %r paused: its client is not reading", job.id)
@@ -286,6 +394,15 @@ class InferenceWorker:
         if job in self._paused:
             log.info("request %r cancelled: its client read nothing for %.0f s", job.id, self.pause_timeout)
             self.cancel(job)
+
+
+def default_kv_budget(engine, max_batch: int) -> int:
+    """max_batch full contexts, within a quarter of the memory available now (the host tier's default
+    takes another quarter), but always one full context: what one request could always use."""
+    from fomoepy.engine import available_memory_bytes
+
+    full = engine.kv_nbytes(engine.n_ctx)
+    return max(full, min(max_batch * full, available_memory_bytes() // 4))
 
 
 def plain(value: Any, depth: int = 0) -> Any:

@@ -1,0 +1,225 @@
+"""Continuous batching: the same requests served one at a time, then by 1, 2, 4 and 8 concurrent clients.
+
+`fomoe serve` runs in its own process on the bench model of bench/decode.py (`--shape bench`, its
+expert store beside it), cpu backend, in two configurations:
+- all resident: every expert in the host tier from the start (seeded by a profile listing them all);
+- host tier at 25 % of the experts (`--ram-frac`): misses are read from the store.
+
+In each, one daemon with `--max-batch 1` serves the request set from one client (one at a time, as
+before batching), then a daemon with `--max-batch B` serves the same set from 1, 2, 4 and 8 clients,
+each client on its own connection taking the next request when its last one is done. Every request
+is greedy, ignores end-of-generation and streams its tokens. Per run it prints:
+- aggregate tok/s: generated tokens of all requests / wall time from the first send to the last done;
+- inter-token latency p50 / p99 over every gap between two streamed messages of one request;
+- time to first token p50 (from each request's send);
+- expert bytes per generated token: bytes of the experts the steps computed from (each expert once
+  per step, whatever its rows: the daemon's cache statistics' accessed bytes), and of those, bytes
+  read from the store;
+- speed-up: aggregate tok/s over the one-at-a-time run of the same configuration.
+
+    python bench/batch.py [--requests 16] [--tokens 48] [--clients 1,2,4,8] [--max-batch 8] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+from decode import ensure_model
+from results import load_line, record
+from soak import Conn, pct
+
+from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
+from fomoepy.experts.store_reader import ExpertStore
+
+HERE = Path(__file__).parent
+WORDS = ["river", "stone", "light", "garden", "window", "morning", "paper", "music", "winter", "silver", "market",
+         "bridge", "forest", "letter"]
+
+
+def prompts(n: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [f"Request {i}: " + " ".join(rng.choice(WORDS, 12)) for i in range(n)]
+
+
+def start(sock: str, model: Path, args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fomoepy.cli", "serve", str(model), "--socket", sock, "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the daemon exited: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            raise SystemExit("the daemon did not start within 600 s")
+        if os.path.exists(sock):
+            try:
+                c = Conn(sock)
+                c.final(c.send("ping"))
+                c.close()
+                return proc
+            except OSError:
+                pass
+        time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(60)
+
+
+def cache_bytes(sock: str) -> tuple[int, int]:
+    """(accessed expert bytes, bytes read from the store) so far."""
+    c = Conn(sock)
+    cache = c.final(c.send("stats"))["stats"]["engine"]["cache"]
+    c.close()
+    return cache["accessed_bytes"], cache["disk"]["read_bytes"]
+
+
+class Stream:
+    """One request's streamed messages: the time to its first, then the gaps between them."""
+
+    def __init__(self, t_send: float, firsts: list[float]):
+        self.t_send, self.firsts = t_send, firsts
+        self.last: float | None = None
+        self.gaps: list[float] = []
+
+    def __call__(self, m: dict) -> None:
+        if m["type"] != "delta":
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.firsts.append(now - self.t_send)
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+
+def serve_all(sock: str, texts: list[str], n_tokens: int, n_clients: int) -> dict:
+    """Every request once, by n_clients concurrent clients; the run's measures."""
+    todo = list(range(len(texts)))
+    lock = threading.Lock()
+    gaps: list[float] = []
+    firsts: list[float] = []
+    produced = [0]
+    errors: list[str] = []
+
+    def client() -> None:
+        c = Conn(sock, timeout=600)
+        while True:
+            with lock:
+                if not todo:
+                    break
+                i = todo.pop(0)
+            watch = Stream(time.perf_counter(), firsts)
+            done = c.final(c.send("generate", prompt=texts[i], max_tokens=n_tokens, temperature=0, ignore_eos=True), watch)
+            with lock:
+                if done["type"] != "done" or done["usage"]["completion_tokens"] != n_tokens:
+                    errors.append(str(done)[:200])
+                produced[0] += done.get("usage", {}).get("completion_tokens", 0)
+                gaps.extend(watch.gaps)
+        c.close()
+
+    before = cache_bytes(sock)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = cache_bytes(sock)
+    if errors:
+        raise SystemExit(f"{len(errors)} requests did not complete: {errors[0]}")
+    n = produced[0]
+    return {
+        "tok_s": n / wall, "itl50": pct(gaps, 0.5), "itl99": pct(gaps, 0.99), "ttft50": pct(firsts, 0.5),
+        "used_per_tok": (after[0] - before[0]) / n, "disk_per_tok": (after[1] - before[1]) / n, "wall": wall,
+    }  # fmt: skip
+
+
+def every_expert_profile(model: Path, store: Path) -> tuple[Path, int]:
+    """A profile naming every expert (to seed the host tier with all of them), and their total bytes."""
+    with ExpertStore.open([store], model) as s:
+        layers, n_expert = s.layers, s.manifest.layers[0].n_expert
+        total = sum(layer.expert_nbytes for layer in layers) * n_expert
+    path = HERE / "models" / "decode-bench.all.freq"
+    entries = np.zeros(len(layers) * n_expert, dtype=ENTRY)
+    entries["layer"] = np.repeat(np.arange(len(layers)), n_expert)
+    entries["expert"] = np.tile(np.arange(n_expert), len(layers))
+    entries["freq"] = 1.0
+    write_freq(path, FreqProfile(len(layers), entries))
+    return path, total
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--max-batch", type=int, default=8, help="the batching daemon's --max-batch")
+    ap.add_argument("--ram-frac", type=float, default=0.25, help="host tier of the second configuration")
+    ap.add_argument("--threads", type=int, default=None, help="ggml threads (default: all cores)")
+    ap.add_argument("--only", choices=["resident", "capped"], default=None, help="run one configuration")
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+
+    model, store = ensure_model("bench")
+    profile, all_bytes = every_expert_profile(model, store)
+    threads = args.threads or os.cpu_count() or 1
+    clients = [int(c) for c in args.clients.split(",")]
+    texts = prompts(args.requests)
+    base = ["--backend", "cpu", "-t", str(threads), "--store", str(store)]
+    configs = {
+        "resident": ("all experts resident", ["--ram-cache", str(all_bytes), "--freq-profile", str(profile)]),
+        "capped": (f"host tier {args.ram_frac:.0%}, misses from the store", ["--ram-cache", str(int(all_bytes * args.ram_frac))]),
+    }  # fmt: skip
+    rows = []
+    for key, (title, flags) in configs.items():
+        if args.only and key != args.only:
+            continue
+        runs = []
+        with tempfile.TemporaryDirectory(dir="/tmp", prefix="fomoe-batch-") as d:
+            for label, max_batch, n_clients in [("one at a time", 1, [1]), ("batched", args.max_batch, clients)]:
+                sock = f"{d}/{max_batch}.sock"
+                proc = start(sock, model, [*base, *flags, "--max-batch", str(max_batch)])
+                try:
+                    serve_all(sock, texts[:4], args.tokens, min(4, max_batch))  # warm: caches, graphs, pages
+                    for n in n_clients:
+                        r = serve_all(sock, texts, args.tokens, n)
+                        runs.append((label if max_batch == 1 else f"{n} client{'s' * (n > 1)}", r))
+                        print(f"{title}: {runs[-1][0]}: {r['tok_s']:.2f} tok/s; {os.getloadavg()[0]:.2f} load", file=sys.stderr)
+                finally:
+                    stop(proc)
+        one = runs[0][1]["tok_s"]
+        for label, r in runs:
+            rows.append(
+                f"| {title} | {label} | {r['tok_s']:.2f} | {r['tok_s'] / one:.2f}x | {r['itl50'] * 1e3:.0f} / {r['itl99'] * 1e3:.0f} "
+                f"| {r['ttft50'] * 1e3:.0f} | {r['used_per_tok'] / 1e6:.2f} | {r['disk_per_tok'] / 1e6:.2f} |"
+            )
+    report = (
+        f"### batch — {date.today()} — cpu backend, {platform.machine()}, {os.cpu_count()} cores — {load_line()}; "
+        f"load {os.getloadavg()[0]:.2f} at the end\n\n"
+        f"`python bench/batch.py --requests {args.requests} --tokens {args.tokens} --clients {args.clients} "
+        f"--max-batch {args.max_batch} --ram-frac {args.ram_frac}" + (f" --threads {args.threads}" if args.threads else "")
+        + (f" --only {args.only}" if args.only else "") + f"`; bench model, -t {threads}, greedy, {args.tokens} tokens per request\n\n"
+        "| configuration | served by | aggregate tok/s | vs one at a time | inter-token p50 / p99 ms | first token p50 ms "
+        "| expert MB used / token | of which read from store MB / token |\n|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(rows) + "\n"
+    )  # fmt: skip
+    print(report)
+    if args.record:
+        record(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

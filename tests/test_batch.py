@@ -1,0 +1,219 @@
+"""A decode step over several sequences: each request's tokens and logits are those it gets alone
+(sequences joining and leaving mid-batch, greedy and seeded sampling, attention and DeltaNet models);
+KV caches that grow by chunks; the KV budget's admission rule.
+
+Alone and batched run the same engine steps (prompt chunks, then decode steps); only the decode steps
+differ, by the rows beside each sequence's own. On the reference backend the dense products give each
+row its own bits (RowwiseOps), and in a decode step so do the routed experts' (fomoepy.runtime.
+cpu_experts multiplies a decode step's rows one at a time): a batched request is its lone run bit for
+bit. A prefill's rows share one GEMM per expert.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ORACLE
+from float32_bounds import reorder_bound
+
+from fomoepy.engine import Engine, EngineOptions
+from fomoepy.errors import FomoeError
+from fomoepy.model.state import KV_CHUNK, ContextFullError
+from fomoepy.sampling import SamplingParams
+from fomoepy.serve.kv_budget import KVBudget
+
+F32 = np.float32
+MODELS = ["qwen3moe_q4_k_m", "qwen35moe_q4_k"]
+
+
+@pytest.fixture(scope="module", params=[(m, b) for m in MODELS for b in ("reference", "cpu")], ids=lambda p: f"{p[0]}-{p[1]}")
+def engine(request):
+    name, backend = request.param
+    e = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend=backend, threads=1, prefill_chunk=4))
+    yield e
+    e.close()
+
+
+class Recording:
+    """A sampler that keeps every logits row it is given (the request's view of each step)."""
+
+    def __init__(self, sampler):
+        self.sampler, self.logits = sampler, []
+
+    def __call__(self, logits, history):
+        self.logits.append(np.array(logits, copy=True))
+        return self.sampler(logits, history)
+
+
+def requests(engine):
+    tokens = np.load(ORACLE / f"{engine.file.path.stem}.tokens.npy").tolist()
+    greedy, seeded = SamplingParams.greedy(), SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    # (prompt, max_tokens, params, the schedule step at which it joins)
+    return [(tokens[:9], 12, greedy, 0), (tokens[2:5], 5, seeded, 2), (tokens[4:15], 9, greedy, 3), (tokens[1:2], 7, seeded, 6)]
+
+
+def alone(engine, prompt, n, params):
+    gen = engine.start(prompt, n, params)
+    gen.sampler = Recording(gen.sampler)
+    out = [t for t in _drive(engine, [gen])]
+    return out, gen.sampler.logits
+
+
+def _drive(engine, gens):
+    while gens[0].pending:
+        t = engine.prefill(gens[0])
+    yield t
+    while not gens[0].finished:
+        yield engine.decode(gens)[0]
+
+
+def batched(engine, reqs):
+    """The worker's schedule: each step, one decode step for every generation past its prompt and one
+    prompt chunk of one newcomer; requests join at their step and leave when they finish."""
+    gens, out, step = [], [[] for _ in reqs], 0
+    while step < 100 and (len(gens) < len(reqs) or any(not g.finished for g in gens)):
+        for prompt, n, params, at in reqs[len(gens) :]:
+            if at <= step:
+                g = engine.start(prompt, n, params)
+                g.sampler = Recording(g.sampler)
+                gens.append(g)
+        live = [i for i, g in enumerate(gens) if not g.finished and not g.pending and g.next_token is not None]
+        for i, token in zip(live, engine.decode([gens[i] for i in live]) if live else []):
+            out[i].append(token)
+        newcomer = next((i for i, g in enumerate(gens) if g.pending), None)
+        if newcomer is not None:
+            first = engine.prefill(gens[newcomer])
+            if first is not None:
+                out[newcomer].append(first)
+        step += 1
+    assert all(g.finished for g in gens)
+    return out, [g.sampler.logits for g in gens]
+
+
+def test_rows_of_the_batch_met_other_rows(engine):
+    # the schedule is a real batch: some decode steps carry three or four sequences at once
+    sizes = []
+    decode = engine.decode
+    engine.decode = lambda gens: sizes.append(len(gens)) or decode(gens)
+    try:
+        batched(engine, requests(engine))
+    finally:
+        del engine.decode
+    assert max(sizes) >= 3
+
+
+def test_each_request_in_a_batch_gets_its_lone_tokens_and_logits_within_two_summation_orders(engine):
+    reqs = requests(engine)
+    got, got_logits = batched(engine, reqs)
+    for (prompt, n, params, _), tokens, logits in zip(reqs, got, got_logits):
+        want, want_logits = alone(engine, prompt, n, params)
+        assert tokens == want
+        assert len(logits) == len(want_logits)
+        for a, b in zip(logits, want_logits):
+            # the MoE half's GEMM against its one-row GEMV: two orders of the same sums
+            bound = reorder_bound(engine.spec, len(prompt) + n) * np.abs(b).max()
+            assert np.abs(a - b).max() <= bound
+
+
+def test_a_batched_request_is_its_lone_run_bit_for_bit_on_the_reference_backend(engine):
+    if engine.options.backend != "reference":
+        pytest.skip("the numpy experts; ggml's are per row already")
+    reqs = requests(engine)
+    got, got_logits = batched(engine, reqs)
+    for (prompt, n, params, _), tokens, logits in zip(reqs, got, got_logits):
+        want, want_logits = alone(engine, prompt, n, params)
+        assert tokens == want
+        assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits))
+
+
+def test_a_full_context_refuses_the_batched_step_before_any_state_moves():
+    e = Engine(ORACLE / "qwen3moe_q4_k_m.gguf", EngineOptions(n_ctx=6))
+    a, b = e.start([1, 2, 3], 5, SamplingParams.greedy()), e.start([1, 2, 3, 4, 5], 5, SamplingParams.greedy())
+    e.prefill(a), e.prefill(b)
+    e.decode([a, b])
+    assert b.finished and b.state.n_past == 6 and not a.finished  # b's context is full: it ends there
+    before = (a.state.n_past, b.state.n_past)
+    with pytest.raises(ContextFullError):
+        e.model.forward_batch(np.array([7, 7]), [a.state, b.state])
+    assert (a.state.n_past, b.state.n_past) == before
+    with pytest.raises(ValueError, match="twice"):
+        e.model.forward_batch(np.array([7, 7]), [a.state, a.state])
+
+
+def test_kv_caches_grow_by_chunks_and_keep_their_past():
+    e = Engine(ORACLE / "qwen3moe_q4_k_m.gguf", EngineOptions(n_ctx=2 * KV_CHUNK + 10))
+    tokens = np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")
+    stream = np.resize(tokens, 2 * KV_CHUNK + 4)
+    grown, full = e.new_state(), e.new_state()
+    full.reserve(full.n_ctx)  # every position up front, as before
+    assert grown.kv_capacity == KV_CHUNK and full.kv_capacity == full.n_ctx
+    capacities = []
+    for chunk in np.array_split(stream, 7):  # chunks that cross both chunk boundaries
+        assert np.array_equal(e.eval(grown, chunk, all_logits=True), e.eval(full, chunk, all_logits=True))
+        capacities.append(grown.kv_capacity)
+    assert capacities == sorted(capacities) and capacities[0] == KV_CHUNK and capacities[-1] == grown.n_ctx
+    held = sum(layer.k.nbytes + layer.v.nbytes for layer in grown.layers)
+    assert held == e.kv_nbytes(grown.n_past)
+
+
+def test_a_states_bytes_are_what_kv_nbytes_says_deltanet_included():
+    e = Engine(ORACLE / "qwen35moe_q4_k.gguf")
+    s = e.new_state()
+    e.eval(s, [1, 2, 3])
+    held = sum(a.nbytes for layer in s.layers for a in vars(layer).values() if isinstance(a, np.ndarray))
+    assert held == e.kv_nbytes(3) and e.kv_nbytes(KV_CHUNK + 1) > e.kv_nbytes(KV_CHUNK)
+
+
+def test_the_kv_budget_refuses_what_can_never_fit_and_admits_by_what_is_left():
+    per_token = 1000
+    budget = KVBudget(10_000, lambda n: per_token * n, n_ctx=8)
+    assert budget.refusal(4, 4) is None and budget.worst_tokens(4, 100) == 8  # capped at the context
+    small = KVBudget(5_000, lambda n: per_token * n, n_ctx=8)
+    why = small.refusal(3, 4)
+    assert why == ("up to 7 tokens (3 prompt + max_tokens 4, context 8) need 0.0 MiB of KV cache, more than the "
+                   "daemon's KV budget of 0.0 MiB (--kv-budget)")  # fmt: skip
+    budget.reserve("a", 6)
+    assert budget.can_reserve("b", 4) and not budget.can_reserve("b", 5)
+    budget.hold_only("a", 2_000)  # paused: only what its state holds
+    assert budget.can_reserve("b", 8)
+    budget.release("a")
+    assert budget.reserved == 0 and "a" not in budget
+    with pytest.raises(ValueError):
+        KVBudget(5_000, lambda n: per_token * n, 8).reserve("x", 6)
+
+
+def test_generation_refuses_bad_input_with_one_clear_error(engine):
+    with pytest.raises(FomoeError, match="max_tokens must be >= 0"):
+        engine.start([1], -1)
+    with pytest.raises(FomoeError, match="the prompt is empty"):
+        engine.start([], 3)
+    with pytest.raises(ContextFullError):
+        engine.start([1] * (engine.n_ctx + 1), 3)
+    with pytest.raises(FomoeError, match="expected generations in decode"):
+        engine.decode([engine.start([1, 2], 3)])
+
+
+def test_the_default_kv_budget_holds_one_full_context_at_least_and_the_batch_at_most(monkeypatch):
+    from fomoepy import engine as engine_module
+    from fomoepy.serve.worker import default_kv_budget
+
+    e = Engine(ORACLE / "qwen3moe_q4_k_m.gguf")
+    full = e.kv_nbytes(e.n_ctx)
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 1 << 40)
+    assert default_kv_budget(e, 8) == 8 * full
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 4 * 3 * full)
+    assert default_kv_budget(e, 8) == 3 * full  # a quarter of what is available
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 0)
+    assert default_kv_budget(e, 8) == full  # one request with the whole context always fits
+
+
+def test_a_batched_decode_step_is_one_tick_of_the_policies_time_whatever_its_rows():
+    e = Engine(ORACLE / "qwen3moe_q4_k_m.gguf", EngineOptions(threads=1))
+    gens = [e.start([1, 2, 3 + i], 4, SamplingParams.greedy()) for i in range(3)]
+    for g in gens:
+        e.prefill(g)
+    cache, streamer = e.experts.streamer.cache, e.experts.streamer
+    now, seen = cache.now, streamer.tokens_seen
+    e.decode(gens)
+    assert cache.now == now + 1  # half-lives are in steps: they do not shrink as a batch grows
+    assert streamer.tokens_seen == seen + 3  # the trace and CAR's warm-up still count tokens

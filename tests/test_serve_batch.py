@@ -1,0 +1,220 @@
+"""The daemon's batch, watched step by step: requests join and leave it at token boundaries (finish,
+cancel, disconnect, pause), a long prompt is prefilled one bounded chunk per step beside running
+streams, the KV budget refuses what can never fit and holds back what does not fit now, and every
+request's tokens are those the engine gives it alone.
+
+The worker reports each engine step (`observe`: the prefill chunk and the decoding jobs), so the
+assertions are about the order of steps, not about time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+from conftest import ORACLE
+from test_serve import raw_connect, slow_reader, wait_paused
+from test_serve_fairness import final, send
+
+from fomoepy.engine import Engine, EngineOptions
+from fomoepy.sampling import SamplingParams
+from fomoepy.serve.config import DaemonConfig
+from fomoepy.serve.protocol import FrameDecoder
+from fomoepy.serve.thread import DaemonThread
+
+MODEL = "qwen3moe_q4_k_m"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(ORACLE / f"{MODEL}.gguf")
+
+
+class Steps:
+    """Every engine step of a daemon, as (prefill (request id, prompt tokens) or None, [decoding ids])."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[tuple | None, list]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, prefill, decoders) -> None:
+        with self._lock:
+            self.steps.append(((prefill[0].id, prefill[1]) if prefill else None, [j.id for j in decoders]))
+
+    def copy(self) -> list:
+        with self._lock:
+            return list(self.steps)
+
+    def wait(self, pred, timeout: float = 60) -> list:
+        deadline = time.monotonic() + timeout
+        while not pred(steps := self.copy()):
+            assert time.monotonic() < deadline, "the steps never got there"
+            time.sleep(0.005)
+        return steps
+
+    def decoded(self, id) -> list[int]:
+        """Indices of the steps that decoded a token of `id`."""
+        return [i for i, (_, ids) in enumerate(self.copy()) if id in ids]
+
+
+@contextmanager
+def daemon(engine, **config):
+    d = tempfile.mkdtemp(dir="/tmp", prefix="fomoe-b-")
+    steps = Steps()
+    try:
+        with DaemonThread(engine, f"{d}/d.sock", DaemonConfig(**config)) as t:
+            t.call(lambda: setattr(t.daemon.worker, "observe", steps))
+            yield t, steps
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def alone(engine, prompt: str, n: int) -> list[int]:
+    return list(engine.generate(engine.tokenizer.encode(prompt), n, SamplingParams.greedy(), stop_at_eog=False))
+
+
+def generate(s: socket.socket, id, prompt: str, n: int) -> None:
+    send(s, op="generate", id=id, prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True, return_tokens=True)
+
+
+def test_a_request_joins_a_running_one_and_leaves_before_it_each_with_its_lone_tokens(engine):
+    sizes, decode = [], engine.decode
+    engine.decode = lambda gens: sizes.append(len(gens)) or decode(gens)  # the engine's own view of a step
+    with daemon(engine) as (d, steps):
+        a, b = raw_connect(d.path), raw_connect(d.path)
+        da, db = FrameDecoder(1 << 20), FrameDecoder(1 << 20)
+        generate(a, "A", "the quick fox", 40)
+        steps.wait(lambda s: sum("A" in ids for _, ids in s) >= 5)
+        generate(b, "B", "a lazy dog", 8)
+        done_b, _ = final(b, db, "B")
+        done_a, _ = final(a, da, "A")
+        a.close(), b.close()
+    del engine.decode
+    assert sizes.count(2) == 7  # B's decode steps were A's too: one batched step each, not two
+    assert done_a["tokens"] == alone(engine, "the quick fox", 40)
+    assert done_b["tokens"] == alone(engine, "a lazy dog", 8)
+    in_a, in_b = steps.decoded("A"), steps.decoded("B")
+    together = set(in_a) & set(in_b)
+    assert len(together) == 7  # B's 7 decode steps (its first token came with its prompt) all beside A's
+    assert in_a[0] < min(in_b) and max(in_b) < in_a[-1]  # B joined A's batch and left it while A ran on
+    assert in_a == list(range(in_a[0], in_a[0] + 39))  # A decoded at every step: no step passed it by
+
+
+def test_cancel_and_disconnect_inside_a_batch_leave_the_others_running(engine):
+    with daemon(engine) as (d, steps):
+        conns = {k: raw_connect(d.path) for k in "ABC"}
+        decs = {k: FrameDecoder(1 << 20) for k in "ABC"}
+        generate(conns["A"], "A", "the quick fox", 60)
+        generate(conns["B"], "B", "a lazy dog", 400)
+        generate(conns["C"], "C", "over the hill", 400)
+        steps.wait(lambda s: any({"A", "B", "C"} <= set(ids) for _, ids in s))
+        send(conns["B"], op="cancel", id="x", target="B")
+        conns["C"].close()
+        done_b, seen_b = final(conns["B"], decs["B"], "B")
+        done_a, _ = final(conns["A"], decs["A"], "A")
+        stats = d.call(d.daemon.stats)
+        for k in "AB":
+            conns[k].close()
+    assert done_a["finish_reason"] == "length" and done_a["tokens"] == alone(engine, "the quick fox", 60)
+    assert done_b["finish_reason"] == "cancelled" and done_b["usage"]["completion_tokens"] < 400
+    assert {"type": "ok", "id": "x", "cancelled": True} in seen_b  # answered at once, before its done
+    assert stats["outcomes"].get("cancelled") == 2 and stats["running"] == 0
+    in_a, in_b, in_c = steps.decoded("A"), steps.decoded("B"), steps.decoded("C")
+    assert max(in_b) < in_a[-1] and max(in_c) < in_a[-1]  # both left; A ran on alone
+    assert in_a == list(range(in_a[0], in_a[0] + 59))
+
+
+def test_a_slow_reader_is_paused_out_of_the_batch_and_resumes_with_its_lone_tokens(engine):
+    with daemon(engine, write_buffer=1024, pause_timeout=30.0) as (d, steps):
+        s = slow_reader(d)
+        generate(s, "S", "over the hill", 300)
+        b = raw_connect(d.path)
+        generate(b, "B", "the quick fox", 120)
+        wait_paused(d, 1)
+        paused_at = len(steps.copy())
+        done_b, _ = final(b, FrameDecoder(1 << 20), "B")
+        b.close()
+        done_s, _ = final(s, FrameDecoder(1 << 20), "S")  # reading again: S resumes
+        s.close()
+    assert done_b["tokens"] == alone(engine, "the quick fox", 120)
+    assert done_s["finish_reason"] == "length" and done_s["tokens"] == alone(engine, "over the hill", 300)
+    in_s, in_b = steps.decoded("S"), steps.decoded("B")
+    assert set(in_s) & set(in_b)  # S was in B's batch before it paused
+    assert [i for i in in_b if i >= paused_at and i not in in_s]  # B went on without S while S was paused
+
+
+def test_a_4mb_prompt_is_prefilled_one_bounded_chunk_per_step_beside_running_streams():
+    # a context large enough for the whole prompt, so it is really prefilled (chunk by chunk)
+    big_engine = Engine(ORACLE / f"{MODEL}.gguf", EngineOptions(n_ctx=4_100_000))
+    chunk = big_engine.prefill_chunk
+    text = "def f(x):\n    return x\n" * (4_000_000 // 23)
+    with daemon(big_engine, max_frame=4 << 20) as (d, steps):
+        big = raw_connect(d.path)
+        big.settimeout(120)
+        generate(big, "big", text, 4)
+        steps.wait(lambda s: sum(p is not None and p[0] == "big" for p, _ in s) >= 3, timeout=120)
+        a, b = raw_connect(d.path), raw_connect(d.path)
+        generate(a, "A", "the quick fox", 30)
+        generate(b, "B", "a lazy dog", 30)
+        done_a, _ = final(a, FrameDecoder(1 << 20), "A")
+        done_b, _ = final(b, FrameDecoder(1 << 20), "B")
+        big.close()  # the client goes: its prefill stops
+        a.close(), b.close()
+    assert done_a["tokens"] == alone(big_engine, "the quick fox", 30)
+    assert done_b["tokens"] == alone(big_engine, "a lazy dog", 30)
+    recorded = steps.copy()
+    for id in ("A", "B"):
+        mine = steps.decoded(id)
+        # between two tokens of a running stream: exactly one step, with at most one chunk of the prompt
+        assert mine == list(range(mine[0], mine[0] + 29))
+        for i in mine:
+            prefill, _ = recorded[i]
+            assert prefill is None or prefill[1] <= chunk
+        assert sum(recorded[i][0] is not None and recorded[i][0][0] == "big" for i in mine) >= 10  # it was beside
+
+
+def test_the_kv_budget_refuses_what_never_fits_and_queues_what_does_not_fit_now(engine):
+    one_chunk = engine.kv_nbytes(1)  # a sequence of up to 256 tokens
+    with daemon(engine, kv_budget=one_chunk) as (d, steps):
+        a, b = raw_connect(d.path), raw_connect(d.path)
+        da, db = FrameDecoder(1 << 20), FrameDecoder(1 << 20)
+        generate(a, "huge", "the quick fox", 300)
+        refused, _ = final(a, da, "huge")
+        generate(a, "A", "the quick fox", 30)
+        steps.wait(lambda s: any("A" in ids for _, ids in s))
+        generate(b, "B", "a lazy dog", 30)
+        done_b, seen_b = final(b, db, "B")
+        done_a, _ = final(a, da, "A")
+        a.close(), b.close()
+    assert refused["type"] == "error" and refused["code"] == "bad_request"
+    assert "more than the daemon's KV budget" in refused["message"] and "(--kv-budget)" in refused["message"]
+    assert [m["position"] for m in seen_b if m["type"] == "queued"] == [0]  # B waited, told its place
+    assert not set(steps.decoded("A")) & set(steps.decoded("B"))  # never in one step: the budget holds one
+    assert done_a["tokens"] == alone(engine, "the quick fox", 30)
+    assert done_b["tokens"] == alone(engine, "a lazy dog", 30)
+
+
+def test_a_full_batch_keeps_newcomers_queued_in_turn(engine):
+    with daemon(engine, max_batch=2) as (d, steps):
+        conns = [raw_connect(d.path) for _ in range(4)]
+        decs = [FrameDecoder(1 << 20) for _ in range(4)]
+        for i, c in enumerate(conns[:2]):
+            generate(c, i, "the quick fox", 40)
+        steps.wait(lambda s: any(len(ids) == 2 for _, ids in s))
+        for i, c in enumerate(conns[2:], 2):
+            generate(c, i, "a lazy dog", 5)
+        dones = [final(c, dec, i) for i, (c, dec) in enumerate(zip(conns, decs))]
+        for c in conns:
+            c.close()
+    assert max(len(ids) for _, ids in steps.copy()) == 2
+    queued = [[m["position"] for m in seen if m["type"] == "queued"] for _, seen in dones[2:]]
+    assert queued[0][0] == 0 and queued[1][0] == 1  # told their places while the batch was full
+    first = {i: min(steps.decoded(i)) for i in range(4)}
+    assert first[2] < first[3]  # and started in that order
+    assert all(done["tokens"] == alone(engine, p, n) for (done, _), (p, n) in
+               zip(dones, [("the quick fox", 40)] * 2 + [("a lazy dog", 5)] * 2))  # fmt: skip
