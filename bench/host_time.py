@@ -54,7 +54,12 @@ def gpu_child(args: argparse.Namespace) -> dict:
     from fomoepy.experts.routing import Routing
     from fomoepy.experts.step import MoEStep
     from fomoepy.experts.streamer import ExpertStreamer
-    from fomoepy.plan.routing import RoutingFit, fit_routing, load_traces, synthetic_trace
+    from fomoepy.plan.routing import (
+        RoutingFit,
+        fit_routing,
+        load_traces,
+        synthetic_trace,
+    )
     from fomoepy.plan.shapes import model_bytes, shape_by_name
     from fomoepy.runtime.gpu import GpuBackend
     from fomoepy.runtime.gpu_experts import GpuExperts
@@ -176,8 +181,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
 
 def gpu_path(args: argparse.Namespace) -> dict:
     """Runs gpu_child in a process whose loader finds the stand-in driver (LD_LIBRARY_PATH is read at start)."""
-    from fomoepy.runtime.sim.build import standin_drivers
     from fomoepy.runtime.kernels import cache_root
+    from fomoepy.runtime.sim.build import standin_drivers
 
     standin = standin_drivers(cache_root() / "standin-null")
     paths = [str(standin)]

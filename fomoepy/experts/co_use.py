@@ -38,7 +38,11 @@ import heapq
 from collections.abc import Generator, Sequence
 from contextlib import closing
 
-from fomoepy.experts.policy import AdmittingFrequencyPolicy, DemotingFrequencyPolicy, Key
+from fomoepy.experts.policy import (
+    AdmittingFrequencyPolicy,
+    DemotingFrequencyPolicy,
+    Key,
+)
 
 
 class CoUseCounts:
