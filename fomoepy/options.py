@@ -9,6 +9,7 @@ reads it off the options object it is given rather than from a copy. For example
     --car-*        experts/car (flags, CarConfig) -> options -> experts/streamer (car.cache_aware_route)
     --ram-cache    options -> engine (ExpertCache's sizes) -> experts/cache
     --vram-cache   options (refused on the cpu backend, here, before anything loads) -> engine -> experts/cache
+    --cache-policy options -> engine (make_policy for each tier; whether evictions demote) -> experts/policy
 
 The flag names are a contract: other programs pass them.
 """
