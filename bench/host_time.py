@@ -139,13 +139,15 @@ def gpu_child(args: argparse.Namespace) -> dict:
                         answer.append(Routing(guess[None, :], weights, probs))
                     answer.append(Routing(ids[t, il][None, :], weights, probs))
                     c0, s0, p0 = calls["n"], calls["s"], calls["pack"]
+                    cpu0 = time.thread_time()
                     t0 = time.perf_counter()
                     exact = dev.route(dev.linear(h, router_w), "softmax", k)  # the model's router, as moe.py runs it
                     t1 = time.perf_counter()
                     step(il, h, exact)
                     t2 = time.perf_counter()
+                    cpu = time.thread_time() - cpu0
                     rec = step.records[-1] if step.records else None
-                    samples.append((t2 - t0, t1 - t0, rec, calls["n"] - c0, calls["s"] - s0, calls["pack"] - p0))
+                    samples.append((t2 - t0, t1 - t0, rec, calls["n"] - c0, calls["s"] - s0, calls["pack"] - p0, cpu))
                 step.end_step(1)
         finally:
             DriverShim.call = real_call  # type: ignore[method-assign]
@@ -160,6 +162,9 @@ def gpu_child(args: argparse.Namespace) -> dict:
     reads, uploads = source.reads - reads, device.uploads - uploads
     totals = [s[0] * 1e6 for s in plain]
     median, p90 = percentiles(totals)
+    # the inference thread's CPU time: the host's own work, without the waits for a core that a busy
+    # machine adds to wall time (in null mode nothing else works for a step)
+    cpu_median, cpu_p90 = percentiles([s[6] * 1e6 for s in plain])
     n = len(split)
     route_us = float(np.median([(s[1] + s[2].route) * 1e6 for s in split]))
     plan_us = float(np.median([(s[2].plan + s[2].wait) * 1e6 for s in split]))
@@ -169,7 +174,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
     total_split = float(np.median([s[0] * 1e6 for s in split]))
     stats = cache.stats.summary()
     return {
-        "shape": SHAPE, "median_us": median, "p90_us": p90, "steps": len(totals), "vendor": args.vendor, "policy": policy,
+        "shape": SHAPE, "median_us": median, "p90_us": p90, "cpu_median_us": cpu_median, "cpu_p90_us": cpu_p90,
+        "steps": len(totals), "vendor": args.vendor, "policy": policy,
         "device": device_name,
         "split_median_us": {"total (instrumented)": total_split, "routing": route_us, "plan": plan_us,
                             "binding calls": binding_us, "calls per step": calls_per_step,
@@ -263,8 +269,8 @@ def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
         "",
         "| path | shape | median µs | p90 µs | steps | split (medians, µs) |",
         "|---|---|---|---|---|---|",
-        f"| GPU, {gpu['vendor']} binding over the null stand-in, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} | "
-        f"{gpu['p90_us']:.1f} | {gpu['steps']} | routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
+        f"| GPU, {gpu['vendor']} binding over the null stand-in, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall, "
+        f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
         f"{g['binding calls']:.1f} ({g['calls per step']:.0f} calls), staging copies {g['staging copies (mean)']:.1f} (mean), "
         f"rest {rest - g['binding calls']:.1f} "
         f"(instrumented total {g['total (instrumented)']:.1f}); device hits {gpu['tiers']['device_hit']:.1%}, "

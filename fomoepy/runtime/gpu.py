@@ -394,10 +394,18 @@ class GpuBackend:
         if kernel is None:
             raise FomoeError(f"gating {gating!r} has no GPU kernel (have: {', '.join(DEVICE_GATING)})")
         logits, T, E, _ = self._rows(self.asdevice(logits).contiguous())
-        probs, ids, weights = self.empty((T, E)), self.empty((T, k), I32), self.empty((T, k))
+        # probabilities, ids and weights in one allocation, read back in one copy (a binding call costs
+        # microseconds, and a decode step routes twice per layer: its own choice and the prediction)
+        n = T * (E + 2 * k)
+        out = self.empty((max(n, 1),))
         if T:
-            self.launch(kernel, (T,), 256, logits.ptr, T, E, k, probs.ptr, ids.ptr, weights.ptr, self.err.ptr, shared=4 * E)
-        p, i, w = self.to_host(probs, ids, weights)
+            ptr = out.ptr
+            self.launch(kernel, (T,), 256, logits.ptr, T, E, k, ptr, ptr + 4 * T * E, ptr + 4 * T * (E + k), self.err.ptr,
+                        shared=4 * E)  # fmt: skip
+        host = self.to_host(out)[:n]
+        p = host[: T * E].reshape(T, E)
+        i = host[T * E : T * (E + k)].view(I32).reshape(T, k)
+        w = host[T * (E + k) :].reshape(T, k)
         return Routing(i.astype(np.int64), w, p)
 
     def argmax(self, x: Any) -> np.ndarray:

@@ -234,8 +234,13 @@ class GpuExperts:
         if self.pool is not None and all(self.pool.holds(part) for part in parts):
             # the bytes are in a pinned read buffer: copied from there, part by part, with no staging
             # memcpy; the pool hands the buffer out again only after these copies are done
-            for offset, part in zip(layout.offsets, parts):
-                side.rt.htod(buf.ptr + offset, part.ctypes.data, part.nbytes, side.dev.copy_stream)
+            start = parts[0].ctypes.data
+            if all(part.ctypes.data == start + offset for offset, part in zip(layout.offsets, parts)):
+                # the read buffer has the slot's layout (the store's records pad as slots do): one copy
+                side.rt.htod(buf.ptr, start, layout.offsets[2] + parts[2].nbytes, side.dev.copy_stream)
+            else:
+                for offset, part in zip(layout.offsets, parts):
+                    side.rt.htod(buf.ptr + offset, part.ctypes.data, part.nbytes, side.dev.copy_stream)
             side.pending_uploads += 1
             self.uploads += 1
             self.direct_uploads += 1
