@@ -65,6 +65,7 @@ def test_plain_slots_equal_the_per_expert_path_bit_for_bit(experts, T, threads):
         else:
             want = per_expert._batched(h, ids, w, parts, fetched)
         assert np.array_equal(got, want)
+        assert np.array_equal(layer.ffn_grouped(h, slot_of[ids], w, threads), want)
     layer.close()
 
 
@@ -112,6 +113,7 @@ def test_repacked_slots_give_the_same_bits_on_one_thread_or_two(experts):
     h = rng.standard_normal((4, K)).astype(F32)
     ids, w = routing(rng, 4)
     assert np.array_equal(layer.ffn(h, slot_of[ids], w, 1), layer.ffn(h, slot_of[ids], w, 2))
+    assert np.array_equal(layer.ffn_grouped(h, slot_of[ids], w, 1), layer.ffn_grouped(h, slot_of[ids], w, 2))
     layer.close()
 
 

@@ -71,6 +71,10 @@ class SlotMatrix:
             raise FomoeError(f"expected {self.slot_nbytes} bytes for a slot's matrix, got {data.nbytes}")
         ggml_buffers.set_tensor(self._views[slot], data.ctypes.data, data.nbytes)
 
+    def slot_tensor(self, slot: int):
+        """Slot `slot`'s matrix as a 2-D ggml tensor (a view, repacked with the rest where so held)."""
+        return self._views[slot]
+
     def product(self, x: np.ndarray, slots: np.ndarray, threads: int) -> np.ndarray:
         """x [T, n_cols], slots [T, k] → [T, k, n_rows]: row t·matrix_{slots[t, j]}ᵀ, one mul_mat_id in a
         graph built for the call (a staging tensor's product, and the measure of a slot tensor alone)."""
@@ -140,6 +144,50 @@ class SlotLayer:
             g = self._graphs[key] = _SlotGraph(self, T, k, threads)
         return g.run(h, ids, np.ascontiguousarray(weights, dtype=F32))
 
+    def ffn_grouped(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
+        """`ffn` for many tokens, each slot's tokens as the rows of one product per matrix (a graph built
+        for the call): a repacked matrix then runs its GEMM kernels on 4 rows at a time, where
+        mul_mat_id runs their one-row kernels token by token. The same sums in the same order as `ffn`."""
+        h = np.ascontiguousarray(h, dtype=F32)
+        T, k = slots.shape
+        if h.shape != (T, self.n_embd) or weights.shape != (T, k):
+            raise FomoeError(f"expected h [{T}, {self.n_embd}] and weights [{T}, {k}], got {h.shape} and {weights.shape}")
+        flat = _checked_slots(slots, self.n_slots).reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        groups = np.split(order, np.flatnonzero(np.diff(flat[order])) + 1)  # picks (t·k + j) of each slot
+        K, F = self.n_embd, self.n_ff
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(10 * len(groups) + 4) * _OVERHEAD + 2 * ggml.ggml_graph_overhead(),
+                                                   mem_buffer=None, no_alloc=True))  # fmt: skip
+        keep, outs = [], []
+        try:
+            gf = ggml.ggml_new_graph(ctx)
+            for picks in groups:
+                slot, rows = int(flat[picks[0]]), np.ascontiguousarray(h[picks // k])
+                gate, up, down = (m.slot_tensor(slot) for m in self.mats)
+                x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, len(picks)), rows)
+                act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, ggml.ggml_mul_mat(ctx, gate, x)), ggml.ggml_mul_mat(ctx, up, x))
+                y = ggml.ggml_mul_mat(ctx, down, act)
+                tensors = _intermediates(y)
+                for t in tensors:  # every result in numpy memory: the context holds headers only
+                    buf = np.empty(t.contents.ne[0] * t.contents.ne[1], F32)
+                    t.contents.data = buf.ctypes.data
+                    keep.append(buf)
+                keep.append(rows)
+                outs.append((picks, keep[-2]))  # y's memory: _intermediates lists y last
+                ggml.ggml_build_forward_expand(gf, y)
+            _compute(gf, threads)
+        finally:
+            ggml.ggml_free(ctx)
+        ys = np.empty((T * k, K), F32)
+        for picks, y in outs:
+            ys[picks] = y.reshape(len(picks), K)
+        ys = ys.reshape(T, k, K)
+        w = np.ascontiguousarray(weights, dtype=F32)
+        out = ys[:, 0] * w[:, :1]
+        for j in range(1, k):  # pick j added after picks 0..j-1, as ffn and the per-expert path add them
+            out += ys[:, j] * w[:, j : j + 1]
+        return out
+
     def close(self) -> None:
         for g in self._graphs.values():
             g.free()
@@ -206,6 +254,13 @@ def _checked_slots(slots: np.ndarray, n_slots: int) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= n_slots):
         raise FomoeError(f"slot ids must lie in [0, {n_slots}), got {int(ids.min())}..{int(ids.max())}")
     return ids
+
+
+def _intermediates(y) -> list:
+    """y's sources computed in the graph (silu, products), then y: the tensors needing memory."""
+    act = y.contents.src[1]  # silu(a) ⊙ b
+    silu, b = act.contents.src[0], act.contents.src[1]
+    return [silu.contents.src[0], b, silu, act, y]
 
 
 def _wrap(ctx, qtype: int, ne: tuple[int, ...], buf: np.ndarray):
