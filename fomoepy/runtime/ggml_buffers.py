@@ -22,6 +22,9 @@ import ctypes
 import functools
 from pathlib import Path
 
+import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
+
+# isort: split
 import ggml
 
 from fomoepy.errors import FomoeError

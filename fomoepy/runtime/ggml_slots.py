@@ -28,6 +28,9 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
+import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
+
+# isort: split
 import ggml
 import numpy as np
 
