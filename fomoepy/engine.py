@@ -133,9 +133,10 @@ class Engine:
             self.spec, self.n_ctx, zeros_of_layer=lambda il: getattr(self.devices[owner[il]], "zeros", np.zeros)
         )
 
-    def eval(self, state: InferenceState, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
-        """Append tokens to the sequence; logits of every new position, or of the last one only."""
-        return np.asarray(self.model.forward(np.asarray(tokens, dtype=np.int64), state, all_logits=all_logits))
+    def eval(self, state: InferenceState, tokens: Sequence[int] | np.ndarray, all_logits: bool = False,
+             logits_from: int = 0) -> np.ndarray:  # fmt: skip
+        """Append tokens to the sequence; logits of every new position from `logits_from` on, or of the last one only."""
+        return np.asarray(self.model.forward(np.asarray(tokens, dtype=np.int64), state, all_logits=all_logits, logits_from=logits_from))
 
     def logits(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """float32 [T, n_vocab]: row i scores the token after tokens[0..i], from an empty state."""

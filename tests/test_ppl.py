@@ -216,9 +216,9 @@ class RecordingEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def eval(self, state, tokens, all_logits=False):
+    def eval(self, state, tokens, all_logits=False, logits_from=0):
         self.calls.append(list(map(int, tokens)))
-        return self._engine.eval(state, tokens, all_logits=all_logits)
+        return self._engine.eval(state, tokens, all_logits=all_logits, logits_from=logits_from)
 
 
 def test_bos_is_prepended_and_starts_every_chunk_when_the_model_adds_it():

@@ -101,9 +101,11 @@ def scored_logits(engine: Any, chunk: np.ndarray, spans: list[tuple[int, int]], 
     state = engine.new_state()
     parts = []
     for s, e in spans:
-        logits = engine.eval(state, chunk[s:e], all_logits=True)  # [e - s, V]
+        # the output head only for the rows scored: positions before `first` are context alone
+        first = min(max(plan.first - s, 0), e - s)
+        logits = engine.eval(state, chunk[s:e], all_logits=True, logits_from=first)  # [e - s - first, V]
         if e > plan.first:
-            parts.append(logits[max(plan.first - s, 0) :])
+            parts.append(logits)  # [e - max(s, first), V]
     return np.concatenate(parts)[: plan.n_scored]
 
 

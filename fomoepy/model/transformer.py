@@ -42,8 +42,10 @@ class Transformer:
     def layer_ops(self, il: int) -> Any:
         return self.devices[self.placement.device_of_layer[il]]
 
-    def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True) -> np.ndarray:
-        """Evaluate `tokens` after the state's past; logits [T, V] (or [1, V] for the last token)."""
+    def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True, logits_from: int = 0) -> np.ndarray:
+        """Evaluate `tokens` after the state's past; logits [T - logits_from, V] of rows logits_from.. (or
+        [1, V] for the last token). Rows no one reads skip the output head, the largest dense product (a
+        perplexity run scores the second half of each chunk)."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             return np.zeros((0, self.spec.n_vocab), np.float32)
@@ -69,6 +71,10 @@ class Transformer:
         state.tokens.extend(tokens.tolist())
         if not all_logits:
             x = x[-1:]
+        elif logits_from:
+            x = x[logits_from:]
+            if not len(x):
+                return np.zeros((0, self.spec.n_vocab), np.float32)
         return ops.linear(ops.rms_norm(x, w["output_norm.weight"], self.spec.rms_eps), w["output.weight"])
 
 
