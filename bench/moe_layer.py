@@ -1,6 +1,7 @@
 """One MoE layer's routed experts on the ggml CPU backend: the per-expert graph of today's path
 (GgmlExperts: gate, up, down of each picked expert as separate products in one graph) against one
-`mul_mat_id` product over the layer's slots (fomoepy.runtime.ggml_slots.SlotLayer), plain and repacked.
+`mul_mat_id` product over the layer's slots (fomoepy.runtime.ggml_slots.SlotLayer), plain and repacked,
+and, for many tokens, one product per used slot over the repacked slots (SlotLayer.ffn_grouped).
 
 Shapes of the bench model (bench/cpu_decode.py): n_embd 1024, expert_ff 512, 64 experts top-8, gate/up
 Q4_K, down Q6_K; random weights and routing (each token's 8 experts distinct, in ascending id). All
@@ -59,6 +60,8 @@ def main() -> int:
             yield "per-expert graphs (today)", lambda: per_expert._batched(h, ids, w, parts, raw)
         for name, layer in layers.items():
             yield name, lambda layer=layer: layer.ffn(h, ids, w, args.threads)
+        if T > 1:  # each slot's tokens as the rows of one product: repacked GEMM kernels
+            yield "per-slot products, repacked", lambda: layers["mul_mat_id, repacked"].ffn_grouped(h, ids, w, args.threads)
 
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
