@@ -139,3 +139,26 @@ def test_bad_slots_and_bytes_are_one_clear_error(experts):
     with pytest.raises(FomoeError, match="expected gate/up"):
         SlotLayer([PARTS[0], PARTS[1], PARTS[0]], 2)
     layer.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3moe_q4_k_m", "qwen35moe_q4_k"])
+def test_an_engine_on_plain_resident_slots_gives_the_per_expert_paths_logits_bit_for_bit(name):
+    from conftest import ORACLE
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.runtime.ggml_slots import resident_slot_layers
+
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    runs = []
+    for slots in (False, True):
+        engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=2))
+        if slots:
+            engine.experts.use_resident_slots(resident_slot_layers(engine.source, engine.spec.moe.n_expert, repack=False))
+        state = engine.new_state()
+        prefill = engine.eval(state, tokens[:-3], all_logits=True)
+        steps = [engine.eval(state, [t])[-1] for t in tokens[-3:]]  # decode steps: one token each
+        runs.append((prefill, steps))
+        engine.close()
+    (p0, s0), (p1, s1) = runs
+    assert np.array_equal(p0, p1)
+    assert all(np.array_equal(a, b) for a, b in zip(s0, s1))

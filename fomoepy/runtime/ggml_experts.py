@@ -44,7 +44,16 @@ class GgmlExperts:
             self.timer.add("router", layer, time.perf_counter() - t0)
         return ids, weights
 
+    def use_resident_slots(self, slot_layers: list) -> None:
+        """Measurement hook (issue 29, until the step owner wires slots in): every expert of every layer
+        held in `slot_layers[layer]` (a fomoepy.runtime.ggml_slots.SlotLayer) at slot = expert id, and
+        `ffn` computes a layer's routed experts as one product over them, bypassing the tiers."""
+        self.slot_layers = slot_layers
+
     def ffn(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        if getattr(self, "slot_layers", None) is not None:
+            order = np.argsort(ids, axis=1, kind="stable")  # each token's experts in ascending id, as below
+            return self.slot_layers[layer].ffn(h, np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1), self.ops.threads)
         t0 = time.perf_counter()
         plan, fetched, reads = self.streamer.start_acquire(layer, ids)
         reads_landed = _ReadsLanded(self.streamer, plan, fetched, reads)

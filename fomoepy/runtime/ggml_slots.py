@@ -291,3 +291,15 @@ def _compute(gf, threads: int) -> None:
     plan, work = _plan(gf, threads)
     _run(gf, plan)
     del work
+
+
+def resident_slot_layers(source, n_expert: int, repack: bool = True) -> list[SlotLayer]:
+    """Every layer's experts read from `source` (a GGUFExpertSource or store: `.layers`, `.read(layer,
+    expert)`) into a SlotLayer of n_expert slots, expert e in slot e: a model held whole in memory."""
+    layers = []
+    for layout in source.layers:
+        layer = SlotLayer([(p.qtype, p.shape) for p in layout.parts], n_expert, repack)
+        for e in range(n_expert):
+            layer.set_slot(e, source.read(layout.layer, e))
+        layers.append(layer)
+    return layers
