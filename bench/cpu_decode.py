@@ -100,7 +100,8 @@ def main() -> int:
         f"### cpu_decode — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
         f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode}"
         + (f" --threads {args.threads}" if args.threads else "")
-        + f"`; threads {threads} for every run; cpu model load {load_s:.1f} s\n\n"
+        + f"`; threads {threads} for every run; cpu model load {load_s:.1f} s; OpenMP wait policy: fomoepy "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'default')}, llama.cpp {llama_peer.peer_env().get('OMP_WAIT_POLICY', 'default')}\n\n"
         "| run | prefill tok/s | decode tok/s |\n|---|---|---|\n"
     )
     report = header + "\n".join(rows) + "\n"
