@@ -33,3 +33,30 @@ def test_the_cpu_backends_openmp_threads_sleep_while_they_wait():
 def test_a_wait_policy_the_user_set_is_kept(chosen):
     spins = openmp_spin_count(chosen)
     assert spins > UNSET_SPINS if chosen == "active" else spins == 0
+
+
+def test_the_default_thread_count_leaves_out_the_cores_other_processes_keep_busy(monkeypatch):
+    from types import SimpleNamespace
+
+    from fomoepy.runtime import backends
+
+    monkeypatch.setattr(backends.os, "cpu_count", lambda: 4)
+    large = SimpleNamespace(n_embd=1024, moe=SimpleNamespace(expert_ff=512))
+
+    def seen(*counts):
+        it = iter(counts)
+        return lambda: next(it)
+
+    assert backends.cpu_threads(large, None, seen(1, 1, 1, 1, 1)) == 4  # only this thread runnable
+    assert backends.cpu_threads(large, None, seen(2, 3, 2, 2, 3)) == 3  # one other busy throughout
+    assert backends.cpu_threads(large, None, seen(3, 1, 3, 3, 3)) == 4  # busy for an instant only
+    assert backends.cpu_threads(large, None, seen(9, 9, 9, 9, 9)) == 1  # never below one
+    assert backends.cpu_threads(large, 3, seen()) == 3  # -t wins, nothing sampled
+    small = SimpleNamespace(n_embd=64, moe=SimpleNamespace(expert_ff=64))
+    assert backends.cpu_threads(small, None, seen()) == 1
+
+
+def test_the_machines_runnable_threads_count_this_one():
+    from fomoepy.runtime import backends
+
+    assert backends._runnable() >= 1
