@@ -162,3 +162,17 @@ def test_an_engine_on_plain_resident_slots_gives_the_per_expert_paths_logits_bit
     (p0, s0), (p1, s1) = runs
     assert np.array_equal(p0, p1)
     assert all(np.array_equal(a, b) for a, b in zip(s0, s1))
+
+
+def test_filling_repacked_slots_writes_nothing_to_stderr():
+    # ggml's default log prints a debug line for every tensor the repacking buffer repacks
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\nfrom fomoepy.runtime.ggml_slots import SlotMatrix\n"
+        f"m = SlotMatrix({int(QT.Q4_K)}, {F}, {K}, 3)\n"
+        "for s in range(3): m.set_slot(s, np.zeros(m.slot_nbytes, np.uint8))\nprint(m.repacked)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stderr == ""

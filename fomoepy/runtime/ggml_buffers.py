@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from pathlib import Path
 
 import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
@@ -57,6 +58,27 @@ class _C:
     buffer_get_type = _fn(_base, "ggml_backend_buffer_get_type", _P, _P)
     dev_supports_op = _fn(_base, "ggml_backend_dev_supports_op", ctypes.c_bool, _P, _P)
     tensor_set = _fn(_base, "ggml_backend_tensor_set", None, _P, _P, _SIZE, _SIZE)
+
+
+@functools.cache
+def quiet_debug_log() -> None:
+    """ggml's log less its debug messages (the repacking buffer reports every tensor it repacks: a
+    model's worth of slots is thousands of lines); ggml's default log writes every level to stderr."""
+    last = [0]
+
+    @ggml.ggml_log_callback
+    def log(level, text, _user):
+        if level == ggml.GGML_LOG_LEVEL_CONT:  # the rest of the previous message, at its level
+            level = last[0]
+        last[0] = level
+        if level > ggml.GGML_LOG_LEVEL_DEBUG and text:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+
+    _LOG_CALLBACK.append(log)  # ggml keeps the pointer: the callback must outlive every call
+    ggml.ggml_log_set(log, None)
+
+
+_LOG_CALLBACK: list = []
 
 
 @functools.lru_cache(maxsize=1)
@@ -113,6 +135,7 @@ def repacks(qtype: int, n_cols: int, n_rows: int) -> bool:
     buft = repacking_buffer_type()
     if buft is None:
         return False
+    quiet_debug_log()
     ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=4 * ggml.ggml_tensor_overhead() + 1024, mem_buffer=None, no_alloc=True))
     try:
         w = ggml.ggml_new_tensor_2d(ctx, qtype, n_cols, n_rows)
