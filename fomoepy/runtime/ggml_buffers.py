@@ -1,4 +1,4 @@
-"""The ggml CPU device's buffer types and threads, reached through the backend registry.
+"""The ggml CPU device's buffer types, reached through the backend registry.
 
 - `repacking_buffer_type()`: the CPU device's "extra" buffer type (llama.cpp's weights use it unless
   --no-repack). A weight set into a buffer of it is rearranged for the CPU's interleaved GEMM/GEMV
@@ -8,8 +8,9 @@
 - `repacks(qtype, n_cols, n_rows)`: llama.cpp's own test of whether the CPU has repacked kernels for a
   weight: a product reading it from a buffer of that type is one the device supports. Types without
   (Q6_K on AVX2, F32, …) must stay in a plain CPU buffer: the repacking buffer would fail to set them.
-- `ThreadPool`: ggml's persistent pool (`ggml_threadpool_new`), handed to a plan so a graph does not
-  set up its threads itself.
+
+No thread pool here: ggml-python's ggml is built with OpenMP, whose team stays up between graphs, and
+there `ggml_threadpool_new` starts no threads (fomoepy.runtime.ggml_threads).
 
 ggml-python 0.0.45 declares some of these functions' pointer results with a Python NewType, which
 ctypes reads as a C int (a buffer type's address comes back cut to 32 bits); every call here goes
@@ -35,7 +36,7 @@ _P, _SIZE = ctypes.c_void_p, ctypes.c_size_t
 
 
 class _C:
-    """The registry, buffer and thread-pool functions, prototyped from ggml-backend.h / ggml-cpu.h."""
+    """The registry and buffer functions, prototyped from ggml-backend.h / ggml-cpu.h."""
 
     _lib_dir = Path(ggml.__file__).parent / "lib"
     _base = ctypes.CDLL(str(_lib_dir / "libggml-base.so"))  # already loaded by ggml-python: the same handle
@@ -147,31 +148,3 @@ def repacks(qtype: int, n_cols: int, n_rows: int) -> bool:
             free_buffer(buffer)
     finally:
         ggml.ggml_free(ctx)
-
-
-class ThreadPool:
-    """ggml's thread pool for `n_threads`: created once, handed to every plan of this process's graphs
-    (`plan.threadpool`). In a build with OpenMP, ggml runs graphs on OpenMP's team whatever the plan
-    holds, so the pool only changes anything in a build without it."""
-
-    def __init__(self, n_threads: int):
-        params = ggml.ggml_threadpool_params_default(n_threads)
-        self.pool = ggml.ggml_threadpool_new(ctypes.byref(params))
-        if not self.pool:
-            raise FomoeError(f"ggml could not start a pool of {n_threads} threads")
-        self.n_threads = n_threads
-
-    def close(self) -> None:
-        if self.pool:
-            ggml.ggml_threadpool_free(self.pool)
-            self.pool = None
-
-    def __del__(self) -> None:
-        if ggml is not None:  # at interpreter exit the module may be gone
-            self.close()
-
-
-@functools.cache
-def shared_pool(n_threads: int) -> ThreadPool:
-    """One pool per thread count for the whole process (graphs run one at a time on it)."""
-    return ThreadPool(n_threads)
