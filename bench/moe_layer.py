@@ -5,7 +5,8 @@ and, for many tokens, one product per used slot over the repacked slots (SlotLay
 
 Shapes of the bench model (bench/cpu_decode.py): n_embd 1024, expert_ff 512, 64 experts top-8, gate/up
 Q4_K, down Q6_K; random weights and routing (each token's 8 experts distinct, in ascending id). All
-64 experts are at hand (every slot set), so this times the product alone, no reads. The variants run
+64 experts are at hand (every slot set), so this times the product alone, no reads; and, apart, the
+time to set one expert's bytes into a slot (what a miss read into its slot costs beyond the read). The variants run
 interleaved, `--repeats` rounds of `--calls` calls each; the table gives the median µs per layer call.
 
     python bench/moe_layer.py [--threads N] [--tokens 1,128] [--repeats 5] [--calls 40] [--record]
@@ -63,6 +64,13 @@ def main() -> int:
         if T > 1:  # each slot's tokens as the rows of one product: repacked GEMM kernels
             yield "per-slot products, repacked", lambda: layers["mul_mat_id, repacked"].ffn_grouped(h, ids, w, args.threads)
 
+    admit = {name: [] for name in layers}  # seconds to set one expert's bytes into a slot (a miss's copy)
+    for _ in range(args.repeats):
+        for name, layer in layers.items():
+            t = time.perf_counter()
+            for e in range(N_EXPERT):
+                layer.set_slot(e, raw[e])
+            admit[name].append((time.perf_counter() - t) / N_EXPERT)
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         h = rng.standard_normal((T, K)).astype(np.float32)
@@ -88,7 +96,8 @@ def main() -> int:
         f"--calls {args.calls}`; one layer of the bench model (64 experts top-8, Q4_K/Q6_K), every expert at hand, "
         f"median of {args.repeats} interleaved rounds\n\n"
         "| tokens | routed experts as | µs per layer | speed-up | GB/s of expert bytes |\n|---|---|---|---|---|\n"
-        + "\n".join(rows) + "\n"
+        + "\n".join(rows) + "\n\nsetting one expert into its slot (a miss's copy into the tier): "
+        + ", ".join(f"{name} {statistics.median(ts) * 1e6:.0f} µs" for name, ts in admit.items()) + "\n"
     )  # fmt: skip
     print(report)
     if args.record:

@@ -158,7 +158,7 @@ class SlotLayer:
         flat = _checked_slots(slots, self.n_slots).reshape(-1)
         order = np.argsort(flat, kind="stable")
         groups = np.split(order, np.flatnonzero(np.diff(flat[order])) + 1)  # picks (t·k + j) of each slot
-        K, F = self.n_embd, self.n_ff
+        K = self.n_embd
         ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(10 * len(groups) + 4) * _OVERHEAD + 2 * ggml.ggml_graph_overhead(),
                                                    mem_buffer=None, no_alloc=True))  # fmt: skip
         keep, outs = [], []
