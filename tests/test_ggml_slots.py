@@ -47,7 +47,7 @@ def routing(rng, T):
     return ids, rng.dirichlet(np.ones(TOP_K), size=T).astype(F32)
 
 
-@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("T", [1, 7, 40])  # 40: a graph built for its call alone
 @pytest.mark.parametrize("threads", [1, 2])
 def test_plain_slots_equal_the_per_expert_path_bit_for_bit(experts, T, threads):
     rng = np.random.default_rng(T + 10 * threads)

@@ -19,8 +19,8 @@ the result is, with plain buffers, bit for bit the per-expert path's (GgmlExpert
 quantization of h, the same dot products, the same silu, products and additions. Repacked weights
 run other kernels (the same integer block dot products, their float partial sums in another order).
 
-A graph is built once per token count and reused: only its inputs' and output's data pointers
-change between calls.
+A graph for a few tokens (decode) is built once per token count and reused: only its inputs' and
+output's data pointers change between calls.
 """
 
 from __future__ import annotations
@@ -40,7 +40,11 @@ from fomoepy.timing import MATMUL
 
 F32 = np.float32
 _OVERHEAD = ggml.ggml_tensor_overhead()
-_MAX_GRAPHS = 8  # token counts kept: decode (1) and the few chunk sizes a run uses
+_MAX_GRAPHS = 8  # token counts kept per layer: decode (1) and a few small batches
+# Graphs of more tokens are built for their call and freed after it: their intermediates take
+# ~165 KB a token (bench model: 21 MB at 128 tokens, per layer), and building one costs ~0.1 ms
+# against the ~50 ms their products take.
+_MAX_CACHED_TOKENS = 16
 
 
 class SlotMatrix:
@@ -139,13 +143,20 @@ class SlotLayer:
         if h.shape != (T, self.n_embd) or weights.shape != (T, k):
             raise FomoeError(f"expected h [{T}, {self.n_embd}] and weights [{T}, {k}], got {h.shape} and {weights.shape}")
         ids = _checked_slots(slots, self.n_slots)
+        weights = np.ascontiguousarray(weights, dtype=F32)
+        if T > _MAX_CACHED_TOKENS:
+            g = _SlotGraph(self, T, k, threads)
+            try:
+                return g.run(h, ids, weights)
+            finally:
+                g.free()
         key = (T, k, threads)
         g = self._graphs.get(key)
         if g is None:
             if len(self._graphs) >= _MAX_GRAPHS:
                 self._graphs.pop(next(iter(self._graphs))).free()
             g = self._graphs[key] = _SlotGraph(self, T, k, threads)
-        return g.run(h, ids, np.ascontiguousarray(weights, dtype=F32))
+        return g.run(h, ids, weights)
 
     def ffn_grouped(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
         """`ffn` for many tokens, each slot's tokens as the rows of one product per matrix (a graph built
