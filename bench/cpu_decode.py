@@ -4,6 +4,9 @@ llama.cpp (llama-cpp-python, the `bench` extra) on the same GGUF, in the same ru
 The model (n_embd 1024, 8 layers, 16 q / 4 kv heads of 64, 64 experts top-8, expert_ff 512, gate/up
 Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. Rows:
 - `cpu` (ggml on the quantized bytes; no expert tier: experts are read from the mapped GGUF);
+- `cpu, … resident slots`: the same with every expert copied into its layer's slot tensors (repacked
+  where ggml has kernels for it) and each layer's routed experts one `mul_mat_id` graph
+  (fomoepy.runtime.ggml_slots; not yet the engine's path);
 - `reference cold`: the compute-ready tier is emptied after the prefill, so the first decoded token
   meets an empty tier (every first touch of an expert dequantises it);
 - `reference warm`: the same work again with the tier filled;
@@ -28,6 +31,7 @@ from results import record
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
+from fomoepy.runtime.ggml_slots import resident_slot_layers
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -76,6 +80,11 @@ def main() -> int:
     r = timed_run(cpu, prompt, args.decode)
     rows.append(f"| fomoepy cpu (ggml, quantized bytes in place) | {r[0]:.1f} | {r[1]:.1f} |")
     cpu.close()
+    slots = Engine(path, EngineOptions(backend="cpu", threads=threads))
+    slots.experts.device.use_resident_slots(resident_slot_layers(slots.source, slots.spec.moe.n_expert))
+    r = timed_run(slots, prompt, args.decode)
+    rows.append(f"| fomoepy cpu, each layer's experts one mul_mat_id over resident slots (repacked) | {r[0]:.1f} | {r[1]:.1f} |")
+    slots.close()
     ref = Engine(path, EngineOptions(backend="reference", threads=threads))
     cold = timed_run(ref, prompt, args.decode, cold=True)
     warm = timed_run(ref, prompt, args.decode)
@@ -91,7 +100,8 @@ def main() -> int:
         f"### cpu_decode — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
         f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode}"
         + (f" --threads {args.threads}" if args.threads else "")
-        + f"`; threads {threads} for every run; cpu model load {load_s:.1f} s\n\n"
+        + f"`; threads {threads} for every run; cpu model load {load_s:.1f} s; OpenMP wait policy: fomoepy "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'default')}, llama.cpp {llama_peer.peer_env().get('OMP_WAIT_POLICY', 'default')}\n\n"
         "| run | prefill tok/s | decode tok/s |\n|---|---|---|\n"
     )
     report = header + "\n".join(rows) + "\n"

@@ -10,6 +10,7 @@ in the other build's code and crash. The benchmarks call `run` and get what the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,13 +28,23 @@ def run(path: Path, prompt: np.ndarray, n_decode: int, threads: int) -> tuple[fl
     """(prefill tok/s, decode tok/s) of llama.cpp on `path`, or why it did not run."""
     child = subprocess.run(
         command(path, n_decode, threads),
-        input=json.dumps([int(t) for t in prompt]), capture_output=True, text=True, check=False,
+        input=json.dumps([int(t) for t in prompt]), capture_output=True, text=True, check=False, env=peer_env(),
     )  # fmt: skip
     if child.returncode != 0:
         last = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
         return f"not run ({last})"
     result = json.loads(child.stdout.strip().splitlines()[-1])
     return result["prefill"], result["decode"]
+
+
+def peer_env() -> dict[str, str]:
+    """This process's environment less the OpenMP wait policy fomoepy's cpu backend chose for itself
+    (fomoepy.runtime.ggml_threads): llama.cpp runs as its users run it; a policy the user set stays."""
+    env = dict(os.environ)
+    threads = sys.modules.get("fomoepy.runtime.ggml_threads")
+    if threads is not None and threads.SET_HERE:
+        env.pop(threads.WAIT_POLICY, None)
+    return env
 
 
 def read_bytes() -> int:

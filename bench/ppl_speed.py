@@ -80,7 +80,8 @@ def main() -> int:
         f"`python bench/ppl_speed.py --ctx {args.ctx} --chunks {args.chunks} --backend {args.backend}`{' --model ' + str(model) if args.model else ''}; "
         f"model {model.name} ({engine.spec.n_embd} embd, {engine.spec.n_layer} layers, "
         f"{engine.spec.moe.n_expert} experts top-{engine.spec.moe.n_expert_used}), load {load_s:.1f} s, "
-        f"text {Path(args.text).name}, {args.backend} backend, experts warm, {load_line()}\n\n"
+        f"text {Path(args.text).name}, {args.backend} backend on {engine.model.ops.threads} threads (the engine's default), "
+        f"experts warm, {load_line()}\n\n"
         "| evaluation | eval calls per chunk | tok/s | PPL |\n|---|---|---|---|\n"
     )
     footer = f"\nbatched / token by token: {batched[0] / stepped[0]:.1f}x\n"

@@ -138,9 +138,10 @@ class Engine:
         )
 
     def eval(self, state: InferenceState, tokens: Sequence[int] | np.ndarray, all_logits: bool = False,
-             phase: Phase = Phase.PREFILL) -> np.ndarray:  # fmt: skip
-        """Append tokens to the sequence; logits of every new position, or of the last one only."""
-        return np.asarray(self.model.forward(np.asarray(tokens, dtype=np.int64), state, all_logits=all_logits, phase=phase))
+             phase: Phase = Phase.PREFILL, logits_from: int = 0) -> np.ndarray:  # fmt: skip
+        """Append tokens to the sequence; logits of every new position from `logits_from` on, or of the last one only."""
+        return np.asarray(self.model.forward(np.asarray(tokens, dtype=np.int64), state, all_logits=all_logits, phase=phase,
+                                             logits_from=logits_from))  # fmt: skip
 
     def decode_token(self, state: InferenceState, token: int) -> np.ndarray:
         """One decode step of one sequence: the logits [V] after `token` (predicting and prefetching each

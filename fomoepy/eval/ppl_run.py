@@ -104,9 +104,11 @@ def scored_logits(engine: Any, chunk: np.ndarray, spans: list[tuple[int, int]], 
     # a batch size of 1 (llama-perplexity's -b 1) is token-by-token decoding, with its prefetch
     phase = Phase.DECODE if spans[0][1] - spans[0][0] == 1 else Phase.PREFILL
     for s, e in spans:
-        logits = engine.eval(state, chunk[s:e], all_logits=True, phase=phase)  # [e - s, V]
+        # the output head only for the rows scored: positions before `first` are context alone
+        first = min(max(plan.first - s, 0), e - s)
+        logits = engine.eval(state, chunk[s:e], all_logits=True, phase=phase, logits_from=first)  # [e - s - first, V]
         if e > plan.first:
-            parts.append(logits[max(plan.first - s, 0) :])
+            parts.append(logits)  # [e - max(s, first), V]
     return np.concatenate(parts)[: plan.n_scored]
 
 

@@ -55,9 +55,12 @@ class Transformer:
         device = self.placement.device_of_layer[il]
         return self._rowwise[device] if rowwise else self.devices[device]
 
-    def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True, phase: Phase = Phase.PREFILL) -> np.ndarray:
-        """Evaluate `tokens` after the state's past; logits [T, V] (or [1, V] for the last token). `phase`
-        says what the caller is doing (a decode step predicts and prefetches the next layer's experts)."""
+    def forward(self, tokens: np.ndarray, state: InferenceState, all_logits: bool = True, phase: Phase = Phase.PREFILL,
+                logits_from: int = 0) -> np.ndarray:  # fmt: skip
+        """Evaluate `tokens` after the state's past; logits [T - logits_from, V] of rows logits_from.. (or
+        [1, V] for the last token). `phase` says what the caller is doing (a decode step predicts and
+        prefetches the next layer's experts). Rows no one reads skip the output head, the largest dense
+        product (a perplexity run scores the second half of each chunk)."""
         tokens = self._checked(tokens)
         if tokens.size == 0:
             return np.zeros((0, self.spec.n_vocab), np.float32)
@@ -65,6 +68,10 @@ class Transformer:
         x = self._layers(tokens, [Segment(state, 0, len(tokens))], phase)
         if not all_logits:
             x = x[-1:]
+        elif logits_from:
+            x = x[logits_from:]
+            if not len(x):
+                return np.zeros((0, self.spec.n_vocab), np.float32)
         return self._head(x, rowwise=False)
 
     def forward_batch(self, tokens: np.ndarray, states: list[InferenceState]) -> np.ndarray:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from fomoepy.errors import FomoeError
 from fomoepy.runtime.names import BACKEND_NAMES
@@ -35,19 +36,44 @@ def open_backends(options, spec) -> list:
     return [make_backend(options.backend, threads, d) for d in range(options.devices)]
 
 
-def cpu_threads(spec, requested: int | None) -> int:
+def cpu_threads(spec, requested: int | None, runnable=None) -> int:
     """One thread for small models (thread hand-offs cost more than they save on small matrices),
-    every core for larger ones. On the 2-core bench machine, idle, two threads decode the mid-size
-    model at 22.9 tok/s and one at 15.3; but with another process busy on one core two threads
-    fall to 5 tok/s (OpenBLAS threads that lose their core spin) where one keeps 16.4: pass
-    `-t` when the machine is shared (bench/cpu_decode.py, bench/RESULTS.md)."""
+    the cores other processes leave free for larger ones. On the 2-core bench machine, idle, two
+    threads decode the mid-size model at 22.9 tok/s and one at 15.3; but with another process busy on
+    one core two threads fall to 5 tok/s (threads that lose their core while the others wait for them)
+    where one keeps 16.4; beside other work (load 6), even with ggml's OpenMP threads sleeping while
+    they wait, 2 threads decoded at 40-50 tok/s where 1 kept 62-67 (fomoepy.runtime.ggml_threads).
+    So the default leaves out the cores found busy when the engine starts; `-t` overrides it."""
     if requested is not None:
         if requested < 1:
             raise FomoeError(f"--threads must be >= 1, got {requested}")
         return requested
     if spec.n_embd * spec.moe.expert_ff < 1 << 19:
         return 1
-    return os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    return max(1, cores - busy_cores(runnable or _runnable))
+
+
+def busy_cores(runnable, samples: int = 5, interval_s: float = 0.01) -> int:
+    """Cores other processes keep busy: the fewest runnable threads seen over a few samples, less this
+    one (a core busy only for an instant is not counted; one busy throughout is)."""
+    fewest = None
+    for i in range(samples):
+        if i:
+            time.sleep(interval_s)
+        n = runnable()
+        fewest = n if fewest is None else min(fewest, n)
+    return max(0, (fewest or 1) - 1)
+
+
+def _runnable() -> int:
+    """Runnable threads on the machine now, this one included (/proc/loadavg: "1.0 0.9 0.8 R/T pid");
+    1 (none but this) where the file is not there."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return 1
 
 
 def make_backend(name: str, threads: int | None = None, device: int = 0):

@@ -25,6 +25,7 @@ class GgmlExperts:
         self.layers = layers
         self.ops = ops
         self.routers = routers  # every layer's router, to predict the next layer's experts
+        self.slot_layers: list | None = None  # use_resident_slots
 
     def expert_nbytes(self, layer: int) -> int:
         return store_expert_nbytes(self.layers[layer])
@@ -38,6 +39,12 @@ class GgmlExperts:
     def download(self, key):
         return None
 
+    def use_resident_slots(self, slot_layers: list) -> None:
+        """Measurement hook (issue 29, until the step wires slots in): every expert of every layer held in
+        `slot_layers[layer]` (a fomoepy.runtime.ggml_slots.SlotLayer) at slot = expert id, and `compute`
+        does a layer's routed experts as one product over them, bypassing the tiers."""
+        self.slot_layers = slot_layers
+
     def route(self, layer: int, h: np.ndarray, k: int) -> np.ndarray:
         return softmax_route(self.ops.linear(h, self.routers[layer]), k).ids
 
@@ -46,6 +53,10 @@ class GgmlExperts:
         are computed while the others are still being read, then the rest: an expert's output does not
         depend on the graph it shares, and the sum keeps ascending id order, so the result is the same
         bit for bit whatever was at hand (and a one-token step reuses ggml's cached decode graphs)."""
+        if self.slot_layers is not None:
+            experts.landed()
+            order = np.argsort(ids, axis=1, kind="stable")  # each token's experts in ascending id, as below
+            return self.slot_layers[layer].ffn(h, np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1), self.ops.threads)
         parts = self.layers[layer].parts
         flat_ids = ids.reshape(-1)
         flat_w = weights.reshape(-1)

@@ -24,6 +24,9 @@ import functools
 import threading
 from dataclasses import dataclass
 
+import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
+
+# isort: split
 import ggml
 import numpy as np
 

@@ -1,0 +1,316 @@
+"""One layer's routed experts as one ggml product over the host tier's slots.
+
+The layer's slots are three ggml tensors, one per expert matrix, each holding every slot:
+
+    gate, up  [K = n_embd, F = expert_ff, n_slots]   (ggml order: ne0 = a row's columns)
+    down      [F, K, n_slots]
+
+in one CPU buffer per tensor: the CPU device's repacking buffer where ggml has repacked kernels for the
+matrix's type and shape (fomoepy.runtime.ggml_buffers.repacks), else a plain one. Setting a slot
+copies an expert's store-form bytes in (and repacks them there). `SlotLayer.ffn` computes, for T
+tokens that each picked k slots, in one graph:
+
+    a, b = mul_mat_id(gate, h, slots), mul_mat_id(up, h, slots)   # [F, k, T]
+    y    = mul_mat_id(down, silu(a) ⊙ b, slots)                   # [K, k, T]
+    out  = Σ_j y[:, j, :] · weights[:, j]                          # [K, T], j = 0, 1, …, k-1 in turn
+
+The sum adds the k experts in the order given: pass each token's picks in ascending expert id and
+the result is, with plain buffers, bit for bit the per-expert path's (GgmlExperts): the same
+quantization of h, the same dot products, the same silu, products and additions. Repacked weights
+run other kernels (the same integer block dot products, their float partial sums in another order).
+
+A graph for a few tokens (decode) is built once per token count and reused: only its inputs' and
+output's data pointers change between calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
+
+# isort: split
+import ggml
+import numpy as np
+
+from fomoepy.errors import FomoeError
+from fomoepy.runtime import ggml_buffers
+from fomoepy.timing import MATMUL
+
+F32 = np.float32
+_OVERHEAD = ggml.ggml_tensor_overhead()
+_MAX_GRAPHS = 8  # token counts kept per layer: decode (1) and a few small batches
+# Graphs of more tokens are built for their call and freed after it: their intermediates take
+# ~165 KB a token (bench model: 21 MB at 128 tokens, per layer), and building one costs ~0.1 ms
+# against the ~50 ms their products take.
+_MAX_CACHED_TOKENS = 16
+
+
+class SlotMatrix:
+    """One expert matrix [n_rows, n_cols] of `n_slots` slots: a ggml tensor [n_cols, n_rows, n_slots] in a
+    buffer of its own, repacked where the CPU has repacked kernels for it (and `repack`)."""
+
+    def __init__(self, qtype: int, n_rows: int, n_cols: int, n_slots: int, repack: bool = True):
+        if n_slots < 1:
+            raise FomoeError(f"expected at least one slot, got {n_slots}")
+        self.qtype, self.n_rows, self.n_cols, self.n_slots = int(qtype), n_rows, n_cols, n_slots
+        self._ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(1 + n_slots) * _OVERHEAD + 1024, mem_buffer=None, no_alloc=True))
+        self.tensor = ggml.ggml_new_tensor_3d(self._ctx, self.qtype, n_cols, n_rows, n_slots)
+        nb = self.tensor.contents.nb
+        # a 2-D view per slot: the repacking buffer sets (repacks) a whole tensor at a time
+        self._views = [ggml.ggml_view_2d(self._ctx, self.tensor, n_cols, n_rows, nb[1], s * nb[2]) for s in range(n_slots)]
+        self.repacked = bool(repack and ggml_buffers.repacks(self.qtype, n_cols, n_rows))
+        buft = ggml_buffers.repacking_buffer_type() if self.repacked else ggml_buffers.plain_buffer_type()
+        try:
+            self._buffer = ggml_buffers.alloc_tensors(self._ctx, buft)
+        except FomoeError:
+            ggml.ggml_free(self._ctx)
+            raise
+        self.slot_nbytes = ggml.ggml_nbytes(self._views[0])
+
+    def set_slot(self, slot: int, data: np.ndarray) -> None:
+        """Copy one matrix's store-form bytes into `slot` (repacked there where so held)."""
+        if not 0 <= slot < self.n_slots:
+            raise FomoeError(f"slot {slot} outside [0, {self.n_slots})")
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if data.nbytes != self.slot_nbytes:
+            raise FomoeError(f"expected {self.slot_nbytes} bytes for a slot's matrix, got {data.nbytes}")
+        ggml_buffers.set_tensor(self._views[slot], data.ctypes.data, data.nbytes)
+
+    def slot_tensor(self, slot: int):
+        """Slot `slot`'s matrix as a 2-D ggml tensor (a view, repacked with the rest where so held)."""
+        return self._views[slot]
+
+    def product(self, x: np.ndarray, slots: np.ndarray, threads: int) -> np.ndarray:
+        """x [T, n_cols], slots [T, k] → [T, k, n_rows]: row t·matrix_{slots[t, j]}ᵀ, one mul_mat_id in a
+        graph built for the call (a staging tensor's product, and the measure of a slot tensor alone)."""
+        x = np.ascontiguousarray(x, dtype=F32)
+        ids = _checked_slots(slots, self.n_slots)
+        T, k = ids.shape
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=8 * _OVERHEAD + ggml.ggml_graph_overhead(), mem_buffer=None, no_alloc=True))
+        try:
+            xt = _wrap(ctx, ggml.GGML_TYPE_F32, (self.n_cols, 1, T), x)
+            it = _wrap(ctx, ggml.GGML_TYPE_I32, (k, T), ids)
+            y = ggml.ggml_mul_mat_id(ctx, self.tensor, xt, it)
+            out = np.empty((T, k, self.n_rows), F32)
+            y.contents.data = out.ctypes.data
+            gf = ggml.ggml_new_graph(ctx)
+            ggml.ggml_build_forward_expand(gf, y)
+            _compute(gf, threads)
+        finally:
+            ggml.ggml_free(ctx)
+        return out
+
+    def close(self) -> None:
+        if self._ctx:
+            ggml_buffers.free_buffer(self._buffer)
+            ggml.ggml_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self) -> None:
+        if ggml is not None and getattr(self, "_ctx", None):
+            self.close()
+
+
+class SlotLayer:
+    """A layer's `n_slots` expert slots (gate, up, down of each) and one-graph FFNs over them.
+
+    parts: the three matrices' (GGUF type, (n_rows, n_cols)): gate and up [F, K], down [K, F] (as
+    `LayerExperts.parts`). repack=False keeps every matrix in a plain buffer."""
+
+    def __init__(self, parts: Sequence[tuple[int, tuple[int, int]]], n_slots: int, repack: bool = True):
+        if len(parts) != 3:
+            raise FomoeError(f"expected gate, up and down, got {len(parts)} expert matrices")
+        (_, (F, K)), (_, ushape), (_, dshape) = parts
+        if tuple(ushape) != (F, K) or tuple(dshape) != (K, F):
+            raise FomoeError(f"expected gate/up [{F}, {K}] and down [{K}, {F}], got {ushape} and {dshape}")
+        self.n_embd, self.n_ff, self.n_slots = K, F, n_slots
+        self.mats = [SlotMatrix(q, rows, cols, n_slots, repack) for q, (rows, cols) in parts]
+        self.qtypes = tuple(m.qtype for m in self.mats)
+        self.repacked = tuple(m.repacked for m in self.mats)
+        self._graphs: dict[tuple[int, int, int], _SlotGraph] = {}
+
+    def set_slot(self, slot: int, raw: Sequence[np.ndarray]) -> None:
+        """Copy an expert's gate, up and down store-form bytes into `slot` (repacked where so held)."""
+        for m, data in zip(self.mats, raw, strict=True):
+            m.set_slot(slot, data)
+
+    def ffn(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
+        """h [T, K], slots and weights [T, k] → Σ_j weights[t, j] · expert_{slots[t, j]}(h[t]), [T, K]."""
+        h = np.ascontiguousarray(h, dtype=F32)
+        T, k = slots.shape
+        if h.shape != (T, self.n_embd) or weights.shape != (T, k):
+            raise FomoeError(f"expected h [{T}, {self.n_embd}] and weights [{T}, {k}], got {h.shape} and {weights.shape}")
+        ids = _checked_slots(slots, self.n_slots)
+        weights = np.ascontiguousarray(weights, dtype=F32)
+        if T > _MAX_CACHED_TOKENS:
+            g = _SlotGraph(self, T, k, threads)
+            try:
+                return g.run(h, ids, weights)
+            finally:
+                g.free()
+        key = (T, k, threads)
+        g = self._graphs.get(key)
+        if g is None:
+            if len(self._graphs) >= _MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs))).free()
+            g = self._graphs[key] = _SlotGraph(self, T, k, threads)
+        return g.run(h, ids, weights)
+
+    def ffn_grouped(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
+        """`ffn` for many tokens, each slot's tokens as the rows of one product per matrix (a graph built
+        for the call): a repacked matrix then runs its GEMM kernels on 4 rows at a time, where
+        mul_mat_id runs their one-row kernels token by token. The same sums in the same order as `ffn`."""
+        h = np.ascontiguousarray(h, dtype=F32)
+        T, k = slots.shape
+        if h.shape != (T, self.n_embd) or weights.shape != (T, k):
+            raise FomoeError(f"expected h [{T}, {self.n_embd}] and weights [{T}, {k}], got {h.shape} and {weights.shape}")
+        flat = _checked_slots(slots, self.n_slots).reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        groups = np.split(order, np.flatnonzero(np.diff(flat[order])) + 1)  # picks (t·k + j) of each slot
+        K = self.n_embd
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(10 * len(groups) + 4) * _OVERHEAD + 2 * ggml.ggml_graph_overhead(),
+                                                   mem_buffer=None, no_alloc=True))  # fmt: skip
+        keep, outs = [], []
+        try:
+            gf = ggml.ggml_new_graph(ctx)
+            for picks in groups:
+                slot, rows = int(flat[picks[0]]), np.ascontiguousarray(h[picks // k])
+                gate, up, down = (m.slot_tensor(slot) for m in self.mats)
+                x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, len(picks)), rows)
+                act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, ggml.ggml_mul_mat(ctx, gate, x)), ggml.ggml_mul_mat(ctx, up, x))
+                y = ggml.ggml_mul_mat(ctx, down, act)
+                tensors = _intermediates(y)
+                for t in tensors:  # every result in numpy memory: the context holds headers only
+                    buf = np.empty(t.contents.ne[0] * t.contents.ne[1], F32)
+                    t.contents.data = buf.ctypes.data
+                    keep.append(buf)
+                keep.append(rows)
+                outs.append((picks, keep[-2]))  # y's memory: _intermediates lists y last
+                ggml.ggml_build_forward_expand(gf, y)
+            _compute(gf, threads)
+        finally:
+            ggml.ggml_free(ctx)
+        ys = np.empty((T * k, K), F32)
+        for picks, y in outs:
+            ys[picks] = y.reshape(len(picks), K)
+        ys = ys.reshape(T, k, K)
+        w = np.ascontiguousarray(weights, dtype=F32)
+        out = ys[:, 0] * w[:, :1]
+        for j in range(1, k):  # pick j added after picks 0..j-1, as ffn and the per-expert path add them
+            out += ys[:, j] * w[:, j : j + 1]
+        return out
+
+    def close(self) -> None:
+        for g in self._graphs.values():
+            g.free()
+        self._graphs.clear()
+        for m in self.mats:
+            m.close()
+
+    def __del__(self) -> None:
+        if ggml is not None and getattr(self, "_graphs", None):
+            self.close()
+
+
+class _SlotGraph:
+    """The graph of SlotLayer.ffn for T tokens of k picks; intermediates in its own context memory."""
+
+    def __init__(self, layer: SlotLayer, T: int, k: int, threads: int):
+        K, F = layer.n_embd, layer.n_ff
+        # a, b, silu(a), its product with b [F, k, T]; y, y·w [K, k, T]; k-1 partial sums [K, T]; float32
+        scratch = 4 * (4 * F * k * T + 2 * K * k * T + k * K * T) + 64 * (16 + 2 * k)
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(16 + 2 * k) * (_OVERHEAD + 64) + 2 * ggml.ggml_graph_overhead() + scratch,
+                                                        mem_buffer=None, no_alloc=False))  # fmt: skip
+        if not self.ctx:
+            raise FomoeError("ggml could not allocate a graph context")
+        ctx = self.ctx
+        ggml.ggml_set_no_alloc(ctx, True)  # the inputs' data are numpy arrays, set per call
+        self.h = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, K, 1, T)  # each token one row, read by its k experts
+        self.ids = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, k, T)
+        self.w = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, 1, k, T)
+        ggml.ggml_set_no_alloc(ctx, False)
+        gate, up, down = (m.tensor for m in layer.mats)
+        a = ggml.ggml_mul_mat_id(ctx, gate, self.h, self.ids)  # [F, k, T]
+        b = ggml.ggml_mul_mat_id(ctx, up, self.h, self.ids)
+        y = ggml.ggml_mul_mat_id(ctx, down, ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, a), b), self.ids)  # [K, k, T]
+        yw = ggml.ggml_mul(ctx, y, self.w)
+        nb1, nb2 = yw.contents.nb[1], yw.contents.nb[2]
+        out = ggml.ggml_view_2d(ctx, yw, K, T, nb2, 0)
+        for j in range(1, k):  # expert j added after experts 0..j-1, as the per-expert path adds them
+            out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
+        self.out = out if k > 1 else ggml.ggml_cont(ctx, out)
+        self.gf = ggml.ggml_new_graph(ctx)
+        ggml.ggml_build_forward_expand(self.gf, self.out)
+        self.plan, self.work = _plan(self.gf, threads)
+        self.shape = (T, K)
+
+    def run(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        self.h.contents.data = h.ctypes.data
+        self.ids.contents.data = ids.ctypes.data
+        self.w.contents.data = w.ctypes.data
+        out = np.empty(self.shape, F32)
+        self.out.contents.data = out.ctypes.data
+        _run(self.gf, self.plan)
+        return out  # h, ids, w and out are the caller's: alive for the whole computation
+
+    def free(self) -> None:
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+
+def _checked_slots(slots: np.ndarray, n_slots: int) -> np.ndarray:
+    ids = np.ascontiguousarray(slots, dtype=np.int32)
+    if ids.ndim != 2:
+        raise FomoeError(f"expected slots [T, k], got shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= n_slots):
+        raise FomoeError(f"slot ids must lie in [0, {n_slots}), got {int(ids.min())}..{int(ids.max())}")
+    return ids
+
+
+def _intermediates(y) -> list:
+    """y's sources computed in the graph (silu, products), then y: the tensors needing memory."""
+    act = y.contents.src[1]  # silu(a) ⊙ b
+    silu, b = act.contents.src[0], act.contents.src[1]
+    return [silu.contents.src[0], b, silu, act, y]
+
+
+def _wrap(ctx, qtype: int, ne: tuple[int, ...], buf: np.ndarray):
+    """A tensor of a no_alloc context whose data is `buf` (kept alive by the caller)."""
+    t = ggml.ggml_new_tensor(ctx, qtype, len(ne), (ctypes.c_int64 * len(ne))(*ne))
+    t.contents.data = buf.ctypes.data
+    return t
+
+
+def _plan(gf, threads: int):
+    plan = ggml.ggml_graph_plan(gf, threads, None)
+    work = np.empty(max(plan.work_size, 1), np.uint8)
+    plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    return plan, work  # the work buffer must outlive the plan's use
+
+
+def _run(gf, plan) -> None:
+    with MATMUL.timed():
+        status = ggml.ggml_graph_compute(gf, ctypes.byref(plan))
+    if status != 0:
+        raise FomoeError("ggml graph computation failed")
+
+
+def _compute(gf, threads: int) -> None:
+    plan, work = _plan(gf, threads)
+    _run(gf, plan)
+    del work
+
+
+def resident_slot_layers(source, n_expert: int, repack: bool = True) -> list[SlotLayer]:
+    """Every layer's experts read from `source` (a GGUFExpertSource or store: `.layers`, `.read(layer,
+    expert)`) into a SlotLayer of n_expert slots, expert e in slot e: a model held whole in memory."""
+    layers = []
+    for layout in source.layers:
+        layer = SlotLayer([(p.qtype, p.shape) for p in layout.parts], n_expert, repack)
+        for e in range(n_expert):
+            layer.set_slot(e, source.read(layout.layer, e))
+        layers.append(layer)
+    return layers

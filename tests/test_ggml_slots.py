@@ -1,0 +1,177 @@
+"""One layer's routed experts as one mul_mat_id product over the host tier's slots (SlotLayer): bit for
+bit the per-expert path (GgmlExperts) with plain buffers; repacked slot products equal plain ones up
+to the order of their float32 sums."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from float32_bounds import U
+from gguf import GGMLQuantizationType as QT
+
+from fomoepy import quants
+from fomoepy.errors import FomoeError
+from fomoepy.experts.device import Phase, StepExperts
+from fomoepy.runtime import ggml_buffers
+from fomoepy.runtime.ggml_experts import GgmlExperts
+from fomoepy.runtime.ggml_slots import SlotLayer, SlotMatrix
+
+F32 = np.float32
+K, F, N_EXPERT, N_SLOT, TOP_K = 512, 256, 10, 12, 4
+PARTS = [(int(QT.Q4_K), (F, K)), (int(QT.Q4_K), (F, K)), (int(QT.Q6_K), (K, F))]  # the bench model's types
+
+
+@pytest.fixture(scope="module")
+def experts():
+    """{expert: ([gate, up, down] store bytes, [the same dequantised, float64])}."""
+    rng = np.random.default_rng(11)
+    out = {}
+    for e in range(N_EXPERT):
+        raw = [quants.quantize(rng.standard_normal(s).astype(F32) * 0.1, q).reshape(-1) for q, s in PARTS]
+        out[e] = (raw, [quants.dequantize(r, q, s).astype(np.float64) for r, (q, s) in zip(raw, PARTS)])
+    return out
+
+
+def filled(experts, repack: bool, rng) -> tuple[SlotLayer, np.ndarray]:
+    """A layer whose slots hold the experts at shuffled places; slot_of[e] says where."""
+    layer = SlotLayer(PARTS, N_SLOT, repack=repack)
+    slot_of = rng.permutation(N_SLOT)[:N_EXPERT]
+    for e, (raw, _) in experts.items():
+        layer.set_slot(int(slot_of[e]), raw)
+    return layer, slot_of
+
+
+def routing(rng, T):
+    ids = np.stack([np.sort(rng.choice(N_EXPERT, TOP_K, replace=False)) for _ in range(T)])  # ascending id
+    return ids, rng.dirichlet(np.ones(TOP_K), size=T).astype(F32)
+
+
+@pytest.mark.parametrize("T", [1, 7, 40])  # 40: a graph built for its call alone
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plain_slots_equal_the_per_expert_path_bit_for_bit(experts, T, threads):
+    rng = np.random.default_rng(T + 10 * threads)
+    layer, slot_of = filled(experts, False, rng)
+    assert layer.repacked == (False, False, False)
+    parts = [SimpleNamespace(qtype=q, shape=s) for q, s in PARTS]
+    per_expert = GgmlExperts((SimpleNamespace(parts=parts),), SimpleNamespace(threads=threads))
+    fetched = {e: raw for e, (raw, _) in experts.items()}
+    for _ in range(2):  # the second call reuses the graph with new pointers
+        h = rng.standard_normal((T, K)).astype(F32)
+        ids, w = routing(rng, T)
+        got = layer.ffn(h, slot_of[ids], w, threads)
+        phase = Phase.DECODE if T == 1 else Phase.PREFILL
+        want = per_expert.compute(0, h, ids, w, StepExperts(None, phase, dict(fetched), {}, lambda: None))
+        assert np.array_equal(got, want)
+        assert np.array_equal(layer.ffn_grouped(h, slot_of[ids], w, threads), want)
+    layer.close()
+
+
+def exactly_quantized_rows(rng, T, n):
+    """Rows that ggml's Q8_K rounding keeps exactly: integers in [-127, 127], each 256-block's largest
+    magnitude 127 (the block's scale is then 1)."""
+    x = rng.integers(-127, 128, size=(T, n)).astype(F32)
+    x[:, ::256] = 127 * np.sign(rng.standard_normal((T, n // 256)) + 0.5).astype(F32)
+    return x
+
+
+@pytest.mark.parametrize("part", [0, 2])
+@pytest.mark.parametrize("T", [1, 6])
+def test_repacked_slot_products_equal_plain_ones_up_to_the_order_of_float32_sums(experts, part, T):
+    # repacked kernels compute the same integer block dot products of the same Q8_K activations (exact
+    # here) and add their float32 partial sums in another order: each result lies within 2·n·u·Σ|terms|
+    # of the exact sum (n ≤ the row length), so the two differ by at most twice that
+    qtype, (rows, cols) = PARTS[part]
+    rng = np.random.default_rng(20 + part + T)
+    slot_of = rng.permutation(N_SLOT)[:N_EXPERT]
+    mats = {}
+    for repack in (False, True):
+        m = mats[repack] = SlotMatrix(qtype, rows, cols, N_SLOT, repack)
+        for e, (raw, _) in experts.items():
+            m.set_slot(int(slot_of[e]), raw[part])
+    if not mats[True].repacked:
+        pytest.skip(f"no repacked kernels for type {qtype} [{rows}, {cols}] on this CPU")
+    x = exactly_quantized_rows(rng, T, cols)
+    ids, _ = routing(rng, T)
+    plain, repacked = (mats[r].product(x, slot_of[ids], 2) for r in (False, True))
+    for t in range(T):
+        for j, e in enumerate(ids[t]):
+            w = experts[int(e)][1][part]
+            exact = w @ x[t].astype(np.float64)
+            terms = np.abs(w) @ np.abs(x[t].astype(np.float64))
+            assert np.all(np.abs(plain[t, j] - exact) <= 2 * cols * U * terms)
+            assert np.all(np.abs(repacked[t, j] - plain[t, j]) <= 4 * cols * U * terms)
+    for m in mats.values():
+        m.close()
+
+
+def test_repacked_slots_give_the_same_bits_on_one_thread_or_two(experts):
+    rng = np.random.default_rng(3)
+    layer, slot_of = filled(experts, True, rng)
+    h = rng.standard_normal((4, K)).astype(F32)
+    ids, w = routing(rng, 4)
+    assert np.array_equal(layer.ffn(h, slot_of[ids], w, 1), layer.ffn(h, slot_of[ids], w, 2))
+    assert np.array_equal(layer.ffn_grouped(h, slot_of[ids], w, 1), layer.ffn_grouped(h, slot_of[ids], w, 2))
+    layer.close()
+
+
+def test_the_cpu_repacks_q4_k_where_it_has_avx2():
+    # the bench model's gate/up: repacked as llama.cpp's are on this CPU kind (Q4_K 8x8 kernels need AVX2)
+    import ggml
+
+    if not ggml.ggml_cpu_has_avx2():
+        pytest.skip("no AVX2: ggml has no repacked Q4_K kernels here")
+    assert ggml_buffers.repacks(int(QT.Q4_K), K, F)
+    assert not ggml_buffers.repacks(int(QT.F32), K, F)  # float weights have no repacked kernels
+
+
+def test_bad_slots_and_bytes_are_one_clear_error(experts):
+    layer = SlotLayer(PARTS, 2, repack=False)
+    raw = experts[0][0]
+    with pytest.raises(FomoeError, match="slot 2 outside"):
+        layer.set_slot(2, raw)
+    with pytest.raises(FomoeError, match="bytes for a slot"):
+        layer.set_slot(0, [raw[0][:-1], raw[1], raw[2]])
+    with pytest.raises(FomoeError, match="slot ids must lie in"):
+        layer.ffn(np.zeros((1, K), F32), np.array([[0, 2]]), np.ones((1, 2), F32), 1)
+    with pytest.raises(FomoeError, match="expected gate/up"):
+        SlotLayer([PARTS[0], PARTS[1], PARTS[0]], 2)
+    layer.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3moe_q4_k_m", "qwen35moe_q4_k"])
+def test_an_engine_on_plain_resident_slots_gives_the_per_expert_paths_logits_bit_for_bit(name):
+    from conftest import ORACLE
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.runtime.ggml_slots import resident_slot_layers
+
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    runs = []
+    for slots in (False, True):
+        engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=2))
+        if slots:
+            engine.experts.device.use_resident_slots(resident_slot_layers(engine.source, engine.spec.moe.n_expert, repack=False))
+        state = engine.new_state()
+        prefill = engine.eval(state, tokens[:-3], all_logits=True)
+        steps = [engine.eval(state, [t])[-1] for t in tokens[-3:]]  # decode steps: one token each
+        runs.append((prefill, steps))
+        engine.close()
+    (p0, s0), (p1, s1) = runs
+    assert np.array_equal(p0, p1)
+    assert all(np.array_equal(a, b) for a, b in zip(s0, s1))
+
+
+def test_filling_repacked_slots_writes_nothing_to_stderr():
+    # ggml's default log prints a debug line for every tensor the repacking buffer repacks
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\nfrom fomoepy.runtime.ggml_slots import SlotMatrix\n"
+        f"m = SlotMatrix({int(QT.Q4_K)}, {F}, {K}, 3)\n"
+        "for s in range(3): m.set_slot(s, np.zeros(m.slot_nbytes, np.uint8))\nprint(m.repacked)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stderr == ""
