@@ -95,23 +95,31 @@ def drive_figures(directory: str) -> tuple[dict, list[str]]:
     return {"bandwidth": bandwidth, "latency": latency}, notes
 
 
-def host_step_seconds(model: str, threads: int | None = None, tokens: int = 24) -> float:
+def host_step_seconds(model: str, store: str | None = None, threads: int | None = None, tokens: int = 48, warm: int = 32) -> float:
     """Seconds of the host's own work per layer step of a decode on `model` with the cpu backend (what
     `--profile-timing` reports as `host`: the step's time less ggml's products and the waits for expert
-    reads), with the host tier at a quarter of the experts, as bench/host_time.py measures it."""
+    reads), with the host tier at a quarter of the experts, as bench/host_time.py measures it; reading
+    the experts from `store` when given (its reader pool and host-tier admissions are host work too).
+    The first `warm` tokens fill the tiers and are not counted."""
     from fomoepy.engine import Engine, EngineOptions
 
-    probe = Engine(model, EngineOptions(backend="cpu", vram_cache=0, ram_cache=0))
+    stores = (store,) if store else ()
+    probe = Engine(model, EngineOptions(backend="cpu", store=stores, vram_cache=0, ram_cache=0))
     experts = sum(layer.expert_nbytes for layer in probe.source.layers) * probe.spec.moe.n_expert
     probe.close()
-    options = EngineOptions(backend="cpu", threads=threads, vram_cache=0, ram_cache=experts // 4, profile_timing=True)
+    options = EngineOptions(backend="cpu", store=stores, threads=threads, vram_cache=0, ram_cache=experts // 4,
+                            profile_timing=True)  # fmt: skip
     engine = Engine(model, options)
     try:
         state = engine.new_state()
         token = int(np.argmax(engine.eval(state, [1, 2, 3, 4])[-1]))
-        for _ in range(tokens):
+        timer = engine.timer
+        for i in range(warm + tokens):
+            if i == warm:  # the tiers have filled: measure from here
+                before = (sum(timer.total), sum(timer.matmul), sum(timer.io_wait), sum(timer.steps))
             token = int(np.argmax(engine.decode_token(state, token)))
-        return engine.timer.host_seconds()[3]
+        total, matmul, wait, steps = (sum(timer.total), sum(timer.matmul), sum(timer.io_wait), sum(timer.steps))
+        return ((total - before[0]) - (matmul - before[1]) - (wait - before[2])) / max(1, steps - before[3])
     finally:
         engine.close()
 
@@ -122,8 +130,10 @@ def measured(hw: Hardware, directory: str, model: str | None = None) -> tuple[Ha
     drive, notes = drive_figures(directory)
     host = host_figures()
     if model is not None:
-        host["plan"] = host_step_seconds(model)
-        notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us, measured on {Path(model).name} (cpu backend)")
+        store = directory if (Path(directory) / "fomoe-store.manifest").exists() else None
+        host["plan"] = host_step_seconds(model, store)
+        where = f"{Path(model).name}, experts from the store in {directory}" if store else Path(model).name
+        notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us, measured on {where} (cpu backend)")
     else:
         notes.append(f"host time per layer step {hw.host.plan * 1e6:.0f} us, as the hardware file states it")
     return hw.with_changes(host=host, drives=drive), notes
