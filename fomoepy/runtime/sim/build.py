@@ -116,16 +116,19 @@ class SimCompiler:
         self.spelling = spelling
         self.extra_flags = list(extra_flags) + SPELLINGS[spelling]
         self.racecheck = racecheck_default() if racecheck is None else racecheck
-        header = hashlib.sha256(b"".join(h.read_bytes() for h in DEVICE_HEADERS)).hexdigest()[:16]
-        # the cache key: a racecheck build of a module that declares shared memory differs
-        self.version = f"{compiler_version(self.cxx)} sim-{header}{' racecheck' if self.racecheck else ''}"
+        self.checks = ["-DFOMOE_SIM_RACECHECK", *instrumentation_flags(self.cxx)] if self.racecheck else []
+        # the cache key: the simulator's headers, and this file (how a module is built, which gets the checks)
+        header = hashlib.sha256(b"".join(h.read_bytes() for h in (*DEVICE_HEADERS, Path(__file__)))).hexdigest()[:16]
+        self.version = f"{compiler_version(self.cxx)} sim-{header}"
 
     def options(self, arch: str) -> list[str]:
-        """The flags of every module; one that declares shared memory adds racecheck_flags()."""
-        return [*COMMON_FLAGS, "-DFOMOE_SIM", *self.extra_flags]
+        """The flags of the cache key; a module that declares no shared memory is built without `checks`."""
+        return [*COMMON_FLAGS, "-DFOMOE_SIM", *self.extra_flags, *self.checks]
 
-    def racecheck_flags(self, source: KernelSource) -> list[str]:
-        return ["-DFOMOE_SIM_RACECHECK", *instrumentation_flags(self.cxx)] if self.racecheck and declares_shared(source) else []
+    def flags(self, source: KernelSource, arch: str) -> list[str]:
+        """The flags `source` is compiled with (to an object file: -shared is the link's)."""
+        drop = {"-shared"} if declares_shared(source) else {"-shared", *self.checks}
+        return [o for o in self.options(arch) if o not in drop]
 
     def _run(self, args: list[str], source: KernelSource, cwd: str) -> str:
         proc = subprocess.run(args, capture_output=True, text=True, cwd=cwd, check=False)
@@ -151,8 +154,7 @@ class SimCompiler:
             Path(d, "module.cpp").write_text(f'#include "{source.name}.hip"\n{entries}')
             # compiled, then linked without -fsanitize: the instrumentation's calls are the module's own,
             # and no sanitizer runtime may be linked into a library that Python loads
-            compile_only = [o for o in self.options(arch) if o != "-shared"] + self.racecheck_flags(source)
-            self._run([self.cxx, *compile_only, f"-I{SIM_DIR}", "-I.", "-x", "c++", "-c", "module.cpp", "-o", "module.o"], source, d)
+            self._run([self.cxx, *self.flags(source, arch), f"-I{SIM_DIR}", "-I.", "-x", "c++", "-c", "module.cpp", "-o", "module.o"], source, d)
             self._run([self.cxx, "-shared", "-pthread", "-Wl,--no-undefined", "module.o", "-o", "module.so"], source, d)
             return Path(d, "module.so").read_bytes()
 
