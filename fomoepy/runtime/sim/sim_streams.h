@@ -68,8 +68,8 @@ void demand(Stream* s, uint64_t position);
 class BlockPool {
   public:
     static BlockPool& get() {
-        static BlockPool pool;
-        return pool;
+        static BlockPool* pool = new BlockPool;  // never destroyed, as the streams (below)
+        return *pool;
     }
     int size() const { return (int)workers.size() + 1; }
 
@@ -286,9 +286,12 @@ void demand(Stream* s, uint64_t position) {
 }
 
 std::mutex registry_mutex;
-std::vector<std::unique_ptr<Stream>> streams;  // never destroyed before exit: handles stay valid
-std::vector<std::unique_ptr<Event>> events;
-std::vector<std::unique_ptr<Module>> modules;
+// Never destroyed, not even at exit: handles stay valid, and a stream may hold work nobody will ever
+// demand (deferred mode), a launch of which would wait at exit for a block pool already destroyed, or
+// a wait for a stream destroyed before it. The process's end stops the threads instead.
+std::vector<std::unique_ptr<Stream>>& streams = *new std::vector<std::unique_ptr<Stream>>;
+std::vector<std::unique_ptr<Event>>& events = *new std::vector<std::unique_ptr<Event>>;
+std::vector<std::unique_ptr<Module>>& modules = *new std::vector<std::unique_ptr<Module>>;
 
 bool valid_device(int d) { return d >= 0 && d < config.n_devices; }
 
