@@ -7,7 +7,9 @@ unchanged; only the kernels' code objects differ (host shared libraries, see bui
 Configuration, for tests and debugging (read when the driver is first opened in a process):
     FOMOEPY_SIM_DEVICES   number of simulated devices (default 4)
     FOMOEPY_SIM_MEMORY    bytes per device (default 16 GiB, an RX 9070's)
-    FOMOEPY_SIM_DEFERRED  1: a stream runs its work only when a sync or an event needs it
+    FOMOEPY_SIM_DEFERRED  1: a stream runs its work only when a sync or an event needs it, the host
+                          sees a copy down only once it syncs that copy's stream, and a free runs no
+                          stream (sim_streams.h)
     FOMOEPY_SIM_ORDER     a seed: each block's warps run in an order drawn from it (default 0: in order)
     FOMOEPY_SIM_RACECHECK 0: kernels built without the shared-memory race detector (build.py)
 """
