@@ -15,8 +15,9 @@
 KERNEL void LAUNCH_BOUNDS(ATT_WARPS * WARP)
     attention_f32(const float* q, i64 qt, i64 qh, const float* k_cache, const float* v_cache, float* out, int T,
                   int H, int Hkv, int hd, int n_past, int n_ctx, float scale, i32* err) {
-    __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
-    __shared__ float s_acc[ATT_WARPS][ATT_MAX_HD];
+    SHARED(float, s_m, [ATT_WARPS]);
+    SHARED(float, s_l, [ATT_WARPS]);
+    SHARED(float, s_acc, [ATT_WARPS][ATT_MAX_HD]);
     const int h = blockIdx.x, t = blockIdx.y;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     if (h >= H || t >= T) return;

@@ -5,8 +5,14 @@
 
 #if defined(FOMOE_SIM)
 // the simulated device: the host C++ compiler builds this source, threads run as fibers on the CPU
-// (fomoepy/runtime/sim/sim_device.h defines CUDA's spellings, KERNEL, LAUNCH_BOUNDS and DYN_SHARED)
+// (fomoepy/runtime/sim/sim_device.h defines KERNEL, LAUNCH_BOUNDS, DYN_SHARED, SHARED, and both
+// vendors' intrinsics); it is built once with each vendor's branches below (FOMOE_SIM_HIP: HIP's)
 #include "sim_device.h"
+#if defined(FOMOE_SIM_HIP)
+#define FOMOE_HIP 1
+#else
+#define FOMOE_CUDA 1
+#endif
 #elif defined(__HIPCC_RTC__) || defined(__HIP__) || defined(__HIP_DEVICE_COMPILE__)
 #define FOMOE_HIP 1
 #else
@@ -32,6 +38,7 @@ typedef unsigned long long u64;
 #define KERNEL extern "C" __global__
 #define LAUNCH_BOUNDS(n) __launch_bounds__(n)
 #define DYN_SHARED(T, name) extern __shared__ T name[]  // the launch's dynamic shared memory
+#define SHARED(T, name, dims) __shared__ T name dims     // a static shared array: SHARED(float, s, [32])
 #endif
 #define DEVINL __device__ __forceinline__
 
@@ -44,19 +51,22 @@ typedef unsigned long long u64;
 #endif
 
 // IEEE binary16 and bfloat16 bits -> float32 (exact conversions; no toolkit half types needed).
-#if defined(FOMOE_HIP) || defined(FOMOE_SIM)
+// binary16 in integer arithmetic and one exact subtraction, the same text for every compiler (NVRTC
+// has no _Float16, and the simulator then runs what both GPUs run); no float32 subnormal is formed on
+// the way, so a flush-to-zero mode cannot change it. NaN keeps its payload, as numpy's conversion.
 DEVINL float f16_to_f32(u16 h) {
-    _Float16 v;
-    __builtin_memcpy(&v, &h, 2);
-    return (float)v;
-}
-#else
-DEVINL float f16_to_f32(u16 h) {
+    const u32 magnitude = (u32)(h & 0x7fff) << 13;  // exponent and mantissa in float32's places
+    const u32 exponent = magnitude & 0x0f800000u;
     float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
+    if (exponent == 0x0f800000u) {  // inf, NaN
+        f = __uint_as_float(magnitude | 0x7f800000u);
+    } else if (exponent == 0) {  // zero, subnormal: m 2^-24 = (2^-14 + m 2^-24) - 2^-14, exactly
+        f = __uint_as_float(magnitude + (113u << 23)) - __uint_as_float(113u << 23);
+    } else {  // normal: the exponent rebiased from 15 to 127
+        f = __uint_as_float(magnitude + (112u << 23));
+    }
+    return __uint_as_float(__float_as_uint(f) | ((u32)(h & 0x8000) << 16));
 }
-#endif
 
 DEVINL float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 

@@ -9,7 +9,7 @@
 // y = (x / sqrt(mean(x^2) + eps)) * w, w [n] (per-head q/k norm: rows = T*H, n = head_dim)
 KERNEL void LAUNCH_BOUNDS(NORM_THREADS)
     rms_norm_f32(const float* x, i64 x_stride, const float* w, float* y, int n_rows, int n, float eps) {
-    __shared__ float scratch[WARP];
+    SHARED(float, scratch, [WARP]);
     const int r = blockIdx.x;
     if (r >= n_rows) return;
     const float* xr = x + (i64)r * x_stride;
@@ -23,7 +23,7 @@ KERNEL void LAUNCH_BOUNDS(NORM_THREADS)
 
 // y = x / max(||x||, eps)  (ggml_l2_norm)
 KERNEL void LAUNCH_BOUNDS(NORM_THREADS) l2_norm_f32(const float* x, i64 x_stride, float* y, int n_rows, int n, float eps) {
-    __shared__ float scratch[WARP];
+    SHARED(float, scratch, [WARP]);
     const int r = blockIdx.x;
     if (r >= n_rows) return;
     const float* xr = x + (i64)r * x_stride;
@@ -37,7 +37,7 @@ KERNEL void LAUNCH_BOUNDS(NORM_THREADS) l2_norm_f32(const float* x, i64 x_stride
 
 // y = exp(x - max) / sum(exp(x - max)) per row
 KERNEL void LAUNCH_BOUNDS(NORM_THREADS) softmax_f32(const float* x, i64 x_stride, float* y, int n_rows, int n) {
-    __shared__ float scratch[WARP];
+    SHARED(float, scratch, [WARP]);
     const int r = blockIdx.x;
     if (r >= n_rows) return;
     const float* xr = x + (i64)r * x_stride;

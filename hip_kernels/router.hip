@@ -39,9 +39,9 @@ DEVINL void block_argmax(float& v, int& i, float* sv, int* si) {
 KERNEL void LAUNCH_BOUNDS(ROUTE_THREADS) route_softmax_topk(const float* logits, int T, int E, int k, float* probs,
                                                             i32* ids, float* weights, i32* err) {
     DYN_SHARED(float, p);
-    __shared__ float sv[WARP];
-    __shared__ int si[WARP];
-    __shared__ float top[ROUTE_MAX_K];
+    SHARED(float, sv, [WARP]);
+    SHARED(int, si, [WARP]);
+    SHARED(float, top, [ROUTE_MAX_K]);
     const int t = blockIdx.x;
     if (t >= T) return;
     if (k < 1 || k > ROUTE_MAX_K || k > E) {
@@ -85,8 +85,8 @@ KERNEL void LAUNCH_BOUNDS(ROUTE_THREADS) route_softmax_topk(const float* logits,
 
 // ids[r] = first index of the maximum of row r of x [n_rows, n]
 KERNEL void LAUNCH_BOUNDS(ROUTE_THREADS) argmax_f32(const float* x, int n_rows, int n, i32* ids) {
-    __shared__ float sv[WARP];
-    __shared__ int si[WARP];
+    SHARED(float, sv, [WARP]);
+    SHARED(int, si, [WARP]);
     const int r = blockIdx.x;
     if (r >= n_rows) return;
     float v = NEG_INF;

@@ -138,6 +138,18 @@ def test_embedding_rows_are_decoded_exactly(dev, qtype):
         dev.to_host(dev.empty((1,)))
 
 
+def test_every_f16_bit_pattern_decodes_as_numpy_decodes_it(dev):
+    """All 65536 halves as a table of 256 rows: zeros, subnormals, normals, infinities bit for bit;
+    NaN stays NaN with its sign (numpy may quiet a signalling NaN's payload, a GPU may too)."""
+    bits = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
+    W = dev.weight_from_bytes(bits.view(np.uint8).reshape(-1), T_.F16, (256, 256), "token_embd.weight")
+    got = np.asarray(dev.embed(W, np.arange(256))).view(np.uint32)
+    ref = bits.view(np.float16).astype(np.float32).view(np.uint32)
+    nan = np.isnan(bits.view(np.float16))
+    assert np.array_equal(got[~nan], ref[~nan])
+    assert np.isnan(got[nan].view(np.float32)).all() and np.array_equal(got[nan] >> 31, ref[nan] >> 31)
+
+
 def test_a_type_without_kernel_is_refused_at_load(dev):
     raw = np.zeros(quants.nbytes_for(T_.F32, (4, 256)), np.uint8)
     with pytest.raises(FomoeError, match="Q2_K, which fomoepy does not support"):

@@ -9,10 +9,12 @@ The kernels here are written for the test and compiled with the same compat.h as
 from __future__ import annotations
 
 import ctypes
+import re
 
 import numpy as np
 import pytest
 
+from fomoepy.errors import FomoeError
 from fomoepy.runtime import kernels
 from fomoepy.runtime.kernels import KernelSource
 from fomoepy.runtime.shim import GpuError, PackedParams
@@ -26,7 +28,7 @@ TEST_KERNELS = r"""
 
 // every thread sums what all threads of the block wrote before the barrier
 KERNEL void LAUNCH_BOUNDS(256) barrier_sum(const float* in, float* out) {
-    __shared__ float s[256];
+    SHARED(float, s, [256]);
     s[threadIdx.x] = in[blockIdx.x * blockDim.x + threadIdx.x];
     __syncthreads();
     float t = 0.0f;
@@ -37,7 +39,7 @@ KERNEL void LAUNCH_BOUNDS(256) barrier_sum(const float* in, float* out) {
 // warp w repeats a warp-wide sum w + 1 times (warps take different numbers of loop trips), then
 // broadcasts lane 3's value; a block barrier separates the rounds from a cross-warp read
 KERNEL void LAUNCH_BOUNDS(128) warp_rounds(const float* in, float* out, float* other) {
-    __shared__ float per_warp[4];
+    SHARED(float, per_warp, [4]);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     float v = in[threadIdx.x];
     for (int r = 0; r <= warp; r++) v = warp_sum(v);
@@ -86,19 +88,20 @@ SIGNATURES = {"barrier_sum": "pp", "warp_rounds": "ppp", "read_dynamic_shared": 
               "barrier_after_exit": "p", "shuffle_exited_lane": "p", "add_one": "ppi"}  # fmt: skip
 
 
-def build(flags: tuple[str, ...] = ()) -> bytes:
+def build(flags: tuple[str, ...] = (), text: str = TEST_KERNELS, racecheck: bool | None = None, spelling: str = "cuda") -> bytes:
     headers = tuple((p.name, p.read_text()) for p in sorted(kernels.kernel_dir().glob("*.h")))
-    return SimCompiler(flags).compile(KernelSource("test", TEST_KERNELS, headers), "sim")
+    return SimCompiler(flags, racecheck, spelling).compile(KernelSource("test", text, headers), "sim")
 
 
 class Device:
-    """A simulated device with the test kernels loaded; its own streams."""
+    """A simulated device with the test kernels loaded (`signatures`: their launch codes); its own streams."""
 
-    def __init__(self, binary: bytes, device: int = 0):
+    def __init__(self, binary: bytes, device: int = 0, signatures: dict[str, str] = SIGNATURES):
         self.rt = SimShim(device)
         self.module = self.rt.load_module(binary)
         self.stream = self.rt.stream()
         self.buffers: list[int] = []
+        self.signatures = signatures
 
     def upload(self, x: np.ndarray, stream=None) -> int:
         ptr = self.rt.malloc(x.nbytes)
@@ -120,7 +123,7 @@ class Device:
         return out
 
     def launch(self, name: str, grid, block, *args, shared: int = 0, stream=None) -> None:
-        params = PackedParams(SIGNATURES[name], args)
+        params = PackedParams(self.signatures[name], args)
         self.rt.launch(self.rt.function(self.module, name), grid, block, shared, stream or self.stream, params.address)
 
     def close(self) -> None:
@@ -256,6 +259,19 @@ def test_the_portable_context_switch_gives_the_same_results():
         assert np.array_equal(a, b)
 
 
+def test_a_device_whose_warps_are_not_32_lanes_is_refused():
+    """compat.h's WARP is the figure the runtime checks, and a device that reports another (a wave64
+    GCN/CDNA card) is one clear error before any kernel is loaded."""
+    from fomoepy.runtime.gpu import GpuBackend
+
+    assert re.search(rf"^#define WARP {kernels.WARP_SIZE}$", (kernels.kernel_dir() / "compat.h").read_text(), re.MULTILINE)
+    rt = SimShim(0)
+    assert rt.warp_size == 32
+    rt.warp_size = 64
+    with pytest.raises(FomoeError, match=r"simulated device 0 .* runs warps of 64 lanes; fomoepy's kernels are built for 32"):
+        GpuBackend("sim", rt=rt, binaries={})
+
+
 # -- streams and events ---------------------------------------------------------------------------------
 
 
@@ -305,6 +321,47 @@ def test_event_sync_waits_for_the_recorded_work(binary, deferred):
     host = np.empty(n, F32)
     ctypes.memmove(host.ctypes.data, y, host.nbytes)  # device memory is host memory in the simulator
     assert (host == 3).all()
+    d.close()
+
+
+def test_deferred_streams_show_the_host_a_copy_only_once_it_syncs_the_copys_stream(binary, deferred):
+    """A copy down on a side stream, awaited by the compute stream: syncing the compute stream runs
+    the copy (the wait needs it) but does not show it to the host; a sync of the copy's own stream,
+    or of an event recorded on it after the copy, does."""
+    d = Device(binary)
+    side = d.rt.stream()
+    n = 256
+    x = d.upload(np.arange(n, dtype=F32))
+    for by_event in (False, True):
+        host = np.zeros(n, F32)
+        done = d.rt.event()
+        d.rt.dtoh(host.ctypes.data, x, host.nbytes, side)
+        d.rt.record(done, side)
+        d.rt.wait(d.stream, done)
+        d.rt.sync(d.stream)
+        assert (host == 0).all()
+        d.rt.event_sync(done) if by_event else d.rt.sync(side)
+        assert np.array_equal(host, np.arange(n, dtype=F32))
+    d.close()
+
+
+def test_a_free_in_deferred_mode_runs_no_stream(binary, deferred):
+    """A driver's free drains the device; deferred streams keep the freed block until the work queued
+    before it has run, and run nothing for it, so no stream is synced by a free that has nothing to do
+    with it. A use of the freed block after the free is refused."""
+    d = Device(binary)
+    n = 256
+    x, y = d.upload(np.full(n, 2, F32)), d.empty(n)
+    d.rt.sync(d.stream)
+    d.launch("add_one", (1,), (256,), x, y, n)
+    scratch = d.rt.malloc(4096)
+    d.rt.free(scratch)
+    host = np.empty(n, F32)
+    ctypes.memmove(host.ctypes.data, y, host.nbytes)  # device memory is host memory in the simulator
+    assert (host == 0).all()  # the launch has not run
+    assert (d.download(y, n) == 3).all()
+    with pytest.raises(GpuError, match="outside every device allocation"):
+        d.rt.htod(scratch, host.ctypes.data, 16, d.stream)
     d.close()
 
 

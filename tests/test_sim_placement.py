@@ -1,5 +1,6 @@
 """The simulated device under the engine: layer placements over several simulated devices, and the
-ordering of expert uploads by events (deferred streams).
+ordering of expert copies by events (deferred streams: a stream runs only what a sync or an event
+needs, and the host sees a device-to-host copy only once it syncs that copy's stream).
 
 The same checks run through the real bindings over stand-in drivers in test_standin_bindings.py.
 """
@@ -12,7 +13,16 @@ import numpy as np
 import pytest
 from conftest import ORACLE, open_oracle_engine
 
+from fomoepy.experts.cache import ExpertCache
 from fomoepy.experts.device import Phase
+from fomoepy.experts.policy import make_policy
+from fomoepy.experts.routing import Routing
+from fomoepy.experts.source import GGUFExpertSource
+from fomoepy.experts.step import MoEStep
+from fomoepy.experts.streamer import ExpertStreamer
+from fomoepy.model.gguf_file import GGUFFile
+from fomoepy.model.spec import ModelSpec
+from fomoepy.options import EngineOptions
 from fomoepy.runtime.sim.shim import configure
 
 # the simulated device itself, or (test_standin_bindings.py) cuda / hip through the real binding
@@ -84,3 +94,76 @@ def test_expert_uploads_are_ordered_by_events_not_by_luck(monkeypatch, deferred_
     monkeypatch.setattr(GpuExperts, "compute", compute_without_the_wait)
     bad = sim_engine_logits(name, vram_cache=0)
     assert not np.abs(bad - cpu).max() / cpu.std() <= LOGIT_TOL  # NaN (never-written slots) or wrong
+
+
+# -- the copies' waits, through the routed-expert interface (whichever module issues them) -------------
+
+
+def expert_tiers(device_experts: int, host: bool):
+    """The MoE step with GpuExperts over the first oracle model's layer 0, a device tier of
+    `device_experts` slots and (host) a host tier of every expert under lfu-demote, so that device
+    evictees are copied down."""
+    from fomoepy.runtime.backends import open_gpu
+    from fomoepy.runtime.gpu_experts import GpuExperts, gpu_expert_nbytes
+
+    gf = GGUFFile(ORACLE / "qwen3moe_q4_k_m.gguf")
+    spec = ModelSpec.from_gguf(gf)
+    source = GGUFExpertSource(gf, spec)
+    unit = [gpu_expert_nbytes(layer) for layer in source.layers]
+    store = [layer.expert_nbytes for layer in source.layers]
+    policies = {"device_policy": make_policy("lfu-demote"), "host_policy": make_policy("lfu-demote")} if host else {}
+    cache = ExpertCache(spec.moe.n_expert, store, unit[0] * device_experts, sum(store) * spec.moe.n_expert if host else 0,
+                        device_expert_bytes=unit, **policies)  # fmt: skip
+    device = GpuExperts(source.layers, open_gpu(BACKEND))
+    streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used, EngineOptions(prefetch=False), download=device.download)
+    return MoEStep(streamer, device, predicts=False), spec, source
+
+
+def steps(spec, n: int, seed: int = 0):
+    """n single-token steps of layer 0: (h, the router's choice), each choosing k distinct experts."""
+    rng = np.random.default_rng(seed)
+    E, k = spec.moe.n_expert, spec.moe.n_expert_used
+    for _ in range(n):
+        ids = np.sort(rng.choice(E, k, replace=False))[None, :]
+        w = rng.dirichlet(np.ones(k)).astype(np.float32)[None, :]
+        yield rng.standard_normal((1, spec.n_embd)).astype(np.float32), Routing(ids, w, np.full((1, E), 1 / E, np.float32))
+
+
+def test_steps_issued_back_to_back_compute_what_steps_read_one_by_one(deferred_streams):
+    """No device tier: every expert streams through a slot that is free again after its step, so the
+    next step's copies overwrite slots the last step's kernels read. Issued back to back with no read-
+    back between them (as a schedule that copies a layer ahead issues them), the copies must wait for
+    those kernels: deferred streams run the copies when the staging ring needs its buffers and the
+    kernels only when the outputs are read, so without that wait the early steps compute on the
+    later steps' experts."""
+    experts, spec, _ = expert_tiers(0, host=False)
+    one_by_one = []
+    for h, exact in steps(spec, 6):
+        experts.begin_step(Phase.DECODE)
+        one_by_one.append(np.asarray(experts(0, h, exact)))
+        experts.end_step(1)
+    back_to_back = []
+    for h, exact in steps(spec, 6):
+        experts.begin_step(Phase.DECODE)
+        back_to_back.append(experts(0, h, exact))
+        experts.end_step(1)
+    for i, (a, b) in enumerate(zip(one_by_one, back_to_back)):
+        assert np.array_equal(a, np.asarray(b)), f"step {i}"
+    experts.close()
+
+
+def test_a_demoted_expert_is_in_the_host_tier_once_its_step_returns(deferred_streams):
+    """lfu-demote over a device tier of 4 slots: each step evicts experts, whose bytes are copied down
+    into the host tier (where the CPU may compute on them, and from where a later step copies them up).
+    Once the step returns and its output has been read (a sync of the compute stream, not of the
+    copies), every demoted expert's host slot holds the expert's store bytes."""
+    experts, spec, source = expert_tiers(4, host=True)
+    for i, (h, exact) in enumerate(steps(spec, 8)):
+        experts.begin_step(Phase.DECODE)
+        np.asarray(experts(0, h, exact))
+        experts.end_step(1)
+        for key, parts in experts.streamer.host_slots.items():
+            for got, want in zip(parts, source.read(*key)):
+                assert np.array_equal(np.frombuffer(np.ascontiguousarray(got), np.uint8), np.frombuffer(np.ascontiguousarray(want), np.uint8)), f"step {i}: {key}"
+    assert experts.device.downloads > 0
+    experts.close()

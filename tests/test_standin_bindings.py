@@ -6,7 +6,7 @@ libamdhip64.so by that name and dlsyms each function; both are found on LD_LIBRA
 loader reads at start, so each run is a pytest in a fresh process. The kernels are compiled as on a
 real machine (NVRTC for sm_90, Debian's hiprtc for gfx1030); the stand-in checks each code object's
 target and kernels, and runs the simulator's build of the same source with the packed arguments the
-binding passed.
+binding passed: built with compat.h's HIP branch under hip-python, its CUDA branch under cuda-python.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ def hiprtc_dir() -> str | None:
     return found[0] if found else None
 
 
+def modules(standin: Path, vendor: str) -> str:
+    """The simulator's builds a vendor's stand-in runs: with that vendor's spellings (standin_drivers)."""
+    return str(standin / ("modules-hip" if vendor == "hip" else "modules"))
+
+
 def run_pytest(standin: Path, vendor: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     if importlib.util.find_spec(BINDINGS[vendor].split(".")[0]) is None:
         pytest.skip(f"{BINDINGS[vendor]} is not installed")
@@ -50,7 +55,7 @@ def run_pytest(standin: Path, vendor: str, *args: str, **env: str) -> subprocess
         paths.append(lib)
     environ = os.environ | {
         "LD_LIBRARY_PATH": ":".join(paths + [os.environ.get("LD_LIBRARY_PATH", "")]),
-        "FOMOE_STANDIN_MODULES": str(standin / "modules"),
+        "FOMOE_STANDIN_MODULES": modules(standin, vendor),
         "FOMOEPY_TEST_GPU": vendor,
     } | env
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
@@ -77,10 +82,12 @@ def test_the_gpu_tests_pass_through_the_real_binding(standin, vendor):
 @pytest.mark.slow
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 def test_with_deferred_streams_a_missing_wait_fails(standin, vendor):
-    """Each stream runs only what a sync or an event needs: the model is right with the copy wait,
-    and wrong without it (test_sim_placement.py asserts both)."""
-    proc = run_pytest(standin, vendor, "tests/test_sim_placement.py", "-k", "ordered", FOMOE_STANDIN_DEFERRED="1")
-    assert_ran(proc, 1)
+    """Each stream runs only what a sync or an event needs, and the host sees a copy down only once it
+    syncs that copy's stream: the model is right with the copy wait and wrong without it, steps issued
+    back to back compute what steps read one by one, and demoted experts reach the host tier
+    (test_sim_placement.py)."""
+    proc = run_pytest(standin, vendor, "tests/test_sim_placement.py", "-k", "ordered or back_to_back or demoted", FOMOE_STANDIN_DEFERRED="1")
+    assert_ran(proc, 3)
 
 
 @pytest.mark.slow
@@ -136,7 +143,24 @@ def test_a_code_object_whose_parameters_differ_from_the_source_is_refused(standi
     if importlib.util.find_spec(BINDINGS[vendor].split(".")[0]) is None:
         pytest.skip(f"{BINDINGS[vendor]} is not installed")
     paths = [str(standin)] + ([hiprtc_dir() or ""] if vendor == "hip" else [])
-    env = os.environ | {"LD_LIBRARY_PATH": ":".join(paths), "FOMOE_STANDIN_MODULES": str(standin / "modules")}
+    env = os.environ | {"LD_LIBRARY_PATH": ":".join(paths), "FOMOE_STANDIN_MODULES": modules(standin, vendor)}
     proc = subprocess.run([sys.executable, str(script), vendor], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "REFUSED" in proc.stdout and "rope_neox_f32: the code object's parameter sizes [ 8 8 8 8 4 4 4 4 8 8 8 ]" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_a_device_with_64_lane_warps_is_one_clear_error(standin, vendor):
+    """The stand-in reports a warp of 32 lanes (the runs above pass only so: the backend checks it) and
+    here 64, as a GCN/CDNA card: --backend names the warp size and the 32 the kernels are built for."""
+    if importlib.util.find_spec(BINDINGS[vendor].split(".")[0]) is None:
+        pytest.skip(f"{BINDINGS[vendor]} is not installed")
+    paths = [str(standin)] + ([hiprtc_dir() or ""] if vendor == "hip" else [])
+    env = os.environ | {"LD_LIBRARY_PATH": ":".join(paths), "FOMOE_STANDIN_MODULES": modules(standin, vendor), "FOMOE_STANDIN_WARP": "64"}
+    model = ROOT / "fomoepy" / "data" / "demo-qwen3moe.gguf"
+    proc = subprocess.run([sys.executable, "-m", "fomoepy.cli", "generate", str(model), "--backend", vendor, "-n", "2", "-p", "Hi"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "runs warps of 64 lanes; fomoepy's kernels are built for 32" in proc.stderr, proc.stderr[-2000:]

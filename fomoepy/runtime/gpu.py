@@ -99,6 +99,11 @@ class GpuBackend:
     def __init__(self, vendor: str = "cuda", device: int = 0, rt: DriverShim | None = None, binaries: dict[str, bytes] | None = None):
         """`rt` and `binaries` replace the driver and the compiled modules (tests: a stand-in driver)."""
         self.rt = rt or open_runtime(vendor, device)
+        if self.rt.warp_size != kernels.WARP_SIZE:  # a wave64 card (GCN, CDNA) would sum half-warps: refuse it
+            raise FomoeError(
+                f"{self.rt.device_name} runs warps of {self.rt.warp_size} lanes; fomoepy's kernels are built for "
+                f"{kernels.WARP_SIZE} (NVIDIA, and AMD RDNA in wave32)"
+            )
         self.name = self.rt.vendor
         if binaries is None:
             binaries = kernels.compile_all(kernels.compiler_for(self.rt.vendor), self.rt.arch)

@@ -39,6 +39,9 @@ def kernel_name(family: str, qtype: int, tensor_name: str | None = None) -> str:
 
 # -- sources -----------------------------------------------------------------------------------------
 
+WARP_SIZE = 32  # compat.h's WARP: every warp reduction assumes it (tests/test_kernels_compile.py reads it back)
+
+
 
 def kernel_dir() -> Path:
     """hip_kernels/ of this checkout, or $FOMOEPY_KERNEL_DIR."""

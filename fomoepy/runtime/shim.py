@@ -81,6 +81,7 @@ class DriverShim(ABC):
     device_name: str
     arch: str  # what the kernel compiler targets: "sm_90", "gfx1201"
     total_memory: int
+    warp_size: int  # lanes per warp (wavefront) the device runs: what the kernels' WARP must equal
 
     # which shim's device is current on each thread: the driver keeps one current device (CUDA context,
     # HIP device) per thread, shared by every shim, so a shim that made its device current once must

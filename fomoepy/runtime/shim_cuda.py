@@ -51,6 +51,7 @@ class CudaShim(DriverShim):
         self.arch = f"sm_{major}{minor}"
         self.device_name = self.call("cuDeviceGetName", 256, self.handle).split(b"\0")[0].decode()
         self.total_memory = int(self.call("cuDeviceTotalMem", self.handle))
+        self.warp_size = int(self.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE, self.handle))
 
     def _make_current(self) -> None:
         self.api.cuCtxSetCurrent(self.context)

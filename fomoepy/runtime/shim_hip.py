@@ -45,6 +45,7 @@ class HipShim(DriverShim):
         self.arch = _text(props.gcnArchName).split(":")[0]  # "gfx1201:sramecc-:xnack-" -> "gfx1201"
         self.device_name = _text(props.name)
         self.total_memory = int(props.totalGlobalMem)
+        self.warp_size = int(props.warpSize)
 
     memset_signed = True
 

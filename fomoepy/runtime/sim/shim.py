@@ -7,7 +7,11 @@ unchanged; only the kernels' code objects differ (host shared libraries, see bui
 Configuration, for tests and debugging (read when the driver is first opened in a process):
     FOMOEPY_SIM_DEVICES   number of simulated devices (default 4)
     FOMOEPY_SIM_MEMORY    bytes per device (default 16 GiB, an RX 9070's)
-    FOMOEPY_SIM_DEFERRED  1: a stream runs its work only when a sync or an event needs it
+    FOMOEPY_SIM_DEFERRED  1: a stream runs its work only when a sync or an event needs it, the host
+                          sees a copy down only once it syncs that copy's stream, and a free runs no
+                          stream (sim_streams.h)
+    FOMOEPY_SIM_ORDER     a seed: each block's warps run in an order drawn from it (default 0: in order)
+    FOMOEPY_SIM_RACECHECK 0: kernels built without the shared-memory race detector (build.py)
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ SIM_NAMES = ApiNames(
 _SIGNATURES: dict[str, list[Any]] = {
     "sim_configure": [c_int, ctypes.c_ulonglong, c_int],
     "sim_device_count": [ctypes.POINTER(c_int)],
+    "sim_set_order_seed": [c_uint],
     "sim_mem_info": [c_int, ctypes.POINTER(c_size_t), ctypes.POINTER(c_size_t)],
     "sim_malloc": [c_int, ctypes.POINTER(c_void_p), c_size_t],
     "sim_free": [c_void_p],
@@ -96,22 +101,26 @@ def driver() -> ctypes.CDLL:
                 n_devices=int(os.environ.get("FOMOEPY_SIM_DEVICES", "4")),
                 memory_per_device=int(float(os.environ.get("FOMOEPY_SIM_MEMORY", str(16 << 30)))),
                 deferred=os.environ.get("FOMOEPY_SIM_DEFERRED", "0") not in ("", "0"),
+                order_seed=int(os.environ.get("FOMOEPY_SIM_ORDER", "0") or 0),
             )
             if lib.sim_configure(_config["n_devices"], _config["memory_per_device"], int(_config["deferred"])) != 0:
                 raise FomoeError(f"simulated device: {lib.sim_last_error().decode()}")
+            lib.sim_set_order_seed(_config["order_seed"])
             _driver = lib
         return _driver
 
 
-def configure(n_devices: int | None = None, memory_per_device: int | None = None, deferred: bool | None = None) -> dict[str, Any]:
+def configure(n_devices: int | None = None, memory_per_device: int | None = None, deferred: bool | None = None,
+              order_seed: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Change the simulator's settings (tests; None keeps one); returns the settings before, to restore.
-    Devices being dropped must hold no memory."""
+    Devices being dropped must hold no memory. `order_seed` applies to launches submitted from now on."""
     lib = driver()
     before = dict(_config)
-    new = {k: v for k, v in (("n_devices", n_devices), ("memory_per_device", memory_per_device), ("deferred", deferred)) if v is not None}
-    merged = before | new
+    given = (("n_devices", n_devices), ("memory_per_device", memory_per_device), ("deferred", deferred), ("order_seed", order_seed))
+    merged = before | {k: v for k, v in given if v is not None}
     if lib.sim_configure(merged["n_devices"], merged["memory_per_device"], int(merged["deferred"])) != 0:
         raise FomoeError(f"simulated device: {lib.sim_last_error().decode()}")
+    lib.sim_set_order_seed(merged["order_seed"])
     _config.update(merged)
     return before
 
@@ -220,6 +229,7 @@ class SimShim(DriverShim):
         super().__init__(SimApi(lib, device), device)
         self.device_name = f"simulated device {device} (kernels run as fibers on the CPU)"
         self.total_memory = self.mem_info()[1]
+        self.warp_size = 32  # sim_device.h's warps
 
     def _make_current(self) -> None:
         pass  # every call names its device

@@ -7,7 +7,12 @@
 //   warp shuffles     a barrier across the 32 lanes of a warp, over an exchange buffer (double-
 //                     buffered, so a lane that races ahead to the next shuffle cannot overwrite a
 //                     value a slower lane has still to read);
-//   dynamic shared    memory filled with NaN before each block, so a read before a write shows;
+//   shared memory     dynamic and static (SHARED(...)) alike filled with NaN before each block, so a
+//                     read before a write shows and nothing carries over (sim_shared.h); with
+//                     FOMOE_SIM_RACECHECK every access is checked for a race within a barrier interval;
+//   warp order        with an order seed, each warp runs ahead alone to the next __syncthreads(), the
+//                     warps in an order drawn from the seed, the block and the barrier: a result that
+//                     depends on the order of the warps changes with the seed (sim_set_order_seed);
 //   errors            a deadlock, a barrier reached after some threads exited (or a thread exiting
 //                     while others wait), and a shuffle in a warp with an exited lane each stop the
 //                     launch with a message naming the kernel and the block.
@@ -32,6 +37,13 @@
 #endif
 
 #define FOMOE_SIM_EXPORT extern "C" __attribute__((visibility("default")))
+
+// The simulator's own code stays out of the race detector's instrumentation (sim_shared.h).
+#ifdef FOMOE_SIM_RACECHECK
+#define FOMOE_SIM_UNCHECKED __attribute__((no_sanitize("thread"), noinline))
+#else
+#define FOMOE_SIM_UNCHECKED
+#endif
 
 namespace fomoe_sim {
 
@@ -66,6 +78,7 @@ struct Launch {
     char* error;
     unsigned error_len;
     unsigned block_begin, block_end;
+    unsigned order_seed;  // 0: warps in index order
 };
 
 // A kernel as the driver sees it: its launch bound and the C types of its parameters.
@@ -90,6 +103,8 @@ struct Block {
     int warp_lanes[MAX_WARPS], warp_arrived[MAX_WARPS], warp_exited[MAX_WARPS];
     unsigned warp_gen[MAX_WARPS];
     uint64_t exchange[2][MAX_WARPS][32];
+    int order[MAX_THREADS], position[MAX_THREADS];  // the fibers in the order they run, and each one's place
+    uint64_t order_state;                           // the seeded draw of warp orders (0: index order)
     bool failed;
     char message[512];
 #ifdef FOMOE_SIM_ASM_SWITCH
@@ -104,6 +119,7 @@ inline thread_local Fiber* current = nullptr;
 inline thread_local Block* block = nullptr;
 inline thread_local dim3 block_idx, block_dim, grid_dim;
 inline thread_local unsigned char* dyn_shared = nullptr;
+inline thread_local Fiber* fibers_base = nullptr;
 
 // -- context switch --------------------------------------------------------------------------------
 #ifdef FOMOE_SIM_ASM_SWITCH
@@ -158,35 +174,67 @@ inline void to_fiber(Fiber* f) {
 #endif
 }
 
+inline void switch_fiber(Fiber* from, Fiber* to) {
+    current = to;
+#ifdef FOMOE_SIM_ASM_SWITCH
+    fomoe_sim_switch(&from->sp, to->sp);
+#else
+    swapcontext(&from->ctx, &to->ctx);
+#endif
+}
+
 // The current fiber has blocked (or exited): run the next runnable fiber of the block directly, and
 // hand control to the scheduler only when there is none (block done, deadlock) - half the switches
-// of going through the scheduler every time.
-inline thread_local Fiber* fibers_base = nullptr;
-
-inline void switch_away() {
+// of going through the scheduler every time. In index order the next is the next thread, so the
+// warps advance together, shuffle by shuffle; in a seeded order the search starts at the current
+// warp's first lane, so one warp runs ahead to the next __syncthreads() before the next warp starts:
+// a warp that overwrites what a later warp has still to read then does so before that read.
+FOMOE_SIM_UNCHECKED inline void switch_away() {
     Block* b = block;
     Fiber* from = current;
     const int n = b->n;
-    for (int k = 1, i = from->linear + 1; k < n; k++, i++) {
-        if (i == n) i = 0;
-        Fiber* to = fibers_base + i;
-        if (to->state != RUNNABLE) continue;
-        current = to;
-#ifdef FOMOE_SIM_ASM_SWITCH
-        fomoe_sim_switch(&from->sp, to->sp);
-#else
-        swapcontext(&from->ctx, &to->ctx);
-#endif
+    const int start = b->order_state ? b->position[from->linear] - from->lane : b->position[from->linear] + 1;
+    for (int k = 0, q = start; k < n; k++, q++) {
+        if (q == n) q = 0;
+        Fiber* to = fibers_base + b->order[q];
+        if (to == from || to->state != RUNNABLE) continue;
+        switch_fiber(from, to);
         return;
     }
     to_scheduler();
 }
 
+// -- the order of warps ----------------------------------------------------------------------------
+inline uint64_t splitmix(uint64_t& state) {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Index order, or (seeded) a shuffle of the warps, each warp's lanes in order.
+FOMOE_SIM_UNCHECKED inline void draw_order(Block* b) {
+    const int n_warps = (b->n + 31) / 32;
+    int warps[MAX_WARPS];
+    for (int w = 0; w < n_warps; w++) warps[w] = w;
+    if (b->order_state)
+        for (int w = n_warps - 1; w > 0; w--) {
+            const int j = (int)(splitmix(b->order_state) % (uint64_t)(w + 1));
+            const int t = warps[w];
+            warps[w] = warps[j];
+            warps[j] = t;
+        }
+    int q = 0;
+    for (int k = 0; k < n_warps; k++)
+        for (int i = warps[k] * 32; i < warps[k] * 32 + b->warp_lanes[warps[k]]; i++) {
+            b->order[q] = i;
+            b->position[i] = q++;
+        }
+}
+
 // -- failures: the block stops, the scheduler never resumes its fibers --------------------------------
-[[noreturn]] inline void fail(const char* fmt, int a = 0, int b = 0, int c = 0) {
+[[noreturn]] FOMOE_SIM_UNCHECKED inline void fail_with(const char* what) {
     Block* bl = block;
-    char what[400];
-    snprintf(what, sizeof what, fmt, a, b, c);
     snprintf(bl->message, sizeof bl->message, "kernel %s, block (%u,%u,%u), thread %d: %s", bl->kernel, bl->index.x,
              bl->index.y, bl->index.z, current ? current->linear : -1, what);
     bl->failed = true;
@@ -194,10 +242,24 @@ inline void switch_away() {
     __builtin_unreachable();
 }
 
+[[noreturn]] inline void fail(const char* fmt, int a = 0, int b = 0, int c = 0) {
+    char what[400];
+    snprintf(what, sizeof what, fmt, a, b, c);
+    fail_with(what);
+}
+
+}  // namespace fomoe_sim
+
+#include "sim_shared.h"
+
+namespace fomoe_sim {
+
 // -- barriers --------------------------------------------------------------------------------------
 inline thread_local Fiber fibers[MAX_THREADS];
 
-inline void sync_block() {
+// The last thread to arrive releases the others into a new barrier interval; with an order seed the
+// warps then start over in a fresh order (the first of it runs first, not the thread that arrived last).
+FOMOE_SIM_UNCHECKED inline void sync_block() {
     Block* b = block;
     if (b->n_exited)
         fail("__syncthreads() reached after %d of the block's %d threads exited", b->n_exited, b->n);
@@ -205,13 +267,19 @@ inline void sync_block() {
         b->n_at_block = 0;
         for (int i = 0; i < b->n; i++)
             if (fibers[i].state == AT_BLOCK) fibers[i].state = RUNNABLE;
+        next_interval(arena);
+        if (b->order_state) {
+            draw_order(b);
+            Fiber* first = fibers_base + b->order[0];
+            if (first != current) switch_fiber(current, first);
+        }
         return;
     }
     current->state = AT_BLOCK;
     switch_away();
 }
 
-inline void sync_warp() {
+FOMOE_SIM_UNCHECKED inline void sync_warp() {
     Block* b = block;
     const int w = current->warp;
     if (b->warp_exited[w])
@@ -230,7 +298,7 @@ inline void sync_warp() {
 
 // Every lane publishes v, waits for its whole warp, then reads lane `src`'s value.
 template <class T>
-inline T exchange(T v, int src) {
+FOMOE_SIM_UNCHECKED inline T exchange(T v, int src) {
     static_assert(sizeof(T) <= 8, "shuffles move up to 8 bytes");
     Block* b = block;
     const int w = current->warp;
@@ -251,7 +319,7 @@ inline void full_mask(unsigned mask) {
 }
 
 // -- running one block -----------------------------------------------------------------------------
-inline void fiber_exit() {
+FOMOE_SIM_UNCHECKED inline void fiber_exit() {
     Block* b = block;
     Fiber* f = current;
     f->state = EXITED;
@@ -325,7 +393,7 @@ inline bool prepare(Fiber* f) {
 }
 
 // Runs one block to completion; false with b->message set when it fails.
-inline bool run_block(Block* b) {
+FOMOE_SIM_UNCHECKED inline bool run_block(Block* b, unsigned order_seed) {
     const dim3 d = block_dim;
     b->n = (int)(d.x * d.y * d.z);
     b->n_exited = b->n_at_block = 0;
@@ -353,10 +421,19 @@ inline bool run_block(Block* b) {
             return false;
         }
     }
+    // the seed, the block and the launch's grid pick this block's orders, so a run repeats exactly
+    b->order_state = 0;
+    if (order_seed) {
+        b->order_state = ((uint64_t)order_seed << 32) ^ (((uint64_t)b->index.z << 42) | ((uint64_t)b->index.y << 21) | b->index.x);
+        b->order_state = splitmix(b->order_state) | 1;
+    }
+    draw_order(b);
+    begin_block();
     current = nullptr;
     while (b->n_exited < b->n) {
         bool ran = false;
-        for (int i = 0; i < b->n; i++) {
+        for (int q = 0; q < b->n; q++) {
+            const int i = b->order[q];
             if (fibers[i].state != RUNNABLE) continue;
             to_fiber(&fibers[i]);
             ran = true;
@@ -401,17 +478,10 @@ inline void invoke(void* closure) {
     call_with(static_cast<const Closure<A...>*>(closure), std::index_sequence_for<A...>{});
 }
 
-inline thread_local unsigned char* dyn_buffer = nullptr;
-inline thread_local unsigned dyn_capacity = 0;
-
 template <class... A>
-inline int run_kernel(const char* name, void (*fn)(A...), const Launch* l, void* const* params) {
-    if (l->shared > dyn_capacity) {
-        delete[] dyn_buffer;
-        dyn_capacity = (l->shared + 4095) & ~4095u;
-        dyn_buffer = new unsigned char[dyn_capacity];
-    }
-    dyn_shared = dyn_buffer;
+FOMOE_SIM_UNCHECKED inline int run_kernel(const char* name, void (*fn)(A...), const Launch* l, void* const* params) {
+    if (!begin_launch(l->shared, l->error, l->error_len, name)) return -1;
+    dyn_shared = arena.base;
     Closure<A...> closure{fn, params};
     Block b;
     b.kernel = name;
@@ -419,12 +489,10 @@ inline int run_kernel(const char* name, void (*fn)(A...), const Launch* l, void*
     b.closure = &closure;
     block_dim = dim3{l->block[0], l->block[1], l->block[2]};
     grid_dim = dim3{l->grid[0], l->grid[1], l->grid[2]};
-    const uint32_t nan_bits = 0x7fc00000u;
     for (unsigned linear = l->block_begin; linear < l->block_end; linear++) {
-        for (unsigned i = 0; i + 4 <= l->shared; i += 4) memcpy(dyn_buffer + i, &nan_bits, 4);
         block_idx = dim3{linear % l->grid[0], (linear / l->grid[0]) % l->grid[1], linear / (l->grid[0] * l->grid[1])};
         b.index = block_idx;
-        if (!run_block(&b)) {
+        if (!run_block(&b, l->order_seed)) {
             snprintf(l->error, l->error_len, "%s", b.message);
             block = nullptr;
             current = nullptr;
@@ -482,74 +550,5 @@ FOMOE_SIM_EXPORT const fomoe_sim::KernelInfo* fomoe_sim_kernel_table(int* n) {
     static ::fomoe_sim::Registrar fomoe_sim_register_##name(::fomoe_sim::describe(#name, (bound), name, \
                                                                                   fomoe_sim_run_##name));
 
-// -- what the kernel source sees: CUDA's spellings on the CPU ------------------------------------------
-#define __global__
-#define __device__
-#define __forceinline__ inline __attribute__((always_inline))
-#define __shared__ static thread_local  // one block at a time per host thread
-#define __constant__ const
-
-#ifdef FOMOE_SIM_SCAN  // tools/kernels: find each kernel's name and launch bound in the preprocessed source
-#define KERNEL FOMOE_SIM_KERNEL
-#define LAUNCH_BOUNDS(n) FOMOE_SIM_BOUND(n)
-#else
-#define KERNEL extern "C"
-#define LAUNCH_BOUNDS(n)
-#endif
-#define DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(::fomoe_sim::dyn_shared)
-
-#define threadIdx (::fomoe_sim::current->tid)
-#define blockIdx (::fomoe_sim::block_idx)
-#define blockDim (::fomoe_sim::block_dim)
-#define gridDim (::fomoe_sim::grid_dim)
-#define __syncthreads() ::fomoe_sim::sync_block()
-
-template <class T>
-inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
-    ::fomoe_sim::full_mask(mask);
-    const int lane = ::fomoe_sim::current->lane;
-    return ::fomoe_sim::exchange(v, (lane & ~(width - 1)) | ((lane ^ lane_mask) & (width - 1)));
-}
-
-template <class T>
-inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
-    ::fomoe_sim::full_mask(mask);
-    const int lane = ::fomoe_sim::current->lane;
-    return ::fomoe_sim::exchange(v, (lane & ~(width - 1)) | (src_lane & (width - 1)));
-}
-
-// Rounded arithmetic: with contraction off (-ffp-contract=off) a product is rounded, as __fmul_rn is.
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-
-inline float __int_as_float(int i) {
-    float f;
-    memcpy(&f, &i, 4);
-    return f;
-}
-inline float __uint_as_float(unsigned u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-inline int __float_as_int(float f) {
-    int i;
-    memcpy(&i, &f, 4);
-    return i;
-}
-inline unsigned __float_as_uint(float f) {
-    unsigned u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-inline int atomicOr(int* p, int v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
-inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
-
-inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
-inline long long min(long long a, long long b) { return a < b ? a : b; }
-inline long long max(long long a, long long b) { return a > b ? a : b; }
-inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
-inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+// what the kernel source sees: threadIdx, __syncthreads(), both vendors' shuffles, ...
+#include "sim_intrinsics.h"

@@ -6,11 +6,9 @@
 // refused here: a copy outside an allocation, a launch whose pointer argument is not memory of the
 // launching device, a block larger than the kernel's launch bound.
 //
-// Each stream is a host thread that runs its work in submission order; an event records a point in
-// a stream's work and other streams (or the host) wait for it. In deferred mode a stream runs its
-// work only when something needs it: a sync of the stream, a sync of an event recorded on it, or
-// another stream reaching a wait on such an event. A missing wait then reads stale memory every
-// time, instead of whenever the host threads happen to interleave badly.
+// Streams and events are sim_streams.h's. In deferred mode (there), freeing memory runs no stream
+// either: the block is kept until the work queued before the free has run, where a driver's free
+// would drain the device.
 //
 // In null mode (sim_set_null, for measuring the host's own time through the real bindings) the device
 // does no work: device memory is address space only (reserved, never backed), copies, memsets and
@@ -48,6 +46,7 @@ struct Launch {
     char* error;
     unsigned error_len;
     unsigned block_begin, block_end;
+    unsigned order_seed;
 };
 constexpr int MAX_PARAMS = 24;
 struct KernelInfo {
@@ -96,6 +95,7 @@ struct Config {
     int n_devices = 2;
     size_t memory_per_device = size_t(16) << 30;
     bool deferred = false;
+    unsigned order_seed = 0;  // the warp order of every block (sim_device.h); 0: index order
     bool null_device = false;  // sim_set_null: nothing runs, memory is address space only
 };
 
@@ -120,19 +120,6 @@ const Allocation* find(uintptr_t p, size_t n, uintptr_t* base = nullptr) {
     return &it->second;
 }
 
-// -- streams and events --------------------------------------------------------------------------------
-struct Stream;
-
-struct Event {
-    int device;
-    std::mutex m;
-    std::condition_variable cv;
-    uint64_t issued = 0, done = 0;  // records issued / completed
-    Stream* stream = nullptr;       // where the latest record was issued
-    uint64_t position = 0;          // its place in that stream's work
-    std::chrono::steady_clock::time_point when;
-};
-
 struct Module {
     void* handle;
     const KernelInfo* kernels;
@@ -140,255 +127,9 @@ struct Module {
     int device;
 };
 
-struct Op {
-    enum Type { COPY, MEMSET32, LAUNCH, RECORD, WAIT } type;
-    void* dst = nullptr;
-    const void* src = nullptr;
-    size_t n = 0;
-    uint32_t value = 0;
-    const KernelInfo* kernel = nullptr;
-    Launch launch{};
-    std::vector<uint64_t> param_storage;  // the argument values, copied at launch time as a driver does
-    std::vector<void*> params;
-    Event* event = nullptr;
-    uint64_t target = 0;
-    Stream* source = nullptr;  // WAIT: the stream the awaited record was issued on, and where
-    uint64_t source_position = 0;
-};
-
-void demand(Stream* s, uint64_t position);
-
-// Host threads that run parts of a launch: a launch's blocks are independent, so its stream's thread
-// runs one share and these the others (FOMOE_SIM_THREADS, default: the machine's cores, at most 8).
-class BlockPool {
-  public:
-    static BlockPool& get() {
-        static BlockPool pool;
-        return pool;
-    }
-    int size() const { return (int)workers.size() + 1; }
-
-    // runs every task, one on the calling thread; returns when all are done
-    // The count is changed only under the mutex the caller waits with: a worker that counted down
-    // outside it could still be about to notify when the caller, seeing zero, returns and destroys
-    // what the worker is touching (two shares of equal size finish together, so this happens).
-    void run_all(std::vector<std::function<void()>>& tasks) {
-        struct Done {
-            std::mutex m;
-            std::condition_variable cv;
-            size_t left;
-        };
-        auto done = std::make_shared<Done>();
-        done->left = tasks.size() - 1;
-        {
-            std::lock_guard<std::mutex> g(m);
-            for (size_t i = 1; i < tasks.size(); i++)
-                queue.push_back([&tasks, done, i] {
-                    tasks[i]();
-                    std::lock_guard<std::mutex> d(done->m);
-                    if (--done->left == 0) done->cv.notify_all();
-                });
-        }
-        cv.notify_all();
-        tasks[0]();
-        std::unique_lock<std::mutex> d(done->m);
-        done->cv.wait(d, [&] { return done->left == 0; });
-    }
-
-  private:
-    BlockPool() {
-        const char* env = getenv("FOMOE_SIM_THREADS");
-        int n = env && *env ? atoi(env) : (int)std::thread::hardware_concurrency();
-        n = n < 1 ? 1 : (n > 8 ? 8 : n);
-        for (int i = 1; i < n; i++) workers.emplace_back([this] { work(); });
-    }
-    ~BlockPool() {
-        {
-            std::lock_guard<std::mutex> g(m);
-            stopping = true;
-        }
-        cv.notify_all();
-        for (auto& w : workers) w.join();
-    }
-    void work() {
-        for (;;) {
-            std::function<void()> task;
-            {
-                std::unique_lock<std::mutex> g(m);
-                cv.wait(g, [&] { return stopping || !queue.empty(); });
-                if (queue.empty()) return;
-                task = std::move(queue.front());
-                queue.pop_front();
-            }
-            task();
-        }
-    }
-    std::vector<std::thread> workers;
-    std::mutex m;
-    std::condition_variable cv;
-    std::deque<std::function<void()>> queue;
-    bool stopping = false;
-};
-
-struct Stream {
-    int device;
-    std::mutex m;
-    std::condition_variable cv;
-    std::deque<Op> queue;
-    uint64_t submitted = 0, completed = 0, demanded = 0;
-    bool stopping = false;
-    std::string error;  // sticky: the first failure, reported by every later sync
-    std::thread worker;
-
-    explicit Stream(int d) : device(d) { worker = std::thread([this] { run(); }); }
-
-    ~Stream() {
-        {
-            std::lock_guard<std::mutex> g(m);
-            stopping = true;
-            demanded = submitted;
-        }
-        cv.notify_all();
-        worker.join();
-    }
-
-    uint64_t submit(Op&& op) {
-        std::lock_guard<std::mutex> g(m);
-        queue.push_back(std::move(op));
-        ++submitted;
-        if (!config.deferred) demanded = submitted;
-        cv.notify_all();
-        return submitted;
-    }
-
-    void run() {
-        for (;;) {
-            Op op;
-            {
-                std::unique_lock<std::mutex> g(m);
-                cv.wait(g, [&] { return (!queue.empty() && completed < demanded) || (stopping && queue.empty()); });
-                if (queue.empty()) return;
-                op = std::move(queue.front());
-                queue.pop_front();
-            }
-            execute(op);
-            {
-                std::lock_guard<std::mutex> g(m);
-                ++completed;
-            }
-            cv.notify_all();
-        }
-    }
-
-    void execute(Op& op) {
-        bool failed;
-        {
-            std::lock_guard<std::mutex> g(m);
-            failed = !error.empty();
-        }
-        switch (op.type) {
-            case Op::COPY:
-                if (!failed) memmove(op.dst, op.src, op.n);
-                break;
-            case Op::MEMSET32: {
-                if (failed) break;
-                uint32_t* p = static_cast<uint32_t*>(op.dst);
-                for (size_t i = 0; i < op.n; i++) p[i] = op.value;
-                break;
-            }
-            case Op::LAUNCH: {
-                if (failed) break;
-                const unsigned blocks = op.launch.grid[0] * op.launch.grid[1] * op.launch.grid[2];
-                const unsigned parts = std::min<unsigned>(blocks, (unsigned)BlockPool::get().size());
-                std::vector<Launch> shares(parts, op.launch);
-                std::vector<std::vector<char>> messages(parts, std::vector<char>(1024, 0));
-                std::vector<int> status(parts, 0);
-                std::vector<std::function<void()>> tasks;
-                for (unsigned i = 0; i < parts; i++) {
-                    shares[i].block_begin = (unsigned)((uint64_t)blocks * i / parts);
-                    shares[i].block_end = (unsigned)((uint64_t)blocks * (i + 1) / parts);
-                    shares[i].error = messages[i].data();
-                    shares[i].error_len = 1024;
-                    tasks.push_back([&, i] { status[i] = op.kernel->run(&shares[i], op.params.data()); });
-                }
-                if (parts == 1) tasks[0]();
-                else BlockPool::get().run_all(tasks);
-                for (unsigned i = 0; i < parts; i++)
-                    if (status[i] != 0) {  // the first failing share in block order
-                        std::lock_guard<std::mutex> g(m);
-                        error = messages[i].data();
-                        break;
-                    }
-                break;
-            }
-            case Op::RECORD: {  // completes even after a failure, so nobody waits forever
-                std::lock_guard<std::mutex> g(op.event->m);
-                if (op.target > op.event->done) op.event->done = op.target;
-                op.event->when = std::chrono::steady_clock::now();
-                op.event->cv.notify_all();
-                break;
-            }
-            case Op::WAIT: {
-                if (config.deferred) demand(op.source, op.source_position);
-                std::unique_lock<std::mutex> g(op.event->m);
-                op.event->cv.wait(g, [&] { return op.event->done >= op.target; });
-                break;
-            }
-        }
-    }
-
-    // blocks until the work submitted so far is done; the sticky error, if any
-    int sync() {
-        uint64_t until;
-        {
-            std::lock_guard<std::mutex> g(m);
-            until = submitted;
-        }
-        demand(this, until);
-        std::unique_lock<std::mutex> g(m);
-        cv.wait(g, [&] { return completed >= until; });
-        if (!error.empty()) return fail(LAUNCH_FAILED, "%s", error.c_str());
-        return OK;
-    }
-};
-
-void demand(Stream* s, uint64_t position) {
-    {
-        std::lock_guard<std::mutex> g(s->m);
-        if (position <= s->demanded) return;
-        s->demanded = position;
-    }
-    s->cv.notify_all();
-}
-
-std::mutex registry_mutex;
-std::vector<std::unique_ptr<Stream>> streams;  // never destroyed before exit: handles stay valid
-std::vector<std::unique_ptr<Event>> events;
-std::vector<std::unique_ptr<Module>> modules;
-
-bool valid_device(int d) { return d >= 0 && d < config.n_devices; }
-
-// every stream of `device` (all devices: -1) has finished what was submitted so far
-void drain(int device) {
-    std::vector<Stream*> todo;
-    {
-        std::lock_guard<std::mutex> g(registry_mutex);
-        for (auto& s : streams)
-            if (device < 0 || s->device == device) todo.push_back(s.get());
-    }
-    for (Stream* s : todo) {
-        uint64_t until;
-        {
-            std::lock_guard<std::mutex> g(s->m);
-            until = s->submitted;
-        }
-        demand(s, until);
-        std::unique_lock<std::mutex> g(s->m);
-        s->cv.wait(g, [&] { return s->completed >= until; });
-    }
-}
-
 }  // namespace
+
+#include "sim_streams.h"
 
 // -- the API -------------------------------------------------------------------------------------------
 EXPORT const char* sim_last_error() { return last_error.c_str(); }
@@ -405,10 +146,18 @@ EXPORT int sim_configure(int n_devices, unsigned long long memory_per_device, in
     return OK;
 }
 
+// The warp order of the launches submitted from now on: 0 runs each block's warps in index order,
+// any other seed in an order drawn from it, the block's index and the barrier (sim_device.h).
+EXPORT int sim_set_order_seed(unsigned seed) {
+    config.order_seed = seed;
+    return OK;
+}
+
 EXPORT int sim_set_null(int on) {
     std::lock_guard<std::mutex> g(memory_mutex);
     for (auto& [p, a] : allocations)
         if (a.kind == DEVICE) return fail(INVALID_VALUE, "null mode is set before any device memory is allocated");
+    if (on && config.deferred) return fail(INVALID_VALUE, "null mode and deferred streams do not mix");
     config.null_device = on != 0;
     return OK;
 }
@@ -427,8 +176,38 @@ EXPORT int sim_mem_info(int device, size_t* free_bytes, size_t* total) {
     return OK;
 }
 
+namespace {
+
+// Deferred mode: freed blocks that queued work may still use, with where each stream of their device
+// had got to; a block goes back to the host once every such stream has run past that point.
+struct Freed {
+    void* p;
+    std::vector<std::pair<Stream*, uint64_t>> until;
+};
+std::vector<Freed> freed;  // under memory_mutex
+
+void reclaim_freed() {  // with memory_mutex held
+    for (size_t i = 0; i < freed.size();) {
+        bool done = true;
+        for (auto& [s, position] : freed[i].until) {
+            std::lock_guard<std::mutex> g(s->m);
+            done = done && s->completed >= position;
+        }
+        if (done) {
+            free(freed[i].p);
+            freed[i] = std::move(freed.back());
+            freed.pop_back();
+        } else {
+            ++i;
+        }
+    }
+}
+
+}  // namespace
+
 static int allocate(int device, Kind kind, void** out, size_t n) {
     std::lock_guard<std::mutex> g(memory_mutex);
+    reclaim_freed();
     used.resize(config.n_devices, 0);
     if (kind == DEVICE) {
         if (!valid_device(device)) return fail(INVALID_DEVICE, "no simulated device %d", device);
@@ -462,7 +241,36 @@ static int allocate(int device, Kind kind, void** out, size_t n) {
     return OK;
 }
 
+// A free in deferred mode: the block leaves the allocation table now (a later use of it is refused as
+// outside every allocation) and goes back to the host later, without running any stream.
+static int release_deferred(void* p, Kind kind) {
+    Freed f{p, {}};
+    int device;
+    {
+        std::lock_guard<std::mutex> g(memory_mutex);
+        auto it = allocations.find((uintptr_t)p);
+        if (it == allocations.end() || it->second.kind != kind)
+            return fail(INVALID_VALUE, "free of %p: not a %s allocation of the simulator", p, kind == DEVICE ? "device" : "pinned host");
+        device = it->second.device;
+        if (kind == DEVICE) used[device] -= it->second.size;
+        allocations.erase(it);
+    }
+    {
+        std::lock_guard<std::mutex> g(registry_mutex);
+        for (auto& s : streams)
+            if (device < 0 || s->device == device) {
+                std::lock_guard<std::mutex> gs(s->m);
+                f.until.emplace_back(s.get(), s->submitted);
+            }
+    }
+    std::lock_guard<std::mutex> g(memory_mutex);
+    freed.push_back(std::move(f));
+    reclaim_freed();
+    return OK;
+}
+
 static int release(void* p, Kind kind) {
+    if (config.deferred) return release_deferred(p, kind);
     int device;
     {
         std::lock_guard<std::mutex> g(memory_mutex);
@@ -573,7 +381,8 @@ EXPORT int sim_event_sync(void* e) {
     demand(source, position);
     std::unique_lock<std::mutex> g(ev->m);
     ev->cv.wait(g, [&] { return ev->done >= target; });
-    std::lock_guard<std::mutex> gs(source->m);
+    std::unique_lock<std::mutex> gs(source->m);
+    source->show_host(position, gs);
     if (!source->error.empty()) return fail(LAUNCH_FAILED, "%s", source->error.c_str());
     return OK;
 }
@@ -602,6 +411,7 @@ EXPORT int sim_memcpy_async(void* dst, const void* src, size_t n, void* s, int k
     op.dst = dst;
     op.src = src;
     op.n = n;
+    op.hold = kind == 2 && config.deferred;
     static_cast<Stream*>(s)->submit(std::move(op));
     return OK;
 }
@@ -698,6 +508,7 @@ EXPORT int sim_launch(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned 
     op.launch.grid[0] = gx, op.launch.grid[1] = gy, op.launch.grid[2] = gz;
     op.launch.block[0] = bx, op.launch.block[1] = by, op.launch.block[2] = bz;
     op.launch.shared = shared;
+    op.launch.order_seed = config.order_seed;
     size_t words = 0;
     std::vector<size_t> offsets(k->n_params);
     for (int i = 0; i < k->n_params; i++) {

@@ -15,6 +15,7 @@
 // Settings: FOMOE_STANDIN_DEVICES (default 2), FOMOE_STANDIN_MEMORY (bytes per device, default 16 GiB),
 // FOMOE_STANDIN_DEFERRED=1 (streams run only what a sync or an event needs), FOMOE_STANDIN_SM (90),
 // FOMOE_STANDIN_GFX (gfx1030: what Debian's hiprtc compiles; a real RDNA4 card reports gfx1201),
+// FOMOE_STANDIN_WARP (32: the lanes of a warp the device reports; 64 plays a wave64 GCN/CDNA card),
 // FOMOE_STANDIN_NULL=1 (the null device: nothing runs, device memory is address space only; for timing
 // the host's own calls through the real bindings, bench/host_time.py).
 #include "sim_driver.cpp"
@@ -380,6 +381,7 @@ EXPORT CUresult cuDeviceGetAttribute(int* value, int attribute, CUdevice) {
     const int sm = env_int("FOMOE_STANDIN_SM", 90);
     if (attribute == 75) *value = sm / 10;        // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
     else if (attribute == 76) *value = sm % 10;   // ..._MINOR
+    else if (attribute == 10) *value = env_int("FOMOE_STANDIN_WARP", 32);  // CU_DEVICE_ATTRIBUTE_WARP_SIZE
     else return fail(INVALID_VALUE, "device attribute %d is not simulated", attribute);
     return OK;
 }
@@ -520,7 +522,14 @@ EXPORT hipError_t hipGetDevicePropertiesR0600(void* props, int d) {
     snprintf(p, 256, "fomoepy stand-in HIP device %d (simulated)", d);
     size_t free_bytes, total;
     sim_mem_info(d, &free_bytes, &total);
-    memcpy(p + 288, &total, sizeof total);
+    const int warp = env_int("FOMOE_STANDIN_WARP", 32);
+#ifdef FOMOE_STANDIN_ROCM5
+    memcpy(p + 256, &total, sizeof total);  // ROCm 5's hipDeviceProp_t: name, totalGlobalMem, ..., warpSize at 276
+    memcpy(p + 276, &warp, sizeof warp);
+#else
+    memcpy(p + 288, &total, sizeof total);  // hipDeviceProp_tR0600: name, uuid, luid, mask, totalGlobalMem, ..., warpSize at 308
+    memcpy(p + 308, &warp, sizeof warp);
+#endif
     const char* gfx = getenv("FOMOE_STANDIN_GFX");
     snprintf(p + 1160, 256, "%s:sramecc-:xnack-", gfx && *gfx ? gfx : "gfx1030");
     return OK;
