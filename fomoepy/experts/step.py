@@ -86,5 +86,8 @@ class MoEStep:
         return out
 
     def close(self) -> None:
-        self.device.close()
+        """The streamer first: its host tier's bytes may live in the device's pinned memory, which the
+        device gives back only once nothing holds them."""
         self.streamer.close()
+        self.streamer.host_slots.clear()
+        self.device.close()
