@@ -21,6 +21,7 @@ loading). Time is logical: the number of tokens the engine has processed.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from abc import ABC, abstractmethod
@@ -161,7 +162,10 @@ class FrequencyDecayPolicy(EvictionPolicy):
         self.half_life = float(half_life_tokens)
         self._score: dict[Key, tuple[float, int]] = {}  # key → (v, t_last), also for evicted keys
         self._tracked: set[Key] = set()
-        self._heap: list[tuple[float, int, Key]] = []  # (v, t_last, key); stale entries skipped
+        # (v, t_last, key) in ascending order, kept sorted as entries arrive (bisect: a C memmove, cheap
+        # beside a heap's pop and push-back per entry walked); stale entries skipped, and dropped by the
+        # walks that meet them
+        self._order: list[tuple[float, int, Key]] = []
 
     def _rank(self, now: int) -> float:
         return 0.0 if math.isinf(self.half_life) else now / self.half_life
@@ -200,8 +204,8 @@ class FrequencyDecayPolicy(EvictionPolicy):
 
     def _push(self, key: Key) -> None:
         v, t = self._score[key]
-        heapq.heappush(self._heap, (v, t, key))
-        if len(self._heap) > 2 * len(self._tracked) + 64:
+        bisect.insort(self._order, (v, t, key))
+        if len(self._order) > 2 * len(self._tracked) + 64:
             self._compact()
 
     def forget(self, key: Key) -> None:
@@ -211,25 +215,28 @@ class FrequencyDecayPolicy(EvictionPolicy):
         return len(self._tracked)
 
     def _compact(self) -> None:
-        self._heap = [(self._score[k][0], self._score[k][1], k) for k in self._tracked]
-        heapq.heapify(self._heap)
+        self._order = sorted((self._score[k][0], self._score[k][1], k) for k in self._tracked)
 
     def _current(self, entry: tuple[float, int, Key]) -> bool:
         v, t, key = entry
         return key in self._tracked and self._score[key] == (v, t)
 
     def eviction_order(self) -> Generator[Key, None, None]:
-        # pops live entries in order and pushes them back when the caller stops; stale ones are dropped
-        popped: list[tuple[float, int, Key]] = []
+        # reads the live entries in order (the caller changes nothing until it closes the walk); the
+        # stale ones it meets are dropped when it stops
+        order = self._order
+        stale: list[int] = []
+        last = None
         try:
-            while self._heap:
-                entry = heapq.heappop(self._heap)
-                if self._current(entry) and (not popped or popped[-1] != entry):  # a key pushed twice unchanged
-                    popped.append(entry)
+            for i, entry in enumerate(order):
+                if entry != last and self._current(entry):  # (a key pushed twice unchanged: once)
+                    last = entry
                     yield entry[2]
+                else:
+                    stale.append(i)
         finally:
-            for entry in popped:
-                heapq.heappush(self._heap, entry)
+            for i in reversed(stale):
+                del order[i]
 
 
 class AdmittingFrequencyPolicy(EvictionPolicy):
