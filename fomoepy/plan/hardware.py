@@ -13,7 +13,7 @@
     bandwidth = "60 GB/s"
     matvec = "20 GB/s"           # CPU backend: weight bytes per second through its expert matvec
     make_ready = "2 GB/s"        # CPU backend: store bytes per second made compute-ready (its "copy up")
-    plan = "1530 us"             # host time per MoE layer step (routing, cache plan, binding calls): measured
+    plan = "1445 us"             # host time per MoE layer step (routing, cache plan, binding calls): measured
                                  # by bench/host_time.py or `fomoe plan MODEL --measure DIR`
     flops = "1 TFLOPS"           # CPU backend: its quantised products at prompt batch sizes; optional
     [drives]
@@ -123,7 +123,7 @@ _DEFAULTS = {
     "device": {"count": 0, "memory": 0, "bandwidth": 0.0, "link": 0.0, "sync": 0.0, "flops": 0.0},
     # a file without `plan` gets the GPU path's measured host time per MoE layer step (bench/host_time.py,
     # the 397B shape, the default policy, on a 2-core AVX2 machine: bench/RESULTS.md)
-    "host": {"make_ready": 0.0, "plan": 1530e-6, "flops": 0.0},
+    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0},
     "drives": {},
 }
 
