@@ -6,7 +6,7 @@ what each tier keeps. A device only holds its tier's experts in its own form and
     expert_nbytes(layer)      one expert of `layer` in the device tier's form (the tier's unit)
     install(key, parts)       put an expert into the device tier (a seed, or a plan's admission)
     evict(key)                drop it (the cache chose it)
-    download(key)             its store bytes back, for a demoting policy; None if it cannot
+    download(key)             its store bytes back, for a demoting policy (where `can_download`)
     route(layer, h, k)        the top-k ids of `layer`'s router for h: the next layer's prediction
     compute(layer, h, ids, weights, experts)   Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]), filling
                               the tier with the plan's admissions as their bytes land
@@ -106,6 +106,8 @@ class StepExperts:
 
 
 class ExpertDevice(Protocol):
+    can_download: bool  # whether download() gives store bytes back (a demoting policy needs it)
+
     def expert_nbytes(self, layer: int) -> int: ...
 
     def install(self, key: Key, parts: ExpertBytes) -> None: ...
