@@ -97,12 +97,11 @@ def tokens_sha256(tokens: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).hexdigest()
 
 
-def scored_logits(engine: Any, chunk: np.ndarray, spans: list[tuple[int, int]], plan: ChunkPlan) -> np.ndarray:
+def scored_logits(engine: Any, chunk: np.ndarray, spans: list[tuple[int, int]], plan: ChunkPlan,
+                  phase: Phase = Phase.PREFILL) -> np.ndarray:  # fmt: skip
     """float32 [n_scored, V]: logits of positions first .. n_ctx-2 of one chunk, from an empty state."""
     state = engine.new_state()
     parts = []
-    # a batch size of 1 (llama-perplexity's -b 1) is token-by-token decoding, with its prefetch
-    phase = Phase.DECODE if spans[0][1] - spans[0][0] == 1 else Phase.PREFILL
     for s, e in spans:
         # the output head only for the rows scored: positions before `first` are context alone
         first = min(max(plan.first - s, 0), e - s)
@@ -285,6 +284,8 @@ class PplRun:
         step = self._kl_step if self.base is not None else self._ppl_step
         what = "kl_divergence" if self.base is not None else "perplexity"
         t_run = time.perf_counter()
+        # a batch size of 1 (llama-perplexity's -b 1) is token-by-token decoding, with its prefetch
+        phase = Phase.DECODE if self.req.n_batch == 1 else Phase.PREFILL
         for i in range(plan.n_chunks):
             if i < len(records):
                 step(i, records[i])  # replayed: printed as when it was evaluated
@@ -292,7 +293,7 @@ class PplRun:
             if reset is not None:
                 reset()
             t = time.perf_counter()
-            logits = scored_logits(self.engine, plan.eval_tokens(tokens, i), spans, plan)
+            logits = scored_logits(self.engine, plan.eval_tokens(tokens, i), spans, plan, phase)
             dt = time.perf_counter() - t
             self.eval_seconds += dt
             self.n_evaluated += 1

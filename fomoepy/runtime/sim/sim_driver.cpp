@@ -241,6 +241,17 @@ static int allocate(int device, Kind kind, void** out, size_t n) {
     return OK;
 }
 
+// The allocation a free names, with the table locked by the caller; null (and the error set) if p is not
+// one of `kind`'s.
+static const Allocation* to_free(void* p, Kind kind) {
+    auto it = allocations.find((uintptr_t)p);
+    if (it == allocations.end() || it->second.kind != kind) {
+        fail(INVALID_VALUE, "free of %p: not a %s allocation of the simulator", p, kind == DEVICE ? "device" : "pinned host");
+        return nullptr;
+    }
+    return &it->second;
+}
+
 // A free in deferred mode: the block leaves the allocation table now (a later use of it is refused as
 // outside every allocation) and goes back to the host later, without running any stream.
 static int release_deferred(void* p, Kind kind) {
@@ -248,12 +259,11 @@ static int release_deferred(void* p, Kind kind) {
     int device;
     {
         std::lock_guard<std::mutex> g(memory_mutex);
-        auto it = allocations.find((uintptr_t)p);
-        if (it == allocations.end() || it->second.kind != kind)
-            return fail(INVALID_VALUE, "free of %p: not a %s allocation of the simulator", p, kind == DEVICE ? "device" : "pinned host");
-        device = it->second.device;
-        if (kind == DEVICE) used[device] -= it->second.size;
-        allocations.erase(it);
+        const Allocation* a = to_free(p, kind);
+        if (!a) return INVALID_VALUE;
+        device = a->device;
+        if (kind == DEVICE) used[device] -= a->size;
+        allocations.erase((uintptr_t)p);
     }
     {
         std::lock_guard<std::mutex> g(registry_mutex);
@@ -274,10 +284,9 @@ static int release(void* p, Kind kind) {
     int device;
     {
         std::lock_guard<std::mutex> g(memory_mutex);
-        auto it = allocations.find((uintptr_t)p);
-        if (it == allocations.end() || it->second.kind != kind)
-            return fail(INVALID_VALUE, "free of %p: not a %s allocation of the simulator", p, kind == DEVICE ? "device" : "pinned host");
-        device = it->second.device;
+        const Allocation* a = to_free(p, kind);
+        if (!a) return INVALID_VALUE;
+        device = a->device;
     }
     drain(device);  // as cuMemFree: queued work that may still use the memory finishes first
     std::lock_guard<std::mutex> g(memory_mutex);
