@@ -48,8 +48,8 @@ def percentiles(us: list[float]) -> tuple[float, float]:
 # -- the GPU path, in a child process that loads the stand-in driver ------------------------------------
 def gpu_child(args: argparse.Namespace) -> dict:
     from fomoepy.devtools.null_store import NullStore, shape_layers
-    from fomoepy.experts.cache import ExpertCache
     from fomoepy.experts.device import Phase
+    from fomoepy.experts.fast_cache import make_cache
     from fomoepy.experts.policy import DEFAULT_POLICY, make_policy, policy_demotes
     from fomoepy.experts.routing import Routing
     from fomoepy.experts.step import MoEStep
@@ -76,7 +76,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
     device = GpuExperts(layers, dev, routers)
     unit = [device.expert_nbytes(il) for il in range(n_layer)]
     policy = args.policy or DEFAULT_POLICY
-    cache = ExpertCache(n_expert, [layer.expert_nbytes for layer in layers], int(DEVICE_SHARE * store_bytes),
+    cache = make_cache(n_expert, [layer.expert_nbytes for layer in layers], int(DEVICE_SHARE * store_bytes),
                         int(HOST_SHARE * store_bytes), make_policy(policy), make_policy(policy), device_expert_bytes=unit)  # fmt: skip
     source = NullStore(layers)
     streamer = ExpertStreamer(source, cache, k, download=device.download if policy_demotes(policy) else None,

@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from fomoepy.errors import FomoeError
-from fomoepy.experts.cache import ExpertCache
 from fomoepy.experts.device import Phase
+from fomoepy.experts.fast_cache import make_cache
 from fomoepy.experts.policy import make_policy, policy_demotes
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.step import MoEStep
@@ -74,7 +74,7 @@ class Engine:
         else:
             device_bytes = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
         # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
-        cache = ExpertCache(
+        cache = make_cache(
             self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device_bytes, host,
             device_policy=make_policy(o.cache_policy), host_policy=make_policy(o.cache_policy),
             device_expert_bytes=device_unit, device_of_layer=self.placement.device_of_layer,

@@ -22,8 +22,8 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.belady import BeladyResult, belady
-from fomoepy.experts.cache import ExpertCache
 from fomoepy.experts.car import CarConfig, CarStats, cache_aware_route
+from fomoepy.experts.fast_cache import make_cache
 from fomoepy.experts.policy import DEFAULT_POLICY, Key, PolicyOptions, make_policy
 from fomoepy.experts.sizes import format_size
 from fomoepy.experts.trace import Trace
@@ -79,7 +79,7 @@ def simulate(
     CPU backend's compute-ready float32)."""
     header = trace.header
     seed = list(seed)
-    cache = ExpertCache(
+    cache = make_cache(
         header.n_expert,
         expert_bytes,
         device_bytes,

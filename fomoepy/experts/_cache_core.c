@@ -1,0 +1,1116 @@
+/* The expert cache's bookkeeping in C: ExpertCache (cache.py) with one of the frequency family's
+ * policies (lfu-admit, lfu-demote, lfu-cooc: policy.py, co_use.py), decision for decision.
+ *
+ * Why: the Python cache makes hundreds of interpreter calls per MoE layer step (co-use counts, the
+ * eviction walk, the tiers' dictionaries): about 0.6 ms per layer step at Qwen3.5-397B's shape, where
+ * a step has 100 us of host time in all. This file does the same walk over arrays.
+ *
+ * The Python classes stay the reference: tests/test_cache_core.py replays random streams of plans,
+ * commits, host admissions and ticks through both and requires the same plans and counters, step by
+ * step. Every floating-point operation here is the Python one, in the same order (IEEE doubles, the
+ * same libm pow and log2), so scores and their ties agree exactly, not nearly.
+ *
+ * Keys are flat: key = layer * n_expert + expert, so (layer, expert) tuple order is integer order.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { EMPTY = 0, LOADING = 1, READY = 2 };
+enum { SRC_DEVICE = 0, SRC_HOST = 1, SRC_DISK = 2 };
+enum { POLICY_ADMIT = 0, POLICY_DEMOTE = 1, POLICY_COOC = 2 };
+/* TierCounters' fields, in cache_stats.py's order; the disk uses the first two (reads, read_bytes) */
+enum { C_HITS, C_MISSES, C_HIT_BYTES, C_MISS_BYTES, C_ADMITTED, C_ADMITTED_BYTES, C_EVICTED, C_EVICTED_BYTES,
+       C_DEMOTED, C_DEMOTED_BYTES, N_COUNTERS };
+
+typedef struct { double v; int64_t t; int32_t key; } Entry;  /* FrequencyDecayPolicy's (v, t_last, key) */
+typedef struct { double score; int32_t key; } Pending;        /* co_use's (score, key) */
+
+static int entry_less(const Entry *a, const Entry *b) {
+    if (a->v != b->v) return a->v < b->v;
+    if (a->t != b->t) return a->t < b->t;
+    return a->key < b->key;
+}
+static int entry_same(const Entry *a, const Entry *b) { return a->v == b->v && a->t == b->t && a->key == b->key; }
+static int pending_less(const Pending *a, const Pending *b) {
+    if (a->score != b->score) return a->score < b->score;
+    return a->key < b->key;
+}
+
+/* binary min-heaps, grown by doubling */
+#define HEAP(NAME, T, LESS)                                                                                  \
+    typedef struct { T *a; size_t n, cap; } NAME;                                                            \
+    static int NAME##_push(NAME *h, T x) {                                                                   \
+        if (h->n == h->cap) {                                                                                \
+            size_t cap = h->cap ? 2 * h->cap : 64;                                                           \
+            T *a = realloc(h->a, cap * sizeof(T));                                                           \
+            if (!a) return -1;                                                                               \
+            h->a = a, h->cap = cap;                                                                          \
+        }                                                                                                    \
+        size_t i = h->n++;                                                                                   \
+        while (i > 0) {                                                                                      \
+            size_t p = (i - 1) / 2;                                                                          \
+            if (!LESS(&x, &h->a[p])) break;                                                                  \
+            h->a[i] = h->a[p], i = p;                                                                        \
+        }                                                                                                    \
+        h->a[i] = x;                                                                                         \
+        return 0;                                                                                            \
+    }                                                                                                        \
+    static T NAME##_pop(NAME *h) {                                                                           \
+        T top = h->a[0], x = h->a[--h->n];                                                                   \
+        size_t i = 0, n = h->n;                                                                              \
+        for (;;) {                                                                                           \
+            size_t c = 2 * i + 1;                                                                            \
+            if (c >= n) break;                                                                               \
+            if (c + 1 < n && LESS(&h->a[c + 1], &h->a[c])) c++;                                              \
+            if (!LESS(&h->a[c], &x)) break;                                                                  \
+            h->a[i] = h->a[c], i = c;                                                                        \
+        }                                                                                                    \
+        if (n) h->a[i] = x;                                                                                  \
+        return top;                                                                                          \
+    }
+
+static int int_less(const int32_t *a, const int32_t *b) { return *a < *b; }
+HEAP(EntryHeap, Entry, entry_less)
+HEAP(PendingHeap, Pending, pending_less)
+HEAP(KeyHeap, int32_t, int_less)
+
+/* One tier: TierDirectory's state plus its policy's residents (the frequency order, the duplicates). */
+typedef struct {
+    int enabled;
+    int64_t capacity, used;
+    int64_t *unit;      /* bytes of one expert of each layer in this tier */
+    uint8_t *state;     /* EMPTY / LOADING / READY */
+    int32_t *pins;
+    uint8_t *tracked;   /* the policy's residents */
+    size_t n_tracked;
+    EntryHeap order;    /* (v, t, key) of residents; stale entries skipped and dropped lazily */
+    uint8_t *dup;       /* covered by the faster tier (the host tier's policy only) */
+    KeyHeap dup_heap;   /* resident duplicates, ascending key, lazily */
+} Tier;
+
+typedef struct {
+    PyObject_HEAD
+    int n_layer, n_expert, n;
+    int policy;
+    double half_life;
+    int64_t now;
+    int64_t generation;
+    int demote;
+    Tier tier[2];       /* 0 device, 1 host */
+    /* the decayed use counts, one set for both tiers (AdmittingFrequencyPolicy.learn_with) */
+    double *v;
+    int64_t *t_last;
+    uint8_t *scored;
+    /* lfu-cooc's CoUseCounts */
+    double weight_next, weight_this;
+    int64_t co_half_life, successors, row_cap, halved_at, counts_now;
+    int32_t *row_b;     /* n x row_cap: a's successors b, in insertion order */
+    double *row_c;
+    int32_t *row_n;
+    double *uses;       /* N[a] */
+    double *announced;
+    int32_t *cur, *last;              /* this token's and the last token's observed keys, in order */
+    size_t n_cur, cap_cur, n_last, cap_last;
+    int32_t *last_start, *last_len;   /* the last token's keys grouped by layer (order of first use) */
+    int32_t *layer_order, n_layer_order, *grouped;
+    size_t cap_grouped;
+    /* scratch */
+    uint32_t *stamp; uint32_t stamp_now;
+    int64_t *counters;  /* [3][n_layer][N_COUNTERS]: device, host, disk */
+    PyObject *counters_obj;
+    PyObject *plan_item, *sources[3];  /* cache.PlanItem and Source's members, for plan's items */
+} Core;
+
+#define KEY_LAYER(c, k) ((k) / (c)->n_expert)
+
+/* -- scores ---------------------------------------------------------------------------------------- */
+static double rank_at(Core *c, int64_t now) { return isinf(c->half_life) ? 0.0 : (double)now / c->half_life; }
+
+static double freq_score(Core *c, int32_t key, int64_t now) {
+    if (!c->scored[key]) return 0.0;
+    double v = c->v[key];
+    return v == -INFINITY ? 0.0 : pow(2.0, v - rank_at(c, now));
+}
+
+static double score(Core *c, int32_t key, int64_t now) {
+    double f = freq_score(c, key, now);
+    return c->policy == POLICY_COOC ? f + c->announced[key] : f;
+}
+
+/* -- a tier's frequency order ------------------------------------------------------------------------ */
+static int entry_current(Core *c, Tier *t, const Entry *e) {
+    return t->tracked[e->key] && c->v[e->key] == e->v && c->t_last[e->key] == e->t;
+}
+
+static int compact(Core *c, Tier *t) {
+    t->order.n = 0;
+    for (int32_t k = 0; k < c->n; k++)
+        if (t->tracked[k]) {
+            Entry e = {c->v[k], c->t_last[k], k};
+            if (EntryHeap_push(&t->order, e)) return -1;
+        }
+    return 0;
+}
+
+static int push_entry(Core *c, Tier *t, int32_t key) {
+    Entry e = {c->v[key], c->t_last[key], key};
+    if (EntryHeap_push(&t->order, e)) return -1;
+    if (t->order.n > 2 * t->n_tracked + 64) return compact(c, t);
+    return 0;
+}
+
+static int cmp_key(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+static int push_dup(Tier *t, int32_t key) {
+    if (!t->tracked[key]) return 0;
+    if (KeyHeap_push(&t->dup_heap, key)) return -1;
+    if (t->dup_heap.n > 2 * t->n_tracked + 64) {
+        /* rebuilt as the sorted, distinct resident duplicates (a sorted array is a heap); every one of them
+           has an entry here, so the heap's live keys are all of them */
+        size_t m = 0;
+        for (size_t i = 0; i < t->dup_heap.n; i++) {
+            int32_t k = t->dup_heap.a[i];
+            if (t->dup[k] && t->tracked[k]) t->dup_heap.a[m++] = k;
+        }
+        qsort(t->dup_heap.a, m, sizeof(int32_t), cmp_key);
+        size_t u = 0;
+        for (size_t i = 0; i < m; i++)
+            if (!u || t->dup_heap.a[u - 1] != t->dup_heap.a[i]) t->dup_heap.a[u++] = t->dup_heap.a[i];
+        t->dup_heap.n = u;
+    }
+    return 0;
+}
+
+/* FrequencyDecayPolicy.add_use: one more use of key at now, on the shared scores */
+static void add_use(Core *c, int32_t key, int64_t now) {
+    double count = !c->scored[key] ? 1.0 : pow(2.0, c->v[key] - rank_at(c, now)) + 1.0;
+    c->v[key] = log2(count) + rank_at(c, now);
+    c->t_last[key] = now;
+    c->scored[key] = 1;
+}
+
+/* AdmittingFrequencyPolicy.touch (freq.track, and a new resident duplicate joins the heap) */
+static int tier_track(Core *c, Tier *t, int32_t key, int64_t now) {
+    int new = !t->tracked[key];
+    if (!c->scored[key]) {
+        c->v[key] = -INFINITY;
+        c->t_last[key] = now;
+        c->scored[key] = 1;
+    }
+    if (new) t->n_tracked++;
+    t->tracked[key] = 1;
+    if (push_entry(c, t, key)) return -1;
+    if (new && t->dup[key]) return push_dup(t, key);
+    return 0;
+}
+
+static void tier_forget(Tier *t, int32_t key) {
+    if (t->tracked[key]) t->n_tracked--;
+    t->tracked[key] = 0;
+    t->dup[key] = 0;
+}
+
+static int host_covered(Core *c, int32_t key, int by_faster) {
+    Tier *t = &c->tier[1];
+    if (by_faster) {
+        if (!t->dup[key]) {
+            t->dup[key] = 1;
+            return push_dup(t, key);
+        }
+    } else {
+        t->dup[key] = 0;
+    }
+    return 0;
+}
+
+/* -- lfu-cooc's co-use counts ------------------------------------------------------------------------ */
+static void announce(Core *c, int32_t a, double weight) {
+    int32_t n = c->row_n[a];
+    if (!n) return;
+    double scale = weight / c->uses[a];
+    int32_t *b = c->row_b + (size_t)a * c->row_cap;
+    double *cnt = c->row_c + (size_t)a * c->row_cap;
+    for (int32_t i = 0; i < n; i++) c->announced[b[i]] = c->announced[b[i]] + cnt[i] * scale;
+}
+
+static int next_token(Core *c, int64_t now) {
+    c->counts_now = now;
+    /* last, current = current, {} */
+    int32_t *tmp = c->last; size_t tcap = c->cap_last;
+    c->last = c->cur, c->cap_last = c->cap_cur, c->n_last = c->n_cur;
+    c->cur = tmp, c->cap_cur = tcap, c->n_cur = 0;
+    if (c->n_last > c->cap_grouped) {
+        int32_t *g = realloc(c->grouped, c->cap_last * sizeof(int32_t));
+        if (!g) return -1;
+        c->grouped = g, c->cap_grouped = c->cap_last;
+    }
+    /* group the last token's keys by layer, layers in order of first use, keys in order (a dict of lists) */
+    for (int i = 0; i < c->n_layer_order; i++) c->last_len[c->layer_order[i]] = 0;
+    c->n_layer_order = 0;
+    for (size_t i = 0; i < c->n_last; i++) {
+        int32_t layer = KEY_LAYER(c, c->last[i]);
+        if (c->last_len[layer] == 0) c->layer_order[c->n_layer_order++] = layer;
+        c->last_len[layer]++;
+    }
+    int32_t pos = 0;
+    for (int i = 0; i < c->n_layer_order; i++) {
+        int32_t layer = c->layer_order[i];
+        c->last_start[layer] = pos;
+        pos += c->last_len[layer];
+        c->last_len[layer] = 0;  /* refilled below */
+    }
+    for (size_t i = 0; i < c->n_last; i++) {
+        int32_t layer = KEY_LAYER(c, c->last[i]);
+        c->grouped[c->last_start[layer] + c->last_len[layer]++] = c->last[i];
+    }
+    if (now - c->halved_at >= c->co_half_life) {
+        c->halved_at = now;
+        for (int32_t a = 0; a < c->n; a++) {
+            double *cnt = c->row_c + (size_t)a * c->row_cap;
+            for (int32_t i = 0; i < c->row_n[a]; i++) cnt[i] *= 0.5;
+            c->uses[a] *= 0.5;
+        }
+    }
+    memset(c->announced, 0, sizeof(double) * c->n);
+    for (int32_t i = 0; i < (int32_t)c->n_last; i++) announce(c, c->grouped[i], c->weight_this);
+    return 0;
+}
+
+/* heapq.nlargest(successors, row.items(), key=count) is sorted(..., reverse=True)[:successors]: stable */
+static void truncate_row(Core *c, int32_t a) {
+    int32_t *b = c->row_b + (size_t)a * c->row_cap;
+    double *cnt = c->row_c + (size_t)a * c->row_cap;
+    int32_t n = c->row_n[a];
+    for (int32_t i = 1; i < n; i++) {
+        int32_t kb = b[i];
+        double kc = cnt[i];
+        int32_t j = i - 1;
+        while (j >= 0 && cnt[j] < kc) { b[j + 1] = b[j], cnt[j + 1] = cnt[j]; j--; }
+        b[j + 1] = kb, cnt[j + 1] = kc;
+    }
+    c->row_n[a] = (int32_t)c->successors;
+}
+
+static int counts_observe(Core *c, int32_t key, int64_t now) {
+    if (now != c->counts_now && next_token(c, now)) return -1;
+    int32_t layer = KEY_LAYER(c, key);
+    if (c->last_len[layer]) {
+        int32_t *keys = c->grouped + c->last_start[layer];
+        for (int32_t i = 0; i < c->last_len[layer]; i++) {
+            int32_t a = keys[i];
+            int32_t *b = c->row_b + (size_t)a * c->row_cap;
+            double *cnt = c->row_c + (size_t)a * c->row_cap;
+            int32_t n = c->row_n[a], j = 0;
+            while (j < n && b[j] != key) j++;
+            if (j < n) {
+                cnt[j] = cnt[j] + 1.0;
+            } else {
+                b[n] = key, cnt[n] = 0.0 + 1.0;
+                c->row_n[a] = n + 1;
+            }
+            if (c->row_n[a] > 2 * c->successors) truncate_row(c, a);
+        }
+    }
+    c->uses[key] = c->uses[key] + 1.0;
+    if (c->n_cur == c->cap_cur) {
+        size_t cap = c->cap_cur ? 2 * c->cap_cur : 1024;
+        int32_t *p = realloc(c->cur, cap * sizeof(int32_t));
+        if (!p) return -1;
+        c->cur = p, c->cap_cur = cap;
+    }
+    c->cur[c->n_cur++] = key;
+    announce(c, key, c->weight_next);
+    return 0;
+}
+
+/* the policies' observe: the learning tier counts the use, the other re-ranks the key */
+static int observe(Core *c, int which, int32_t key, int64_t now) {
+    Tier *t = &c->tier[which];
+    int learner = c->tier[0].enabled ? 0 : 1;
+    if (which == learner) {
+        add_use(c, key, now);
+        if (t->tracked[key] && push_entry(c, t, key)) return -1;
+        if (c->policy == POLICY_COOC) return counts_observe(c, key, now);
+        return 0;
+    }
+    return t->tracked[key] ? push_entry(c, t, key) : 0;
+}
+
+/* -- the eviction walk: duplicates first, then by score ----------------------------------------------- */
+typedef struct {
+    Core *c;
+    Tier *t;
+    int phase;          /* 0 duplicates, 1 frequency order, 2 pending drained, 3 done */
+    int32_t *popped_dups; size_t n_dups, cap_dups;
+    Entry *popped; size_t n_popped, cap_popped;
+    int have_last;
+    Entry last;
+    PendingHeap pending;
+    int have_cur;
+    int32_t cur_key;
+    double cur_f;
+    int failed;
+} Walk;
+
+static void walk_start(Walk *w, Core *c, Tier *t) {
+    memset(w, 0, sizeof(*w));
+    w->c = c, w->t = t;
+}
+
+static int grow(void **p, size_t *cap, size_t n, size_t size) {
+    if (n < *cap) return 0;
+    size_t nc = *cap ? 2 * *cap : 64;
+    void *q = realloc(*p, nc * size);
+    if (!q) return -1;
+    *p = q, *cap = nc;
+    return 0;
+}
+
+/* the next resident key of the frequency order, not a duplicate; -1 at the end */
+static int32_t walk_freq(Walk *w) {
+    Tier *t = w->t;
+    while (t->order.n) {
+        Entry e = EntryHeap_pop(&t->order);
+        if (!entry_current(w->c, t, &e) || (w->have_last && entry_same(&e, &w->last))) continue;  /* stale, or a second entry */
+        w->have_last = 1, w->last = e;
+        if (grow((void **)&w->popped, &w->cap_popped, w->n_popped, sizeof(Entry))) { w->failed = 1; return -1; }
+        w->popped[w->n_popped++] = e;
+        if (t->dup[e.key]) continue;
+        return e.key;
+    }
+    return -1;
+}
+
+static int32_t walk_next(Walk *w) {
+    Tier *t = w->t;
+    Core *c = w->c;
+    if (w->phase == 0) {
+        while (t->dup_heap.n) {
+            int32_t key = KeyHeap_pop(&t->dup_heap);
+            if (!t->dup[key] || !t->tracked[key] || (w->n_dups && w->popped_dups[w->n_dups - 1] == key)) continue;
+            if (grow((void **)&w->popped_dups, &w->cap_dups, w->n_dups, sizeof(int32_t))) { w->failed = 1; return -1; }
+            w->popped_dups[w->n_dups++] = key;
+            return key;
+        }
+        w->phase = 1;
+    }
+    if (w->phase == 1) {
+        if (c->policy != POLICY_COOC) {
+            int32_t key = walk_freq(w);
+            if (key >= 0) return key;
+            w->phase = 3;
+            return -1;
+        }
+        /* an announcement only raises a score: once the frequency order reaches f, every pending entry
+           scoring at most f goes out first (co_use.CoUsePolicy.eviction_order) */
+        for (;;) {
+            if (w->have_cur) {
+                if (w->pending.n && w->pending.a[0].score <= w->cur_f) return PendingHeap_pop(&w->pending).key;
+                Pending p = {w->cur_f + c->announced[w->cur_key], w->cur_key};
+                if (PendingHeap_push(&w->pending, p)) { w->failed = 1; return -1; }
+                w->have_cur = 0;
+            }
+            int32_t key = walk_freq(w);
+            if (key < 0) break;
+            w->have_cur = 1, w->cur_key = key, w->cur_f = freq_score(c, key, c->counts_now);
+        }
+        w->phase = 2;
+    }
+    if (w->phase == 2) {
+        if (w->pending.n) return PendingHeap_pop(&w->pending).key;
+        w->phase = 3;
+    }
+    return -1;
+}
+
+/* the walk is over: what it popped goes back (stale entries stay out) */
+static int walk_close(Walk *w) {
+    int rc = w->failed ? -1 : 0;
+    for (size_t i = 0; i < w->n_dups; i++)
+        if (KeyHeap_push(&w->t->dup_heap, w->popped_dups[i])) rc = -1;
+    for (size_t i = 0; i < w->n_popped; i++)
+        if (EntryHeap_push(&w->t->order, w->popped[i])) rc = -1;
+    free(w->popped_dups);
+    free(w->popped);
+    free(w->pending.a);
+    return rc;
+}
+
+/* -- TierDirectory.plan_admissions --------------------------------------------------------------------- */
+typedef struct { int32_t *a; size_t n, cap; } Keys;
+
+static int keys_push(Keys *k, int32_t key) {
+    if (grow((void **)&k->a, &k->cap, k->n, sizeof(int32_t))) return -1;
+    k->a[k->n++] = key;
+    return 0;
+}
+
+static int admits(Core *c, Tier *t, int32_t key, int32_t *victims, size_t n_victims, int64_t now) {
+    double worst = 0.0;
+    int any = 0;
+    for (size_t i = 0; i < n_victims; i++) {
+        if (t->dup[victims[i]]) continue;
+        double s = score(c, victims[i], now);
+        if (!any || s > worst) worst = s, any = 1;
+    }
+    return score(c, key, now) + 1.0 > worst;
+}
+
+/* protected: stamp[key] == stamp_now */
+static int plan_admissions(Core *c, Tier *t, const int32_t *wanted, size_t n_wanted, int use_protected,
+                           Keys *admitted, Keys *victims) {
+    if (!t->enabled || !n_wanted) return 0;
+    int64_t free_bytes = t->capacity - t->used, pulled_bytes = 0;
+    int32_t *pulled = malloc(sizeof(int32_t) * (t->n_tracked + 1));
+    if (!pulled) return -1;
+    size_t head = 0, tail = 0;
+    Walk w;
+    walk_start(&w, c, t);
+    int exhausted = 0, rc = 0;
+    for (size_t i = 0; i < n_wanted; i++) {
+        int32_t key = wanted[i];
+        int64_t nbytes = t->unit[KEY_LAYER(c, key)];
+        if (nbytes > t->capacity) continue;
+        while (free_bytes + pulled_bytes < nbytes && !exhausted) {
+            int32_t cand = walk_next(&w);
+            if (cand < 0) {
+                exhausted = 1;
+                if (w.failed) { rc = -1; goto done; }
+            } else if (!t->pins[cand] && t->state[cand] == READY && !(use_protected && c->stamp[cand] == c->stamp_now)) {
+                pulled[tail++] = cand;
+                pulled_bytes += t->unit[KEY_LAYER(c, cand)];
+            }
+        }
+        if (free_bytes + pulled_bytes < nbytes) continue;
+        if (free_bytes < nbytes) {
+            int64_t needed = nbytes - free_bytes, freed = 0;
+            size_t m = head;
+            while (m < tail && freed < needed) freed += t->unit[KEY_LAYER(c, pulled[m++])];
+            if (!admits(c, t, key, pulled + head, m - head, c->now)) continue;
+        }
+        while (free_bytes < nbytes) {
+            int32_t victim = pulled[head++];
+            int64_t size = t->unit[KEY_LAYER(c, victim)];
+            if (keys_push(victims, victim)) { rc = -1; goto done; }
+            free_bytes += size, pulled_bytes -= size;
+        }
+        free_bytes -= nbytes;
+        if (keys_push(admitted, key)) { rc = -1; goto done; }
+    }
+done:
+    if (walk_close(&w)) rc = -1;
+    free(pulled);
+    return rc;
+}
+
+/* -- tier commands ------------------------------------------------------------------------------------- */
+static const char *TIER_NAME[2] = {"device", "host"};
+
+static int tier_admit(Core *c, int which, int32_t key, int state) {
+    Tier *t = &c->tier[which];
+    int64_t nbytes = t->unit[KEY_LAYER(c, key)];
+    int layer = KEY_LAYER(c, key), e = key % c->n_expert;
+    if (t->state[key] != EMPTY) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: (%d, %d) admitted twice", TIER_NAME[which], layer, e);
+        return -1;
+    }
+    if (nbytes > t->capacity - t->used) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: admitting (%d, %d) needs %lld bytes, expected at most %lld free",
+                     TIER_NAME[which], layer, e, (long long)nbytes, (long long)(t->capacity - t->used));
+        return -1;
+    }
+    t->state[key] = (uint8_t)state;
+    t->used += nbytes;
+    if (tier_track(c, t, key, c->now)) { PyErr_NoMemory(); return -1; }
+    return 0;
+}
+
+static int64_t tier_evict(Core *c, int which, int32_t key) {
+    Tier *t = &c->tier[which];
+    int layer = KEY_LAYER(c, key), e = key % c->n_expert;
+    if (t->pins[key]) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: evicting (%d, %d), expected it unpinned, got %d pins",
+                     TIER_NAME[which], layer, e, t->pins[key]);
+        return -1;
+    }
+    if (t->state[key] != READY) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: evicting (%d, %d), expected READY", TIER_NAME[which], layer, e);
+        return -1;
+    }
+    t->state[key] = EMPTY;
+    int64_t nbytes = t->unit[layer];
+    t->used -= nbytes;
+    tier_forget(t, key);
+    return nbytes;
+}
+
+static int tier_pin(Core *c, int which, int32_t key) {
+    Tier *t = &c->tier[which];
+    if (t->state[key] == EMPTY) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: pinning (%d, %d), expected it held, got empty", TIER_NAME[which],
+                     (int)KEY_LAYER(c, key), (int)(key % c->n_expert));
+        return -1;
+    }
+    t->pins[key]++;
+    return 0;
+}
+
+static int tier_unpin(Core *c, int which, int32_t key) {
+    Tier *t = &c->tier[which];
+    if (!t->pins[key]) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: unpinning (%d, %d), expected a pin, got none", TIER_NAME[which],
+                     (int)KEY_LAYER(c, key), (int)(key % c->n_expert));
+        return -1;
+    }
+    t->pins[key]--;
+    return 0;
+}
+
+static int tier_ready(Core *c, int which, int32_t key) {
+    Tier *t = &c->tier[which];
+    if (t->state[key] == EMPTY) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: (%d, %d) marked ready, expected LOADING, got empty", TIER_NAME[which],
+                     (int)KEY_LAYER(c, key), (int)(key % c->n_expert));
+        return -1;
+    }
+    t->state[key] = READY;
+    return 0;
+}
+
+static int64_t *counter(Core *c, int tier, int layer) { return c->counters + ((size_t)tier * c->n_layer + layer) * N_COUNTERS; }
+
+/* -- the Python type ------------------------------------------------------------------------------------ */
+static void Core_dealloc(Core *c) {
+    for (int i = 0; i < 2; i++) {
+        Tier *t = &c->tier[i];
+        free(t->unit), free(t->state), free(t->pins), free(t->tracked), free(t->order.a), free(t->dup), free(t->dup_heap.a);
+    }
+    free(c->v), free(c->t_last), free(c->scored), free(c->row_b), free(c->row_c), free(c->row_n), free(c->uses);
+    free(c->announced), free(c->cur), free(c->last), free(c->last_start), free(c->last_len), free(c->layer_order);
+    free(c->grouped), free(c->stamp);
+    Py_XDECREF(c->counters_obj);
+    Py_XDECREF(c->plan_item);
+    for (int i = 0; i < 3; i++) Py_XDECREF(c->sources[i]);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int read_units(PyObject *seq, int n_layer, int64_t **out) {
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence of byte sizes");
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n_layer) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "expected %d byte sizes, one per layer", n_layer);
+        return -1;
+    }
+    *out = malloc(sizeof(int64_t) * n_layer);
+    for (int i = 0; i < n_layer; i++) (*out)[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    Py_DECREF(fast);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int Core_init(Core *c, PyObject *args, PyObject *kw) {
+    static char *names[] = {"n_layer", "n_expert", "host_unit", "device_unit", "device_bytes", "host_bytes", "policy",
+                            "half_life", "weight_next", "weight_this", "co_half_life", "successors", NULL};
+    PyObject *host_unit, *device_unit;
+    long long device_bytes, host_bytes, co_half_life = 1024, successors = 16;
+    double weight_next = 4.0, weight_this = 2.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiOOLLid|ddLL", names, &c->n_layer, &c->n_expert, &host_unit, &device_unit,
+                                     &device_bytes, &host_bytes, &c->policy, &c->half_life, &weight_next, &weight_this,
+                                     &co_half_life, &successors))
+        return -1;
+    if (c->n_layer <= 0 || c->n_expert <= 0 || (int64_t)c->n_layer * c->n_expert > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "expected 0 < n_layer x n_expert < 2^31");
+        return -1;
+    }
+    c->n = c->n_layer * c->n_expert;
+    size_t n = (size_t)c->n;
+    c->weight_next = weight_next, c->weight_this = weight_this;
+    c->co_half_life = co_half_life, c->successors = successors, c->row_cap = 2 * successors + 1;
+    c->counts_now = -1;
+    c->demote = 0;
+    if (read_units(device_unit, c->n_layer, &c->tier[0].unit) || read_units(host_unit, c->n_layer, &c->tier[1].unit)) return -1;
+    int64_t caps[2] = {device_bytes, host_bytes};
+    for (int i = 0; i < 2; i++) {
+        Tier *t = &c->tier[i];
+        t->capacity = caps[i];
+        t->enabled = caps[i] > 0;
+        t->state = calloc(n, 1), t->pins = calloc(n, sizeof(int32_t)), t->tracked = calloc(n, 1), t->dup = calloc(n, 1);
+        if (!t->state || !t->pins || !t->tracked || !t->dup) { PyErr_NoMemory(); return -1; }
+    }
+    c->v = calloc(n, sizeof(double)), c->t_last = calloc(n, sizeof(int64_t)), c->scored = calloc(n, 1);
+    c->uses = calloc(n, sizeof(double)), c->announced = calloc(n, sizeof(double));
+    c->last_start = calloc(c->n_layer, sizeof(int32_t)), c->last_len = calloc(c->n_layer, sizeof(int32_t));
+    c->layer_order = calloc(c->n_layer, sizeof(int32_t)), c->stamp = calloc(n, sizeof(uint32_t));
+    if (c->policy == POLICY_COOC) {
+        c->row_b = calloc(n * c->row_cap, sizeof(int32_t)), c->row_c = calloc(n * c->row_cap, sizeof(double));
+        c->row_n = calloc(n, sizeof(int32_t));
+        if (!c->row_b || !c->row_c || !c->row_n) { PyErr_NoMemory(); return -1; }
+    }
+    c->counters_obj = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(3 * (size_t)c->n_layer * N_COUNTERS * sizeof(int64_t)));
+    if (!c->v || !c->t_last || !c->scored || !c->uses || !c->announced || !c->last_start || !c->last_len || !c->layer_order ||
+        !c->stamp || !c->counters_obj) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->counters = (int64_t *)PyByteArray_AS_STRING(c->counters_obj);
+    memset(c->counters, 0, 3 * (size_t)c->n_layer * N_COUNTERS * sizeof(int64_t));
+    return 0;
+}
+
+static int parse_key(Core *c, PyObject *o, int32_t *key) {
+    long long k = PyLong_AsLongLong(o);
+    if (k == -1 && PyErr_Occurred()) return -1;
+    if (k < 0 || k >= c->n) { PyErr_Format(PyExc_ValueError, "key %lld outside the cache", k); return -1; }
+    *key = (int32_t)k;
+    return 0;
+}
+
+static PyObject *keys_tuple(Keys *k) {
+    PyObject *t = PyTuple_New((Py_ssize_t)k->n);
+    if (!t) return NULL;
+    for (size_t i = 0; i < k->n; i++) PyTuple_SET_ITEM(t, (Py_ssize_t)i, PyLong_FromLong(k->a[i]));
+    return t;
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static uint32_t next_stamp(Core *c) {
+    if (c->stamp_now >= UINT32_MAX - 8) memset(c->stamp, 0, sizeof(uint32_t) * c->n), c->stamp_now = 0;
+    return ++c->stamp_now;
+}
+
+/* plan(layer, ids int64 buffer) -> None when an id is out of range, else
+   (experts int64 bytes, sources bytes, to_device bytes, to_host bytes, items, device victims, host victims,
+    demotions): ExpertCache.plan. items are PlanItem(expert, source, nbytes, to_device, to_host), built
+   with the types set_types gave. Changes no decision state. */
+static PyObject *Core_plan(Core *c, PyObject *args) {
+    int layer;
+    Py_buffer ids;
+    if (!PyArg_ParseTuple(args, "iy*", &layer, &ids)) return NULL;
+    if (layer < 0 || layer >= c->n_layer || !c->plan_item) {
+        PyBuffer_Release(&ids);
+        PyErr_SetString(PyExc_ValueError, "plan: a layer outside the cache, or set_types not called");
+        return NULL;
+    }
+    size_t n_ids = ids.len / sizeof(int64_t), m = 0;
+    PyObject *out = NULL, *ex = PyBytes_FromStringAndSize(ids.buf, (Py_ssize_t)(n_ids * sizeof(int64_t)));
+    PyBuffer_Release(&ids);
+    if (!ex) return NULL;
+    int64_t *experts = (int64_t *)PyBytes_AS_STRING(ex);
+    qsort(experts, n_ids, sizeof(int64_t), cmp_i64);
+    for (size_t i = 0; i < n_ids; i++)
+        if (!m || experts[m - 1] != experts[i]) experts[m++] = experts[i];
+    if (m && (experts[0] < 0 || experts[m - 1] >= c->n_expert)) {
+        Py_DECREF(ex);
+        Py_RETURN_NONE;
+    }
+    if (_PyBytes_Resize(&ex, (Py_ssize_t)(m * sizeof(int64_t)))) return NULL;
+    experts = (int64_t *)PyBytes_AS_STRING(ex);
+    int32_t base = layer * c->n_expert;
+    Keys dev_wanted = {0}, host_wanted = {0}, to_dev = {0}, dev_victims = {0}, to_host = {0}, host_victims = {0},
+         demoted = {0}, demotions = {0};
+    PyObject *src = PyBytes_FromStringAndSize(NULL, m), *tod = PyBytes_FromStringAndSize(NULL, m),
+             *toh = PyBytes_FromStringAndSize(NULL, m), *items = NULL;
+    uint32_t *saved = malloc(sizeof(uint32_t) * (m + 1));
+    if (!src || !tod || !toh || !saved) goto nomem;
+    char *s = PyBytes_AS_STRING(src), *d = PyBytes_AS_STRING(tod), *h = PyBytes_AS_STRING(toh);
+    /* the keys this plan uses are protected from both tiers' evictions */
+    uint32_t protect = next_stamp(c);
+    for (size_t i = 0; i < m; i++) {
+        int32_t key = base + (int32_t)experts[i];
+        c->stamp[key] = protect;
+        s[i] = c->tier[0].state[key] != EMPTY ? SRC_DEVICE : c->tier[1].state[key] != EMPTY ? SRC_HOST : SRC_DISK;
+        if (s[i] != SRC_DEVICE && keys_push(&dev_wanted, key)) goto nomem;
+    }
+    if (plan_admissions(c, &c->tier[0], dev_wanted.a, dev_wanted.n, 1, &to_dev, &dev_victims)) goto nomem;
+    uint32_t in_dev = next_stamp(c);
+    for (size_t i = 0; i < to_dev.n; i++) c->stamp[to_dev.a[i]] = in_dev;
+    for (size_t i = 0; i < m; i++) d[i] = c->stamp[base + (int32_t)experts[i]] == in_dev;
+    if (c->demote) /* (demotions first or reads first, and letting reads into both tiers: within 0.1 point) */
+        for (size_t i = 0; i < dev_victims.n; i++)
+            if (c->tier[1].state[dev_victims.a[i]] == EMPTY &&
+                (keys_push(&demoted, dev_victims.a[i]) || keys_push(&host_wanted, dev_victims.a[i])))
+                goto nomem;
+    for (size_t i = 0; i < m; i++)
+        if (s[i] == SRC_DISK && !(c->demote && d[i]) && keys_push(&host_wanted, base + (int32_t)experts[i])) goto nomem;
+    protect = next_stamp(c);
+    for (size_t i = 0; i < m; i++) c->stamp[base + (int32_t)experts[i]] = protect;
+    if (plan_admissions(c, &c->tier[1], host_wanted.a, host_wanted.n, 1, &to_host, &host_victims)) goto nomem;
+    uint32_t in_host = next_stamp(c);
+    for (size_t i = 0; i < to_host.n; i++) c->stamp[to_host.a[i]] = in_host;
+    for (size_t i = 0; i < m; i++) h[i] = c->stamp[base + (int32_t)experts[i]] == in_host;
+    for (size_t i = 0; i < demoted.n; i++)
+        if (c->stamp[demoted.a[i]] == in_host && keys_push(&demotions, demoted.a[i])) goto nomem;
+    items = PyTuple_New((Py_ssize_t)m);
+    if (!items) goto fail;
+    PyObject *nbytes = PyLong_FromLongLong(c->tier[1].unit[layer]);
+    if (!nbytes) goto fail;
+    for (size_t i = 0; i < m; i++) {
+        PyObject *raw = Py_BuildValue("(LOOOO)", (long long)experts[i], c->sources[(int)s[i]], nbytes,
+                                      d[i] ? Py_True : Py_False, h[i] ? Py_True : Py_False);
+        if (!raw) { Py_DECREF(nbytes); goto fail; }
+        PyObject *pair = PyTuple_Pack(1, raw);
+        Py_DECREF(raw);
+        if (!pair) { Py_DECREF(nbytes); goto fail; }
+        /* PlanItem._make: tuple.__new__(PlanItem, raw) */
+        PyObject *item = PyTuple_Type.tp_new((PyTypeObject *)c->plan_item, pair, NULL);
+        Py_DECREF(pair);
+        if (!item) { Py_DECREF(nbytes); goto fail; }
+        PyTuple_SET_ITEM(items, (Py_ssize_t)i, item);
+    }
+    Py_DECREF(nbytes);
+    out = Py_BuildValue("(OOOOONNN)", ex, src, tod, toh, items, keys_tuple(&dev_victims), keys_tuple(&host_victims),
+                        keys_tuple(&demotions));
+    goto done;
+nomem:
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+fail:
+    out = NULL;
+done:
+    Py_XDECREF(ex), Py_XDECREF(src), Py_XDECREF(tod), Py_XDECREF(toh), Py_XDECREF(items);
+    free(saved), free(dev_wanted.a), free(host_wanted.a), free(to_dev.a), free(dev_victims.a), free(to_host.a);
+    free(host_victims.a), free(demoted.a), free(demotions.a);
+    return out;
+}
+
+/* set_types(PlanItem, (Source.DEVICE, Source.HOST, Source.DISK)) */
+static PyObject *Core_set_types(Core *c, PyObject *args) {
+    PyObject *item, *sources;
+    if (!PyArg_ParseTuple(args, "OO", &item, &sources)) return NULL;
+    if (!PyType_Check(item) || !PyType_IsSubtype((PyTypeObject *)item, &PyTuple_Type) || !PyTuple_Check(sources) ||
+        PyTuple_GET_SIZE(sources) != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_types(a tuple subclass, a tuple of 3 sources)");
+        return NULL;
+    }
+    Py_XSETREF(c->plan_item, Py_NewRef(item));
+    for (int i = 0; i < 3; i++) Py_XSETREF(c->sources[i], Py_NewRef(PyTuple_GET_ITEM(sources, i)));
+    Py_RETURN_NONE;
+}
+
+static void count_item(Core *c, int layer, int source, int to_device, int to_host, int64_t nbytes) {
+    int64_t *dev = counter(c, 0, layer), *host = counter(c, 1, layer), *disk = counter(c, 2, layer);
+    if (source == SRC_DEVICE) {
+        dev[C_HITS]++, dev[C_HIT_BYTES] += nbytes;
+        return;
+    }
+    if (c->tier[0].enabled) dev[C_MISSES]++, dev[C_MISS_BYTES] += nbytes;
+    if (to_device) dev[C_ADMITTED]++, dev[C_ADMITTED_BYTES] += nbytes;
+    if (source == SRC_HOST) {
+        host[C_HITS]++, host[C_HIT_BYTES] += nbytes;
+        return;
+    }
+    if (c->tier[1].enabled) host[C_MISSES]++, host[C_MISS_BYTES] += nbytes;
+    if (to_host) host[C_ADMITTED]++, host[C_ADMITTED_BYTES] += nbytes;
+    disk[0]++, disk[1] += nbytes;
+}
+
+typedef struct { const int64_t *experts; const char *src, *tod, *toh; size_t m; Py_buffer bufs[4]; int n_bufs; } PlanArgs;
+
+static int plan_args(PyObject *e, PyObject *s, PyObject *d, PyObject *h, PlanArgs *p) {
+    PyObject *objs[4] = {e, s, d, h};
+    p->n_bufs = 0;
+    for (int i = 0; i < 4; i++) {
+        if (PyObject_GetBuffer(objs[i], &p->bufs[i], PyBUF_SIMPLE)) return -1;
+        p->n_bufs++;
+    }
+    p->experts = p->bufs[0].buf, p->src = p->bufs[1].buf, p->tod = p->bufs[2].buf, p->toh = p->bufs[3].buf;
+    p->m = p->bufs[0].len / sizeof(int64_t);
+    return 0;
+}
+
+static void plan_args_release(PlanArgs *p) {
+    for (int i = 0; i < p->n_bufs; i++) PyBuffer_Release(&p->bufs[i]);
+}
+
+static int for_keys(Core *c, PyObject *seq, int32_t **out, Py_ssize_t *n) {
+    PyObject *fast = PySequence_Fast(seq, "expected a tuple of keys");
+    if (!fast) return -1;
+    *n = PySequence_Fast_GET_SIZE(fast);
+    *out = malloc(sizeof(int32_t) * (*n + 1));
+    for (Py_ssize_t i = 0; i < *n; i++)
+        if (parse_key(c, PySequence_Fast_GET_ITEM(fast, i), &(*out)[i])) { Py_DECREF(fast); free(*out); return -1; }
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* commit(layer, experts, sources, to_device, to_host, device_victims, host_victims, demotions) */
+static PyObject *Core_commit(Core *c, PyObject *args) {
+    int layer;
+    PyObject *e, *s, *d, *h, *dv, *hv, *dm;
+    if (!PyArg_ParseTuple(args, "iOOOOOOO", &layer, &e, &s, &d, &h, &dv, &hv, &dm)) return NULL;
+    PlanArgs p;
+    int32_t *victims = NULL;
+    Py_ssize_t nv;
+    PyObject *result = NULL;
+    if (plan_args(e, s, d, h, &p)) goto out;
+    c->generation++;
+    int64_t now = c->now;
+    PyObject *lists[2] = {dv, hv};
+    for (int which = 0; which < 2; which++) {
+        if (for_keys(c, lists[which], &victims, &nv)) goto out;
+        for (Py_ssize_t i = 0; i < nv; i++) {
+            int64_t freed = tier_evict(c, which, victims[i]);
+            if (freed < 0) goto out;
+            int64_t *cnt = counter(c, which, KEY_LAYER(c, victims[i]));
+            cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
+            if (which == 0 && host_covered(c, victims[i], 0)) goto nomem;
+        }
+        free(victims), victims = NULL;
+    }
+    if (for_keys(c, dm, &victims, &nv)) goto out;
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        if (tier_admit(c, 1, victims[i], LOADING)) goto out;
+        int l = KEY_LAYER(c, victims[i]);
+        int64_t *cnt = counter(c, 1, l);
+        cnt[C_DEMOTED]++, cnt[C_DEMOTED_BYTES] += c->tier[1].unit[l];
+    }
+    int64_t nbytes = c->tier[1].unit[layer];
+    for (size_t i = 0; i < p.m; i++) {
+        int32_t key = layer * c->n_expert + (int32_t)p.experts[i];
+        /* a tier of size 0 never asks its policy, so it learns nothing */
+        if (c->tier[0].enabled && observe(c, 0, key, now)) goto nomem;
+        if (c->tier[1].enabled && observe(c, 1, key, now)) goto nomem;
+        if (p.toh[i]) {
+            if (tier_admit(c, 1, key, LOADING) || tier_pin(c, 1, key)) goto out;
+        } else if (p.src[i] == SRC_HOST) {
+            if (tier_track(c, &c->tier[1], key, now)) goto nomem;
+            if (tier_pin(c, 1, key)) goto out;
+        }
+        if (p.tod[i]) {
+            if (tier_admit(c, 0, key, LOADING) || tier_pin(c, 0, key)) goto out;
+            if (host_covered(c, key, 1)) goto nomem;
+        } else if (p.src[i] == SRC_DEVICE) {
+            if (tier_track(c, &c->tier[0], key, now)) goto nomem;
+            if (tier_pin(c, 0, key)) goto out;
+        }
+        count_item(c, layer, p.src[i], p.tod[i], p.toh[i], nbytes);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+    goto out;
+nomem:
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+out:
+    free(victims);
+    plan_args_release(&p);
+    return result;
+}
+
+/* mark_ready(layer, experts, to_device, to_host, demotions) */
+static PyObject *Core_mark_ready(Core *c, PyObject *args) {
+    int layer;
+    PyObject *e, *d, *h, *dm;
+    if (!PyArg_ParseTuple(args, "iOOOO", &layer, &e, &d, &h, &dm)) return NULL;
+    PlanArgs p;
+    int32_t *keys = NULL;
+    Py_ssize_t nk;
+    PyObject *result = NULL;
+    if (plan_args(e, d, d, h, &p)) goto out;
+    if (for_keys(c, dm, &keys, &nk)) goto out;
+    for (Py_ssize_t i = 0; i < nk; i++)
+        if (tier_ready(c, 1, keys[i])) goto out;
+    for (size_t i = 0; i < p.m; i++) {
+        int32_t key = layer * c->n_expert + (int32_t)p.experts[i];
+        if (p.tod[i] && tier_ready(c, 0, key)) goto out;
+        if (p.toh[i] && tier_ready(c, 1, key)) goto out;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    free(keys);
+    plan_args_release(&p);
+    return result;
+}
+
+/* release(layer, experts, sources, to_device, to_host) */
+static PyObject *Core_release(Core *c, PyObject *args) {
+    int layer;
+    PyObject *e, *s, *d, *h;
+    if (!PyArg_ParseTuple(args, "iOOOO", &layer, &e, &s, &d, &h)) return NULL;
+    PlanArgs p;
+    PyObject *result = NULL;
+    if (plan_args(e, s, d, h, &p)) goto out;
+    for (size_t i = 0; i < p.m; i++) {
+        int32_t key = layer * c->n_expert + (int32_t)p.experts[i];
+        if ((p.toh[i] || p.src[i] == SRC_HOST) && tier_unpin(c, 1, key)) goto out;
+        if ((p.tod[i] || p.src[i] == SRC_DEVICE) && tier_unpin(c, 0, key)) goto out;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    plan_args_release(&p);
+    return result;
+}
+
+/* admit_host(keys): ExpertCache.admit_host; returns (admitted, evicted) */
+static PyObject *Core_admit_host(Core *c, PyObject *args) {
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "O", &seq)) return NULL;
+    Tier *host = &c->tier[1];
+    if (!host->enabled) return Py_BuildValue("(()())");
+    int32_t *keys = NULL;
+    Py_ssize_t nk;
+    if (for_keys(c, seq, &keys, &nk)) return NULL;
+    Keys wanted = {0}, admitted = {0}, victims = {0};
+    PyObject *out = NULL;
+    uint32_t seen = next_stamp(c);
+    for (Py_ssize_t i = 0; i < nk; i++) {  /* dict.fromkeys: first occurrence */
+        int32_t key = keys[i];
+        if (c->stamp[key] == seen) continue;
+        c->stamp[key] = seen;
+        if (c->tier[0].state[key] == EMPTY && host->state[key] == EMPTY && keys_push(&wanted, key)) goto nomem;
+    }
+    if (plan_admissions(c, host, wanted.a, wanted.n, 0, &admitted, &victims)) goto nomem;
+    for (size_t i = 0; i < victims.n; i++) {
+        int64_t freed = tier_evict(c, 1, victims.a[i]);
+        if (freed < 0) goto fail;
+        int64_t *cnt = counter(c, 1, KEY_LAYER(c, victims.a[i]));
+        cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
+    }
+    for (size_t i = 0; i < admitted.n; i++)
+        if (tier_admit(c, 1, admitted.a[i], READY)) goto fail;
+    if (admitted.n) c->generation++;
+    out = Py_BuildValue("(NN)", keys_tuple(&admitted), keys_tuple(&victims));
+    goto done;
+nomem:
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+fail:
+    out = NULL;
+done:
+    free(keys), free(wanted.a), free(admitted.a), free(victims.a);
+    return out;
+}
+
+/* seed_one(key): ExpertCache.seed's placement of one key (device, then host; nothing evicted);
+   returns 0 device, 1 host, -1 not placed */
+static PyObject *Core_seed_one(Core *c, PyObject *args) {
+    PyObject *o;
+    int32_t key;
+    if (!PyArg_ParseTuple(args, "O", &o) || parse_key(c, o, &key)) return NULL;
+    for (int which = 0; which < 2; which++) {
+        Tier *t = &c->tier[which];
+        if (t->state[key] != EMPTY) return PyLong_FromLong(-1);
+        if (t->unit[KEY_LAYER(c, key)] <= t->capacity - t->used) {
+            if (tier_admit(c, which, key, READY)) return NULL;
+            if (which == 0 && host_covered(c, key, 1)) return PyErr_NoMemory();
+            return PyLong_FromLong(which);
+        }
+    }
+    return PyLong_FromLong(-1);
+}
+
+/* held(which, layer) -> bytes of n_expert flags: the experts of layer the tier holds (LOADING or READY) */
+static PyObject *Core_held(Core *c, PyObject *args) {
+    int which, layer;
+    if (!PyArg_ParseTuple(args, "ii", &which, &layer)) return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, c->n_expert);
+    if (!out) return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    const uint8_t *state = c->tier[which].state + (size_t)layer * c->n_expert;
+    for (int i = 0; i < c->n_expert; i++) p[i] = state[i] != EMPTY;
+    return out;
+}
+
+/* holds(which, key) */
+static PyObject *Core_holds(Core *c, PyObject *args) {
+    int which;
+    PyObject *o;
+    int32_t key;
+    if (!PyArg_ParseTuple(args, "iO", &which, &o) || parse_key(c, o, &key)) return NULL;
+    return PyBool_FromLong(c->tier[which].state[key] != EMPTY);
+}
+
+/* state(which, key): 0 EMPTY, 1 LOADING, 2 READY */
+static PyObject *Core_state(Core *c, PyObject *args) {
+    int which;
+    PyObject *o;
+    int32_t key;
+    if (!PyArg_ParseTuple(args, "iO", &which, &o) || parse_key(c, o, &key)) return NULL;
+    return PyLong_FromLong(c->tier[which].state[key]);
+}
+
+static PyObject *Core_tick(Core *c, PyObject *args) {
+    long long n;
+    if (!PyArg_ParseTuple(args, "L", &n)) return NULL;
+    c->now += n;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_get_counters(Core *c, void *closure) { Py_INCREF(c->counters_obj); return c->counters_obj; }
+static PyObject *Core_get_now(Core *c, void *closure) { return PyLong_FromLongLong(c->now); }
+static PyObject *Core_get_generation(Core *c, void *closure) { return PyLong_FromLongLong(c->generation); }
+static PyObject *Core_get_demote(Core *c, void *closure) { return PyBool_FromLong(c->demote); }
+static int Core_set_demote(Core *c, PyObject *v, void *closure) {
+    int b = PyObject_IsTrue(v);
+    if (b < 0) return -1;
+    c->demote = b;
+    return 0;
+}
+static PyObject *Core_get_used(Core *c, void *closure) {
+    return Py_BuildValue("(LL)", (long long)c->tier[0].used, (long long)c->tier[1].used);
+}
+
+static PyMethodDef Core_methods[] = {
+    {"plan", (PyCFunction)Core_plan, METH_VARARGS, "plan(layer, experts int64 bytes) -> sources, to_device, to_host, victims..."},
+    {"set_types", (PyCFunction)Core_set_types, METH_VARARGS, "set_types(PlanItem, (DEVICE, HOST, DISK))"},
+    {"commit", (PyCFunction)Core_commit, METH_VARARGS, "apply a plan"},
+    {"mark_ready", (PyCFunction)Core_mark_ready, METH_VARARGS, "admitted slots LOADING -> READY"},
+    {"release", (PyCFunction)Core_release, METH_VARARGS, "unpin a plan's experts"},
+    {"admit_host", (PyCFunction)Core_admit_host, METH_VARARGS, "admit keys read outside a plan into the host tier"},
+    {"seed_one", (PyCFunction)Core_seed_one, METH_VARARGS, "seed one key: 0 device, 1 host, -1 not placed"},
+    {"held", (PyCFunction)Core_held, METH_VARARGS, "flags of a layer's experts a tier holds"},
+    {"holds", (PyCFunction)Core_holds, METH_VARARGS, "whether a tier holds a key"},
+    {"state", (PyCFunction)Core_state, METH_VARARGS, "a key's slot state in a tier: 0 empty, 1 loading, 2 ready"},
+    {"tick", (PyCFunction)Core_tick, METH_VARARGS, "advance logical time"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Core_getset[] = {
+    {"counters", (getter)Core_get_counters, NULL, "int64 [3][n_layer][10]: device, host, disk counters", NULL},
+    {"now", (getter)Core_get_now, NULL, "logical time", NULL},
+    {"generation", (getter)Core_get_generation, NULL, "commits and admissions so far", NULL},
+    {"demote", (getter)Core_get_demote, (setter)Core_set_demote, "exclusive tiers", NULL},
+    {"used", (getter)Core_get_used, NULL, "(device bytes used, host bytes used)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fomoepy.experts._cache_core.Core",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The expert cache's tiers and frequency-family policy (fomoepy.experts.fast_cache drives it).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Core_init,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_methods = Core_methods,
+    .tp_getset = Core_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cache_core", "The expert cache's bookkeeping in C.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__cache_core(void) {
+    if (PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "POLICY_ADMIT", POLICY_ADMIT);
+    PyModule_AddIntConstant(m, "POLICY_DEMOTE", POLICY_DEMOTE);
+    PyModule_AddIntConstant(m, "POLICY_COOC", POLICY_COOC);
+    return m;
+}
