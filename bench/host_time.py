@@ -91,16 +91,16 @@ def gpu_child(args: argparse.Namespace) -> dict:
     weights = np.full((1, k), 1.0 / k, np.float32)
     probs = np.full((1, n_expert), 1.0 / n_expert, np.float32)
 
-    # the device's route makes its launches and read-back; what it returns is the trace's choice (the
-    # null device computes nothing): the step's own routing, or a prediction of the next layer's
-    real_route = dev.route
+    # the device's routing makes its launches and read-back; what it returns is the trace's choice (the
+    # null device computes nothing): the step's own routing, then the prediction of the next layer's
+    real_route_many = dev.route_many
     answer: list[Routing] = []
 
-    def route(logits, gating, kk):
-        real_route(logits, gating, kk)
-        return answer.pop()
+    def route_many(requests):
+        real_route_many(requests)
+        return [answer.pop() for _ in requests]
 
-    dev.route = route  # type: ignore[method-assign]
+    dev.route_many = route_many  # type: ignore[method-assign]
 
     calls = {"n": 0, "s": 0.0, "pack": 0.0}
     real_call = DriverShim.call
@@ -141,7 +141,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
                     c0, s0, p0 = calls["n"], calls["s"], calls["pack"]
                     cpu0 = time.thread_time()
                     t0 = time.perf_counter()
-                    exact = dev.route(dev.linear(h, router_w), "softmax", k)  # the model's router, as moe.py runs it
+                    exact = step.route(dev, il, h, dev.linear(h, router_w), "softmax", k)  # the model's router, as moe.py runs it
                     t1 = time.perf_counter()
                     step(il, h, exact)
                     t2 = time.perf_counter()

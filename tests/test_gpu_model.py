@@ -137,3 +137,35 @@ def test_a_demoting_policy_copies_device_evictees_down_and_the_logits_stay_exact
     for key, parts in streamer.host_slots.items():  # the bytes that came down are the expert's own
         assert all(np.array_equal(np.frombuffer(np.ascontiguousarray(a), np.uint8), np.frombuffer(np.ascontiguousarray(b), np.uint8))
                    for a, b in zip(parts, source.read(*key)))  # fmt: skip
+
+
+def test_a_decode_step_reads_its_routing_and_the_next_layers_prediction_back_in_one_trip(dev):
+    # route_ahead: the router's choice and the next layer's predicted ids come back in one copy and one
+    # synchronisation, where a second round trip per layer used to fetch the prediction. Same logits and
+    # the same predictions (counted by the streamer) either way.
+    name = MODELS[0]
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")[:6]
+    runs = []
+    for ahead in (True, False):
+        model, spec, experts = gpu_model(dev, name, 0.3)
+        if not ahead:
+            experts.route_ahead = None  # the step then asks device.route for the prediction, as before
+        state = device_state(dev, spec, 64)
+        model.forward(tokens[:2], state)
+        syncs, real_sync = [0], dev.rt.sync
+
+        def counted(stream, real_sync=real_sync):
+            syncs[0] += 1
+            return real_sync(stream)
+
+        dev.rt.sync = counted
+        try:
+            logits = [np.asarray(model.forward(np.array([t]), state, phase=Phase.DECODE)) for t in tokens[2:]]
+        finally:
+            del dev.rt.sync
+        p = model.experts.streamer.prefetch_stats
+        runs.append((syncs[0], np.concatenate(logits), p.predicted, p.correct))
+    (with_ahead, logits_a, predicted_a, correct_a), (without, logits_b, predicted_b, correct_b) = runs
+    moe_layers = spec.n_layer - 1  # the last layer predicts nothing
+    assert without - with_ahead == moe_layers * len(tokens[2:])
+    assert np.array_equal(logits_a, logits_b) and (predicted_a, correct_a) == (predicted_b, correct_b) and predicted_a > 0

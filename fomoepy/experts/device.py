@@ -118,6 +118,9 @@ class ExpertDevice(Protocol):
 
     def route(self, layer: int, h: Any, k: int) -> np.ndarray: ...
 
+    # optional: route_ahead(layer, h, logits, gating, k) -> (Routing, next layer's ids or None), the step's
+    # routing and the next layer's prediction in one device round trip (GpuExperts)
+
     def compute(self, layer: int, h: Any, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> Any: ...
 
     def close(self) -> None: ...

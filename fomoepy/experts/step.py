@@ -4,7 +4,8 @@
 
 does, in order:
     1. routing: the trace, usage counts, cache-aware substitutions (streamer.choose);
-    2. the next layer's prediction on a decode step (device.route), whose misses are read during this one;
+    2. the next layer's prediction on a decode step (device.route, or what route() read back with the
+       router's own choice), whose misses are read during this one;
     3. the cache plan and its reads (streamer.start_acquire), and the device tier's evictions;
     4. the device's arithmetic (device.compute), which fills the tier as the bytes land;
     5. release: the plan's experts are unpinned.
@@ -36,6 +37,7 @@ class MoEStep:
         self.layers = streamer.layers
         self.phase = Phase.PREFILL
         self.records: list[StepTiming] | None = None  # set to [] to keep every step's record
+        self._ahead: tuple[int, Any] | None = None  # (layer, the next layer's ids) from route()
         for key in streamer.seed_from_profile():
             device.install(key, streamer.source.read(*key))
 
@@ -49,13 +51,27 @@ class MoEStep:
         a prefill one tick per token."""
         self.streamer.end_step(n_tokens, ticks=1 if self.phase is Phase.DECODE else n_tokens)
 
+    def route(self, ops: Any, layer: int, h: Any, logits: Any, gating: str, k: int) -> Routing:
+        """The router's own choice from its logits (ops.route); on a decode step whose device can, the next
+        layer's prediction comes back with it, in the same read-back (route_ahead), for the step to use."""
+        route_ahead = getattr(self.device, "route_ahead", None)
+        if route_ahead is None or not self._predicting(layer):
+            return ops.route(logits, gating, k)
+        exact, ahead = route_ahead(layer, h, logits, gating, k)
+        self._ahead = (layer, ahead) if ahead is not None else None
+        return exact
+
+    def _predicting(self, layer: int) -> bool:
+        return self.phase is Phase.DECODE and self.predicts and layer + 1 < self.streamer.n_layer
+
     def __call__(self, layer: int, h: Any, exact: Routing) -> Any:
         """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]."""
         s, device = self.streamer, self.device
         t0 = time.perf_counter()
         ids, weights = s.choose(layer, exact)
-        if self.phase is Phase.DECODE and self.predicts and layer + 1 < s.n_layer:
-            s.predict(layer + 1, device.route(layer + 1, h, exact.ids.shape[1]))
+        if self._predicting(layer):
+            ahead, self._ahead = self._ahead, None
+            s.predict(layer + 1, ahead[1] if ahead is not None and ahead[0] == layer else device.route(layer + 1, h, exact.ids.shape[1]))
         t1 = time.perf_counter()
         background = s.background_wait
         plan, fetched, reads = s.start_acquire(layer, ids)

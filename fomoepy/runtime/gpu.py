@@ -396,23 +396,34 @@ class GpuBackend:
     # -- on-device decisions (one read-back each) ---------------------------------------------------
     def route(self, logits: Any, gating: str, k: int) -> Routing:
         """The router's selection computed on the device; ids, weights and probabilities read back once."""
-        kernel = DEVICE_GATING.get(gating)
-        if kernel is None:
-            raise FomoeError(f"gating {gating!r} has no GPU kernel (have: {', '.join(DEVICE_GATING)})")
-        logits, T, E, _ = self._rows(self.asdevice(logits).contiguous())
-        # probabilities, ids and weights in one allocation, read back in one copy (a binding call costs
-        # microseconds, and a decode step routes twice per layer: its own choice and the prediction)
-        n = T * (E + 2 * k)
-        out = self.empty((max(n, 1),))
-        if T:
-            ptr = out.ptr
-            self.launch(kernel, (T,), 256, logits.ptr, T, E, k, ptr, ptr + 4 * T * E, ptr + 4 * T * (E + k), self.err.ptr,
-                        shared=4 * E)  # fmt: skip
-        host = self.to_host(out)[:n]
-        p = host[: T * E].reshape(T, E)
-        i = host[T * E : T * (E + k)].view(I32).reshape(T, k)
-        w = host[T * (E + k) :].reshape(T, k)
-        return Routing(i.astype(np.int64), w, p)
+        return self.route_many([(logits, gating, k)])[0]
+
+    def route_many(self, requests: Sequence[tuple[Any, str, int]]) -> list[Routing]:
+        """route for each (logits, gating, k), with one read-back for all: probabilities, ids and weights of
+        every request in one allocation, copied in one go (a binding call costs microseconds, and a decode
+        step routes twice per layer: its own choice and the next layer's prediction)."""
+        rows, total = [], 0
+        for logits, gating, k in requests:
+            kernel = DEVICE_GATING.get(gating)
+            if kernel is None:
+                raise FomoeError(f"gating {gating!r} has no GPU kernel (have: {', '.join(DEVICE_GATING)})")
+            logits, T, E, _ = self._rows(self.asdevice(logits).contiguous())
+            rows.append((kernel, logits, T, E, k, total))
+            total += T * (E + 2 * k)
+        out = self.empty((max(total, 1),))
+        for kernel, logits, T, E, k, at in rows:
+            if T:
+                ptr = out.ptr + 4 * at
+                self.launch(kernel, (T,), 256, logits.ptr, T, E, k, ptr, ptr + 4 * T * E, ptr + 4 * T * (E + k), self.err.ptr,
+                            shared=4 * E)  # fmt: skip
+        host = self.to_host(out)
+        routings = []
+        for _, _, T, E, k, at in rows:
+            p = host[at : at + T * E].reshape(T, E)
+            i = host[at + T * E : at + T * (E + k)].view(I32).reshape(T, k)
+            w = host[at + T * (E + k) : at + T * (E + 2 * k)].reshape(T, k)
+            routings.append(Routing(i.astype(np.int64), w, p))
+        return routings
 
     def argmax(self, x: Any) -> np.ndarray:
         """First index of the maximum of each row (greedy sampling without reading logits back)."""

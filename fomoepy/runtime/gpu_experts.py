@@ -20,6 +20,7 @@ import numpy as np
 from fomoepy.errors import UnsupportedQuantType
 from fomoepy.experts.device import StepExperts
 from fomoepy.experts.policy import Key
+from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
@@ -170,6 +171,16 @@ class GpuExperts:
         if dev is not here:
             h = relay(h, here, dev)
         return dev.route(dev.linear(h, self.routers[layer]), "softmax", k).ids
+
+    def route_ahead(self, layer: int, h, logits, gating: str, k: int) -> tuple[Routing, np.ndarray | None]:
+        """The router's choice for `layer` (its logits already computed) and the next layer's predicted ids
+        (its router applied to h), read back together: one device round trip per decode step, not two.
+        None for the prediction when the next layer sits on another device (route() relays h there)."""
+        dev = self.side(layer).dev
+        if layer + 1 >= len(self.layers) or self.side(layer + 1).dev is not dev:
+            return dev.route(logits, gating, k), None
+        exact, ahead = dev.route_many([(logits, gating, k), (dev.linear(h, self.routers[layer + 1]), "softmax", k)])
+        return exact, ahead.ids
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
         """h [T, D], ids/weights [T, k] → [T, D] on the device. Each missing expert's copy up is issued as
