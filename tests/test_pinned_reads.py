@@ -155,3 +155,24 @@ def test_a_miss_is_copied_up_before_the_last_read_of_its_layer_lands(tmp_path):
     assert first_ids[0][0] == 0 and held.held[1] in first_ids[0][1]
     assert held.released_by == "a copy"
     engine.close()
+
+
+def test_buffers_given_back_together_wait_for_their_copies_once():
+    # one fence per batch of returned buffers: the first take waits for it, the rest of the batch reuse
+    # the wait (each wait is a driver call, and a decode step takes several buffers)
+    dev = sim_backend()
+    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=4 * ALIGN)
+    held = [pool.take(ALIGN) for _ in range(4)]
+    del held
+    waits, real = [0], dev.rt.event_sync
+
+    def counted(event, real=real):
+        waits[0] += 1
+        return real(event)
+
+    dev.rt.event_sync = counted
+    try:
+        again = [pool.take(ALIGN) for _ in range(4)]
+    finally:
+        del dev.rt.event_sync
+    assert waits[0] == 1 and len({a.ctypes.data for a in again}) == 4

@@ -21,12 +21,24 @@ ALIGN = 4096
 CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a time (its calls are slow)
 
 
+class _Fence:
+    """The events recorded on the copy streams when a batch of buffers came back: once one buffer of the
+    batch has waited for them, the others need not (a wait is a driver call, and a step takes several
+    buffers returned together)."""
+
+    __slots__ = ("done", "events")
+
+    def __init__(self, events: list[Any]):
+        self.events = events
+        self.done = False
+
+
 class PinnedPool:
     def __init__(self, rt: Any, copy_streams: list[Any], chunk_bytes: int = CHUNK_BYTES):
         self.rt = rt
         self.chunk_bytes = chunk_bytes
         self.copy_streams = copy_streams
-        self.free: dict[int, deque[tuple[int, list[Any] | None]]] = {}  # size → (address, fences)
+        self.free: dict[int, deque[tuple[int, _Fence | None]]] = {}  # size → (address, fence)
         self.returned: deque[tuple[int, int]] = deque()  # (address, size), appended by any thread
         self.blocks: list[int] = []  # what the driver gave, freed at close
         self.addresses: set[int] = set()  # every buffer's start: what `holds` recognises
@@ -40,10 +52,12 @@ class PinnedPool:
         if not queue:
             self._grow(size)
             queue = self.free[size]
-        address, fences = queue.popleft()
-        for event in fences or ():
-            self.rt.event_sync(event)  # the copies that may have read it: done, almost always already
-            self.events.append(event)
+        address, fence = queue.popleft()
+        if fence is not None and not fence.done:
+            for event in fence.events:
+                self.rt.event_sync(event)  # the copies that may have read it: done, almost always already
+            fence.done = True
+            self.events.extend(fence.events)  # free to record again: no buffer of this batch waits on them now
         memory = (ctypes.c_uint8 * size).from_address(address)
         weakref.finalize(memory, self.returned.append, (address, size))
         return np.frombuffer(memory, np.uint8)
@@ -60,14 +74,15 @@ class PinnedPool:
         later record waits for more copies than needed, never fewer)."""
         if not self.returned:
             return
-        fences = []
+        events = []
         for stream in self.copy_streams:
             event = self.events.pop() if self.events else self.rt.event()
             self.rt.record(event, stream)
-            fences.append(event)
+            events.append(event)
+        fence = _Fence(events)
         while self.returned:
             address, size = self.returned.popleft()
-            self.free.setdefault(size, deque()).append((address, fences))
+            self.free.setdefault(size, deque()).append((address, fence))
 
     def _grow(self, size: int) -> None:
         count = max(1, self.chunk_bytes // size)
