@@ -57,14 +57,16 @@ def test_trace_round_trip(tmp_path):
     probs = np.full((2, E), 1 / E, dtype=np.float32)
     with TraceWriter(path, TraceHeader(L, E, K, (10, 20, 30), "m")) as w:
         w.write(7, 2, ids, scores, probs)
-        w.write(9, 0, ids[:1], scores[:1])
+        w.write(9, 0, ids[:1], scores[:1], predicted=[1, 4])
     trace = read_trace(path)
     assert trace.header == TraceHeader(L, E, K, (10, 20, 30), "m") and not trace.truncated
     a, b = trace.records
     assert (a.token, a.layer, a.ids.tolist(), a.scores.tolist()) == (7, 2, ids.tolist(), scores.tolist())
     assert a.probs.dtype == np.float16 and np.allclose(a.probs, probs)
     assert (b.token, b.layer, b.n_tokens, b.probs) == (9, 0, 1, None)
+    assert a.predicted is None and b.predicted.tolist() == [1, 4]
     assert trace.n_tokens == 3 and not trace.has_probs
+    assert trace.prediction_accuracy() == (0.5, 2)  # 1 and 4 predicted; the router chose 3 and 1
 
 
 def test_a_killed_run_loses_only_its_partial_last_record(tmp_path):
@@ -98,6 +100,13 @@ def test_damaged_traces_are_refused_clearly(tmp_path):
         read_trace(path)
     path.write_bytes(good[:header_len] + msgpack.packb({"t": 0, "l": 0, "n": 1, "k": 2, "ids": b"\0", "s": b""}))
     with pytest.raises(FomoeError, match="expected 4 bytes of ids"):
+        read_trace(path)
+    record = {"t": 0, "l": 0, "n": 1, "k": 2, "ids": b"\0\0\1\0", "s": b"\0" * 8}
+    path.write_bytes(good[:header_len] + msgpack.packb(record | {"q": b"\0\0\0"}))
+    with pytest.raises(FomoeError, match="expected 2 bytes of q, got 3"):
+        read_trace(path)
+    path.write_bytes(good[:header_len] + msgpack.packb(record | {"q": np.array([E], "<u2").tobytes()}))
+    with pytest.raises(FomoeError, match=f"predicted expert id {E} outside"):
         read_trace(path)
     with pytest.raises(FomoeError, match="cannot read"):
         read_trace(tmp_path / "missing.trace")

@@ -233,6 +233,35 @@ def test_the_simulator_replays_the_engines_hit_rates(model, tmp_path, policy):
     assert (measured["host"]["demoted"] > 0) == policy_demotes(policy)
 
 
+def test_the_simulator_replays_the_engines_prefetches_from_its_trace(model, tmp_path):
+    # prefetch on: the trace carries each step's read-ahead experts, and the replay admits them into the host
+    # tier where the engine did, so every counter matches; replayed without them, the host tier hits less
+    from fomoepy.experts.simulate import simulate
+
+    path, store, tokens, _ = model
+    dev_unit, host_unit = one_expert(path, "lfu-cooc")
+    trace_path = tmp_path / "t.trace"
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=4 * dev_unit, ram_cache=8 * host_unit,
+                                        trace=str(trace_path), prefetch=True))  # fmt: skip
+    state = engine.new_state()
+    for t in tokens:
+        engine.decode_token(state, int(t))
+    measured = engine.stats()
+    sizes = [layer.expert_nbytes for layer in engine.source.layers]
+    device_sizes = [ready_expert_nbytes(layer, True) for layer in engine.source.layers]
+    engine.close()
+    trace = read_trace(trace_path)
+    assert trace.header.read_ahead and measured["prefetch"]["admitted"] > 0 and sum(r.predicted is not None for r in trace.records) > 0
+    replay = [simulate(trace, sizes, 4 * dev_unit, 8 * host_unit, device_expert_bytes=device_sizes, prefetch=p).summary
+              for p in (True, False)]  # fmt: skip
+    counted = ("hits", "misses", "admitted", "evicted", "demoted")
+    for tier in ("device", "host"):
+        assert {c: measured["cache"][tier][c] for c in counted} == {c: replay[0][tier][c] for c in counted}, tier
+    assert replay[1]["host"]["hits"] < replay[0]["host"]["hits"]
+    accuracy, predicted = trace.prediction_accuracy()
+    assert predicted == measured["prefetch"]["predicted"] and accuracy == pytest.approx(measured["prefetch"]["accuracy"])
+
+
 def test_a_demoting_policy_moves_device_evictees_into_the_host_tier_with_their_bytes(model):
     # lfu-demote through the engine on the store: the device tier evicts, the evicted experts' store bytes
     # come from the device tier's copy (no disk read) into the host tier, and later uses hit them there

@@ -101,7 +101,8 @@ class ExpertStreamer:
         self._unadmitted: dict[Key, ExpertBytes] = {}  # prefetched for this step, refused a host slot
         self.trace: TraceWriter | None = None
         if options.trace and record_trace:
-            header = TraceHeader(self.n_layer, self.n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name)
+            header = TraceHeader(self.n_layer, self.n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name,
+                                 read_ahead=self._prefetching())  # fmt: skip
             self.trace = TraceWriter(options.trace, header)
         self._backfill_queue: BackfillQueue | None = None
         self._backfill_thread: BackfillThread | None = None
@@ -166,7 +167,7 @@ class ExpertStreamer:
             self.prefetch_stats.correct += sum(e in actual for e in predicted)
         if self.trace is not None:
             top_scores = np.take_along_axis(exact.probs, exact.ids, axis=-1)
-            self.trace.write(self._first_token, layer, exact.ids, top_scores, exact.probs)
+            self.trace.write(self._first_token, layer, exact.ids, top_scores, exact.probs, predicted)
         if not self.options.car.enabled:
             return exact.ids, exact.weights
         cached = self.cache.cached_mask(layer, "device") | self.cache.cached_mask(layer, "host")
@@ -196,8 +197,12 @@ class ExpertStreamer:
             return
         predicted = sorted(set(np.asarray(ids).ravel().tolist()))
         self._predicted[layer] = predicted
-        if self.options.prefetch and getattr(self.source, "submit", None) is not None and self.cache.host.enabled:
+        if self._prefetching():
             self._to_prefetch = (layer, predicted)
+
+    def _prefetching(self) -> bool:
+        """Whether predictions are read ahead: asked for, a source that reads in the background, a host tier."""
+        return self.options.prefetch and getattr(self.source, "submit", None) is not None and self.cache.host.enabled
 
     def _issue_prefetch(self) -> None:
         if self._to_prefetch is None:

@@ -3,11 +3,15 @@
 A trace is a msgpack stream: one header map, then one record map per (step, MoE layer):
 
     header  {"format": "fomoe-trace", "version": 1, "n_layer", "n_expert", "n_expert_used",
-             "expert_bytes": [bytes of one expert, per layer] (may be empty), "model": str}
+             "expert_bytes": [bytes of one expert, per layer] (may be empty), "model": str,
+             "read_ahead": bool (optional): the engine read each step's predicted experts ahead}
     record  {"t": token index of the first row, "l": layer, "n": rows T, "k": k,
              "ids": T·k  u16 little-endian   selected experts, by descending probability
              "s":   T·k  f32                 their softmax probabilities
-             "p":   T·E  f16 (optional)      every expert's probability, so CAR can be replayed}
+             "p":   T·E  f16 (optional)      every expert's probability, so CAR can be replayed
+             "q":   u16 (optional)          the experts the engine predicted for this layer a layer
+                                            earlier (its next-layer router on that layer's input): what
+                                            it read ahead when read_ahead, so a replay can do the same}
 
 Records hold the ORIGINAL selection (before any cache-aware substitution); `t` is the engine's
 running token count, so it never goes backwards across prompts. A killed run leaves a partial last
@@ -38,9 +42,11 @@ class TraceHeader:
     n_expert_used: int
     expert_bytes: tuple[int, ...] = ()  # per layer; () when unknown
     model: str = ""
+    read_ahead: bool = False  # the engine read the records' predicted experts ahead (their "q")
 
     def to_msgpack(self) -> dict:
         return {
+            "read_ahead": self.read_ahead,
             "format": TRACE_FORMAT,
             "version": TRACE_VERSION,
             "n_layer": self.n_layer,
@@ -58,6 +64,7 @@ class TraceRecord:
     ids: np.ndarray  # [T, k] int64
     scores: np.ndarray  # [T, k] float32
     probs: np.ndarray | None  # [T, E] float16
+    predicted: np.ndarray | None = None  # [m] int64: the experts predicted for this step a layer earlier
 
     @property
     def n_tokens(self) -> int:
@@ -80,6 +87,16 @@ class Trace:
     def has_probs(self) -> bool:
         return bool(self.records) and all(r.probs is not None for r in self.records)
 
+    def prediction_accuracy(self) -> tuple[float, int] | None:
+        """(share of predicted experts the router then chose, how many were predicted), over the records
+        that carry a prediction; None when none does (a trace of a run without prediction)."""
+        predicted = correct = 0
+        for r in self.records:
+            if r.predicted is not None:
+                predicted += r.predicted.size
+                correct += int(np.isin(r.predicted, r.ids).sum())
+        return (correct / predicted, predicted) if predicted else None
+
 
 class TraceWriter:
     """Appends records to a new trace file; use as a context manager or call close()."""
@@ -95,9 +112,11 @@ class TraceWriter:
         self._file.write(msgpack.packb(header.to_msgpack(), use_bin_type=True))
 
     def write(
-        self, token: int, layer: int, ids: np.ndarray, scores: np.ndarray, probs: np.ndarray | None = None
+        self, token: int, layer: int, ids: np.ndarray, scores: np.ndarray, probs: np.ndarray | None = None,
+        predicted: np.ndarray | list[int] | None = None,
     ) -> None:
-        """ids/scores [T, k] of the router's exact selection; probs [T, E] its softmax, or None."""
+        """ids/scores [T, k] of the router's exact selection; probs [T, E] its softmax, or None; predicted:
+        the experts predicted for this step a layer earlier (read ahead if the header says so), or None."""
         ids = np.asarray(ids)
         if ids.ndim != 2 or np.shape(scores) != ids.shape:
             raise ValueError(f"expected ids and scores [T, k], got {ids.shape} and {np.shape(scores)}")
@@ -115,6 +134,8 @@ class TraceWriter:
             if np.shape(probs) != (ids.shape[0], self.header.n_expert):
                 raise ValueError(f"expected probs [{ids.shape[0]}, {self.header.n_expert}], got {np.shape(probs)}")
             record["p"] = np.asarray(probs).astype(PROBS).tobytes()
+        if predicted is not None:
+            record["q"] = np.asarray(predicted).astype(IDS).tobytes()
         self._file.write(msgpack.packb(record, use_bin_type=True))
 
     def flush(self) -> None:
@@ -173,6 +194,7 @@ def _parse_header(path: Path, obj: object) -> TraceHeader:
             n_expert_used=int(obj["n_expert_used"]),
             expert_bytes=tuple(int(b) for b in obj.get("expert_bytes", ())),
             model=str(obj.get("model", "")),
+            read_ahead=bool(obj.get("read_ahead", False)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise FomoeError(f"{path}: bad trace header ({e!r})") from None
@@ -189,14 +211,22 @@ def _parse_record(path: Path, offset: int, obj: object, header: TraceHeader) -> 
         scores = _array(obj["s"], SCORES, n * k, where, "s").reshape(n, k)  # type: ignore[index]
         raw_p = obj.get("p")  # type: ignore[union-attr]
         probs = None if raw_p is None else _array(raw_p, PROBS, n * header.n_expert, where, "p").reshape(n, -1)
+        raw_q = obj.get("q")  # type: ignore[union-attr]
+        predicted = None if raw_q is None else _array(raw_q, IDS, _count(raw_q, IDS), where, "q").astype(np.int64)
         token = int(obj["t"])  # type: ignore[index]
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise FomoeError(f"{where}: malformed ({e!r})") from None
     if not 0 <= layer < header.n_layer:
         raise FomoeError(f"{where}: layer {layer} outside [0, {header.n_layer})")
-    if ids.size and int(ids.max()) >= header.n_expert:
-        raise FomoeError(f"{where}: expert id {int(ids.max())} outside [0, {header.n_expert})")
-    return TraceRecord(token, layer, ids, scores, probs)
+    for name, a in (("expert", ids), ("predicted expert", predicted)):
+        if a is not None and a.size and int(a.max()) >= header.n_expert:
+            raise FomoeError(f"{where}: {name} id {int(a.max())} outside [0, {header.n_expert})")
+    return TraceRecord(token, layer, ids, scores, probs, predicted)
+
+
+def _count(raw: object, dtype: np.dtype) -> int:
+    """Elements in a variable-length field (the check of its length is _array's)."""
+    return len(raw) // dtype.itemsize if isinstance(raw, bytes) else 0
 
 
 def _array(raw: object, dtype: np.dtype, count: int, where: str, name: str) -> np.ndarray:
