@@ -30,6 +30,10 @@ from fomoepy.plan.shapes import (
 from fomoepy.plan.timemodel import SCHEDULES, TERMS, Projection, Workload, project
 
 DEMO_TRACE = Path(__file__).parent / "traces" / "demo-qwen3moe.trace"
+# the demo model's next-layer predictions over held-out text (tools/record_traces.py): where the
+# engine schedule's share of misses read ahead comes from when neither --prefetch nor a trace with
+# predictions is given
+PREDICTION_TRACE = Path(__file__).parent / "traces" / "demo-predictions.trace"
 SWEEP_KINDS = ("vram", "ram", "policy", "car")
 
 
@@ -54,7 +58,10 @@ def register(sub) -> None:
     p.add_argument("--measure", metavar="DIR", help="replace the file's host and drive figures with this machine's (drive: DIR's)")
     p.add_argument("--schedule", choices=SCHEDULES, default="engine", help="engine (ours) or fomoe (FOMOE's)")
     p.add_argument("--efficiency", help="kernel efficiency per family, e.g. dense=0.5,experts=0.4 or one number")
-    p.add_argument("--prefetch", type=float, default=0.0, help="share of misses read ahead off the critical path")
+    p.add_argument("--prefetch", type=float, default=None,
+                   help="share of misses read ahead off the critical path (default, engine schedule: the engine's "
+                        "measured next-layer prediction accuracy, from --trace if it records predictions, else the "
+                        "demo model's; FOMOE's schedule reads nothing ahead)")  # fmt: skip
     p.add_argument("--drop", default="", help=f"zero these terms to see what they cost ({', '.join(TERMS)})")
     p.add_argument("--sweep", help="vram=8G,16G | ram=32G,64G | policy=lru,lfu-decay|all | car=0.2,0.35")
     p.add_argument("--what-if", action="store_true", help="rank upgrades: a drive, 2x RAM, 2x VRAM, a GPU")
@@ -99,6 +106,19 @@ class Planner:
             raise FomoeError(f"--drop: unknown term {unknown[0]!r}; expected some of {', '.join(TERMS)}")
         self.drop = drop
         self.efficiency = _efficiency(args.efficiency)
+        self.prefetch, self.prefetch_source = self._prefetch()
+
+    def _prefetch(self) -> tuple[float, str]:
+        """The share of misses read a layer ahead, and where it comes from."""
+        a = self.args
+        if a.prefetch is not None:
+            return a.prefetch, "given"
+        if a.schedule != "engine":
+            return 0.0, "FOMOE's schedule reads nothing ahead"
+        trace = self.trace if self.trace is not None and self.trace.prediction_accuracy() else load_traces([str(PREDICTION_TRACE)])[0]
+        accuracy, n = trace.prediction_accuracy()  # type: ignore[misc]
+        where = Path(trace.path).name
+        return accuracy, f"the engine's next-layer prediction accuracy, measured: {n} predictions in {where}"
 
     def capacity(self, hw: Hardware, vram: int | None = None, ram: int | None = None) -> Capacity:
         cap = capacity_for(self.work.model, hw)
@@ -125,7 +145,11 @@ class Planner:
 
     def project(self, hw: Hardware, rates: TierRates):
         a = self.args
-        return project(self.work, hw, rates, a.schedule, efficiency=self.efficiency, prefetch=a.prefetch, drop=self.drop)
+        return project(self.work, hw, rates, a.schedule, efficiency=self.efficiency, prefetch=self.prefetch, drop=self.drop)
+
+    def fomoe_schedule(self, hw: Hardware, rates: TierRates):
+        """FOMOE's schedule under the same figures (it reads nothing ahead), to print beside ours."""
+        return project(self.work, hw, rates, "fomoe", efficiency=self.efficiency, drop=self.drop)
 
 
 def _sweep(planner: Planner, hw: Hardware, cap: Capacity, spec: str) -> list:
@@ -219,7 +243,7 @@ def _png(planner: Planner, hw: Hardware, cap: Capacity, path: str) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.tokens < 2:
         raise FomoeError(f"--tokens must be >= 2, got {args.tokens}")
-    if not 0.0 <= args.prefetch <= 1.0:
+    if args.prefetch is not None and not 0.0 <= args.prefetch <= 1.0:
         raise FomoeError(f"--prefetch must be in [0, 1], got {args.prefetch}")
     m = model_bytes(shape_by_name(args.shape), args.mix) if args.shape else model_bytes_from_gguf(args.model)
     work = Workload(m)
@@ -234,6 +258,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cap = planner.capacity(hw)
     rates = planner.rates(cap)
     p = planner.project(hw, rates)
+    theirs = planner.fomoe_schedule(hw, rates) if args.schedule == "engine" else None
     sweep = _sweep(planner, hw, cap, args.sweep) if args.sweep else []
     what_if = _what_if(planner, hw, p.tokens_per_s) if args.what_if else []
     steps = _steps(planner, hw, rates) if args.steps else []
@@ -246,6 +271,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "capacity": asdict(cap),
             "routing": rates.as_dict(),
             "projection": p.as_dict(),
+            "prefetch": {"share": planner.prefetch, "source": planner.prefetch_source},
+            "fomoe_schedule": theirs.as_dict() if theirs is not None else None,
             "sweep": [{"setting": s, "routing": r.as_dict(), "projection": q.as_dict()} for s, r, q in sweep],
             "what_if": [{"upgrade": n, "routing": r.as_dict(), "projection": q.as_dict(), "gain": g} for n, r, q, g in what_if],
             "steps": [{"step": label, "projection": q.as_dict()} for label, q in steps],
@@ -253,6 +280,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(describe(work, hw, hw_source, rates, p, cap))
+    print(f"reads a layer ahead: {100 * planner.prefetch:.0f} % of misses ({planner.prefetch_source})")
+    if theirs is not None:
+        print(f"FOMOE's schedule, same figures: {theirs.tokens_per_s:.2f} tok/s; ours {p.tokens_per_s:.2f} "
+              f"= {p.tokens_per_s / theirs.tokens_per_s:.2f}x")  # fmt: skip
     if sweep:
         print(f"\nsweep ({args.schedule} schedule):\n" + sweep_table(sweep))
     if steps:

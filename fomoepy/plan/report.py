@@ -58,7 +58,7 @@ def assumptions(p: Projection) -> str:
         if p.backend == "gpu"
         else f"compute at the host matvec rate x ({eff})"
     )
-    return f"the hardware figures as stated; exact bytes per expert and per layer; {why}; prefetch and batching not counted unless given"
+    return f"the hardware figures as stated; exact bytes per expert and per layer; {why}; batching not counted, reads ahead as the next line says"
 
 
 def sweep_table(rows: list[tuple[str, TierRates, Projection]]) -> str:

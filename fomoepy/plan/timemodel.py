@@ -24,7 +24,8 @@ Two schedules combine them:
           stride, its latency each time; the link copies run beside the reads; then all k FFNs.
           Layers alternate GPUs, so nothing of one layer overlaps the next.
 
-The bound under perfect overlap is the busiest single resource (device, link, drives, host).
+The bound under perfect overlap is the busiest single resource (device, link, drives, host); the
+drives' share is their bytes at their bandwidth, every drive at once, no latency in series.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ TERMS = ("dense", "experts", "head", "sync", "plan", "disk", "copy")
 # Fraction of device memory bandwidth the kernels reach, per kernel family. The GPU default is the one
 # constant fitted to FOMOE's published CAR 0.35 figure on its RDNA4 rig (see fit_efficiency); it is a
 # stand-in until our own kernels are timed on a GPU. The CPU backend's rates are measured, hence 1.
-GPU_EFFICIENCY = 0.35
+GPU_EFFICIENCY = 0.36
 CPU_EFFICIENCY = 1.0
 
 
@@ -186,9 +187,12 @@ def project(
     terms = {name: m.n_layer * t for name, t in layer.items()}
     terms["head"] = head
     compute = terms["dense"] + terms["experts"] + head
+    # the drives' busy time under perfect overlap is their bytes at their bandwidth, all drives at once: a
+    # read's latency overlaps other reads then (a schedule's disk term may serialise it, FOMOE's does)
+    drive_bytes = 0.0 if "disk" in drop or not n_disk else m.n_layer * n_disk * S / (drives.bandwidth * max(1, drives.count))
     busy = {
         "device" if gpu else "host compute": compute + (0.0 if gpu else terms["copy"] + terms["plan"]),
-        "drives": terms["disk"],
+        "drives": drive_bytes,
     }
     if gpu:
         busy["link"] = terms["copy"]
