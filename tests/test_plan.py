@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fomoepy.cli import main
@@ -401,3 +402,28 @@ def test_the_readme_plan_example_is_what_the_command_prints(capsys):
     quoted = readme[start : readme.index("```", start)]
     assert main(command.split()[1:]) == 0
     assert capsys.readouterr().out == quoted
+
+
+def test_the_engine_schedule_reads_ahead_at_the_measured_accuracy_and_prints_fomoes_beside_it(capsys, tmp_path):
+    from fomoepy.experts.trace import TraceHeader, TraceWriter, read_trace
+    from fomoepy.plan.commands import PREDICTION_TRACE
+
+    argv = ["plan", "--shape", "qwen3.5-397b-a17b", "--hardware", "fomoe-rig", "--hit-rates", "60,12,28"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    shipped, n = read_trace(PREDICTION_TRACE).prediction_accuracy()
+    assert out["prefetch"]["share"] == shipped and f"{n} predictions" in out["prefetch"]["source"] and 0 < shipped < 1
+    ours, theirs = out["projection"]["tokens_per_s"], out["fomoe_schedule"]["tokens_per_s"]
+    assert main(argv + ["--json", "--prefetch", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["projection"]["tokens_per_s"] < ours  # the reads ahead count
+    assert main(argv) == 0
+    assert f"FOMOE's schedule, same figures: {theirs:.2f} tok/s; ours {ours:.2f}" in capsys.readouterr().out
+    # a trace that records predictions is measured on its own: every prediction right here
+    path = tmp_path / "p.trace"
+    with TraceWriter(path, TraceHeader(2, 8, 2, (100, 100))) as w:
+        for t in range(4):
+            for layer in range(2):
+                ids = np.array([[t % 8, (t + 1) % 8]])
+                w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=ids[0] if layer else None)
+    assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in p.trace"}
