@@ -217,3 +217,31 @@ def test_a_batched_decode_step_is_one_tick_of_the_policies_time_whatever_its_row
     e.decode(gens)
     assert cache.now == now + 1  # half-lives are in steps: they do not shrink as a batch grows
     assert streamer.tokens_seen == seen + 3  # the trace and CAR's warm-up still count tokens
+
+
+def test_a_batched_trace_replays_to_the_engines_own_counters(tmp_path):
+    # requests joining and leaving a batch, tiers capped (lfu-cooc, so co-use is learned per sequence):
+    # the trace records each row's sequence and the policies' time (a batched step is one tick), and the
+    # simulator's replay of it makes the engine's own decisions, counter for counter
+    from fomoepy.experts.simulate import simulate
+    from fomoepy.experts.trace import read_trace
+
+    trace_path = tmp_path / "batch.trace"
+    e = Engine(ORACLE / "qwen3moe_q4_k_m.gguf", EngineOptions(backend="reference", prefill_chunk=4, trace=str(trace_path)))
+    cache = e.experts.streamer.cache
+    sizes, device_sizes = cache.expert_bytes, cache.device_expert_bytes
+    e.close()
+    device, host = 5 * device_sizes[0], 6 * sizes[0]
+    e = Engine(ORACLE / "qwen3moe_q4_k_m.gguf", EngineOptions(backend="reference", prefill_chunk=4, vram_cache=device,
+                                                               ram_cache=host, trace=str(trace_path)))  # fmt: skip
+    device_sizes = e.experts.streamer.cache.device_expert_bytes  # (with a host tier, the device keeps store bytes too)
+    batched(e, requests(e))
+    measured = e.stats()["cache"]
+    e.close()
+    trace = read_trace(trace_path)
+    assert any(r.sequences is not None and len(set(r.sequences.tolist())) > 1 for r in trace.records)
+    assert any(r.now is not None and r.now != r.token for r in trace.records)
+    replay = simulate(trace, sizes, device, host, device_expert_bytes=device_sizes).summary
+    counted = ("hits", "misses", "admitted", "evicted", "demoted")
+    for tier in ("device", "host"):
+        assert {c: measured[tier][c] for c in counted} == {c: replay[tier][c] for c in counted}, tier

@@ -51,7 +51,7 @@ def plan_of(plan) -> tuple:
     return (plan.layer, tuple(plan.items), plan.device_evictions, plan.host_evictions, plan.generation, plan.demotions)
 
 
-def replay(seed: int, kind: str, steps: int = 300) -> int:
+def replay(seed: int, kind: str, steps: int = 300, batched: bool = False) -> int:
     """Returns the number of evictions seen (the stream must exercise them to prove anything)."""
     rng = np.random.default_rng(seed)
     n_layer, n_expert = int(rng.integers(1, 5)), int(rng.integers(4, 24))
@@ -91,7 +91,9 @@ def replay(seed: int, kind: str, steps: int = 300) -> int:
             p = weights[layer] / weights[layer].sum()
             rows = int(rng.choice([1, 1, 1, 3]))
             ids = np.stack([rng.choice(n_expert, k, replace=False, p=p) for _ in range(rows)])
-            a, b = ref.plan(layer, ids), core.plan(layer, ids)
+            # a step of several sequences (a batched decode: co-use per sequence), or of one (None)
+            seqs = rng.choice([0, 5, 7, 1 << 40], rows) if batched and rng.random() < 0.6 else None
+            a, b = ref.plan(layer, ids, seqs), core.plan(layer, ids, seqs)
             assert plan_of(a) == plan_of(b), f"step {step}: plan"
             ref.commit(a), core.commit(b)
             in_flight.append((a, b))
@@ -110,6 +112,11 @@ def replay(seed: int, kind: str, steps: int = 300) -> int:
 def test_the_core_decides_as_the_python_cache_does(kind):
     evictions = sum(replay(seed, kind) for seed in range(40))
     assert evictions > 1000  # the streams did make the policies choose
+
+
+def test_the_core_learns_co_use_per_sequence_as_the_python_cache_does():
+    evictions = sum(replay(seed, "cooc", batched=True) for seed in range(40, 70))
+    assert evictions > 1000
 
 
 def test_the_engine_policies_run_on_the_core():

@@ -481,3 +481,18 @@ def test_experts_read_outside_a_plan_are_admitted_together_none_evicting_another
     admitted, evicted = cache.admit_host([(0, 3)])  # alone, it takes a slot by the policy's rule
     assert admitted == [(0, 3)] and len(evicted) == 1 and sorted(cache.host.keys() + evicted) == [(0, 1), (0, 2), (0, 3)]
     assert cache.admit_host([(0, 3)]) == ([], [])  # held already: nothing changes
+
+
+def test_co_use_counts_follow_each_sequence_of_a_batched_step():
+    # two sequences decoding together: A alternates experts 1 and 2, B experts 5 and 6 (layer 0). Each
+    # step uses all four experts' union in turn, but co-use must pair a sequence's token with its own
+    # previous token only: 1 -> 2 and 5 -> 6 counted, never 1 -> 6 or 5 -> 2
+    from fomoepy.experts.co_use import CoUseCounts
+
+    counts = CoUseCounts(weight_next=4.0, weight_this=2.0, co_half_life_tokens=1024, successors=4)
+    for now in range(6):
+        a, b = (1, 5) if now % 2 == 0 else (2, 6)
+        counts.observe((0, a), now, sequence=10)
+        counts.observe((0, b), now, sequence=11)
+    assert counts.co[(0, 1)] == {(0, 2): 3.0} and counts.co[(0, 5)] == {(0, 6): 3.0}
+    assert counts.co[(0, 2)] == {(0, 1): 2.0} and counts.co[(0, 6)] == {(0, 5): 2.0}

@@ -236,3 +236,20 @@ def test_seeding_from_a_profile_helps_and_belady_starts_seeded_too(tmp_path):
     dev_seed, host_seed = warm.seeded
     assert len(dev_seed) == 5 and len(host_seed) == 5 and list(dev_seed) == order[:5]
     assert warm.device_hit_rate <= belady_for(trace, sizes, 500, dev_seed).hit_rate
+
+
+def test_replay_keeps_the_policies_time_a_batched_step_recorded(tmp_path):
+    # a batched decode step is one tick of the policies' time for all its rows, so its records say the time
+    # (tk) where it is not the token index. Expert 0 used at ticks 0-3, expert 1 from tick 4 on, in a
+    # device tier of one slot (lfu-admit, half-life 64): expert 1 takes the slot once its decayed count + 1
+    # passes expert 0's, which at one tick a step is at its fourth use (tick 7: 2.95 + 1 > 3.77), so it
+    # hits once (tick 8). Replayed by token index (100-103), expert 0 would have decayed over 96 tokens and
+    # expert 1 taken the slot at its second use, hitting twice
+    path = tmp_path / "b.trace"
+    rows = [(0, 0, None), (1, 0, None), (2, 0, None), (3, 0, None), (4, 1, None), (100, 1, 5), (101, 1, 6), (102, 1, 7), (103, 1, 8)]
+    with TraceWriter(path, TraceHeader(1, 4, 1, (100,))) as w:
+        for t, e, now in rows:
+            w.write(t, 0, np.array([[e]]), np.ones((1, 1), np.float32), now=now)
+    trace = read_trace(path)
+    assert [r.now for r in trace.records][-4:] == [5, 6, 7, 8]
+    assert simulate(trace, (100,), 100, 0, "lfu-admit").summary["device"]["hits"] == 3 + 1

@@ -28,6 +28,8 @@ enum { C_HITS, C_MISSES, C_HIT_BYTES, C_MISS_BYTES, C_ADMITTED, C_ADMITTED_BYTES
 
 typedef struct { double v; int64_t t; int32_t key; } Entry;  /* FrequencyDecayPolicy's (v, t_last, key) */
 typedef struct { double score; int32_t key; } Pending;        /* co_use's (score, key) */
+typedef struct { int64_t seq; int32_t key; } Use;             /* a sequence's use of a key */
+typedef struct { int64_t seq; int32_t layer, start, len; } Group;
 
 static int entry_less(const Entry *a, const Entry *b) {
     if (a->v != b->v) return a->v < b->v;
@@ -113,10 +115,15 @@ typedef struct {
     int32_t *row_n;
     double *uses;       /* N[a] */
     double *announced;
-    int32_t *cur, *last;              /* this token's and the last token's observed keys, in order */
+    Use *cur, *last;                  /* this token's and the last token's uses (sequence, key), in order */
     size_t n_cur, cap_cur, n_last, cap_last;
-    int32_t *last_start, *last_len;   /* the last token's keys grouped by layer (order of first use) */
-    int32_t *layer_order, n_layer_order, *grouped;
+    /* the last token's keys grouped by (sequence, layer), groups in order of first use (a dict of lists),
+       found through an open-addressing table */
+    Group *groups;
+    size_t n_groups, cap_groups;
+    int32_t *table;                   /* group index + 1, 0 empty; table_size a power of two */
+    size_t table_size;
+    int32_t *grouped;
     size_t cap_grouped;
     /* scratch */
     uint32_t *stamp; uint32_t stamp_now;
@@ -240,10 +247,26 @@ static void announce(Core *c, int32_t a, double weight) {
     for (int32_t i = 0; i < n; i++) c->announced[b[i]] = c->announced[b[i]] + cnt[i] * scale;
 }
 
+static size_t group_slot(Core *c, int64_t seq, int32_t layer) {
+    uint64_t h = ((uint64_t)seq * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)layer * 0xC2B2AE3D27D4EB4Full);
+    return (size_t)(h >> 17) & (c->table_size - 1);
+}
+
+/* the last token's group of (seq, layer), or NULL */
+static Group *find_group(Core *c, int64_t seq, int32_t layer) {
+    if (!c->n_groups) return NULL;
+    for (size_t i = group_slot(c, seq, layer);; i = (i + 1) & (c->table_size - 1)) {
+        int32_t g = c->table[i];
+        if (!g) return NULL;
+        Group *grp = &c->groups[g - 1];
+        if (grp->seq == seq && grp->layer == layer) return grp;
+    }
+}
+
 static int next_token(Core *c, int64_t now) {
     c->counts_now = now;
     /* last, current = current, {} */
-    int32_t *tmp = c->last; size_t tcap = c->cap_last;
+    Use *tmp = c->last; size_t tcap = c->cap_last;
     c->last = c->cur, c->cap_last = c->cap_cur, c->n_last = c->n_cur;
     c->cur = tmp, c->cap_cur = tcap, c->n_cur = 0;
     if (c->n_last > c->cap_grouped) {
@@ -251,24 +274,45 @@ static int next_token(Core *c, int64_t now) {
         if (!g) return -1;
         c->grouped = g, c->cap_grouped = c->cap_last;
     }
-    /* group the last token's keys by layer, layers in order of first use, keys in order (a dict of lists) */
-    for (int i = 0; i < c->n_layer_order; i++) c->last_len[c->layer_order[i]] = 0;
-    c->n_layer_order = 0;
+    if (c->n_last > c->cap_groups) {
+        Group *g = realloc(c->groups, c->cap_last * sizeof(Group));
+        if (!g) return -1;
+        c->groups = g, c->cap_groups = c->cap_last;
+    }
+    size_t size = 16;
+    while (size < 2 * c->n_last) size *= 2;
+    if (size > c->table_size) {
+        int32_t *t = realloc(c->table, size * sizeof(int32_t));
+        if (!t) return -1;
+        c->table = t, c->table_size = size;
+    }
+    memset(c->table, 0, c->table_size * sizeof(int32_t));
+    /* group the last token's keys by (sequence, layer), groups in order of first use, keys in order */
+    c->n_groups = 0;
     for (size_t i = 0; i < c->n_last; i++) {
-        int32_t layer = KEY_LAYER(c, c->last[i]);
-        if (c->last_len[layer] == 0) c->layer_order[c->n_layer_order++] = layer;
-        c->last_len[layer]++;
+        int64_t seq = c->last[i].seq;
+        int32_t layer = KEY_LAYER(c, c->last[i].key);
+        size_t j = group_slot(c, seq, layer);
+        for (;; j = (j + 1) & (c->table_size - 1)) {
+            int32_t g = c->table[j];
+            if (!g) {
+                c->groups[c->n_groups] = (Group){seq, layer, 0, 0};
+                c->table[j] = (int32_t)++c->n_groups;
+                break;
+            }
+            if (c->groups[g - 1].seq == seq && c->groups[g - 1].layer == layer) break;
+        }
+        c->groups[c->table[j] - 1].len++;
     }
     int32_t pos = 0;
-    for (int i = 0; i < c->n_layer_order; i++) {
-        int32_t layer = c->layer_order[i];
-        c->last_start[layer] = pos;
-        pos += c->last_len[layer];
-        c->last_len[layer] = 0;  /* refilled below */
+    for (size_t g = 0; g < c->n_groups; g++) {
+        c->groups[g].start = pos;
+        pos += c->groups[g].len;
+        c->groups[g].len = 0;  /* refilled below */
     }
     for (size_t i = 0; i < c->n_last; i++) {
-        int32_t layer = KEY_LAYER(c, c->last[i]);
-        c->grouped[c->last_start[layer] + c->last_len[layer]++] = c->last[i];
+        Group *grp = find_group(c, c->last[i].seq, KEY_LAYER(c, c->last[i].key));
+        c->grouped[grp->start + grp->len++] = c->last[i].key;
     }
     if (now - c->halved_at >= c->co_half_life) {
         c->halved_at = now;
@@ -298,12 +342,12 @@ static void truncate_row(Core *c, int32_t a) {
     c->row_n[a] = (int32_t)c->successors;
 }
 
-static int counts_observe(Core *c, int32_t key, int64_t now) {
+static int counts_observe(Core *c, int32_t key, int64_t now, int64_t seq) {
     if (now != c->counts_now && next_token(c, now)) return -1;
-    int32_t layer = KEY_LAYER(c, key);
-    if (c->last_len[layer]) {
-        int32_t *keys = c->grouped + c->last_start[layer];
-        for (int32_t i = 0; i < c->last_len[layer]; i++) {
+    Group *grp = find_group(c, seq, KEY_LAYER(c, key));
+    if (grp) {
+        int32_t *keys = c->grouped + grp->start;
+        for (int32_t i = 0; i < grp->len; i++) {
             int32_t a = keys[i];
             int32_t *b = c->row_b + (size_t)a * c->row_cap;
             double *cnt = c->row_c + (size_t)a * c->row_cap;
@@ -321,23 +365,27 @@ static int counts_observe(Core *c, int32_t key, int64_t now) {
     c->uses[key] = c->uses[key] + 1.0;
     if (c->n_cur == c->cap_cur) {
         size_t cap = c->cap_cur ? 2 * c->cap_cur : 1024;
-        int32_t *p = realloc(c->cur, cap * sizeof(int32_t));
+        Use *p = realloc(c->cur, cap * sizeof(Use));
         if (!p) return -1;
         c->cur = p, c->cap_cur = cap;
     }
-    c->cur[c->n_cur++] = key;
+    c->cur[c->n_cur++] = (Use){seq, key};
     announce(c, key, c->weight_next);
     return 0;
 }
 
-/* the policies' observe: the learning tier counts the use, the other re-ranks the key */
-static int observe(Core *c, int which, int32_t key, int64_t now) {
+/* the policies' observe: the learning tier counts the use (and, lfu-cooc, each using sequence's co-use),
+   the other re-ranks the key */
+static int observe(Core *c, int which, int32_t key, int64_t now, const int64_t *seqs, size_t n_seqs) {
     Tier *t = &c->tier[which];
     int learner = c->tier[0].enabled ? 0 : 1;
     if (which == learner) {
         add_use(c, key, now);
         if (t->tracked[key] && push_entry(c, t, key)) return -1;
-        if (c->policy == POLICY_COOC) return counts_observe(c, key, now);
+        if (c->policy == POLICY_COOC) {
+            for (size_t i = 0; i < n_seqs; i++)
+                if (counts_observe(c, key, now, seqs[i])) return -1;
+        }
         return 0;
     }
     return t->tracked[key] ? push_entry(c, t, key) : 0;
@@ -593,8 +641,7 @@ static void Core_dealloc(Core *c) {
         free(t->unit), free(t->state), free(t->pins), free(t->tracked), free(t->order.a), free(t->dup), free(t->dup_heap.a);
     }
     free(c->v), free(c->t_last), free(c->scored), free(c->row_b), free(c->row_c), free(c->row_n), free(c->uses);
-    free(c->announced), free(c->cur), free(c->last), free(c->last_start), free(c->last_len), free(c->layer_order);
-    free(c->grouped), free(c->stamp);
+    free(c->announced), free(c->cur), free(c->last), free(c->groups), free(c->table), free(c->grouped), free(c->stamp);
     Py_XDECREF(c->counters_obj);
     Py_XDECREF(c->plan_item);
     for (int i = 0; i < 3; i++) Py_XDECREF(c->sources[i]);
@@ -646,16 +693,14 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     }
     c->v = calloc(n, sizeof(double)), c->t_last = calloc(n, sizeof(int64_t)), c->scored = calloc(n, 1);
     c->uses = calloc(n, sizeof(double)), c->announced = calloc(n, sizeof(double));
-    c->last_start = calloc(c->n_layer, sizeof(int32_t)), c->last_len = calloc(c->n_layer, sizeof(int32_t));
-    c->layer_order = calloc(c->n_layer, sizeof(int32_t)), c->stamp = calloc(n, sizeof(uint32_t));
+    c->stamp = calloc(n, sizeof(uint32_t));
     if (c->policy == POLICY_COOC) {
         c->row_b = calloc(n * c->row_cap, sizeof(int32_t)), c->row_c = calloc(n * c->row_cap, sizeof(double));
         c->row_n = calloc(n, sizeof(int32_t));
         if (!c->row_b || !c->row_c || !c->row_n) { PyErr_NoMemory(); return -1; }
     }
     c->counters_obj = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(3 * (size_t)c->n_layer * N_COUNTERS * sizeof(int64_t)));
-    if (!c->v || !c->t_last || !c->scored || !c->uses || !c->announced || !c->last_start || !c->last_len || !c->layer_order ||
-        !c->stamp || !c->counters_obj) {
+    if (!c->v || !c->t_last || !c->scored || !c->uses || !c->announced || !c->stamp || !c->counters_obj) {
         PyErr_NoMemory();
         return -1;
     }
@@ -843,11 +888,16 @@ static int for_keys(Core *c, PyObject *seq, int32_t **out, Py_ssize_t *n) {
     return 0;
 }
 
-/* commit(layer, experts, sources, to_device, to_host, device_victims, host_victims, demotions) */
+/* commit(layer, experts, sources, to_device, to_host, device_victims, host_victims, demotions[, users]):
+   users, when given, is a tuple per item of the sequences (ints) whose rows chose it; else one sequence, 0 */
 static PyObject *Core_commit(Core *c, PyObject *args) {
     int layer;
-    PyObject *e, *s, *d, *h, *dv, *hv, *dm;
-    if (!PyArg_ParseTuple(args, "iOOOOOOO", &layer, &e, &s, &d, &h, &dv, &hv, &dm)) return NULL;
+    PyObject *e, *s, *d, *h, *dv, *hv, *dm, *users = NULL;
+    if (!PyArg_ParseTuple(args, "iOOOOOOO|O", &layer, &e, &s, &d, &h, &dv, &hv, &dm, &users)) return NULL;
+    if (users == Py_None || (users && PyTuple_Check(users) && PyTuple_GET_SIZE(users) == 0)) users = NULL;
+    int64_t *seqs = NULL;
+    size_t cap_seqs = 0;
+    static const int64_t one_sequence[1] = {0};
     PlanArgs p;
     int32_t *victims = NULL;
     Py_ssize_t nv;
@@ -875,11 +925,32 @@ static PyObject *Core_commit(Core *c, PyObject *args) {
         cnt[C_DEMOTED]++, cnt[C_DEMOTED_BYTES] += c->tier[1].unit[l];
     }
     int64_t nbytes = c->tier[1].unit[layer];
+    if (users && (!PyTuple_Check(users) || (size_t)PyTuple_GET_SIZE(users) != p.m)) {
+        PyErr_SetString(PyExc_ValueError, "commit: expected a tuple of sequences per plan item");
+        goto out;
+    }
     for (size_t i = 0; i < p.m; i++) {
         int32_t key = layer * c->n_expert + (int32_t)p.experts[i];
+        const int64_t *item_seqs = one_sequence;
+        size_t n_seqs = 1;
+        if (users) {
+            PyObject *u = PyTuple_GET_ITEM(users, (Py_ssize_t)i);
+            if (!PyTuple_Check(u)) { PyErr_SetString(PyExc_ValueError, "commit: an item's sequences must be a tuple"); goto out; }
+            n_seqs = (size_t)PyTuple_GET_SIZE(u);
+            if (n_seqs > cap_seqs) {
+                int64_t *q = realloc(seqs, n_seqs * sizeof(int64_t));
+                if (!q) goto nomem;
+                seqs = q, cap_seqs = n_seqs;
+            }
+            for (size_t j = 0; j < n_seqs; j++) {
+                seqs[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(u, (Py_ssize_t)j));
+                if (seqs[j] == -1 && PyErr_Occurred()) goto out;
+            }
+            item_seqs = seqs;
+        }
         /* a tier of size 0 never asks its policy, so it learns nothing */
-        if (c->tier[0].enabled && observe(c, 0, key, now)) goto nomem;
-        if (c->tier[1].enabled && observe(c, 1, key, now)) goto nomem;
+        if (c->tier[0].enabled && observe(c, 0, key, now, item_seqs, n_seqs)) goto nomem;
+        if (c->tier[1].enabled && observe(c, 1, key, now, item_seqs, n_seqs)) goto nomem;
         if (p.toh[i]) {
             if (tier_admit(c, 1, key, LOADING) || tier_pin(c, 1, key)) goto out;
         } else if (p.src[i] == SRC_HOST) {
@@ -902,6 +973,7 @@ nomem:
     if (!PyErr_Occurred()) PyErr_NoMemory();
 out:
     free(victims);
+    free(seqs);
     plan_args_release(&p);
     return result;
 }

@@ -66,6 +66,7 @@ class Plan:
     host_evictions: tuple[Key, ...]
     generation: int
     demotions: tuple[Key, ...] = ()  # device evictees the host tier takes (their bytes come down, not off disk)
+    users: tuple[tuple[int, ...], ...] = ()  # per item, the sequences whose rows chose it; () = one sequence, 0
 
     @property
     def experts(self) -> tuple[int, ...]:
@@ -140,8 +141,11 @@ class ExpertCache:
 
     # -- queries -----------------------------------------------------------------------------------
 
-    def plan(self, layer: int, ids: Iterable[int] | np.ndarray) -> Plan:
-        """Sources and tier changes for the union of `ids` (any shape, e.g. [T, k] for T tokens)."""
+    def plan(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> Plan:
+        """Sources and tier changes for the union of `ids` (any shape, e.g. [T, k] for T tokens).
+
+        `sequences`: each row's sequence ([T]) when a step decodes several; the policies then learn each
+        expert's co-use from its own sequence's previous token (lfu-cooc). None: one sequence."""
         experts = [int(e) for e in np.unique(np.asarray(ids, dtype=np.int64))]
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
@@ -171,7 +175,8 @@ class ExpertCache:
             PlanItem(key[1], src, size, key in device_set, key in host_set) for key, src in zip(keys, sources)
         )
         demotions = tuple(v for v in demoted if v in host_set)
-        return Plan(layer, items, tuple(device_victims), tuple(host_victims), self.generation, demotions)
+        users = users_of(experts, ids, sequences) if sequences is not None else ()
+        return Plan(layer, items, tuple(device_victims), tuple(host_victims), self.generation, demotions, users)
 
     def _dev(self, layer: int) -> TierDirectory:
         return self.devices[self.device_of_layer[layer]]
@@ -226,14 +231,15 @@ class ExpertCache:
             host.admit(key, self.expert_bytes[key[0]], now)
             self.stats.host[key[0]].demoted += 1
             self.stats.host[key[0]].demoted_bytes += self.expert_bytes[key[0]]
-        for item in plan.items:
+        for i, item in enumerate(plan.items):
             key = (layer, item.expert)
+            users = plan.users[i] if plan.users else ONE_SEQUENCE
             # a tier of size 0 never asks its policy: learning for it would only cost (lfu-cooc's
             # co-use counts took 15 % of the cpu backend's decode with both tiers off)
             if device.enabled:
-                device.policy.observe(key, now)
+                device.policy.observe(key, now, users)
             if host.enabled:
-                host.policy.observe(key, now)
+                host.policy.observe(key, now, users)
             # pin every slot of this expert the step reads or writes, so no later plan evicts it
             if item.to_host:
                 host.admit(key, item.nbytes, now)
@@ -295,9 +301,9 @@ class ExpertCache:
             if item.to_device or item.source is Source.DEVICE:
                 self._dev(plan.layer).unpin(key)
 
-    def access(self, layer: int, ids: Iterable[int] | np.ndarray) -> Plan:
+    def access(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> Plan:
         """plan + commit + mark_ready + release, for synchronous callers."""
-        plan = self.plan(layer, ids)
+        plan = self.plan(layer, ids, sequences)
         self.commit(plan)
         self.mark_ready(plan)
         self.release(plan)
@@ -358,6 +364,19 @@ class ExpertCache:
                     break
         self.generation += 1
         return placed
+
+
+ONE_SEQUENCE = (0,)
+
+
+def users_of(experts: Sequence[int], ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """For each of `experts` (ascending), the sequences, ascending, whose rows of ids [T, k] chose it."""
+    rows = np.asarray(ids, dtype=np.int64).reshape(len(sequences), -1)
+    chose: dict[int, set[int]] = {e: set() for e in experts}
+    for seq, row in zip(np.asarray(sequences).tolist(), rows.tolist()):
+        for e in row:
+            chose[e].add(int(seq))
+    return tuple(tuple(sorted(chose[e])) for e in experts)
 
 
 def _same_kind(policy: EvictionPolicy | None) -> EvictionPolicy:

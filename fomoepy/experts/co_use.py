@@ -56,21 +56,23 @@ class CoUseCounts:
         self.co: dict[Key, dict[Key, float]] = {}  # a → {b: uses of b in the token after a use of a}
         self.uses: dict[Key, float] = {}  # N[a], halved with C
         self.now = -1
-        self.last: dict[int, list[Key]] = {}  # experts of the previous token, by layer
-        self.current: dict[int, list[Key]] = {}  # experts of this token so far, by layer
+        # experts of each sequence's previous token, and of this token so far, by (sequence, layer): a step
+        # that decodes several sequences counts each one's co-use from its own previous token
+        self.last: dict[tuple[int, int], list[Key]] = {}
+        self.current: dict[tuple[int, int], list[Key]] = {}
         self.announced: dict[Key, float] = {}  # b → the two weighted sums above
         self.halved_at = 0
 
-    def observe(self, key: Key, now: int) -> None:
+    def observe(self, key: Key, now: int, sequence: int = 0) -> None:
         if now != self.now:
             self._next_token(now)
-        for a in self.last.get(key[0], ()):
+        for a in self.last.get((sequence, key[0]), ()):
             row = self.co.setdefault(a, {})
             row[key] = row.get(key, 0.0) + 1.0
             if len(row) > 2 * self.successors:
                 self.co[a] = dict(heapq.nlargest(self.successors, row.items(), key=lambda kv: kv[1]))
         self.uses[key] = self.uses.get(key, 0.0) + 1.0
-        self.current.setdefault(key[0], []).append(key)
+        self.current.setdefault((sequence, key[0]), []).append(key)
         self._announce(self.announced, key, self.weight_next)
 
     def _next_token(self, now: int) -> None:
@@ -116,10 +118,11 @@ class CoUsePolicy(DemotingFrequencyPolicy):
         if isinstance(other, CoUsePolicy):
             other.counts = self.counts
 
-    def observe(self, key: Key, now: int) -> None:
+    def observe(self, key: Key, now: int, sequences: Sequence[int] = (0,)) -> None:
         super().observe(key, now)
         if self._learns:
-            self.counts.observe(key, now)
+            for sequence in sequences:
+                self.counts.observe(key, now, sequence)
 
     def score(self, key: Key, now: int) -> float:
         return self.freq.score(key, now) + self.counts.announced.get(key, 0.0)

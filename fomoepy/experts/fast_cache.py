@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fomoepy.experts.cache import ExpertCache, Plan, PlanItem, Source
+from fomoepy.experts.cache import ExpertCache, Plan, PlanItem, Source, users_of
 from fomoepy.experts.cache_stats import CacheStats, DiskCounters, TierCounters
 from fomoepy.experts.co_use import CoUsePolicy
 from fomoepy.experts.policy import (
@@ -143,7 +143,7 @@ class CoreCache:
         self._core.tick(n_tokens)
 
     # -- queries -------------------------------------------------------------------------------------
-    def plan(self, layer: int, ids: Iterable[int] | np.ndarray) -> CorePlan:
+    def plan(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> CorePlan:
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
         raw = np.ascontiguousarray(ids, dtype=np.int64)
@@ -153,8 +153,9 @@ class CoreCache:
             raise ValueError(f"layer {layer}: expected expert ids in [0, {self.n_expert}), got {experts}")
         experts, sources, to_device, to_host, items, dev_victims, host_victims, demotions = out
         n = self.n_expert
+        users = users_of([item.expert for item in items], raw, sequences) if sequences is not None else ()
         return CorePlan(layer, items, tuple(divmod(k, n) for k in dev_victims), tuple(divmod(k, n) for k in host_victims),
-                        self.generation, tuple(divmod(k, n) for k in demotions), (experts, sources, to_device, to_host))  # fmt: skip
+                        self.generation, tuple(divmod(k, n) for k in demotions), users, (experts, sources, to_device, to_host))  # fmt: skip
 
     def on_device(self, key: Key) -> bool:
         return key in self.device
@@ -175,7 +176,8 @@ class CoreCache:
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
         n = self.n_expert
         self._core.commit(plan.layer, *plan.arrays, tuple(l * n + e for l, e in plan.device_evictions),
-                          tuple(l * n + e for l, e in plan.host_evictions), tuple(l * n + e for l, e in plan.demotions))  # fmt: skip
+                          tuple(l * n + e for l, e in plan.host_evictions), tuple(l * n + e for l, e in plan.demotions),
+                          plan.users)  # fmt: skip
 
     def mark_ready(self, plan: CorePlan) -> None:
         experts, _, to_device, to_host = plan.arrays
@@ -185,8 +187,8 @@ class CoreCache:
     def release(self, plan: CorePlan) -> None:
         self._core.release(plan.layer, *plan.arrays)
 
-    def access(self, layer: int, ids: Iterable[int] | np.ndarray) -> CorePlan:
-        plan = self.plan(layer, ids)
+    def access(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> CorePlan:
+        plan = self.plan(layer, ids, sequences)
         self.commit(plan)
         self.mark_ready(plan)
         self.release(plan)

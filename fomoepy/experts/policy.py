@@ -61,8 +61,9 @@ class EvictionPolicy(ABC):
         """How many keys the policy tracks."""
 
     # -- optional hooks (no-ops here): what a policy may also learn, and what it may refuse ------------
-    def observe(self, key: Key, now: int) -> None:
-        """key was used at `now`, resident in this tier or not (once per use, whatever the tier served)."""
+    def observe(self, key: Key, now: int, sequences: Sequence[int] = (0,)) -> None:
+        """key was used at `now`, resident in this tier or not (once per step, whatever the tier served),
+        by the rows of these sequences (a step may decode several)."""
 
     def admits(self, key: Key, victims: Sequence[Key], now: int) -> bool:
         """Whether key should take the place of `victims` (the tier streams it without a slot if not)."""
@@ -270,7 +271,7 @@ class AdmittingFrequencyPolicy(EvictionPolicy):
         other.freq._score = self.freq._score
         other._learns = False
 
-    def observe(self, key: Key, now: int) -> None:
+    def observe(self, key: Key, now: int, sequences: Sequence[int] = (0,)) -> None:
         if self._learns:
             self.freq.add_use(key, now)
         else:

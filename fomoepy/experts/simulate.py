@@ -95,7 +95,7 @@ def simulate(
     if car_stats is not None and not trace.has_probs:
         raise FomoeError("replaying cache-aware routing needs a trace recorded with full probabilities")
     for record in trace.records:
-        cache.tick(max(0, record.token - cache.now))
+        cache.tick(max(0, (record.token if record.now is None else record.now) - cache.now))
         ids = record.ids
         if car_stats is not None:
             weights = record.scores / record.scores.sum(axis=-1, keepdims=True)
@@ -115,7 +115,7 @@ def simulate(
             # the engine read these ahead, during the layer before, and gave them host slots where the host
             # policy took them (ExpertStreamer._collect_background), just before this step's plan
             cache.admit_host([(record.layer, int(e)) for e in record.predicted])
-        cache.access(record.layer, ids)
+        cache.access(record.layer, ids, record.sequences)
     return SimResult(
         policy, device_bytes, host_bytes, cache.stats.summary(), car_stats, (tuple(seeded[0]), tuple(seeded[1]))
     )

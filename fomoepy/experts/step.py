@@ -41,10 +41,11 @@ class MoEStep:
         for key in streamer.seed_from_profile():
             device.install(key, streamer.source.read(*key))
 
-    def begin_step(self, phase: Phase) -> None:
-        """A forward pass starts: what kind it is, as its caller states it."""
+    def begin_step(self, phase: Phase, sequences: list[int] | None = None) -> None:
+        """A forward pass starts: what kind it is, as its caller states it, and each row's sequence (None:
+        one sequence)."""
         self.phase = phase
-        self.streamer.begin_step()
+        self.streamer.begin_step(sequences)
 
     def end_step(self, n_tokens: int) -> None:
         """The forward pass is done: a decode step (one row per sequence) is one tick of the policies' time,

@@ -111,6 +111,8 @@ class ExpertStreamer:
         elif options.car.enabled and options.backfill == "sync":
             self._backfill_queue = BackfillQueue(BACKFILL_MAX_AGE)
         self.backfilled = 0
+        self._sequences: list[int] | None = None  # each row's sequence in this step
+        self._first_token = 0
 
     @property
     def demotes(self) -> bool:
@@ -138,8 +140,11 @@ class ExpertStreamer:
         return device_keys
 
     # -- per batch of tokens -----------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, sequences: list[int] | None = None) -> None:
+        """A step starts; `sequences`: each of its rows' sequence (None: one sequence), for the policies'
+        co-use per sequence and the trace."""
         self._first_token = self.tokens_seen
+        self._sequences = sequences
 
     def end_step(self, n_tokens: int, ticks: int | None = None) -> None:
         """A step of n_tokens rows is done. `ticks`: how far the policies' logical time moves (default
@@ -167,7 +172,9 @@ class ExpertStreamer:
             self.prefetch_stats.correct += sum(e in actual for e in predicted)
         if self.trace is not None:
             top_scores = np.take_along_axis(exact.probs, exact.ids, axis=-1)
-            self.trace.write(self._first_token, layer, exact.ids, top_scores, exact.probs, predicted)
+            now = self.cache.now
+            self.trace.write(self._first_token, layer, exact.ids, top_scores, exact.probs, predicted, self._sequences,
+                             now if now != self._first_token else None)  # fmt: skip
         if not self.options.car.enabled:
             return exact.ids, exact.weights
         cached = self.cache.cached_mask(layer, "device") | self.cache.cached_mask(layer, "host")
@@ -230,7 +237,7 @@ class ExpertStreamer:
         reads in flight, so a backend can compute the experts at hand while the others are read. The
         caller must then call finish_acquire, before anything else of this streamer's."""
         self._collect_background(layer)
-        plan = self.cache.plan(layer, ids)
+        plan = self.cache.plan(layer, ids, self._sequences)
         self.cache.commit(plan)
         for victim in plan.host_evictions:
             self.host_slots.pop(victim, None)

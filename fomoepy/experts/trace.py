@@ -11,7 +11,11 @@ A trace is a msgpack stream: one header map, then one record map per (step, MoE 
              "p":   T·E  f16 (optional)      every expert's probability, so CAR can be replayed
              "q":   u16 (optional)          the experts the engine predicted for this layer a layer
                                             earlier (its next-layer router on that layer's input): what
-                                            it read ahead when read_ahead, so a replay can do the same}
+                                            it read ahead when read_ahead, so a replay can do the same
+             "sq":  int, or T i64 (optional) each row's sequence (an int: all rows one sequence): a
+                                            batched step's rows learn co-use from their own sequence
+             "tk":  int (optional)          the policies' logical time at this step, where it is not t (a
+                                            batched decode step is one tick for all its rows)}
 
 Records hold the ORIGINAL selection (before any cache-aware substitution); `t` is the engine's
 running token count, so it never goes backwards across prompts. A killed run leaves a partial last
@@ -32,7 +36,7 @@ from fomoepy.errors import FomoeError
 
 TRACE_FORMAT = "fomoe-trace"
 TRACE_VERSION = 1
-IDS, SCORES, PROBS = np.dtype("<u2"), np.dtype("<f4"), np.dtype("<f2")
+IDS, SCORES, PROBS, SEQS = np.dtype("<u2"), np.dtype("<f4"), np.dtype("<f2"), np.dtype("<i8")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class TraceRecord:
     scores: np.ndarray  # [T, k] float32
     probs: np.ndarray | None  # [T, E] float16
     predicted: np.ndarray | None = None  # [m] int64: the experts predicted for this step a layer earlier
+    sequences: np.ndarray | None = None  # [T] int64: each row's sequence, when recorded
+    now: int | None = None  # the policies' logical time, when recorded (else: token)
 
     @property
     def n_tokens(self) -> int:
@@ -113,7 +119,8 @@ class TraceWriter:
 
     def write(
         self, token: int, layer: int, ids: np.ndarray, scores: np.ndarray, probs: np.ndarray | None = None,
-        predicted: np.ndarray | list[int] | None = None,
+        predicted: np.ndarray | list[int] | None = None, sequences: np.ndarray | list[int] | None = None,
+        now: int | None = None,
     ) -> None:
         """ids/scores [T, k] of the router's exact selection; probs [T, E] its softmax, or None; predicted:
         the experts predicted for this step a layer earlier (read ahead if the header says so), or None."""
@@ -136,6 +143,13 @@ class TraceWriter:
             record["p"] = np.asarray(probs).astype(PROBS).tobytes()
         if predicted is not None:
             record["q"] = np.asarray(predicted).astype(IDS).tobytes()
+        if sequences is not None:
+            seq = np.asarray(sequences, dtype=np.int64).reshape(-1)
+            if seq.size != ids.shape[0]:
+                raise ValueError(f"expected a sequence per row ({ids.shape[0]}), got {seq.size}")
+            record["sq"] = int(seq[0]) if (seq == seq[0]).all() else seq.astype(SEQS).tobytes()
+        if now is not None:
+            record["tk"] = int(now)
         self._file.write(msgpack.packb(record, use_bin_type=True))
 
     def flush(self) -> None:
@@ -213,6 +227,13 @@ def _parse_record(path: Path, offset: int, obj: object, header: TraceHeader) -> 
         probs = None if raw_p is None else _array(raw_p, PROBS, n * header.n_expert, where, "p").reshape(n, -1)
         raw_q = obj.get("q")  # type: ignore[union-attr]
         predicted = None if raw_q is None else _array(raw_q, IDS, _count(raw_q, IDS), where, "q").astype(np.int64)
+        raw_sq = obj.get("sq")  # type: ignore[union-attr]
+        if raw_sq is None or isinstance(raw_sq, bytes):
+            sequences = None if raw_sq is None else _array(raw_sq, SEQS, n, where, "sq").astype(np.int64)
+        else:
+            sequences = np.full(n, int(raw_sq), np.int64)
+        raw_tk = obj.get("tk")  # type: ignore[union-attr]
+        now = None if raw_tk is None else int(raw_tk)
         token = int(obj["t"])  # type: ignore[index]
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise FomoeError(f"{where}: malformed ({e!r})") from None
@@ -221,7 +242,7 @@ def _parse_record(path: Path, offset: int, obj: object, header: TraceHeader) -> 
     for name, a in (("expert", ids), ("predicted expert", predicted)):
         if a is not None and a.size and int(a.max()) >= header.n_expert:
             raise FomoeError(f"{where}: {name} id {int(a.max())} outside [0, {header.n_expert})")
-    return TraceRecord(token, layer, ids, scores, probs, predicted)
+    return TraceRecord(token, layer, ids, scores, probs, predicted, sequences, now)
 
 
 def _count(raw: object, dtype: np.dtype) -> int:

@@ -7,6 +7,7 @@ sequences take memory for their own lengths, and `kv_nbytes` says what a given l
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +48,9 @@ class DeltaNetState:
     ssm: np.ndarray  # [Hv, dk, dv]: the delta-rule memory S
 
 
+_SEQUENCES = itertools.count()
+
+
 @dataclass
 class InferenceState:
     n_ctx: int
@@ -54,6 +58,8 @@ class InferenceState:
     n_past: int = 0
     tokens: list[int] = field(default_factory=list)  # every token evaluated so far, in order
     allocators: list = field(default_factory=list)  # per layer: zeros(shape, dtype) of its device
+    # which sequence this is, for what the cache learns per sequence (a batched step's rows differ)
+    sequence: int = field(default_factory=lambda: next(_SEQUENCES))
 
     @classmethod
     def new(cls, spec: ModelSpec, n_ctx: int, zeros=np.zeros, zeros_of_layer=None) -> InferenceState:

@@ -104,7 +104,8 @@ class Transformer:
 
     def _layers(self, tokens: np.ndarray, segments: list[Segment], phase: Phase) -> Any:
         x = self.weights.embedding(tokens)  # [N, D], on the device that owns the embedding (the head's)
-        self.experts.begin_step(phase)
+        rows = [s.state.sequence for s in segments for _ in range(s.n)]  # each row's sequence
+        self.experts.begin_step(phase, rows)
         here = self.ops
         for il in range(self.spec.n_layer):
             owner = self.layer_ops(il)
