@@ -8,6 +8,10 @@ commit for the step's experts, and each policy's own counting. What is reported 
 the replaying thread, the fastest of `--repeats` runs, with the machine's load at the start: on a
 shared machine wall time would count the waits for a core as well.
 
+Each policy runs twice: on the C cache core the engine uses (fomoepy.experts.fast_cache) and on the
+Python ExpertCache it is checked against; the two must make the same decisions (the script compares
+their counters) and the table shows what each costs.
+
     python bench/policy_cost.py [--tokens 64] [--repeats 3] [--record]
 """
 
@@ -21,6 +25,9 @@ from pathlib import Path
 
 from results import load_line, record
 
+from fomoepy.experts import simulate as replay
+from fomoepy.experts.cache import ExpertCache
+from fomoepy.experts.fast_cache import core_available
 from fomoepy.experts.simulate import simulate
 from fomoepy.plan.commands import DEMO_TRACE
 from fomoepy.plan.routing import fit_routing, load_traces, synthetic_trace
@@ -56,17 +63,30 @@ def main() -> int:
             "CPU time of the replaying thread (on a shared machine, wall time also counts waits for a core)"
         ),
         "",
-        f"| policy | host ms per layer step | ms per token ({n_layer} layers) | memory hit rate |",
-        "|---|---|---|---|",
+        f"| policy | C core: µs per layer step | Python: µs per layer step | C core: ms per token ({n_layer} layers) | memory hit rate |",
+        "|---|---|---|---|---|",
     ]
+    if not core_available():
+        raise SystemExit("bench/policy_cost.py: the C cache core is not built (pip install -e . builds it)")
     for policy in POLICIES:
-        best = float("inf")
-        for _ in range(args.repeats):
-            t0 = time.thread_time()
-            result = simulate(trace, expert_bytes, device, host, policy)
-            best = min(best, time.thread_time() - t0)
-        per_step = best / steps
-        lines.append(f"| {policy} | {per_step * 1e3:.2f} | {per_step * n_layer * 1e3:.0f} | {result.memory_hit_rate:.1%} |")
+        per_step, results = {}, {}
+        for name in ("core", "python"):
+            best = float("inf")
+            for _ in range(args.repeats):
+                real = replay.make_cache
+                if name == "python":  # the reference: the same replay on ExpertCache
+                    replay.make_cache = lambda *a, **kw: ExpertCache(*a, **kw)
+                try:
+                    t0 = time.thread_time()
+                    results[name] = simulate(trace, expert_bytes, device, host, policy)
+                    best = min(best, time.thread_time() - t0)
+                finally:
+                    replay.make_cache = real
+            per_step[name] = best / steps
+        if results["core"].summary != results["python"].summary:
+            raise SystemExit(f"bench/policy_cost.py: {policy}: the C core and the Python cache decided differently")
+        lines.append(f"| {policy} | {per_step['core'] * 1e6:.1f} | {per_step['python'] * 1e6:.0f} | "
+                     f"{per_step['core'] * n_layer * 1e3:.2f} | {results['core'].memory_hit_rate:.1%} |")  # fmt: skip
     report = "\n".join(lines)
     print(report)
     if args.record:
