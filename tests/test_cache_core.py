@@ -110,13 +110,13 @@ def replay(seed: int, kind: str, steps: int = 300, batched: bool = False) -> int
 
 @pytest.mark.parametrize("kind", ["admit", "demote", "cooc"])
 def test_the_core_decides_as_the_python_cache_does(kind):
-    evictions = sum(replay(seed, kind) for seed in range(40))
-    assert evictions > 1000  # the streams did make the policies choose
+    evictions = sum(replay(seed, kind) for seed in range(24))
+    assert evictions > 600  # the streams did make the policies choose
 
 
 def test_the_core_learns_co_use_per_sequence_as_the_python_cache_does():
-    evictions = sum(replay(seed, "cooc", batched=True) for seed in range(40, 70))
-    assert evictions > 1000
+    evictions = sum(replay(seed, "cooc", batched=True) for seed in range(40, 64))
+    assert evictions > 600
 
 
 def test_the_engine_policies_run_on_the_core():
