@@ -181,3 +181,20 @@ def test_auto_falls_back_to_the_cpu_whatever_fails_while_opening_a_device(monkey
     assert isinstance(make_backend("auto"), CpuBackend)
     with pytest.raises(FomoeError, match="hip: hip driver exploded"):
         make_backend("hip")
+
+
+def test_a_reused_parameter_block_holds_what_packed_params_hold():
+    # the block a launch refills in place: each argument's bytes where PackedParams puts its C value
+    args = [0xDEADBEEF, -3, 1 << 40, 0.5, 2.25, 7]
+    block = shim.ParamBlock("pilfdi")
+    address = block.pack(args)
+    packed = shim.PackedParams("pilfdi", args)
+    array = (ctypes.c_void_p * 6).from_address(address)
+    sizes = [8, 4, 8, 4, 8, 4]
+    for i, size in enumerate(sizes):
+        assert ctypes.string_at(array[i], size) == ctypes.string_at(packed.array[i], size)
+    block.pack([1, 2, 3, 4.0, 5.0, 6])  # the next launch's arguments replace them
+    assert ctypes.c_int32.from_address(array[5]).value == 6 and ctypes.c_uint64.from_address(array[0]).value == 1
+    assert shim.param_block("pD") is None  # a struct by value: PackedParams
+    with pytest.raises(TypeError, match="kernel arguments"):
+        block.pack([1, 2 << 40, 3, 4.0, 5.0, 6])  # an int32 out of range is refused, not wrapped

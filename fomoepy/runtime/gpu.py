@@ -34,7 +34,13 @@ from fomoepy.runtime.gpu_arrays import (
     broadcast_strides,
     dims4,
 )
-from fomoepy.runtime.shim import DriverShim, PackedParams, open_runtime
+from fomoepy.runtime.shim import (
+    DriverShim,
+    PackedParams,
+    ParamBlock,
+    open_runtime,
+    param_block,
+)
 
 F32 = np.float32
 I32 = np.int32
@@ -110,6 +116,7 @@ class GpuBackend:
             binaries = kernels.compile_all(kernels.compiler_for(self.rt.vendor), self.rt.arch)
         self.modules = {name: self.rt.load_module(b) for name, b in binaries.items()}
         self._functions: dict[str, Any] = {}
+        self._params: dict[str, ParamBlock | None] = {}  # per kernel, its reusable parameter block
         self.stream = self.rt.stream()  # compute
         self.copy_stream = self.rt.stream()  # expert uploads (gpu_experts.py)
         self.pool = BufferPool(self.rt, self.stream)
@@ -131,8 +138,15 @@ class GpuBackend:
         return fn
 
     def launch(self, name: str, grid: Sequence[int], block: int, *args: Any, shared: int = 0) -> None:
-        params = PackedParams(kernels.KERNEL_SIGNATURES[name], args)
-        self.rt.launch(self.function(name), grid, (block,), shared, self.stream, params.address)
+        signature = kernels.KERNEL_SIGNATURES[name]
+        params = self._params.get(name, False)
+        if params is False:
+            params = self._params[name] = param_block(signature)
+        if params is None or len(args) != len(signature):  # a struct argument (or a wrong count: PackedParams says so)
+            packed = PackedParams(signature, args)
+            self.rt.launch(self.function(name), grid, (block,), shared, self.stream, packed.address)
+        else:
+            self.rt.launch(self.function(name), grid, (block,), shared, self.stream, params.pack(args))
 
     # -- memory and transfers -----------------------------------------------------------------------
     def empty(self, shape, dtype=F32) -> DeviceArray:
