@@ -1,12 +1,13 @@
 """Routed experts on the GPU: the device tier's slots hold each expert's store bytes (quantised), and
-one grouped launch per stage computes every selected expert of a layer straight from its slot.
+grouped launches compute every selected expert of a layer straight from its slot: one per stage, or,
+when some experts are in slots and others are being copied up, one per stage for each group.
 
 The MoE step (fomoepy.experts.step) decides where each expert comes from, as on the CPU; this class
 is its device (fomoepy.experts.device.ExpertDevice): it only fills and reads device slots. A miss is copied host → device on the copy stream through a ring of pinned
 staging buffers (the host side packs buffer i+1 while buffer i crosses PCIe), and the compute
-stream waits on an event, not the host. When a step has both, the experts already in slots are
-computed first (their gate/up and down stages, launched before any wait on the copies), then the copied
-ones, then one combine of every pair (the same sums as one launch over all of them: moe_tables.py).
+stream waits on an event, not the host. The experts already in slots are computed first (their gate/up
+and down stages, launched before any wait on the copies), then the copied ones, then one combine of every
+pair (the same sums as one launch over all of them: moe_tables.py).
 Slot layout, mirrored in the staging buffers so one copy moves an expert:
 
     | gate (F rows) | pad to 256 | up (F rows) | pad to 256 | down (D rows) |
