@@ -27,7 +27,7 @@ from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
-from fomoepy.runtime.moe_tables import MoETables, build_tables
+from fomoepy.runtime.moe_tables import MOE_TILE, MoETables, build_tables
 from fomoepy.runtime.pinned import PinnedPool
 from fomoepy.scheduler import relay
 
@@ -135,14 +135,17 @@ class GpuExperts:
         self.layers = layers
         self.routers = routers
         self.slot_layouts = [SlotLayout.of(layer) for layer in self.layers]
+        self.kernel_names: list[dict] = []  # per layer: gate/up by tile, down, fused down + sum; looked up once
         for layer in self.layers:
             gate, up, down = layer.parts
             if gate.qtype != up.qtype:
                 raise UnsupportedQuantType(
                     f"layer {layer.layer}: gate is {gate.qtype.name} and up is {up.qtype.name}; the grouped expert kernel needs one type for both"
                 )
-            kernels.kernel_name("moe_gate_up", gate.qtype, gate.tensor)
-            kernels.kernel_name("moe_down", down.qtype, down.tensor)
+            gate_up = kernels.kernel_name("moe_gate_up", gate.qtype, gate.tensor)
+            self.kernel_names.append({"gate_up": {t: f"{gate_up}_t{t}" for t in (1, MOE_TILE)},
+                                      "down": kernels.kernel_name("moe_down", down.qtype, down.tensor),
+                                      "down_sum": kernels.kernel_name("moe_down_sum", down.qtype, down.tensor)})  # fmt: skip
         self.resident: dict[Key, DeviceBuffer] = {}
         self.sides: list[_DeviceSide] = []
         for d, dev in enumerate(self.devs):
@@ -343,10 +346,9 @@ class GpuExperts:
         k = run.act.shape[0] // run.h.shape[0]
         dev = self.side(run.layer).dev
         work = run.on_device.ptr + run.tables.work_row(start)
-        gate_up = f"{kernels.kernel_name('moe_gate_up', gate_m.qtype, gate_m.tensor)}_t{run.tables.tile}"
-        dev.launch(gate_up, (-(-F // 4), stop - start), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
-        name = kernels.kernel_name("moe_down", down_m.qtype, down_m.tensor)
-        dev.launch(name, (-(-D // 4), stop - start), 128, work, run.act.ptr, D, F, down_m.nbytes // D, run.part.ptr)
+        names = self.kernel_names[run.layer]
+        dev.launch(names["gate_up"][run.tables.tile], (-(-F // 4), stop - start), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
+        dev.launch(names["down"], (-(-D // 4), stop - start), 128, work, run.act.ptr, D, F, down_m.nbytes // D, run.part.ptr)
 
     def _combine(self, run: _Launch) -> None:
         """out[t] = sum_j w[t, j] * part[t*k + j], j ascending (the fused kernel's order)."""
@@ -366,7 +368,6 @@ class GpuExperts:
         k = run.act.shape[0] // T
         dev = self.side(run.layer).dev
         work = run.on_device.ptr + run.tables.work_offset
-        gate_up = f"{kernels.kernel_name('moe_gate_up', gate_m.qtype, gate_m.tensor)}_t{run.tables.tile}"
-        dev.launch(gate_up, (-(-F // 4), run.tables.n_work), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
-        name = kernels.kernel_name("moe_down_sum", down_m.qtype, down_m.tensor)
-        dev.launch(name, (-(-D // 4), T), 128, run.on_device.ptr, run.act.ptr, D, F, k, down_m.nbytes // D, run.out.ptr)
+        names = self.kernel_names[run.layer]
+        dev.launch(names["gate_up"][run.tables.tile], (-(-F // 4), run.tables.n_work), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
+        dev.launch(names["down_sum"], (-(-D // 4), T), 128, run.on_device.ptr, run.act.ptr, D, F, k, down_m.nbytes // D, run.out.ptr)
