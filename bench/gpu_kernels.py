@@ -24,7 +24,8 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.source import ExpertMatrix, LayerExperts
 from fomoepy.runtime import kernels
 from fomoepy.runtime.backends import open_gpu
-from fomoepy.runtime.gpu_experts import EXPERT_WORK_DTYPE, PAIR_DTYPE, SlotLayout
+from fomoepy.runtime.gpu_experts import SlotLayout
+from fomoepy.runtime.moe_tables import EXPERT_WORK_DTYPE, PAIR_DTYPE
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
 D, F, K_USED, DENSE_ROWS = 4096, 1024, 10, 16384

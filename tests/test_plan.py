@@ -288,6 +288,22 @@ def test_in_place_cpu_schedule_computes_the_experts_at_hand_while_the_misses_are
         assert p.seconds_per_token < sum(p.terms.values())
 
 
+def test_gpu_engine_schedule_computes_the_resident_experts_while_the_misses_arrive(q397, fomoe_rig):
+    # GpuExperts launches the experts already in device slots before it waits for any copy, the copied
+    # ones after the last: fetch bound, only the copied experts' FFNs add to the fetch; compute bound,
+    # the copies hide under the resident FFNs and the layer's experts cost their compute alone
+    n_layer, S = q397.model.n_layer, q397.model.expert_bytes
+    for shares, fetch_bound in ((FOMOE_CAR_OFF[0], True), (TierRates(0.95, 0.05, 0.0), False)):
+        p = project(q397, fomoe_rig, shares, "engine")
+        layer = {name: t / n_layer for name, t in p.terms.items()}
+        fetch = max(layer["disk"], layer["copy"]) + (S / fomoe_rig.device.link if shares.disk else 0.0)
+        resident = layer["experts"] * shares.device
+        assert (fetch > resident) == fetch_bound  # both sides of the overlap are taken
+        moe = fetch + layer["experts"] * (1 - shares.device) if fetch_bound else layer["experts"]
+        want = n_layer * (layer["dense"] + layer["sync"] + layer["plan"] + moe) + p.terms["head"]
+        assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
+
+
 # -- the command -----------------------------------------------------------------------------------
 
 

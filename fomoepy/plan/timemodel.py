@@ -16,8 +16,8 @@ Two schedules combine them:
           dense -> sync -> plan -> all the layer's misses read at once, striped across the drives
           (one latency, then bytes / (drives x bandwidth)); each miss copied up on the copy stream
           as soon as its read lands, so the fetch is max(disk, copy) plus the last read's copy, while
-          the device computes the experts already resident; the copied experts' FFNs follow their
-          copy. The CPU backends compute on the host: the numpy reference reads, makes ready and
+          the device computes the experts already resident (launched before any wait on a copy); the
+          copied experts' FFNs follow the last copy. The CPU backends compute on the host: the numpy reference reads, makes ready and
           computes in turn (every term adds up); ggml computes the experts whose store bytes are in
           the host tier while the misses are read, then the misses.
   fomoe   (FOMOE's published design) dense -> router round trip -> each NVMe read in turn, full

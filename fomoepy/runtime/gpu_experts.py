@@ -1,11 +1,14 @@
 """Routed experts on the GPU: the device tier's slots hold each expert's store bytes (quantised), and
-one grouped launch per stage computes every selected expert of a layer straight from its slot.
+grouped launches compute every selected expert of a layer straight from its slot: one per stage, or,
+when some experts are in slots and others are being copied up, one per stage for each group.
 
 The MoE step (fomoepy.experts.step) decides where each expert comes from, as on the CPU; this class
 is its device (fomoepy.experts.device.ExpertDevice): it only fills and reads device slots. A miss is copied host → device on the copy stream through a ring of pinned
 staging buffers (the host side packs buffer i+1 while buffer i crosses PCIe), and the compute
-stream waits on an event, not the host. Slot layout, mirrored in the staging buffers so one copy
-moves an expert:
+stream waits on an event, not the host. The experts already in slots are computed first (their gate/up
+and down stages, launched before any wait on the copies), then the copied ones, then one combine of every
+pair (the same sums as one launch over all of them: moe_tables.py).
+Slot layout, mirrored in the staging buffers so one copy moves an expert:
 
     | gate (F rows) | pad to 256 | up (F rows) | pad to 256 | down (D rows) |
 """
@@ -25,21 +28,15 @@ from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
+from fomoepy.runtime.moe_tables import MOE_TILE, MoETables, build_tables
 from fomoepy.runtime.pinned import PinnedPool
 from fomoepy.scheduler import relay
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 SLOT_ALIGN = 256
-MOE_TILE = 8  # pairs per work item (MOE_TILE in hip_kernels/experts.hip)
-DOWN_SUM_MAX_TOKENS = 4  # up to this many tokens the fused down + weighted-sum kernel is used
+DOWN_SUM_MAX_TOKENS = 4  # up to this many tokens (all in slots, or all copied) the fused down + weighted-sum kernel is used
 STAGING_BUFFERS = 4
-
-# hip_kernels/experts.hip: struct ExpertWork (64 B) and struct PairInfo (16 B)
-EXPERT_WORK_DTYPE = np.dtype(
-    [("gate", "<u8"), ("up", "<u8"), ("down", "<u8"), ("n_pairs", "<i4"), ("pad", "<i4"), ("pair", "<i4", (MOE_TILE,))]
-)
-PAIR_DTYPE = np.dtype([("down", "<u8"), ("weight", "<f4"), ("pad", "<i4")])
 
 
 def _align(n: int) -> int:
@@ -108,6 +105,19 @@ class _DeviceSide:
         self.rt.record(self.computed, dev.stream)
 
 
+@dataclass
+class _Launch:
+    """One layer step's grouped launches: its tables on the device and the arrays its stages write."""
+
+    layer: int
+    tables: MoETables
+    on_device: DeviceArray  # tables.host, uploaded
+    h: DeviceArray  # [T, D]
+    act: DeviceArray  # [T*k, F]
+    part: DeviceArray | None  # [T*k, D]: each pair's down output, when a combine sums them
+    out: DeviceArray  # [T, D]
+
+
 class GpuExperts:
     """The routed-expert device of a MoE layer on the GPU (fomoepy.experts.device.ExpertDevice).
 
@@ -126,14 +136,17 @@ class GpuExperts:
         self.layers = layers
         self.routers = routers
         self.slot_layouts = [SlotLayout.of(layer) for layer in self.layers]
+        self.kernel_names: list[dict] = []  # per layer: gate/up by tile, down, fused down + sum; looked up once
         for layer in self.layers:
             gate, up, down = layer.parts
             if gate.qtype != up.qtype:
                 raise UnsupportedQuantType(
                     f"layer {layer.layer}: gate is {gate.qtype.name} and up is {up.qtype.name}; the grouped expert kernel needs one type for both"
                 )
-            kernels.kernel_name("moe_gate_up", gate.qtype, gate.tensor)
-            kernels.kernel_name("moe_down", down.qtype, down.tensor)
+            gate_up = kernels.kernel_name("moe_gate_up", gate.qtype, gate.tensor)
+            self.kernel_names.append({"gate_up": {t: f"{gate_up}_t{t}" for t in (1, MOE_TILE)},
+                                      "down": kernels.kernel_name("moe_down", down.qtype, down.tensor),
+                                      "down_sum": kernels.kernel_name("moe_down_sum", down.qtype, down.tensor)})  # fmt: skip
         self.resident: dict[Key, DeviceBuffer] = {}
         self.sides: list[_DeviceSide] = []
         for d, dev in enumerate(self.devs):
@@ -183,45 +196,61 @@ class GpuExperts:
         return exact, ahead.ids
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
-        """h [T, D], ids/weights [T, k] → [T, D] on the device. Each missing expert's copy up is issued as
-        soon as its bytes are here: those at hand first, then each read as it lands, so the layer's reads
-        and copies overlap (fetch time max(disk, copy), not their sum); the grouped launch waits for the
-        copies on the device, not on the host."""
+        """h [T, D], ids/weights [T, k] → [T, D] on the device. The experts already in slots are launched
+        first, with no wait on any copy; each missing expert's copy up is issued as soon as its bytes are
+        here: those at hand first, then each read as it lands, so the layer's reads and copies overlap
+        (fetch time max(disk, copy), not their sum) and the resident experts compute beside them. The
+        missing experts' launches wait for the copies on the device, not on the host."""
         plan = experts.plan
         side = self.side(layer)
+        self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
         slots: dict[int, DeviceBuffer] = {}
+        missing: dict[int, bool] = {}  # expert -> whether its slot joins the device tier (to_device)
+        for item in plan.items:
+            buf = self.resident.get((layer, item.expert))
+            if buf is None:  # the slot its copy will fill, taken now so that one table names every slot
+                buf = self._take_slot(layer)
+                missing[item.expert] = item.to_device
+            slots[item.expert] = buf
+        split = len(missing) not in (0, len(slots))
+        run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, slots, missing if split else None)
+        if split:  # what the slots hold computes while the misses are read and copied up
+            self._stages(run, 0, run.tables.n_first)
         temporary: list[DeviceBuffer] = []
-        to_device = {item.expert: item.to_device for item in plan.items}
 
         def place(expert: int, parts: ExpertBytes) -> None:
-            buf = self._upload(layer, parts)
-            if to_device[expert]:
+            buf = slots[expert]
+            self._upload(layer, parts, buf)
+            if missing.pop(expert):
                 self.resident[(layer, expert)] = buf
             else:
                 temporary.append(buf)  # streamed through a slot that is free again after this layer
-            slots[expert] = buf
 
-        for item in plan.items:
-            buf = self.resident.get((layer, item.expert))
-            if buf is not None:
-                slots[item.expert] = buf
-            elif item.expert in experts.fetched:
-                place(item.expert, experts.fetched[item.expert])
-        for expert, parts in experts.as_they_land():
-            place(expert, parts)
-        fetched = experts.landed()  # every read is in: the cache's bookkeeping (host admissions)
-        for item in plan.items:
-            if item.expert not in slots:  # read by a source with no pool of its own, at landed()
-                place(item.expert, fetched[item.expert])
-        if side.pending_uploads:
-            side.rt.record(side.copied, side.dev.copy_stream)
-            side.rt.wait(side.dev.stream, side.copied)
-            side.pending_uploads = 0
-        out = self._compute(layer, side.dev.asdevice(h).contiguous(), ids, weights, slots)
+        try:
+            for expert in [e for e in missing if e in experts.fetched]:
+                place(expert, experts.fetched[expert])
+            for expert, parts in experts.as_they_land():
+                place(expert, parts)
+            fetched = experts.landed()  # every read is in: the cache's bookkeeping (host admissions)
+            for expert in list(missing):  # read by a source with no pool of its own, at landed()
+                place(expert, fetched[expert])
+        except BaseException:
+            # the slots no launch reads are free again; a later copy into a slot the launches above read
+            # (one evicted next) waits for them
+            side.rt.record(side.computed, side.dev.stream)
+            for buf in [slots[e] for e in missing] + temporary:
+                side.free.setdefault(buf.nbytes, []).append(buf)
+            raise
+        self._join_copies(side)
+        if split:
+            self._stages(run, run.tables.n_first, run.tables.n_work)
+            self._combine(run)
+        else:
+            self._grouped(run)
         side.rt.record(side.computed, side.dev.stream)
         for buf in temporary:
             side.free.setdefault(buf.nbytes, []).append(buf)
-        return out
+        return run.out
 
     def close(self) -> None:
         """Free the pinned staging buffers and every device slot (the engine's reset and close)."""
@@ -233,12 +262,28 @@ class GpuExperts:
             self.pool.close()
 
     # -- copies -------------------------------------------------------------------------------------
-    def _upload(self, layer: int, parts: ExpertBytes) -> DeviceBuffer:
-        """Pack the expert into a pinned staging buffer and copy it into a slot on the copy stream."""
+    @staticmethod
+    def _join_copies(side: _DeviceSide) -> None:
+        """The compute stream waits for every copy up issued so far (on the device: the host goes on)."""
+        if side.pending_uploads:
+            side.rt.record(side.copied, side.dev.copy_stream)
+            side.rt.wait(side.dev.stream, side.copied)
+            side.pending_uploads = 0
+
+    def _take_slot(self, layer: int) -> DeviceBuffer:
+        """A free slot of `layer`'s size (an evicted or streamed one), or a new one."""
+        side = self.side(layer)
+        nbytes = self.slot_layouts[layer].nbytes
+        stack = side.free.get(nbytes)
+        return stack.pop() if stack else DeviceBuffer(side.dev._direct, side.rt.malloc(nbytes), nbytes)
+
+    def _upload(self, layer: int, parts: ExpertBytes, buf: DeviceBuffer | None = None) -> DeviceBuffer:
+        """Copy the expert into a slot (`buf`, or a free one) on the copy stream: straight from its pinned
+        read buffer, or packed into a pinned staging buffer first."""
         side = self.side(layer)
         layout = self.slot_layouts[layer]
-        stack = side.free.get(layout.nbytes)
-        buf = stack.pop() if stack else DeviceBuffer(side.dev._direct, side.rt.malloc(layout.nbytes), layout.nbytes)
+        if buf is None:
+            buf = self._take_slot(layer)
         if not side.pending_uploads:
             # a reused slot may still be read by the last grouped launch: copies wait for it
             side.rt.wait(side.dev.copy_stream, side.computed)
@@ -290,53 +335,50 @@ class GpuExperts:
         return gate, up, down
 
     # -- arithmetic ---------------------------------------------------------------------------------
-    def _compute(self, layer: int, h: DeviceArray, ids: np.ndarray, weights: np.ndarray, slots: dict[int, DeviceBuffer]) -> DeviceArray:
+    def _prepare(self, layer: int, h: DeviceArray, ids: np.ndarray, weights: np.ndarray, slots: dict[int, DeviceBuffer],
+                 missing: dict[int, bool] | None) -> _Launch:  # fmt: skip
+        """The step's tables, in one upload, and its arrays. `missing`: when given, the experts not in
+        it (their slots are filled already) get the first work items, to be launched on their own."""
         gate_m, _, down_m = self.layers[layer].parts
         T, k = ids.shape
         F, D = gate_m.shape[0], down_m.shape[0]
-        offsets = self.slot_layouts[layer].offsets
-        # each token's choices by ascending expert id: the order the CPU backend adds them in
-        order = np.argsort(ids, axis=1, kind="stable")
-        ids_s = np.take_along_axis(ids, order, axis=1)
-        w_s = np.take_along_axis(weights, order, axis=1).astype(np.float32)
-        flat = ids_s.reshape(-1)
-
-        base = np.fromiter((slots[e].ptr for e in flat.tolist()), np.uint64, count=flat.size)  # each pair's slot
-        pairs = np.zeros(T * k, PAIR_DTYPE)
-        pairs["down"] = base + np.uint64(offsets[2])
-        pairs["weight"] = w_s.reshape(-1)
-        if T == 1:  # a decode step: k distinct experts, ascending, one work item (one pair) each
-            work = np.zeros(k, EXPERT_WORK_DTYPE)
-            work["gate"], work["up"], work["down"] = (base + np.uint64(o) for o in offsets)
-            work["n_pairs"] = 1
-            work["pair"][:, 0] = np.arange(k)
-            tile = 1
-        else:
-            work_rows = []
-            for e in np.unique(flat).tolist():
-                ps = np.flatnonzero(flat == e)
-                ptr = slots[e].ptr
-                for start in range(0, len(ps), MOE_TILE):
-                    chunk = ps[start : start + MOE_TILE]
-                    pair = np.zeros(MOE_TILE, np.int32)
-                    pair[: len(chunk)] = chunk
-                    work_rows.append((ptr + offsets[0], ptr + offsets[1], ptr + offsets[2], len(chunk), 0, pair))
-            work = np.array(work_rows, EXPERT_WORK_DTYPE)
-            tile = 1 if all(r[3] == 1 for r in work_rows) else MOE_TILE
+        first = {e for e in slots if e not in missing} if missing is not None else ()
+        tables = build_tables(ids, weights, {e: buf.ptr for e, buf in slots.items()}, self.slot_layouts[layer].offsets, first)
         dev = self.side(layer).dev
-        work_d, pairs_d = dev.upload(work.view(np.uint8)), dev.upload(pairs.view(np.uint8))
+        part = dev.empty((T * k, D)) if missing is not None or T > DOWN_SUM_MAX_TOKENS else None
+        return _Launch(layer, tables, dev.upload(tables.host), h, dev.empty((T * k, F)), part, dev.empty((T, D)))
 
-        act = dev.empty((T * k, F))
-        gate_up = f"{kernels.kernel_name('moe_gate_up', gate_m.qtype, gate_m.tensor)}_t{tile}"
-        dev.launch(gate_up, (-(-F // 4), len(work)), 128, work_d.ptr, h.ptr, D, F, k, gate_m.nbytes // F, act.ptr)
-        out = dev.empty((T, D))
-        down_rb = down_m.nbytes // D
-        if T <= DOWN_SUM_MAX_TOKENS:
-            name = kernels.kernel_name("moe_down_sum", down_m.qtype, down_m.tensor)
-            dev.launch(name, (-(-D // 4), T), 128, pairs_d.ptr, act.ptr, D, F, k, down_rb, out.ptr)
-        else:
-            part = dev.empty((T * k, D))
-            name = kernels.kernel_name("moe_down", down_m.qtype, down_m.tensor)
-            dev.launch(name, (-(-D // 4), len(work)), 128, work_d.ptr, act.ptr, D, F, down_rb, part.ptr)
-            dev.launch("moe_combine", (-(-(T * D) // 256),), 256, pairs_d.ptr, part.ptr, T, D, k, out.ptr)
-        return out
+    def _stages(self, run: _Launch, start: int, stop: int) -> None:
+        """gate/up, then down, over work items [start, stop): the act and part rows of their pairs."""
+        if stop <= start:
+            return
+        gate_m, _, down_m = self.layers[run.layer].parts
+        F, D = gate_m.shape[0], down_m.shape[0]
+        k = run.act.shape[0] // run.h.shape[0]
+        dev = self.side(run.layer).dev
+        work = run.on_device.ptr + run.tables.work_row(start)
+        names = self.kernel_names[run.layer]
+        dev.launch(names["gate_up"][run.tables.tile], (-(-F // 4), stop - start), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
+        dev.launch(names["down"], (-(-D // 4), stop - start), 128, work, run.act.ptr, D, F, down_m.nbytes // D, run.part.ptr)
+
+    def _combine(self, run: _Launch) -> None:
+        """out[t] = sum_j w[t, j] * part[t*k + j], j ascending (the fused kernel's order)."""
+        T, D = run.out.shape
+        k = run.act.shape[0] // T
+        self.side(run.layer).dev.launch("moe_combine", (-(-(T * D) // 256),), 256, run.on_device.ptr, run.part.ptr, T, D, k, run.out.ptr)
+
+    def _grouped(self, run: _Launch) -> None:
+        """Every work item in one launch per stage; a few tokens fuse down and the weighted sum."""
+        T, D = run.out.shape
+        if T > DOWN_SUM_MAX_TOKENS:
+            self._stages(run, 0, run.tables.n_work)
+            self._combine(run)
+            return
+        gate_m, _, down_m = self.layers[run.layer].parts
+        F = gate_m.shape[0]
+        k = run.act.shape[0] // T
+        dev = self.side(run.layer).dev
+        work = run.on_device.ptr + run.tables.work_offset
+        names = self.kernel_names[run.layer]
+        dev.launch(names["gate_up"][run.tables.tile], (-(-F // 4), run.tables.n_work), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
+        dev.launch(names["down_sum"], (-(-D // 4), T), 128, run.on_device.ptr, run.act.ptr, D, F, k, down_m.nbytes // D, run.out.ptr)

@@ -1,0 +1,103 @@
+"""The host side of the grouped expert launches (hip_kernels/experts.hip): one step's pairs and work
+items, packed into one buffer so that a step uploads its tables with one copy.
+
+A step has T tokens with k choices each; pair p = t*k + j is token t's j-th choice, a token's choices
+sorted by ascending expert id (the order the CPU backend adds them in). A work item is one expert and up
+to MOE_TILE of its pairs. The work items of the experts named `first` come first in the table, so that a
+step can launch their stages on their own (the experts already in device slots, computed while the
+others are still being copied up) and the others' after. Each pair's activations and partial output are
+written by the one work item that holds it, whatever the items' order, and the combine adds a token's
+pairs in j order: the sums do not depend on where the table is split.
+
+    | pairs: T*k x PairInfo (16 B) | work: the first experts' items, then the others' (64 B each) |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+
+MOE_TILE = 8  # pairs per work item (MOE_TILE in hip_kernels/experts.hip)
+
+# hip_kernels/experts.hip: struct ExpertWork (64 B) and struct PairInfo (16 B)
+EXPERT_WORK_DTYPE = np.dtype(
+    [("gate", "<u8"), ("up", "<u8"), ("down", "<u8"), ("n_pairs", "<i4"), ("pad", "<i4"), ("pair", "<i4", (MOE_TILE,))]
+)
+PAIR_DTYPE = np.dtype([("down", "<u8"), ("weight", "<f4"), ("pad", "<i4")])
+
+
+@dataclass(frozen=True)
+class MoETables:
+    host: np.ndarray  # uint8: the bytes to upload, pairs then work items
+    work_offset: int  # bytes before the first work item (T*k PairInfo: a multiple of 16)
+    n_first: int  # work items of the `first` experts: rows [0, n_first)
+    n_work: int
+    tile: int  # 1 when every work item has one pair, else MOE_TILE: the gate/up kernel's variant
+
+    def work_row(self, row: int) -> int:
+        """Byte offset of work item `row` in the uploaded tables."""
+        return self.work_offset + row * EXPERT_WORK_DTYPE.itemsize
+
+
+def build_tables(ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int], offsets: tuple[int, int, int],
+                 first: Collection[int] = ()) -> MoETables:  # fmt: skip
+    """ids/weights [T, k]; slot_ptr: each chosen expert's device slot; offsets: gate, up, down in a slot."""
+    T, k = ids.shape
+    if T == 1:  # a decode step: k distinct experts, ascending, one work item (one pair) each
+        return _decode_tables(ids[0].tolist(), weights[0], slot_ptr, offsets, first)
+    # each token's choices by ascending expert id: the order the CPU backend adds them in
+    order = np.argsort(ids, axis=1, kind="stable")
+    flat = np.take_along_axis(ids, order, axis=1).reshape(-1)  # [T*k]
+    w_s = np.take_along_axis(weights, order, axis=1).astype(np.float32)
+    base = np.fromiter((slot_ptr[e] for e in flat.tolist()), np.uint64, count=flat.size)  # each pair's slot
+    experts = np.unique(flat).tolist()  # a work item is one expert and up to MOE_TILE of its pairs
+    ahead = [e for e in experts if e in first]
+    experts = ahead + [e for e in experts if e not in first]
+    items = []  # (expert, its pairs in this item)
+    for e in experts:
+        ps = np.flatnonzero(flat == e)
+        items += [(e, ps[s : s + MOE_TILE]) for s in range(0, len(ps), MOE_TILE)]
+    n_first = sum(1 for e, _ in items if e in first) if ahead else 0
+    host, pairs, work = _buffers(T * k, len(items))
+    item_base = np.array([slot_ptr[e] for e, _ in items], np.uint64)
+    work["gate"], work["up"], work["down"] = (item_base + np.uint64(o) for o in offsets)
+    for row, (_, chunk) in enumerate(items):
+        work["n_pairs"][row] = len(chunk)
+        work["pair"][row, : len(chunk)] = chunk
+    tile = 1 if all(len(chunk) == 1 for _, chunk in items) else MOE_TILE
+    pairs["down"] = base + np.uint64(offsets[2])
+    pairs["weight"] = w_s.reshape(-1)
+    return MoETables(host, T * k * PAIR_DTYPE.itemsize, n_first, len(work), tile)
+
+
+def _decode_tables(row: list[int], weights: np.ndarray, slot_ptr: dict[int, int], offsets: tuple[int, int, int],
+                   first: Collection[int]) -> MoETables:  # fmt: skip
+    """build_tables for one token (the hot path: every decode step), in list arithmetic over its k choices."""
+    k = len(row)
+    order = sorted(range(k), key=row.__getitem__)  # ascending expert id; pair p is the p-th of them
+    ptrs = [slot_ptr[row[j]] for j in order]
+    if first:
+        ahead = [row[j] in first for j in order]
+        rows = [p for p in range(k) if ahead[p]] + [p for p in range(k) if not ahead[p]]
+        n_first = k - ahead.count(False)
+    else:
+        rows, n_first = list(range(k)), 0
+    host, pairs, work = _buffers(k, k)
+    base = np.array(ptrs, np.uint64)  # [k] pair p's slot
+    pairs["down"] = base + np.uint64(offsets[2])
+    pairs["weight"] = weights[order]
+    if n_first:
+        base = base[rows]  # work item i's slot
+    work["gate"], work["up"], work["down"] = (base + np.uint64(o) for o in offsets)
+    work["n_pairs"] = 1
+    work["pair"][:, 0] = rows
+    return MoETables(host, k * PAIR_DTYPE.itemsize, n_first, k, 1)
+
+
+def _buffers(n_pairs: int, n_work: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One zeroed host buffer and its two typed views: pairs, then work items."""
+    split = n_pairs * PAIR_DTYPE.itemsize
+    host = np.zeros(split + n_work * EXPERT_WORK_DTYPE.itemsize, np.uint8)
+    return host, host[:split].view(PAIR_DTYPE), host[split:].view(EXPERT_WORK_DTYPE)

@@ -1,0 +1,274 @@
+"""The GPU step's schedule on the simulated device (fomoepy.runtime.gpu_experts): what is issued before
+what, proved by order rather than by time. With deferred streams a stream runs its work only when a sync
+or an event needs it, and a held read lands only when the test lets it, so each test holds something back
+and names what let it go: the awaited event, or running out of patience (the schedule is wrong).
+
+  - experts already in device slots are computed (both stages) before any missing expert's copy is issued;
+  - a step that splits its experts that way computes the bits one launch over all of them computes;
+  - the next layer's predicted reads are issued before this layer's expert kernels and are still in
+    flight when those kernels run (the CPU path's twin: test_streaming.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import ORACLE
+from sim_backend import sim_backend
+
+from fomoepy.experts.cache import ExpertCache
+from fomoepy.experts.device import Phase
+from fomoepy.experts.routing import Routing
+from fomoepy.experts.source import GGUFExpertSource
+from fomoepy.experts.step import MoEStep
+from fomoepy.experts.streamer import ExpertStreamer
+from fomoepy.model.gguf_file import GGUFFile
+from fomoepy.model.spec import ModelSpec
+from fomoepy.options import EngineOptions
+from fomoepy.runtime.sim.shim import configure
+
+NAME = "qwen3moe_q4_k_m"  # 16 experts, top-4
+PATIENCE = 10.0  # seconds a held read waits for its event before it lets itself go (the test then fails)
+
+
+@pytest.fixture
+def deferred():
+    before = configure(deferred=True)
+    yield
+    configure(**before)
+
+
+class HeldSource:
+    """An expert source read by a pool of threads (as the store's submit is); the read of `held` waits
+    until release() or PATIENCE seconds, and the first thing that let it go is kept."""
+
+    def __init__(self, source):
+        self.source = source
+        self.layers = source.layers
+        self.pool = ThreadPoolExecutor(4)
+        self.held: set[tuple[int, int]] = set()
+        self.gate = threading.Event()
+        self.released_by: str | None = None
+        self.submitted: list[tuple[int, int]] = []
+
+    def read(self, layer, expert):
+        return self.source.read(layer, expert)
+
+    def submit(self, layer, expert, out=None):
+        self.submitted.append((layer, expert))
+        return self.pool.submit(self._read, layer, expert, out)
+
+    def _read(self, layer, expert, out):
+        if (layer, expert) in self.held and not self.gate.wait(PATIENCE):
+            self.release("patience")
+        return self.source.read(layer, expert) if out is None else self.source.read_into(layer, expert, out)
+
+    def release(self, by: str) -> None:
+        if self.released_by is None:
+            self.released_by = by
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+
+def layer0_step(device_slots: int):
+    """The MoE step over the first oracle model's layer 0 with GpuExperts on the simulated device, a
+    device tier of `device_slots` experts, no host tier, every read through a HeldSource."""
+    from fomoepy.runtime.gpu_experts import GpuExperts, gpu_expert_nbytes
+
+    gf = GGUFFile(ORACLE / f"{NAME}.gguf")
+    spec = ModelSpec.from_gguf(gf)
+    source = HeldSource(GGUFExpertSource(gf, spec))
+    unit = [gpu_expert_nbytes(layer) for layer in source.layers]
+    cache = ExpertCache(spec.moe.n_expert, [layer.expert_nbytes for layer in source.layers], unit[0] * device_slots, 0,
+                        device_expert_bytes=unit)  # fmt: skip
+    device = GpuExperts(source.layers, sim_backend())
+    streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used, EngineOptions(prefetch=False))
+    return MoEStep(streamer, device, predicts=False), spec, source
+
+
+def step_input(spec, ids: list[list[int]], seed: int):
+    """h [T, D] and a routing of T tokens onto `ids` (each row k distinct experts), random weights."""
+    rng = np.random.default_rng(seed)
+    E = spec.moe.n_expert
+    ids_a = np.array(ids, np.int64)
+    w = rng.dirichlet(np.ones(ids_a.shape[1]), ids_a.shape[0]).astype(np.float32)
+    h = rng.standard_normal((len(ids), spec.n_embd)).astype(np.float32)
+    return h, Routing(ids_a, w, np.full((len(ids), E), 1 / E, np.float32))
+
+
+def run(step: MoEStep, h, exact) -> np.ndarray:
+    step.begin_step(Phase.DECODE if len(h) == 1 else Phase.PREFILL)
+    out = np.asarray(step(0, h, exact))
+    step.end_step(len(h))
+    return out
+
+
+def expert_launches(dev, log: list, then=None):
+    """Log every expert kernel dev launches (name); then(name) runs after each."""
+    real = dev.launch
+
+    def launch(name, *args, **kw):
+        real(name, *args, **kw)
+        if name.startswith("moe_"):
+            log.append(name)
+            if then is not None:
+                then(name)
+
+    dev.launch = launch
+
+
+def is_down_stage(name: str) -> bool:
+    """moe_down_<type>: the down stage on its own (not moe_down_sum_<type>, which sums every pair too)."""
+    return name.startswith("moe_down_") and not name.startswith("moe_down_sum_")
+
+
+# token rows of the step under test, and the experts a first step puts into the device tier
+SPLITS = {
+    1: ([[1, 4, 9, 12]], [[4, 12, 13, 14]]),  # decode: 4 and 12 in slots, 1 and 9 copied up
+    3: ([[0, 2, 5, 7], [2, 3, 5, 11], [7, 8, 0, 15]], [[2, 7, 9, 10]]),  # a few tokens: the fused sum when not split
+    6: ([[0, 1, 2, 3], [1, 2, 3, 4], [5, 1, 6, 2], [7, 8, 9, 1], [3, 10, 2, 11], [12, 13, 1, 14]], [[1, 2, 3, 15]]),
+}
+
+
+@pytest.mark.parametrize("T", sorted(SPLITS))
+def test_a_step_split_between_slots_and_copies_computes_the_bits_of_one_launch_over_all(T):
+    """The experts in slots launched first and the copied ones after, then one combine: each pair's
+    activations and down output are written once and a token's pairs are summed in the same order, so
+    the output is bit for bit the output of the same step with every expert in a slot already (one
+    grouped launch per stage; for up to 4 tokens the fused down + weighted-sum kernel)."""
+    ids, warm = SPLITS[T]
+    split, spec, _ = layer0_step(device_slots=8)
+    whole, _, _ = layer0_step(device_slots=16)
+    h, exact = step_input(spec, ids, seed=T)
+    run(whole, h, exact)  # every expert of the step into a slot
+    run(split, *step_input(spec, warm, seed=98))  # some of them
+    chosen = {e for row in ids for e in row}
+    assert 0 < sum((0, e) in split.device.resident for e in chosen) < len(chosen)  # the step is split
+    launched: tuple[list, list] = ([], [])
+    uploads = whole.device.uploads
+    for step, log in zip((whole, split), launched):
+        expert_launches(step.device.dev, log)
+        try:
+            got = run(step, h, exact)
+        finally:
+            del step.device.dev.launch
+        if step is whole:
+            want = got
+    assert whole.device.uploads == uploads and len(launched[0]) == (2 if T <= 4 else 3)  # one launch per stage
+    assert len(launched[1]) == 5 and launched[1][-1] == "moe_combine"  # two stages on each side, one combine
+    assert np.array_equal(got, want)
+    split.close()
+    whole.close()
+
+
+def test_experts_in_slots_are_computed_before_a_missing_experts_copy_is_issued(deferred):
+    """A decode step with two experts in slots and two read from disk, one of whose reads is held: the
+    experts in slots go through gate/up and down, and their kernels run (a sync of the compute stream
+    runs them, deferred), while no copy of the step's misses has been issued, let alone completed. Only
+    then is the held read let go. A step that waits for its copies first never gets there: its held
+    read runs out of patience."""
+    step, spec, source = layer0_step(device_slots=8)
+    run(step, *step_input(spec, [[4, 12, 13, 14]], seed=1))  # 4, 12, 13, 14 into slots
+    device = step.device
+    dev, rt = device.dev, device.dev.rt
+    source.held = {(0, 9)}
+    copies: list[int] = []
+    real_htod = rt.htod
+
+    def htod(dst, src, nbytes, stream):
+        if stream is dev.copy_stream:
+            copies.append(nbytes)
+        return real_htod(dst, src, nbytes, stream)
+
+    seen: list[tuple[str, int, bool]] = []  # (kernel, copies issued so far, the held read let go)
+
+    def after(name):
+        seen.append((name, len(copies), source.gate.is_set()))
+        if is_down_stage(name) and source.released_by is None:
+            rt.sync(dev.stream)  # deferred: the launches queued so far run now
+            seen.append(("ran", len(copies), source.gate.is_set()))
+            source.release("the experts in slots were computed")
+
+    rt.htod = htod
+    log: list[str] = []
+    expert_launches(dev, log, after)
+    h, exact = step_input(spec, [[1, 4, 9, 12]], seed=2)
+    try:
+        got = run(step, h, exact)
+    finally:
+        del rt.htod, dev.launch
+        source.release("the end")
+    assert source.released_by == "the experts in slots were computed"
+    assert [s[0] for s in seen[:3]] == [log[0], log[1], "ran"] and is_down_stage(log[1])  # both stages, run
+    assert all(n == 0 and not let_go for _, n, let_go in seen[:3])  # before any copy of a miss, held read held
+    assert len(copies) == 2 and device.uploads == 6  # then the misses, 1 and 9, were copied up
+    whole, _, _ = layer0_step(device_slots=16)
+    run(whole, *step_input(spec, [[1, 4, 9, 12]], seed=3))
+    assert np.array_equal(got, run(whole, h, exact))  # and computed after their copies, on the device
+    step.close()
+    whole.close()
+
+
+def test_a_prefetched_read_is_issued_before_the_layers_expert_kernels_and_in_flight_while_they_run(tmp_path, deferred):
+    """The GPU path of the engine, one decode step from empty tiers, prefetch on: layer L's step predicts
+    layer L+1's experts and reads them behind its own reads, before it launches its expert kernels. The
+    prefetched reads are held until the compute stream next runs its queued work (deferred: a sync), which
+    runs layer L's kernels: they were in flight while layer L computed. A prefetch issued after the
+    compute comes after the launches; a step that waited for its prefetches would run out of patience."""
+    from fomoepy.engine import Engine
+    from fomoepy.experts.store_writer import prepare_store
+
+    store = tmp_path / "store"
+    prepare_store(ORACLE / f"{NAME}.gguf", [store], progress=False)
+    options = {"backend": "sim", "store": (str(store),), "vram_cache": 0, "ram_cache": 1 << 30}
+    token = int(np.load(ORACLE / f"{NAME}.tokens.npy")[0])
+    plain = Engine(ORACLE / f"{NAME}.gguf", EngineOptions(**options, prefetch=False))
+    want = plain.eval(plain.new_state(), [token], phase=Phase.DECODE)
+    plain.close()
+
+    engine = Engine(ORACLE / f"{NAME}.gguf", EngineOptions(**options))
+    streamer, dev = engine.experts.streamer, engine.experts.device.dev
+    source = streamer.source = HeldSource(streamer.source)
+    events: list[tuple] = []
+    layer = [-1]  # the step under way
+    real_choose, real_submit, real_sync = streamer.choose, source.submit, dev.rt.sync
+
+    def choose(il, exact):
+        layer[0] = il
+        events.append(("step", il))
+        return real_choose(il, exact)
+
+    def submit(il, expert, out=None):
+        if il > layer[0]:  # a read for a later layer: a prefetch; held
+            source.held.add((il, expert))
+        events.append(("read", il, expert, layer[0]))
+        return real_submit(il, expert, out)
+
+    def sync(stream):
+        real_sync(stream)
+        launched = {e[2] for e in events if e[0] == "launch"}
+        if stream is dev.stream and any(h[0] - 1 in launched for h in source.held):
+            events.append(("ran", layer[0]))
+            source.release("the compute stream ran the layer's kernels")
+
+    streamer.choose, source.submit, dev.rt.sync = choose, submit, sync
+    log: list[str] = []
+    expert_launches(dev, log, lambda name: events.append(("launch", name, layer[0])))
+    try:
+        got = engine.eval(engine.new_state(), [token], phase=Phase.DECODE)
+    finally:
+        del dev.launch, dev.rt.sync
+        source.release("the end")
+    prefetches = [e for e in events if e[0] == "read" and e[1] > e[3]]
+    assert prefetches and streamer.prefetch_stats.issued == len(prefetches)
+    il = prefetches[0][3]
+    first_launch = next(i for i, e in enumerate(events) if e[0] == "launch" and e[2] == il)
+    assert events.index(prefetches[0]) < first_launch  # issued before layer il's expert kernels
+    assert source.released_by == "the compute stream ran the layer's kernels"  # and in flight while they ran
+    assert np.array_equal(got, want)  # prefetch changes what is read when, never the result
+    engine.close()

@@ -1,0 +1,51 @@
+"""The grouped expert launches' tables (fomoepy.runtime.moe_tables), read back from their bytes: every
+pair in exactly one work item of its own expert, the `first` experts' items ahead of the others, and the
+pairs' weights and slots in ascending expert order per token. The kernels' side of it (the same bits
+split or not) is tests/test_gpu_schedule.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fomoepy.runtime.moe_tables import (
+    EXPERT_WORK_DTYPE,
+    MOE_TILE,
+    PAIR_DTYPE,
+    build_tables,
+)
+
+OFFSETS = (0, 4096, 8192)  # gate, up, down in a slot
+
+
+@pytest.mark.parametrize("T", [1, 3, 6, 40])
+@pytest.mark.parametrize("n_first", [0, 1, 5])
+def test_every_pair_is_in_one_work_item_of_its_expert_and_the_first_experts_lead(T, n_first):
+    rng = np.random.default_rng(T * 10 + n_first)
+    E, k = 16, 4
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    weights = rng.random((T, k)).astype(np.float32)
+    chosen = sorted(set(ids.reshape(-1).tolist()))
+    slot = {e: (e + 1) << 20 for e in chosen}
+    first = set(chosen[len(chosen) - min(n_first, len(chosen) - 1) :])  # the highest: in id order they come last
+    t = build_tables(ids, weights, slot, OFFSETS, first)
+    pairs = t.host[: t.work_offset].view(PAIR_DTYPE)
+    work = t.host[t.work_offset :].view(EXPERT_WORK_DTYPE)
+    assert len(work) == t.n_work and t.work_row(t.n_work) == t.host.size
+
+    order = np.argsort(ids, axis=1, kind="stable")
+    expert_of_pair = np.take_along_axis(ids, order, axis=1).reshape(-1)  # pair p = t*k + j, j ascending
+    assert np.array_equal(pairs["weight"], np.take_along_axis(weights, order, axis=1).reshape(-1))
+    assert np.array_equal(pairs["down"], [slot[e] + OFFSETS[2] for e in expert_of_pair])
+
+    seen = []
+    for row, item in enumerate(work):
+        e = (int(item["gate"]) >> 20) - 1
+        assert (int(item["up"]), int(item["down"])) == (slot[e] + OFFSETS[1], slot[e] + OFFSETS[2])
+        assert 1 <= item["n_pairs"] <= MOE_TILE
+        ps = item["pair"][: item["n_pairs"]].tolist()
+        assert all(expert_of_pair[p] == e for p in ps)  # the item's pairs are its expert's
+        assert (e in first) == (row < t.n_first)  # the first experts' items lead, theirs only
+        seen += ps
+    assert sorted(seen) == list(range(T * k))  # every pair once
+    assert t.tile == (1 if all(item["n_pairs"] == 1 for item in work) else MOE_TILE)
