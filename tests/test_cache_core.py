@@ -84,6 +84,10 @@ def replay(seed: int, kind: str, steps: int = 300, batched: bool = False) -> int
             a, b = in_flight.pop(0)
             ref.mark_ready(a), core.mark_ready(b)
             ref.release(a), core.release(b)
+        elif op < 0.28 and in_flight:  # the oldest plan's reads failed: released, its loading slots dropped
+            a, b = in_flight.pop(0)
+            ref.release(a), core.release(b)
+            assert ref.abort(a) == core.abort(b), f"step {step}: abort"
         else:
             layer = int(rng.integers(0, n_layer))
             if rng.random() < 0.02:

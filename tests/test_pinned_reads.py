@@ -176,3 +176,49 @@ def test_buffers_given_back_together_wait_for_their_copies_once():
     finally:
         del dev.rt.event_sync
     assert waits[0] == 1 and len({a.ctypes.data for a in again}) == 4
+
+
+def test_a_failed_read_leaves_no_slot_waiting_for_bytes_that_never_come(tmp_path):
+    """A step whose reads fail raises, and the slots its plan admitted for those bytes are dropped: the
+    next run reads the experts again and computes the logits a fresh engine does (it used to take them
+    for held and fail on a slot the device never filled)."""
+    from concurrent.futures import Future
+
+    from conftest import ORACLE
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.experts.store_writer import prepare_store
+
+    class FailingStore:
+        def __init__(self, store):
+            self.store, self.layers, self.slot_nbytes, self.fail = store, store.layers, store.slot_nbytes, False
+
+        def read(self, layer, expert):
+            if self.fail:
+                raise OSError(f"expert ({layer}, {expert}): read failed")
+            return self.store.read(layer, expert)
+
+        def submit(self, layer, expert, out=None):
+            if not self.fail:
+                return self.store.submit(layer, expert, out=out)
+            done = Future()
+            done.set_exception(OSError(f"expert ({layer}, {expert}): read failed"))
+            return done
+
+    name = "qwen3moe_q4_k_m"
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    store = tmp_path / "store"
+    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
+    options = EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000, ram_cache=1_200_000, prefetch=False)
+    fresh = Engine(ORACLE / f"{name}.gguf", options)
+    want = fresh.logits(tokens)
+    fresh.close()
+    engine = Engine(ORACLE / f"{name}.gguf", options)
+    streamer = engine.experts.streamer
+    streamer.source = failing = FailingStore(streamer.source)
+    failing.fail = True
+    with pytest.raises(OSError, match="read failed"):
+        engine.logits(tokens)
+    failing.fail = False
+    assert np.array_equal(engine.logits(tokens), want)
+    engine.close()

@@ -599,6 +599,26 @@ static int64_t tier_evict(Core *c, int which, int32_t key) {
     return nbytes;
 }
 
+/* a key still LOADING whose bytes never came (its read failed) leaves the tier */
+static int64_t tier_cancel(Core *c, int which, int32_t key) {
+    Tier *t = &c->tier[which];
+    int layer = KEY_LAYER(c, key), e = key % c->n_expert;
+    if (t->pins[key]) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: cancelling (%d, %d), expected it unpinned, got %d pins",
+                     TIER_NAME[which], layer, e, t->pins[key]);
+        return -1;
+    }
+    if (t->state[key] != LOADING) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: cancelling (%d, %d), expected LOADING", TIER_NAME[which], layer, e);
+        return -1;
+    }
+    t->state[key] = EMPTY;
+    int64_t nbytes = t->unit[layer];
+    t->used -= nbytes;
+    tier_forget(t, key);
+    return nbytes;
+}
+
 static int tier_pin(Core *c, int which, int32_t key) {
     Tier *t = &c->tier[which];
     if (t->state[key] == EMPTY) {
@@ -1024,6 +1044,47 @@ out:
     return result;
 }
 
+/* abort(layer, experts, to_device, to_host, demotions): ExpertCache.abort; returns the device keys dropped */
+static PyObject *Core_abort(Core *c, PyObject *args) {
+    int layer;
+    PyObject *e, *d, *h, *dm;
+    if (!PyArg_ParseTuple(args, "iOOOO", &layer, &e, &d, &h, &dm)) return NULL;
+    PlanArgs p;
+    int32_t *keys = NULL;
+    Py_ssize_t nk;
+    Keys dropped = {0};
+    PyObject *result = NULL;
+    int changed = 0;
+    if (plan_args(e, d, d, h, &p)) goto out;
+    if (for_keys(c, dm, &keys, &nk)) goto out;
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        if (c->tier[1].state[keys[i]] != LOADING || c->tier[1].pins[keys[i]]) continue;
+        int64_t freed = tier_cancel(c, 1, keys[i]);
+        if (freed < 0) goto out;
+        int64_t *cnt = counter(c, 1, KEY_LAYER(c, keys[i]));
+        cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
+        changed = 1;
+    }
+    for (size_t i = 0; i < p.m; i++) {
+        int32_t key = layer * c->n_expert + (int32_t)p.experts[i];
+        for (int which = 0; which < 2; which++) {
+            if (!(which == 0 ? p.tod[i] : p.toh[i]) || c->tier[which].state[key] != LOADING || c->tier[which].pins[key]) continue;
+            int64_t freed = tier_cancel(c, which, key);
+            if (freed < 0) goto out;
+            int64_t *cnt = counter(c, which, layer);
+            cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
+            if (which == 0 && (host_covered(c, key, 0) || keys_push(&dropped, key))) { PyErr_NoMemory(); goto out; }
+            changed = 1;
+        }
+    }
+    if (changed) c->generation++;
+    result = keys_tuple(&dropped);
+out:
+    free(keys), free(dropped.a);
+    plan_args_release(&p);
+    return result;
+}
+
 /* admit_host(keys): ExpertCache.admit_host; returns (admitted, evicted) */
 static PyObject *Core_admit_host(Core *c, PyObject *args) {
     PyObject *seq;
@@ -1138,6 +1199,7 @@ static PyMethodDef Core_methods[] = {
     {"commit", (PyCFunction)Core_commit, METH_VARARGS, "apply a plan"},
     {"mark_ready", (PyCFunction)Core_mark_ready, METH_VARARGS, "admitted slots LOADING -> READY"},
     {"release", (PyCFunction)Core_release, METH_VARARGS, "unpin a plan's experts"},
+    {"abort", (PyCFunction)Core_abort, METH_VARARGS, "drop a failed plan's admissions still loading"},
     {"admit_host", (PyCFunction)Core_admit_host, METH_VARARGS, "admit keys read outside a plan into the host tier"},
     {"seed_one", (PyCFunction)Core_seed_one, METH_VARARGS, "seed one key: 0 device, 1 host, -1 not placed"},
     {"held", (PyCFunction)Core_held, METH_VARARGS, "flags of a layer's experts a tier holds"},

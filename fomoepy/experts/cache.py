@@ -301,6 +301,37 @@ class ExpertCache:
             if item.to_device or item.source is Source.DEVICE:
                 self._dev(plan.layer).unpin(key)
 
+    def abort(self, plan: Plan) -> list[Key]:
+        """A released plan whose bytes did not all arrive (a read failed): the slots it admitted that are
+        still LOADING are dropped, so no later plan takes them for held. Returns the device keys dropped
+        (the device may hold part of them). Counted as evictions. A slot another plan in flight has pinned
+        stays: that plan waits for the same bytes, and its own abort drops it."""
+        dropped, changed = [], False
+        layer = plan.layer
+        device, host = self._dev(layer), self.host
+        for key in plan.demotions:
+            if host.state(key) is SlotState.LOADING and not host.pinned(key):
+                self._cancelled(self.stats.host, key, host.cancel(key))
+                changed = True
+        for item in plan.items:
+            key = (layer, item.expert)
+            if item.to_device and device.state(key) is SlotState.LOADING and not device.pinned(key):
+                self._cancelled(self.stats.device, key, device.cancel(key))
+                host.policy.covered(key, False)
+                dropped.append(key)
+                changed = True
+            if item.to_host and host.state(key) is SlotState.LOADING and not host.pinned(key):
+                self._cancelled(self.stats.host, key, host.cancel(key))
+                changed = True
+        if changed:
+            self.generation += 1
+        return dropped
+
+    @staticmethod
+    def _cancelled(counters, key: Key, freed: int) -> None:
+        counters[key[0]].evicted += 1
+        counters[key[0]].evicted_bytes += freed
+
     def access(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> Plan:
         """plan + commit + mark_ready + release, for synchronous callers."""
         plan = self.plan(layer, ids, sequences)

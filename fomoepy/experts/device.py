@@ -62,7 +62,7 @@ class StepExperts:
     `fetched[e]` holds the store bytes of every expert not in the device tier once `landed()` has
     returned; before that, only those at hand (host-tier hits, prefetches handed over)."""
 
-    __slots__ = ("plan", "phase", "fetched", "pending", "_finish", "_done", "wait_seconds")
+    __slots__ = ("plan", "phase", "fetched", "pending", "_finish", "_done", "failed", "wait_seconds")
 
     def __init__(self, plan, phase: Phase, fetched: dict[int, ExpertBytes], pending: dict, finish: Callable[[], None]):
         self.plan = plan
@@ -71,6 +71,7 @@ class StepExperts:
         self.pending = pending  # expert -> its read in flight
         self._finish = finish
         self._done = False
+        self.failed = False  # a read of this step raised: its bytes never came
         self.wait_seconds = 0.0
 
     def as_they_land(self) -> Iterator[tuple[int, ExpertBytes]]:
@@ -100,6 +101,9 @@ class StepExperts:
             t = time.perf_counter()
             try:
                 self._finish()
+            except BaseException:
+                self.failed = True
+                raise
             finally:
                 self.wait_seconds += time.perf_counter() - t
         return self.fetched

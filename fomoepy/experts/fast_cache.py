@@ -187,6 +187,13 @@ class CoreCache:
     def release(self, plan: CorePlan) -> None:
         self._core.release(plan.layer, *plan.arrays)
 
+    def abort(self, plan: CorePlan) -> list[Key]:
+        """ExpertCache.abort: a released plan's admissions still LOADING are dropped."""
+        experts, _, to_device, to_host = plan.arrays
+        n = self.n_expert
+        dropped = self._core.abort(plan.layer, experts, to_device, to_host, tuple(l * n + e for l, e in plan.demotions))
+        return [divmod(k, n) for k in dropped]
+
     def access(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> CorePlan:
         plan = self.plan(layer, ids, sequences)
         self.commit(plan)

@@ -89,6 +89,11 @@ class MoEStep:
                 experts.landed()  # a device that failed still lands the step's reads: no slot stays LOADING
             finally:
                 s.release(plan)
+                if experts.failed:
+                    # a read failed: the slots the plan admitted for bytes that never came are dropped, so no
+                    # later step takes them for held (and what the device installed of them goes too)
+                    for key in s.abort(plan):
+                        device.evict(key)
         t4 = time.perf_counter()
         if self.records is not None or self.timer is not None:
             wait, prefetched = experts.wait_seconds, s.background_wait - background  # prefetched: this layer's

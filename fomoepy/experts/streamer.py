@@ -283,6 +283,11 @@ class ExpertStreamer:
             self._backfill_thread.set_io_busy(False, self.tokens_seen)
         return fetched
 
+    def abort(self, plan: Plan) -> list[Key]:
+        """After release, for a step whose reads did not all land: its admissions still loading are
+        dropped from the tiers; returns the device-tier keys dropped."""
+        return self.cache.abort(plan)
+
     def release(self, plan: Plan) -> None:
         self.cache.release(plan)
         # A source that maps its file (the GGUF, no store), when the user bounded memory, unmaps what

@@ -71,6 +71,9 @@ class TierDirectory:
         """Experts of `layer` held here (LOADING or READY): a live read-only view."""
         return self._by_layer.get(layer, frozenset())
 
+    def pinned(self, key: Key) -> bool:
+        return key in self._pins
+
     def evictable(self, key: Key) -> bool:
         return key not in self._pins and self._state.get(key) is SlotState.READY
 
@@ -147,6 +150,19 @@ class TierDirectory:
             raise RuntimeError(f"tier {self.name}: evicting {key}, expected it unpinned, got {self._pins[key]} pins")
         if self._state.get(key) is not SlotState.READY:
             raise RuntimeError(f"tier {self.name}: evicting {key}, expected READY, got {self.state(key).value}")
+        del self._state[key]
+        nbytes = self._bytes.pop(key)
+        self._by_layer[key[0]].discard(key[1])
+        self.used -= nbytes
+        self.policy.forget(key)
+        return nbytes
+
+    def cancel(self, key: Key) -> int:
+        """Drop a key still LOADING whose bytes will never come (its read failed); returns the bytes freed."""
+        if key in self._pins:
+            raise RuntimeError(f"tier {self.name}: cancelling {key}, expected it unpinned, got {self._pins[key]} pins")
+        if self._state.get(key) is not SlotState.LOADING:
+            raise RuntimeError(f"tier {self.name}: cancelling {key}, expected LOADING, got {self.state(key).value}")
         del self._state[key]
         nbytes = self._bytes.pop(key)
         self._by_layer[key[0]].discard(key[1])
