@@ -3,10 +3,9 @@ llama.cpp (llama-cpp-python, the `bench` extra) on the same GGUF, in the same ru
 
 The model (n_embd 1024, 8 layers, 16 q / 4 kv heads of 64, 64 experts top-8, expert_ff 512, gate/up
 Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. Rows:
-- `cpu` (ggml on the quantized bytes; no expert tier: experts are read from the mapped GGUF);
-- `cpu, … resident slots`: the same with every expert copied into its layer's slot tensors (repacked
-  where ggml has kernels for it) and each layer's routed experts one `mul_mat_id` graph
-  (fomoepy.runtime.ggml_slots; not yet the engine's path);
+- `cpu` (ggml on the quantized bytes): its default tier holds every expert in slot tensors, repacked
+  where ggml has kernels for the type (filled at load, as llama.cpp repacks at load), and each layer's
+  routed experts are one `mul_mat_id` graph over them (fomoepy.runtime.ggml_experts);
 - `reference cold`: the compute-ready tier is emptied after the prefill, so the first decoded token
   meets an empty tier (every first touch of an expert dequantises it);
 - `reference warm`: the same work again with the tier filled;
@@ -31,7 +30,6 @@ from results import record
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
-from fomoepy.runtime.ggml_slots import resident_slot_layers
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -78,13 +76,8 @@ def main() -> int:
     load_s = time.perf_counter() - t
     prompt = rng.integers(0, cpu.spec.n_vocab - 3, size=args.prompt)
     r = timed_run(cpu, prompt, args.decode)
-    rows.append(f"| fomoepy cpu (ggml, quantized bytes in place) | {r[0]:.1f} | {r[1]:.1f} |")
+    rows.append(f"| fomoepy cpu (ggml; experts in the tier's slots, repacked; one mul_mat_id per layer) | {r[0]:.1f} | {r[1]:.1f} |")
     cpu.close()
-    slots = Engine(path, EngineOptions(backend="cpu", threads=threads))
-    slots.experts.device.use_resident_slots(resident_slot_layers(slots.source, slots.spec.moe.n_expert))
-    r = timed_run(slots, prompt, args.decode)
-    rows.append(f"| fomoepy cpu, each layer's experts one mul_mat_id over resident slots (repacked) | {r[0]:.1f} | {r[1]:.1f} |")
-    slots.close()
     ref = Engine(path, EngineOptions(backend="reference", threads=threads))
     cold = timed_run(ref, prompt, args.decode, cold=True)
     warm = timed_run(ref, prompt, args.decode)

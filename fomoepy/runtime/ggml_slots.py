@@ -158,6 +158,41 @@ class SlotLayer:
             g = self._graphs[key] = _SlotGraph(self, T, k, threads)
         return g.run(h, ids, weights)
 
+    def pick_outputs(self, rows: np.ndarray, slots: np.ndarray, threads: int) -> np.ndarray:
+        """rows [P, K], slots [P] → [P, K]: expert_{slots[p]}(rows[p]) for each pick p, unweighted, in one
+        graph built for the call: `ffn`'s y with each (token, pick) a row of its own. mul_mat_id computes
+        each slot's rows in the order they come, with the kernels it picks for their count, whatever the
+        other slots do: so a pick's result here is its result inside `ffn` when the picks of each slot
+        listed here are those `ffn` gives it, token-major. A step whose experts are not all in slots at
+        once (some still being read, or more misses than staging slots) is computed in such rounds."""
+        rows = np.ascontiguousarray(rows, dtype=F32)
+        ids = _checked_slots(np.asarray(slots).reshape(1, -1), self.n_slots)
+        P, K, F = ids.shape[1], self.n_embd, self.n_ff
+        if rows.shape != (P, K):
+            raise FomoeError(f"expected rows [{P}, {K}], got {rows.shape}")
+        scratch = 4 * 4 * F * P + 64 * 16  # a, b, silu(a), its product with b [F, 1, P]; float32
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * (_OVERHEAD + 64) + 2 * ggml.ggml_graph_overhead() + scratch,
+                                                   mem_buffer=None, no_alloc=False))  # fmt: skip
+        if not ctx:
+            raise FomoeError("ggml could not allocate a graph context")
+        try:
+            ggml.ggml_set_no_alloc(ctx, True)  # inputs and output are numpy memory
+            x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, 1, P), rows)
+            it = _wrap(ctx, ggml.GGML_TYPE_I32, (1, P), ids)
+            ggml.ggml_set_no_alloc(ctx, False)
+            gate, up, down = (m.tensor for m in self.mats)
+            act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, ggml.ggml_mul_mat_id(ctx, gate, x, it)), ggml.ggml_mul_mat_id(ctx, up, x, it))
+            ggml.ggml_set_no_alloc(ctx, True)
+            y = ggml.ggml_mul_mat_id(ctx, down, act, it)  # [K, 1, P]
+            out = np.empty((P, K), F32)
+            y.contents.data = out.ctypes.data
+            gf = ggml.ggml_new_graph(ctx)
+            ggml.ggml_build_forward_expand(gf, y)
+            _compute(gf, threads)
+        finally:
+            ggml.ggml_free(ctx)
+        return out
+
     def ffn_grouped(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
         """`ffn` for many tokens, each slot's tokens as the rows of one product per matrix (a graph built
         for the call): a repacked matrix then runs its GEMM kernels on 4 rows at a time, where
@@ -302,15 +337,3 @@ def _compute(gf, threads: int) -> None:
     plan, work = _plan(gf, threads)
     _run(gf, plan)
     del work
-
-
-def resident_slot_layers(source, n_expert: int, repack: bool = True) -> list[SlotLayer]:
-    """Every layer's experts read from `source` (a GGUFExpertSource or store: `.layers`, `.read(layer,
-    expert)`) into a SlotLayer of n_expert slots, expert e in slot e: a model held whole in memory."""
-    layers = []
-    for layout in source.layers:
-        layer = SlotLayer([(p.qtype, p.shape) for p in layout.parts], n_expert, repack)
-        for e in range(n_expert):
-            layer.set_slot(e, source.read(layout.layer, e))
-        layers.append(layer)
-    return layers
