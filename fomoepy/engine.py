@@ -81,18 +81,21 @@ class Engine:
         device_unit = [device.expert_nbytes(layer.layer) for layer in layers]
         if not is_ggml_cpu(self.ops):
             device_bytes = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
+        # a cpu tier that holds the whole model is filled at load and never evicts: no policy decides
+        # anything there (the cheapest one keeps the books), and no prediction has a read to start
+        whole = is_ggml_cpu(self.ops) and device_bytes >= sum(device_unit) * moe.n_expert
+        policy = "lru" if whole else o.cache_policy
         # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
         cache = ExpertCache(
             self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device_bytes, host,
-            device_policy=make_policy(o.cache_policy), host_policy=make_policy(o.cache_policy),
+            device_policy=make_policy(policy), host_policy=make_policy(policy),
             device_expert_bytes=device_unit, device_of_layer=self.placement.device_of_layer,
         )  # fmt: skip
         streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace,
                                   download=device.download if device.can_download else None,
                                   buffers=getattr(device, "host_buffer", None))  # fmt: skip
-        step = MoEStep(streamer, device, predicts=self.weights.routers() is not None, timer=self.timer)
-        if is_ggml_cpu(self.ops) and not o.freq_profile and device_bytes >= sum(device_unit) * moe.n_expert:
-            # a tier that holds the whole model is filled at load, as llama.cpp repacks its weights at load
+        step = MoEStep(streamer, device, predicts=self.weights.routers() is not None and not whole, timer=self.timer)
+        if whole:  # filled at load (after a profile's seeds, if any), as llama.cpp repacks its weights at load
             seeded = cache.seed([(layer.layer, e) for layer in layers for e in range(moe.n_expert)])[0]
             drop = getattr(self.source, "drop", None)  # a mapped GGUF: its pages back to the page cache
             for layer in layers:

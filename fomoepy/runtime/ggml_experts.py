@@ -42,7 +42,7 @@ class GgmlExperts:
             # every pool may take the whole budget: the cache keeps the sum of what they hold within it,
             # and a slot's memory is touched only once an expert is set into it
             n_tier = min(len(members) * n_expert, tier_bytes // store_expert_nbytes(members[0]))
-            self.pools[layout] = SlotPool(layout, n_tier, n_staging, repack)
+            self.pools[layout] = SlotPool(layout, n_tier, n_staging, n_expert, repack)
         self.pool_of = [self.pools[layout_of(layer)] for layer in layers]
 
     def expert_nbytes(self, layer: int) -> int:
@@ -65,9 +65,12 @@ class GgmlExperts:
         tier slot as its read lands). Otherwise in rounds (SlotLayer.pick_outputs): the tier's experts
         while the step's reads are in flight, then the rest, misses the tier does not keep in staging
         slots, as many rounds as they need; then the same weighted sum, in the same order, in numpy."""
-        order = np.argsort(ids, axis=1, kind="stable")
-        ids, weights = np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1).astype(F32, copy=False)
+        ids, weights = _ascending(ids, weights)
         pool, threads = self.pool_of[layer], self.ops.threads
+        slots = pool.slots_of(layer)[ids]  # [T, k]
+        if slots.min() >= 0:  # every expert in the tier: the one-graph product (a decode step's usual case)
+            experts.landed()
+            return pool.layer.ffn(h, slots, weights, threads)
         slot_of: dict[int, int] = {}
         missing = []
         for e in np.unique(ids).tolist():
@@ -76,9 +79,6 @@ class GgmlExperts:
                 slot_of[e] = pool.slot(key)
             else:
                 missing.append(e)
-        if not missing:
-            experts.landed()
-            return pool.layer.ffn(h, _slots(ids, slot_of), weights, threads)
         y = np.empty((*ids.shape, pool.layer.n_embd), F32)  # [T, k, K]: each pick's expert output
         early = list(slot_of) if any(f is not None for f in experts.pending.values()) else []
         try:
@@ -117,6 +117,15 @@ class GgmlExperts:
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
+
+
+def _ascending(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's picks (and their weights, as float32) in ascending expert id: the order of the sum."""
+    if ids.shape[0] == 1:  # a decode step: one row, plain indexing
+        order = np.argsort(ids[0], kind="stable")
+        return ids[:, order], weights[:, order].astype(F32, copy=False)
+    order = np.argsort(ids, axis=1, kind="stable")
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1).astype(F32, copy=False)
 
 
 def _slots(ids: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:

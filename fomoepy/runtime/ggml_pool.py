@@ -37,13 +37,14 @@ def layout_of(layer) -> Layout:
 class SlotPool:
     """`n_tier` tier slots and `n_staging` staging slots of one expert layout."""
 
-    def __init__(self, layout: Layout, n_tier: int, n_staging: int, repack: bool = True):
+    def __init__(self, layout: Layout, n_tier: int, n_staging: int, n_expert: int, repack: bool = True):
         if n_tier < 0 or n_staging < 1:
             raise FomoeError(f"expected >= 0 tier slots and >= 1 staging slot, got {n_tier} and {n_staging}")
         self.layer = SlotLayer(layout, n_tier + n_staging, repack)
-        self.n_tier, self.n_staging = n_tier, n_staging
+        self.n_tier, self.n_staging, self.n_expert = n_tier, n_staging, n_expert
         self._slot: dict[Key, int] = {}
         self._free = list(range(n_tier))  # a heap: the lowest free slot first
+        self._lut: dict[int, np.ndarray] = {}  # layer -> [n_expert] int32: each expert's slot, -1 where none
 
     @property
     def slot_nbytes(self) -> int:
@@ -59,6 +60,14 @@ class SlotPool:
     def slot(self, key: Key) -> int:
         return self._slot[key]
 
+    def slots_of(self, layer: int) -> np.ndarray:
+        """[n_expert] int32: the slot of each expert of `layer` the tier holds, -1 for the others (a
+        decode step maps its picks to slots with one lookup). Read-only to the caller."""
+        lut = self._lut.get(layer)
+        if lut is None:
+            lut = self._lut[layer] = np.full(self.n_expert, -1, np.int32)
+        return lut
+
     def install(self, key: Key, raw: Sequence[np.ndarray]) -> int:
         """Set the expert's store bytes into a free tier slot; returns it."""
         if key in self._slot:
@@ -72,12 +81,14 @@ class SlotPool:
             heapq.heappush(self._free, slot)
             raise
         self._slot[key] = slot
+        self.slots_of(key[0])[key[1]] = slot
         return slot
 
     def evict(self, key: Key) -> None:
         slot = self._slot.pop(key, None)
         if slot is None:
             raise FomoeError(f"evicting {key}: expected it in a slot, got none")
+        self.slots_of(key[0])[key[1]] = -1
         heapq.heappush(self._free, slot)
 
     def stage(self, i: int, raw: Sequence[np.ndarray]) -> int:
@@ -90,3 +101,4 @@ class SlotPool:
     def close(self) -> None:
         self.layer.close()
         self._slot.clear()
+        self._lut.clear()
