@@ -13,6 +13,7 @@ import numpy as np
 
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime.cpu import CpuBackend
+from fomoepy.runtime.ggml_dense import AttentionGraphs, rms_norm_rows
 from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
 
 # 2-D tensors that are not the right-hand side of a product (used elementwise)
@@ -34,6 +35,7 @@ class GgmlBackend(CpuBackend):
         26-27 tok/s)."""
         super().__init__(1)
         self.threads = threads or 1
+        self._attention: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, the layer's AttentionGraphs)
 
     def load_weight(self, gf: GGUFFile, info: TensorInfo):
         """2-D product weights stay as their file bytes (a view of the mapped GGUF); the rest float32."""
@@ -54,3 +56,28 @@ class GgmlBackend(CpuBackend):
         if isinstance(w, QuantMatrix):
             return mul_mat(x, w, self.threads)
         return CpuBackend.linear_rows(x, w)
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """ggml's RMS norm (row sums in double, as llama.cpp's), times w in numpy: the same ops as the
+        decode graphs (fomoepy.runtime.ggml_dense), so a row gets the same bits either way."""
+        return rms_norm_rows(x, eps, self.threads) * w
+
+    def fuses_attention(self, a) -> bool:
+        """Whether attention_inputs / attention_output serve this attention (not the gated kind)."""
+        return not a.gated
+
+    def attention_inputs(self, x: np.ndarray, w, a, eps: float) -> list[np.ndarray]:
+        """A decode row's attention norm, q/k/v products and q/k norms in one graph: q [1, H, hd], k, v."""
+        return self._graphs(w, a, eps).inputs(x)
+
+    def attention_output(self, x: np.ndarray, attn: np.ndarray, w, a, eps: float) -> list[np.ndarray]:
+        """The output product, the residual, the FFN norm and the router in one graph: x', h, logits."""
+        return self._graphs(w, a, eps).output(x, attn)
+
+    def _graphs(self, w, a, eps: float) -> AttentionGraphs:
+        q = w.attn_q  # a layer view is made per call; its tensors are the engine's, one object each
+        entry = self._attention.get(id(q))
+        if entry is None or entry[0] is not q:  # the weight is kept with its graphs: its id is not reused
+            entry = self._attention[id(q)] = (q, AttentionGraphs(w, a, eps, self.threads))
+        return entry[1]
+
