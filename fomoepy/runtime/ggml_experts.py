@@ -70,7 +70,7 @@ class GgmlExperts:
         slots = pool.slots_of(layer)[ids]  # [T, k]
         if slots.min() >= 0:  # every expert in the tier: the one-graph product (a decode step's usual case)
             experts.landed()
-            return pool.layer.ffn(h, slots, weights, threads)
+            return pool.layer.ffn_unchecked(np.ascontiguousarray(h, dtype=F32), slots, weights, threads)
         slot_of: dict[int, int] = {}
         missing = []
         for e in np.unique(ids).tolist():

@@ -142,8 +142,12 @@ class SlotLayer:
         T, k = slots.shape
         if h.shape != (T, self.n_embd) or weights.shape != (T, k):
             raise FomoeError(f"expected h [{T}, {self.n_embd}] and weights [{T}, {k}], got {h.shape} and {weights.shape}")
-        ids = _checked_slots(slots, self.n_slots)
-        weights = np.ascontiguousarray(weights, dtype=F32)
+        return self.ffn_unchecked(h, _checked_slots(slots, self.n_slots), np.ascontiguousarray(weights, dtype=F32), threads)
+
+    def ffn_unchecked(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
+        """`ffn` for a caller whose arrays are already right: h [T, K] and weights [T, k] float32 and
+        C-contiguous, ids [T, k] int32 slots in range (the MoE step's, from its slot lookup)."""
+        T, k = ids.shape
         if T > _MAX_CACHED_TOKENS:
             g = _SlotGraph(self, T, k, threads)
             try:
