@@ -20,6 +20,7 @@ from fomoepy.experts.cache import ExpertCache
 from fomoepy.experts.device import Phase
 from fomoepy.experts.policy import make_policy, policy_demotes
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
+from fomoepy.experts.resident_step import ResidentStep
 from fomoepy.experts.step import MoEStep
 from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.generation import Generation
@@ -81,29 +82,30 @@ class Engine:
         device_unit = [device.expert_nbytes(layer.layer) for layer in layers]
         if not is_ggml_cpu(self.ops):
             device_bytes = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
-        # a cpu tier that holds the whole model is filled at load and never evicts: no policy decides
-        # anything there (the cheapest one keeps the books), and no prediction has a read to start
+        # a cpu tier that holds the whole model is filled at load and never misses: its steps skip the
+        # cache's plans (fomoepy.experts.resident_step)
         whole = is_ggml_cpu(self.ops) and device_bytes >= sum(device_unit) * moe.n_expert
-        policy = "lru" if whole else o.cache_policy
         # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
         cache = ExpertCache(
             self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device_bytes, host,
-            device_policy=make_policy(policy), host_policy=make_policy(policy),
+            device_policy=make_policy(o.cache_policy), host_policy=make_policy(o.cache_policy),
             device_expert_bytes=device_unit, device_of_layer=self.placement.device_of_layer,
         )  # fmt: skip
         streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace,
                                   download=device.download if device.can_download else None,
                                   buffers=getattr(device, "host_buffer", None))  # fmt: skip
-        step = MoEStep(streamer, device, predicts=self.weights.routers() is not None and not whole, timer=self.timer)
-        if whole:  # filled at load (after a profile's seeds, if any), as llama.cpp repacks its weights at load
-            seeded = cache.seed([(layer.layer, e) for layer in layers for e in range(moe.n_expert)])[0]
-            drop = getattr(self.source, "drop", None)  # a mapped GGUF: its pages back to the page cache
-            for layer in layers:
-                experts = [e for il, e in seeded if il == layer.layer]
-                for e in experts:
-                    device.install((layer.layer, e), self.source.read(layer.layer, e))
-                if drop is not None:
-                    drop(layer.layer, experts)
+        if not whole:
+            return MoEStep(streamer, device, predicts=self.weights.routers() is not None, timer=self.timer)
+        step = ResidentStep(streamer, device, timer=self.timer)
+        # filled at load (after a profile's seeds, if any), as llama.cpp repacks its weights at load
+        seeded = cache.seed([(layer.layer, e) for layer in layers for e in range(moe.n_expert)])[0]
+        drop = getattr(self.source, "drop", None)  # a mapped GGUF: its pages back to the page cache
+        for layer in layers:
+            experts = [e for il, e in seeded if il == layer.layer]
+            for e in experts:
+                device.install((layer.layer, e), self.source.read(layer.layer, e))
+            if drop is not None:
+                drop(layer.layer, experts)
         return step
 
     def _default_device_bytes(self, unit: list[int]) -> int:

@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType as QT
 
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.errors import FomoeError
-from fomoepy.experts.policy import LRUPolicy
+from fomoepy.experts.device import Phase
+from fomoepy.experts.resident_step import ResidentStep
 from fomoepy.runtime.ggml_pool import SlotPool
 
 K, F = 256, 256
@@ -66,6 +67,28 @@ def test_the_engine_sizes_the_tier_from_ram_cache_and_fills_a_whole_one_at_load(
         assert pool.n_tier == n_slots and cache.device.capacity == n_slots * unit and not cache.host.enabled
         filled = n_slots == whole  # only a tier that holds the whole model is filled at load
         assert len(pool) == (whole if filled else 0) and len(cache.device) == len(pool)
-        # ... and there no policy decides anything, nor a prediction starts a read
-        assert isinstance(cache.device.policy, LRUPolicy) == filled and engine.experts.predicts == (not filled)
+        # ... and there a step skips the cache's plans, and no prediction starts a read
+        assert isinstance(engine.experts, ResidentStep) == filled and engine.experts.predicts == (not filled)
         engine.close()
+
+
+def test_a_whole_tiers_steps_count_what_plans_count_and_compute_the_same():
+    # the resident step skips the cache's plans: its device hits are the accesses a planned step counts
+    # (hits and misses of a tier one expert short of whole), its logits those of the planned steps
+    tokens = np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")
+    probe = Engine(MODEL, EngineOptions(backend="cpu", threads=1, ram_cache=0))
+    whole = sum(layer.expert_nbytes for layer in probe.source.layers) * probe.spec.moe.n_expert
+    probe.close()
+    runs = []
+    for ram_cache in (whole, whole - 1):
+        engine = Engine(MODEL, EngineOptions(backend="cpu", threads=1, ram_cache=ram_cache))
+        engine.experts.records = []
+        state = engine.new_state()
+        logits = [engine.eval(state, tokens[:5])[-1]] + [engine.eval(state, [t], phase=Phase.DECODE)[-1] for t in tokens[5:9]]
+        counters = engine.experts.streamer.cache.stats.device
+        runs.append((logits, [(c.hits + c.misses, c.hit_bytes + c.miss_bytes, c.misses) for c in counters], len(engine.experts.records)))
+        engine.close()
+    (l0, c0, r0), (l1, c1, r1) = runs
+    assert all(np.array_equal(a, b) for a, b in zip(l0, l1))
+    assert all(m == 0 for *_, m in c0) and [c[:2] for c in c0] == [c[:2] for c in c1] and c0[0][0] > 0
+    assert r0 == r1 == 5 * len(c0)  # a timing record per layer step
