@@ -10,7 +10,7 @@ from float32_bounds import U
 
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.device import Phase
-from fomoepy.runtime.ggml_dense import rms_norm_rows
+from fomoepy.runtime.ggml_dense import RopeSpec, rms_norm_rows, rope_neox
 
 F32 = np.float32
 
@@ -31,6 +31,27 @@ def test_rms_norm_rows_is_x_over_its_rms_and_each_row_its_own(threads):
     for i in (0, 4):  # a row alone: the bits it gets among the others
         assert np.array_equal(rms_norm_rows(x[i, 1], eps, threads), got[i, 1])
     assert not np.array_equal(rms_norm_rows(x, 1.0, threads), got)  # eps is the graph's, not a cached one's
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # 32 of 64: the dims past it pass through unchanged
+def test_rope_neox_rotates_pairs_i_and_i_plus_half_by_pos_times_base_to_the_minus_2i_over_d(rotary_dim):
+    # ggml computes θ_i = pos·s^i with s = base^(-2/d) rounded to float32 and multiplied in i times, each
+    # product rounded: |Δθ_i| ≤ (2i + 1)·u·θ_i; cos and sin add u each, the rotation's two products and
+    # its sum 2u of |x1| + |x2|: |Δout| ≤ (|x1| + |x2|)·((2i + 1)·u·θ_i + 3u)
+    rng = np.random.default_rng(2)
+    T, heads, hd, base = 5, 3, 64, 10000.0
+    x = rng.standard_normal((T, heads, hd)).astype(F32)
+    positions = np.array([0, 1, 17, 200, 255])
+    got = rope_neox(x, positions, RopeSpec(rotary_dim, base), 1)
+    half = rotary_dim // 2
+    i = np.arange(half)
+    theta = positions[:, None, None].astype(np.float64) * base ** (-2.0 * i / rotary_dim)  # [T, 1, half]
+    x1, x2 = x[..., :half].astype(np.float64), x[..., half:rotary_dim].astype(np.float64)
+    bound = (np.abs(x1) + np.abs(x2)) * ((2 * i + 1) * U * theta + 3 * U)
+    assert np.all(np.abs(got[..., :half] - (x1 * np.cos(theta) - x2 * np.sin(theta))) <= bound)
+    assert np.all(np.abs(got[..., half:rotary_dim] - (x2 * np.cos(theta) + x1 * np.sin(theta))) <= bound)
+    assert np.array_equal(got[..., rotary_dim:], x[..., rotary_dim:])
+    assert np.array_equal(rope_neox(x[3:4], positions[3:4], RopeSpec(rotary_dim, base), 1), got[3:4])  # a row alone
 
 
 @pytest.mark.parametrize("name", ["qwen3moe_q4_k_m", "qwen3moe_q6_k"])

@@ -38,8 +38,9 @@ def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
     attention (ops.attention_inputs / attention_output: the cpu backend's graphs) → (x + attention,
     its FFN norm h, the router's logits of h): the ops of attention_mixer, its residual, the FFN norm
     and the router's product, in fewer calls."""
-    q, k, v = ops.attention_inputs(x, w, a, eps)  # q [1, H, hd], k [1, Hkv, hd] normed; v [1, Hkv·hd]
-    out = _rope_attend(ops, a, q, k, v, s.state.layers[il], s.state.n_past)
+    n_past = s.state.n_past
+    q, k, v = ops.attention_inputs(x, w, a, eps, n_past)  # q [1, H, hd], k [1, Hkv, hd] normed, rotated; v [1, Hkv·hd]
+    out = _cache_attend(ops, q, k, v, s.state.layers[il], n_past)
     return ops.attention_output(x, out.reshape(1, -1), w, a, eps)
 
 
@@ -47,17 +48,15 @@ def _attend(ops, w, a: AttentionSpec, eps: float, q, k, v, cache: KVCache, n_pas
     """One sequence's T new rows: q [T, H·hd], k, v [T, Hkv·hd] → [T, H, hd]."""
     T = q.shape[0]
     H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
-    q = ops.rms_norm(q.reshape(T, H, hd), w.attn_q_norm, eps)
-    k = ops.rms_norm(k.reshape(T, Hkv, hd), w.attn_k_norm, eps)
-    return _rope_attend(ops, a, q, k, v, cache, n_past)
-
-
-def _rope_attend(ops, a: AttentionSpec, q, k, v, cache: KVCache, n_past: int) -> np.ndarray:
-    """q [T, H, hd], k [T, Hkv, hd] normed, v [T, Hkv·hd] → [T, H, hd]: RoPE, the cache, attention."""
-    T, Hkv, hd = k.shape
     positions = np.arange(n_past, n_past + T)
-    q = ops.rope_neox(q, positions, a.rotary_dim, a.rope_base)
-    k = ops.rope_neox(k, positions, a.rotary_dim, a.rope_base)
+    q = ops.rope_neox(ops.rms_norm(q.reshape(T, H, hd), w.attn_q_norm, eps), positions, a.rotary_dim, a.rope_base)
+    k = ops.rope_neox(ops.rms_norm(k.reshape(T, Hkv, hd), w.attn_k_norm, eps), positions, a.rotary_dim, a.rope_base)
+    return _cache_attend(ops, q, k, v, cache, n_past)
+
+
+def _cache_attend(ops, q, k, v, cache: KVCache, n_past: int) -> np.ndarray:
+    """q [T, H, hd], k [T, Hkv, hd] normed and rotated, v [T, Hkv·hd] → [T, H, hd]: into the cache, attention."""
+    T, Hkv, hd = k.shape
     cache.k[n_past : n_past + T] = k
     cache.v[n_past : n_past + T] = v.reshape(T, Hkv, hd)
     return ops.attention(q, cache.k, cache.v, n_past)

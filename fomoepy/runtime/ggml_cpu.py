@@ -13,7 +13,7 @@ import numpy as np
 
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime.cpu import CpuBackend
-from fomoepy.runtime.ggml_dense import AttentionGraphs, rms_norm_rows
+from fomoepy.runtime.ggml_dense import AttentionGraphs, RopeSpec, rms_norm_rows, rope_neox
 from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
 
 # 2-D tensors that are not the right-hand side of a product (used elementwise)
@@ -62,13 +62,17 @@ class GgmlBackend(CpuBackend):
         decode graphs (fomoepy.runtime.ggml_dense), so a row gets the same bits either way."""
         return rms_norm_rows(x, eps, self.threads) * w
 
+    def rope_neox(self, x: np.ndarray, positions: np.ndarray, rotary_dim: int, base: float) -> np.ndarray:
+        """ggml's NEOX RoPE (angles in float32, as llama.cpp's): the decode graphs' op."""
+        return rope_neox(x, positions, RopeSpec(rotary_dim, base), self.threads)
+
     def fuses_attention(self, a) -> bool:
         """Whether attention_inputs / attention_output serve this attention (not the gated kind)."""
         return not a.gated
 
-    def attention_inputs(self, x: np.ndarray, w, a, eps: float) -> list[np.ndarray]:
-        """A decode row's attention norm, q/k/v products and q/k norms in one graph: q [1, H, hd], k, v."""
-        return self._graphs(w, a, eps).inputs(x)
+    def attention_inputs(self, x: np.ndarray, w, a, eps: float, position: int) -> list[np.ndarray]:
+        """A decode row's attention norm, q/k/v products, q/k norms and RoPE in one graph: q [1, H, hd], k, v."""
+        return self._graphs(w, a, eps).inputs(x, position)
 
     def attention_output(self, x: np.ndarray, attn: np.ndarray, w, a, eps: float) -> list[np.ndarray]:
         """The output product, the residual, the FFN norm and the router in one graph: x', h, logits."""
