@@ -70,6 +70,30 @@ def test_a_decode_rows_graphs_give_the_op_by_op_paths_bits(name):
     assert all(np.array_equal(a, b) for a, b in zip(*runs))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_graph_gives_the_op_by_op_paths_bits(threads):
+    # at the graphs' own outputs: a model's logits can absorb an attention difference (x + o rounds it away)
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=threads))
+    ops, a, eps = engine.ops, engine.spec.attention, engine.spec.rms_eps
+    H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+    rng = np.random.default_rng(threads)
+    for il, position in ((0, 0), (1, 37), (1, 200)):
+        w = engine.weights.layer(il)
+        x = rng.standard_normal((1, engine.spec.n_embd)).astype(F32)
+        q, k, v = ops.attention_inputs(x, w, a, eps, position)
+        xn = ops.rms_norm(x, w.attn_norm, eps)
+        at = np.array([position])
+        want_q = ops.rope_neox(ops.rms_norm(ops.linear(xn, w.attn_q).reshape(1, H, hd), w.attn_q_norm, eps), at, a.rotary_dim, a.rope_base)
+        want_k = ops.rope_neox(ops.rms_norm(ops.linear(xn, w.attn_k).reshape(1, Hkv, hd), w.attn_k_norm, eps), at, a.rotary_dim, a.rope_base)
+        assert np.array_equal(q, want_q) and np.array_equal(k, want_k) and np.array_equal(v, ops.linear(xn, w.attn_v))
+        attn = rng.standard_normal((1, H * hd)).astype(F32)
+        x2, h, logits = ops.attention_output(x, attn, w, a, eps)
+        want_x2 = x + ops.linear(attn, w.attn_output)
+        want_h = ops.rms_norm(want_x2, w.ffn_norm, eps)
+        assert np.array_equal(x2, want_x2) and np.array_equal(h, want_h) and np.array_equal(logits, ops.linear(want_h, w.ffn_gate_inp))
+    engine.close()
+
+
 def test_gated_attention_keeps_the_op_by_op_path():
     engine = Engine(ORACLE / "qwen35moe_q4_k.gguf", EngineOptions(backend="cpu", threads=1))
     assert engine.spec.attention.gated and not engine.ops.fuses_attention(engine.spec.attention)
