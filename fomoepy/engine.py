@@ -19,8 +19,8 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.cache import ExpertCache
 from fomoepy.experts.device import Phase
 from fomoepy.experts.policy import make_policy, policy_demotes
-from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.resident_step import ResidentStep
+from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.step import MoEStep
 from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.generation import Generation

@@ -113,7 +113,7 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
     from fomoepy.experts.device import StepExperts
     from fomoepy.runtime.ggml_experts import GgmlExperts, expert_matrices
 
-    path, store, tokens, _ = stored
+    path, *_ = stored
     engine = Engine(path, EngineOptions(backend="cpu", threads=1))
     resident, layer, spec = engine.experts.device, 0, engine.spec
     layers, n_expert, k = resident.layers, spec.moe.n_expert, spec.moe.n_expert_used
@@ -137,7 +137,7 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
             some.install((layer, e), every[e])
         late = {e: Future() for e in np.unique(ids).tolist() if e not in held}  # reads in flight
         at_hand: dict = {}
-        split = StepExperts(None, Phase.DECODE, at_hand, late, lambda: at_hand.update(every))
+        split = StepExperts(None, Phase.DECODE, at_hand, late, lambda at_hand=at_hand: at_hand.update(every))
         assert np.array_equal(some.compute(layer, h, ids, weights, split), got)
         want = np.zeros_like(h)
         for t in range(T):

@@ -162,8 +162,11 @@ def test_an_engine_on_plain_slots_gives_the_per_expert_paths_logits_bit_for_bit(
                                 repack=False)  # fmt: skip
             device.compute = plain.compute  # every expert staged into a plain slot
         else:
-            device.compute = lambda layer, h, ids, w, experts: per_expert_ffn(
-                device.layers[layer].parts, h, ids, w, {e: engine.source.read(layer, e) for e in np.unique(ids).tolist()}, 2)
+            def per_expert(layer, h, ids, w, experts, device=device, engine=engine):
+                fetched = {e: engine.source.read(layer, e) for e in np.unique(ids).tolist()}
+                return per_expert_ffn(device.layers[layer].parts, h, ids, w, fetched, 2)
+
+            device.compute = per_expert
         state = engine.new_state()
         prefill = engine.eval(state, tokens[:-3], all_logits=True)
         steps = [engine.eval(state, [t])[-1] for t in tokens[-3:]]  # decode steps: one token each

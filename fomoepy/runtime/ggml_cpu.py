@@ -13,7 +13,12 @@ import numpy as np
 
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime.cpu import CpuBackend
-from fomoepy.runtime.ggml_dense import AttentionGraphs, RopeSpec, rms_norm_rows, rope_neox
+from fomoepy.runtime.ggml_dense import (
+    AttentionGraphs,
+    RopeSpec,
+    rms_norm_rows,
+    rope_neox,
+)
 from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
 
 # 2-D tensors that are not the right-hand side of a product (used elementwise)
