@@ -80,7 +80,7 @@ def main() -> int:
                 for _ in range(args.calls):
                     call()
                 times.setdefault(name, []).append((time.perf_counter() - t) / args.calls)
-        base = statistics.median(times["per-expert graphs (today)"])
+        base = statistics.median(times["per-expert graphs (earlier path)"])
         expert_bytes = sum(quants_nbytes(q, s) for q, s in PARTS)
         touched = len(np.unique(ids)) * expert_bytes
         for name, ts in times.items():
