@@ -102,8 +102,8 @@ def test_a_decode_steps_cached_graphs_equal_graphs_built_for_the_call(threads):
         assert np.array_equal(mul_mat(h, w, threads), fresh_mul_mat(h, w, threads))
 
 
-@pytest.mark.parametrize("T", [1, 5])
-def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T):
+@pytest.mark.parametrize("T, phase", [(1, Phase.DECODE), (5, Phase.DECODE), (5, Phase.PREFILL)])
+def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T, phase):
     """A step's experts through the device's compute: all resident (the one-graph product), none resident
     (every expert set into staging slots, in rounds when they outnumber them), some resident and
     computed while the others are still being read, equal bit for bit; and with plain (unrepacked) slots,
@@ -128,8 +128,8 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
         h = rng.standard_normal((T, spec.n_embd)).astype(F32)
         ids = np.stack([rng.permutation(n_expert)[:k] for _ in range(T)])
         weights = rng.dirichlet(np.ones(k), size=T).astype(F32)
-        got = resident.compute(layer, h, ids, weights, StepExperts(None, Phase.DECODE, {}, {}, lambda: None))
-        assert np.array_equal(none.compute(layer, h, ids, weights, StepExperts(None, Phase.DECODE, dict(every), {}, lambda: None)), got)
+        got = resident.compute(layer, h, ids, weights, StepExperts(None, phase, {}, {}, lambda: None))
+        assert np.array_equal(none.compute(layer, h, ids, weights, StepExperts(None, phase, dict(every), {}, lambda: None)), got)
         held = [int(e) for e in np.unique(ids)[:3]]
         for e in list(some.pool_of[layer]._slot):
             some.evict(e)
@@ -137,7 +137,7 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
             some.install((layer, e), every[e])
         late = {e: Future() for e in np.unique(ids).tolist() if e not in held}  # reads in flight
         at_hand: dict = {}
-        split = StepExperts(None, Phase.DECODE, at_hand, late, lambda at_hand=at_hand: at_hand.update(every))
+        split = StepExperts(None, phase, at_hand, late, lambda at_hand=at_hand: at_hand.update(every))
         assert np.array_equal(some.compute(layer, h, ids, weights, split), got)
         want = np.zeros_like(h)
         for t in range(T):
@@ -145,9 +145,36 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
                 e = int(ids[t, j])
                 y = fresh_expert_ffn(h[t : t + 1], [(np.zeros(1, np.int64), *expert_matrices(every[e], parts))], 1)[0]
                 want[t] += y[0] * weights[t, j]
-        assert np.array_equal(plain.compute(layer, h, ids, weights, StepExperts(None, Phase.DECODE, dict(every), {}, lambda: None)), want)
+        assert np.array_equal(plain.compute(layer, h, ids, weights, StepExperts(None, phase, dict(every), {}, lambda: None)), want)
     for device in (none, some, plain):
         device.close()
+    engine.close()
+
+
+def test_a_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_each_row_alone(stored):
+    # GEMM kernels for a prefill's rows; mul_mat_id's one-row kernels for a decode step, whose rows may
+    # be several sequences' (a row's bits must not depend on the rows beside it)
+    from fomoepy.runtime.ggml_slots import SlotLayer
+
+    path, _, tokens, _ = stored
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1))
+    calls = []
+    real = SlotLayer.ffn_grouped
+
+    def grouped(self, *args):
+        calls.append(args[0].shape[0])
+        return real(self, *args)
+
+    SlotLayer.ffn_grouped = grouped
+    try:
+        state = engine.new_state()
+        engine.eval(state, tokens[:6])
+        assert calls == [6] * len(engine.source.layers)
+        engine.eval(state, tokens[6:7], phase=Phase.DECODE)
+        engine.model.forward_batch(tokens[7:9], [state, engine.new_state()])
+        assert calls == [6] * len(engine.source.layers)
+    finally:
+        SlotLayer.ffn_grouped = real
     engine.close()
 
 

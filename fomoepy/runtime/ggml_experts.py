@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fomoepy.experts.device import StepExperts
+from fomoepy.experts.device import Phase, StepExperts
 from fomoepy.experts.routing import softmax_route
 from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn
@@ -67,9 +67,14 @@ class GgmlExperts:
         slots, as many rounds as they need; then the same weighted sum, in the same order, in numpy."""
         ids, weights = _ascending(ids, weights)
         pool, threads = self.pool_of[layer], self.ops.threads
+        # a prefill's experts each take their tokens as the rows of one product (GEMM kernels); a decode
+        # step's rows each go alone (mul_mat_id), so a row's bits are its own in a batch of sequences
+        grouped = experts.phase is Phase.PREFILL and ids.shape[0] > 1
         slots = pool.slots_of(layer)[ids]  # [T, k]
-        if slots.min() >= 0:  # every expert in the tier: the one-graph product (a decode step's usual case)
+        if slots.min() >= 0:  # every expert in the tier: one product (a decode step's usual case)
             experts.landed()
+            if grouped:
+                return pool.layer.ffn_grouped(h, slots, weights, threads)
             return pool.layer.ffn_unchecked(np.ascontiguousarray(h, dtype=F32), slots, weights, threads)
         slot_of: dict[int, int] = {}
         missing = []
@@ -83,10 +88,12 @@ class GgmlExperts:
         early = list(slot_of) if any(f is not None for f in experts.pending.values()) else []
         try:
             if early:  # the tier's experts while the reads go on
-                _round(pool, h, ids, early, slot_of, y, threads)
+                _round(pool, h, ids, early, slot_of, y, threads, grouped)
         finally:  # even when that failed: the cache marks the admitted experts ready once their reads land
             staged = self._install_admitted(layer, missing, slot_of, experts)
         if not early and not staged:
+            if grouped:
+                return pool.layer.ffn_grouped(h, _slots(ids, slot_of), weights, threads)
             return pool.layer.ffn(h, _slots(ids, slot_of), weights, threads)
         rest = [e for e in slot_of if e not in early]
         n = pool.n_staging
@@ -94,7 +101,7 @@ class GgmlExperts:
             chunk = staged[start : start + n]
             for i, e in enumerate(chunk):
                 slot_of[e] = pool.stage(i, experts.fetched[e])
-            _round(pool, h, ids, rest + chunk, slot_of, y, threads)
+            _round(pool, h, ids, rest + chunk, slot_of, y, threads, grouped)
             rest = []
         out = y[:, 0] * weights[:, :1]
         for j in range(1, ids.shape[1]):  # expert j added after 0..j-1, as SlotLayer.ffn's graph adds them
@@ -136,13 +143,17 @@ def _slots(ids: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:
 
 
 def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], slot_of: dict[int, int], y: np.ndarray,
-           threads: int) -> None:  # fmt: skip
-    """y[t, j] for every pick of the `chosen` experts (all of each one's picks, token-major)."""
+           threads: int, grouped: bool) -> None:  # fmt: skip
+    """y[t, j] for every pick of the `chosen` experts (all of each one's picks, token-major), by the
+    products the one-product path uses: grouped rows (a prefill) or one row per pick (mul_mat_id)."""
     if not chosen:
         return
     mask = np.isin(ids, chosen)  # [T, k]
     rows = np.nonzero(mask)[0]  # token of each pick, in (token, pick) order
-    y[mask] = pool.layer.pick_outputs(h[rows], _slots(ids, slot_of)[mask], threads)
+    if grouped:
+        y[mask] = pool.layer.grouped_outputs(h, rows, _slots(ids, slot_of)[mask], threads)
+    else:
+        y[mask] = pool.layer.pick_outputs(h[rows], _slots(ids, slot_of)[mask], threads)
 
 
 def per_expert_ffn(parts, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, fetched: dict, threads: int) -> np.ndarray:

@@ -205,9 +205,22 @@ class SlotLayer:
         T, k = slots.shape
         if h.shape != (T, self.n_embd) or weights.shape != (T, k):
             raise FomoeError(f"expected h [{T}, {self.n_embd}] and weights [{T}, {k}], got {h.shape} and {weights.shape}")
-        flat = _checked_slots(slots, self.n_slots).reshape(-1)
+        ys = self.grouped_outputs(h, np.arange(T * k) // k, slots.reshape(-1), threads).reshape(T, k, self.n_embd)
+        w = np.ascontiguousarray(weights, dtype=F32)
+        out = ys[:, 0] * w[:, :1]
+        for j in range(1, k):  # pick j added after picks 0..j-1, as ffn and the per-expert path add them
+            out += ys[:, j] * w[:, j : j + 1]
+        return out
+
+    def grouped_outputs(self, h: np.ndarray, tokens: np.ndarray, slots: np.ndarray, threads: int) -> np.ndarray:
+        """h [T, K]; for each pick p, its token tokens[p] and slot slots[p] → [P, K]: expert_{slots[p]}(h[tokens[p]]),
+        unweighted: each slot's picks, in the order given, the rows of one product per matrix (GEMM
+        kernels where repacked). A pick's result depends on the rows its slot gets, so a step computed
+        in rounds (fomoepy.runtime.ggml_experts) gives each slot all its picks in one round."""
+        h = np.ascontiguousarray(h, dtype=F32)
+        flat = _checked_slots(np.asarray(slots).reshape(1, -1), self.n_slots).reshape(-1)
         order = np.argsort(flat, kind="stable")
-        groups = np.split(order, np.flatnonzero(np.diff(flat[order])) + 1)  # picks (t·k + j) of each slot
+        groups = np.split(order, np.flatnonzero(np.diff(flat[order])) + 1)  # picks of each slot, in order
         K = self.n_embd
         ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(10 * len(groups) + 4) * _OVERHEAD + 2 * ggml.ggml_graph_overhead(),
                                                    mem_buffer=None, no_alloc=True))  # fmt: skip
@@ -215,7 +228,7 @@ class SlotLayer:
         try:
             gf = ggml.ggml_new_graph(ctx)
             for picks in groups:
-                slot, rows = int(flat[picks[0]]), np.ascontiguousarray(h[picks // k])
+                slot, rows = int(flat[picks[0]]), np.ascontiguousarray(h[tokens[picks]])
                 gate, up, down = (m.slot_tensor(slot) for m in self.mats)
                 x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, len(picks)), rows)
                 act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, ggml.ggml_mul_mat(ctx, gate, x)), ggml.ggml_mul_mat(ctx, up, x))
@@ -231,15 +244,10 @@ class SlotLayer:
             _compute(gf, threads)
         finally:
             ggml.ggml_free(ctx)
-        ys = np.empty((T * k, K), F32)
+        ys = np.empty((len(flat), K), F32)
         for picks, y in outs:
             ys[picks] = y.reshape(len(picks), K)
-        ys = ys.reshape(T, k, K)
-        w = np.ascontiguousarray(weights, dtype=F32)
-        out = ys[:, 0] * w[:, :1]
-        for j in range(1, k):  # pick j added after picks 0..j-1, as ffn and the per-expert path add them
-            out += ys[:, j] * w[:, j : j + 1]
-        return out
+        return ys
 
     def close(self) -> None:
         for g in self._graphs.values():
