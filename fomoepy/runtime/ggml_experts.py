@@ -1,5 +1,6 @@
-"""Routed experts on the ggml CPU backend: the tier's experts in ggml slot tensors, a layer's step one
-mul_mat_id product over them (fomoepy.runtime.ggml_pool, fomoepy.runtime.ggml_slots).
+"""Routed experts on the ggml CPU backend: the tier's experts in ggml slot tensors, a decode step of a
+layer one mul_mat_id product over them, a prefill one product per expert over its tokens
+(fomoepy.runtime.ggml_pool, fomoepy.runtime.ggml_slots).
 
 The tier (the cache's device tier: on this backend it is host memory, sized by --ram-cache) holds
 experts repacked where ggml has kernels for their type, as llama.cpp holds its weights. A step's
@@ -62,7 +63,8 @@ class GgmlExperts:
 
     def compute(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> np.ndarray:
         """One product over the layer's slots when every expert of the step is in the tier (or gets a
-        tier slot as its read lands). Otherwise in rounds (SlotLayer.pick_outputs): the tier's experts
+        tier slot as its read lands). Otherwise in rounds (SlotLayer.pick_outputs; a prefill's,
+        grouped_outputs): the tier's experts
         while the step's reads are in flight, then the rest, misses the tier does not keep in staging
         slots, as many rounds as they need; then the same weighted sum, in the same order, in numpy."""
         ids, weights = _ascending(ids, weights)
