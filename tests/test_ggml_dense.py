@@ -98,3 +98,11 @@ def test_gated_attention_keeps_the_op_by_op_path():
     engine = Engine(ORACLE / "qwen35moe_q4_k.gguf", EngineOptions(backend="cpu", threads=1))
     assert engine.spec.attention.gated and not engine.ops.fuses_attention(engine.spec.attention)
     engine.close()
+
+
+def test_a_decode_rows_graphs_run_on_one_thread_whatever_the_backends_count():
+    # small products: a second, sleeping thread's wake-up per graph costs more than it saves
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2))
+    graphs = engine.ops._graphs(engine.weights.layer(0), engine.spec.attention, engine.spec.rms_eps)
+    assert engine.ops.threads == 2 and graphs.pre.threads == graphs.post.threads == 1
+    engine.close()

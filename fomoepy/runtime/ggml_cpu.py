@@ -87,6 +87,10 @@ class GgmlBackend(CpuBackend):
         q = w.attn_q  # a layer view is made per call; its tensors are the engine's, one object each
         entry = self._attention.get(id(q))
         if entry is None or entry[0] is not q:  # the weight is kept with its graphs: its id is not reused
-            entry = self._attention[id(q)] = (q, AttentionGraphs(w, a, eps, self.threads))
+            # one thread: these graphs' products are small (~3 MB of weights a layer, ~80 µs), and a second
+            # thread, sleeping between graphs (fomoepy.runtime.ggml_threads), costs a wake-up per graph that
+            # took more than it saved (pre graph at -t 2 beside another process: 154-363 µs, against 77-83
+            # on one; decode 56 -> 74-86 tok/s). Each row's products are one thread's either way: same bits.
+            entry = self._attention[id(q)] = (q, AttentionGraphs(w, a, eps, 1))
         return entry[1]
 
