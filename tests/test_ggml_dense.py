@@ -106,3 +106,13 @@ def test_a_decode_rows_graphs_run_on_one_thread_whatever_the_backends_count():
     graphs = engine.ops._graphs(engine.weights.layer(0), engine.spec.attention, engine.spec.rms_eps)
     assert engine.ops.threads == 2 and graphs.pre.threads == graphs.post.threads == 1
     engine.close()
+
+
+def test_a_few_rows_are_normed_and_rotated_on_one_thread_a_prefills_on_all():
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2))
+    ops = engine.ops
+    assert ops._threads_for(np.zeros((1, 4096), F32)) == 1 and ops._threads_for(np.zeros((128, 1024), F32)) == 2
+    x = np.random.default_rng(3).standard_normal((128, 1024)).astype(F32)
+    w = np.ones(1024, F32)
+    assert np.array_equal(ops.rms_norm(x[:1], w, 1e-6), ops.rms_norm(x, w, 1e-6)[:1])  # one thread or two: same bits
+    engine.close()

@@ -21,6 +21,8 @@ from fomoepy.runtime.ggml_dense import (
 )
 from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
 
+_SMALL_ELEMENTWISE = 1 << 16  # elements: 64 rows of the bench model's 1024
+
 # 2-D tensors that are not the right-hand side of a product (used elementwise)
 _NOT_MATRICES = (".ssm_conv1d.weight",)
 
@@ -65,11 +67,16 @@ class GgmlBackend(CpuBackend):
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         """ggml's RMS norm (row sums in double, as llama.cpp's), times w in numpy: the same ops as the
         decode graphs (fomoepy.runtime.ggml_dense), so a row gets the same bits either way."""
-        return rms_norm_rows(x, eps, self.threads) * w
+        return rms_norm_rows(x, eps, self._threads_for(x)) * w
 
     def rope_neox(self, x: np.ndarray, positions: np.ndarray, rotary_dim: int, base: float) -> np.ndarray:
         """ggml's NEOX RoPE (angles in float32, as llama.cpp's): the decode graphs' op."""
-        return rope_neox(x, positions, RopeSpec(rotary_dim, base), self.threads)
+        return rope_neox(x, positions, RopeSpec(rotary_dim, base), self._threads_for(x))
+
+    def _threads_for(self, x: np.ndarray) -> int:
+        """Threads for an elementwise op on x: one for a few rows (a sleeping second thread's wake-up costs
+        more than the work), ggml's count for a prefill's. Each row is one thread's either way: same bits."""
+        return 1 if x.size <= _SMALL_ELEMENTWISE else self.threads
 
     def fuses_attention(self, a) -> bool:
         """Whether attention_inputs / attention_output serve this attention (not the gated kind)."""
