@@ -282,16 +282,22 @@ class _SlotGraph:
         a = ggml.ggml_mul_mat_id(ctx, gate, self.h, self.ids)  # [F, k, T]
         b = ggml.ggml_mul_mat_id(ctx, up, self.h, self.ids)
         y = ggml.ggml_mul_mat_id(ctx, down, ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, a), b), self.ids)  # [K, k, T]
-        yw = ggml.ggml_mul(ctx, y, self.w)
-        nb1, nb2 = yw.contents.nb[1], yw.contents.nb[2]
-        out = ggml.ggml_view_2d(ctx, yw, K, T, nb2, 0)
-        for j in range(1, k):  # expert j added after experts 0..j-1, as the per-expert path adds them
-            out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
-        self.out = out if k > 1 else ggml.ggml_cont(ctx, out)
+        # On several threads every node ends at a barrier, where a waiting thread sleeps and is woken
+        # (fomoepy.runtime.ggml_threads): the weighted sum's k nodes are then numpy's, the same float32
+        # products and additions in the same order. On one thread they cost nothing in the graph.
+        self.sum_outside = threads > 1
+        if self.sum_outside:
+            self.out, self.shape = y, (T, k, K)
+        else:
+            yw = ggml.ggml_mul(ctx, y, self.w)
+            nb1, nb2 = yw.contents.nb[1], yw.contents.nb[2]
+            out = ggml.ggml_view_2d(ctx, yw, K, T, nb2, 0)
+            for j in range(1, k):  # expert j added after experts 0..j-1, as the per-expert path adds them
+                out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
+            self.out, self.shape = (out if k > 1 else ggml.ggml_cont(ctx, out)), (T, K)
         self.gf = ggml.ggml_new_graph(ctx)
         ggml.ggml_build_forward_expand(self.gf, self.out)
         self.plan, self.work = _plan(self.gf, threads)
-        self.shape = (T, K)
 
     def run(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         self.h.contents.data = h.ctypes.data
@@ -300,6 +306,10 @@ class _SlotGraph:
         out = np.empty(self.shape, F32)
         self.out.contents.data = out.ctypes.data
         _run(self.gf, self.plan)
+        if self.sum_outside:
+            y, out = out, out[:, 0] * w[:, :1]
+            for j in range(1, y.shape[1]):
+                out = out + y[:, j] * w[:, j : j + 1]
         return out  # h, ids, w and out are the caller's: alive for the whole computation
 
     def free(self) -> None:
