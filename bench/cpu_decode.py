@@ -3,16 +3,18 @@ llama.cpp (llama-cpp-python, the `bench` extra) on the same GGUF, in the same ru
 
 The model (n_embd 1024, 8 layers, 16 q / 4 kv heads of 64, 64 experts top-8, expert_ff 512, gate/up
 Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. Rows:
-- `cpu` (ggml on the quantized bytes; no expert tier: experts are read from the mapped GGUF);
-- `cpu, … resident slots`: the same with every expert copied into its layer's slot tensors (repacked
-  where ggml has kernels for it) and each layer's routed experts one `mul_mat_id` graph
-  (fomoepy.runtime.ggml_slots; not yet the engine's path);
+- `cpu` (ggml on the quantized bytes): its default tier holds every expert in slot tensors, repacked
+  where ggml has kernels for the type (filled at load, as llama.cpp repacks at load), and each layer's
+  routed experts are one `mul_mat_id` graph over them (fomoepy.runtime.ggml_experts);
 - `reference cold`: the compute-ready tier is emptied after the prefill, so the first decoded token
   meets an empty tier (every first touch of an expert dequantises it);
 - `reference warm`: the same work again with the tier filled;
 - `llama.cpp` when llama_cpp imports (else the row says why not).
 
-    python bench/cpu_decode.py [--prompt 128] [--decode 64] [--threads N] [--record]
+fomoepy's cpu rows and llama.cpp's are medians of `--rounds` turns taken alternately; beside the
+wall-clock rates, the CPU milliseconds each process spent per decoded token.
+
+    python bench/cpu_decode.py [--prompt 128] [--decode 64] [--threads N] [--rounds 3] [--record]
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ from pathlib import Path
 
 import llama_peer
 import numpy as np
-from results import record
+from results import load_line, record
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
-from fomoepy.runtime.ggml_slots import resident_slot_layers
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -46,7 +47,8 @@ def ensure_model() -> Path:
     return MODEL
 
 
-def timed_run(engine: Engine, prompt: np.ndarray, n_decode: int, cold: bool = False) -> tuple[float, float]:
+def timed_run(engine: Engine, prompt: np.ndarray, n_decode: int, cold: bool = False) -> tuple[float, float, float]:
+    """(prefill tok/s, decode tok/s, CPU ms of this process per decoded token: every thread's)."""
     state = engine.new_state()
     t0 = time.perf_counter()
     logits = engine.eval(state, prompt)
@@ -54,11 +56,11 @@ def timed_run(engine: Engine, prompt: np.ndarray, n_decode: int, cold: bool = Fa
     if cold:
         engine.reset_expert_cache()  # an empty tier at the first decoded token
     token = int(np.argmax(logits[-1]))
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     for _ in range(n_decode):
         token = int(np.argmax(engine.decode_token(state, token)))
-    t2 = time.perf_counter()
-    return len(prompt) / prefill_s, n_decode / (t2 - t1)
+    t2, c2 = time.perf_counter(), time.process_time()
+    return len(prompt) / prefill_s, n_decode / (t2 - t1), (c2 - c1) / n_decode * 1e3
 
 
 def main() -> int:
@@ -66,49 +68,61 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
     ap.add_argument("--decode", type=int, default=64, help="decoded tokens")
     ap.add_argument("--threads", type=int, default=None, help="threads for every run (default: all cores)")
+    ap.add_argument("--rounds", type=int, default=3, help="turns of fomoepy's cpu backend and llama.cpp (medians reported)")
     ap.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = ap.parse_args()
 
     path = ensure_model()
     threads = args.threads or os.cpu_count() or 1
     rng = np.random.default_rng(0)
-    rows = []
     t = time.perf_counter()
     cpu = Engine(path, EngineOptions(backend="cpu", threads=threads))
     load_s = time.perf_counter() - t
     prompt = rng.integers(0, cpu.spec.n_vocab - 3, size=args.prompt)
-    r = timed_run(cpu, prompt, args.decode)
-    rows.append(f"| fomoepy cpu (ggml, quantized bytes in place) | {r[0]:.1f} | {r[1]:.1f} |")
+    # fomoepy's cpu backend and llama.cpp take turns, `--rounds` each: load from other work on a shared
+    # machine comes and goes, and turns give both the same share of it; each row is its rounds' median
+    ours: list[tuple] = []
+    peers: list = []
+    for _ in range(args.rounds):
+        ours.append(timed_run(cpu, prompt, args.decode))
+        peers.append(llama_peer.run(path, prompt, args.decode, threads, cpu=True))
     cpu.close()
-    slots = Engine(path, EngineOptions(backend="cpu", threads=threads))
-    slots.experts.device.use_resident_slots(resident_slot_layers(slots.source, slots.spec.moe.n_expert))
-    r = timed_run(slots, prompt, args.decode)
-    rows.append(f"| fomoepy cpu, each layer's experts one mul_mat_id over resident slots (repacked) | {r[0]:.1f} | {r[1]:.1f} |")
-    slots.close()
+    name = "fomoepy cpu (ggml; experts in the tier's slots, repacked; one mul_mat_id per layer)"
+    rows = [f"| {name} | {_median(ours, 0):.1f} | {_median(ours, 1):.1f} | {_median(ours, 2):.2f} |"]
     ref = Engine(path, EngineOptions(backend="reference", threads=threads))
     cold = timed_run(ref, prompt, args.decode, cold=True)
     warm = timed_run(ref, prompt, args.decode)
-    rows.append(f"| fomoepy reference, cold (empty tier at the first decoded token) | {cold[0]:.1f} | {cold[1]:.1f} |")
-    rows.append(f"| fomoepy reference, warm (experts compute-ready) | {warm[0]:.1f} | {warm[1]:.1f} |")
+    rows.append(f"| fomoepy reference, cold (empty tier at the first decoded token) | {cold[0]:.1f} | {cold[1]:.1f} | {cold[2]:.2f} |")
+    rows.append(f"| fomoepy reference, warm (experts compute-ready) | {warm[0]:.1f} | {warm[1]:.1f} | {warm[2]:.2f} |")
     ref.close()
-    peer = llama_peer.run(path, prompt, args.decode, threads)
-    if isinstance(peer, str):
-        rows.append(f"| llama.cpp | {peer} | |")
+    failed = [p for p in peers if isinstance(p, str)]
+    if failed:
+        rows.append(f"| llama.cpp | {failed[0]} | | |")
     else:
-        rows.append(f"| llama.cpp (llama-cpp-python, same file, same run) | {peer[0]:.1f} | {peer[1]:.1f} |")
+        rows.append(f"| llama.cpp (llama-cpp-python, same file, same run) | {_median(peers, 0):.1f} | {_median(peers, 1):.1f} | "
+                    f"{_median(peers, 2):.2f} |")  # fmt: skip
+    rounds = "; ".join(f"fomoepy {a[1]:.1f}" + ("" if isinstance(b, str) else f", llama.cpp {b[1]:.1f}") for a, b in zip(ours, peers))
+    one, five, _ = os.getloadavg()
     header = (
         f"### cpu_decode — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
-        f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode}"
+        f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode} --rounds {args.rounds}"
         + (f" --threads {args.threads}" if args.threads else "")
-        + f"`; threads {threads} for every run; cpu model load {load_s:.1f} s; OpenMP wait policy: fomoepy "
-        f"{os.environ.get('OMP_WAIT_POLICY', 'default')}, llama.cpp {llama_peer.peer_env().get('OMP_WAIT_POLICY', 'default')}\n\n"
-        "| run | prefill tok/s | decode tok/s |\n|---|---|---|\n"
+        + f"`; threads {threads} for every run; cpu model load {load_s:.1f} s (the tier filled: every expert set into its slot, "
+        f"repacked); OpenMP wait policy: fomoepy {os.environ.get('OMP_WAIT_POLICY', 'default')}, llama.cpp "
+        f"{llama_peer.peer_env().get('OMP_WAIT_POLICY', 'default')}; {load_line()}, {one:.2f} (1 min) / {five:.2f} (5 min) at the end\n\n"
+        f"Decode tok/s by round: {rounds}. CPU ms per decoded token: the process's CPU time (every thread's, spinning "
+        "included) over the decoded tokens, less sensitive to other work than the wall-clock rates.\n\n"
+        "| run | prefill tok/s | decode tok/s | decode CPU ms/token |\n|---|---|---|---|\n"
     )
     report = header + "\n".join(rows) + "\n"
     print(report)
     if args.record:
         record(report)
     return 0
+
+
+def _median(runs: list, i: int) -> float:
+    return float(np.median([r[i] for r in runs]))
 
 
 if __name__ == "__main__":

@@ -109,8 +109,8 @@ def main() -> int:
     probe = Engine(model, EngineOptions(backend=args.backend, store=(str(store),), vram_cache=0, ram_cache=0))
     layers = probe.source.layers
     n_expert = probe.spec.moe.n_expert
-    # the cpu backend (ggml) has no device tier: it computes from the host tier's bytes in place, so
-    # "resident" is every expert in the host tier and a host hit moves nothing
+    # the cpu backend (ggml) has one tier, its slot tensors in host memory, sized by --ram-cache: so
+    # "resident" is every expert in it, a hit there moves nothing, and no bytes are copied up
     has_device_tier = args.backend != "cpu"
     dev_all = sum(probe.experts.streamer.cache.device_expert_bytes) * n_expert if has_device_tier else 0  # under the run's policy
     host_all = sum(layer.expert_nbytes for layer in layers) * n_expert

@@ -24,8 +24,9 @@ def command(path: Path, n_decode: int, threads: int, no_repack: bool = False) ->
     return [sys.executable, __file__, str(path), str(threads), str(n_decode)] + (["--no-repack"] if no_repack else [])
 
 
-def run(path: Path, prompt: np.ndarray, n_decode: int, threads: int) -> tuple[float, float] | str:
-    """(prefill tok/s, decode tok/s) of llama.cpp on `path`, or why it did not run."""
+def run(path: Path, prompt: np.ndarray, n_decode: int, threads: int, cpu: bool = False) -> tuple[float, ...] | str:
+    """(prefill tok/s, decode tok/s) of llama.cpp on `path`, or why it did not run; cpu: and the CPU
+    milliseconds its process spent per decoded token (every thread's, spinning included)."""
     child = subprocess.run(
         command(path, n_decode, threads),
         input=json.dumps([int(t) for t in prompt]), capture_output=True, text=True, check=False, env=peer_env(),
@@ -34,6 +35,8 @@ def run(path: Path, prompt: np.ndarray, n_decode: int, threads: int) -> tuple[fl
         last = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
         return f"not run ({last})"
     result = json.loads(child.stdout.strip().splitlines()[-1])
+    if cpu:
+        return result["prefill"], result["decode"], result["decode_cpu_ms"]
     return result["prefill"], result["decode"]
 
 
@@ -74,12 +77,13 @@ def measure(path: str, prompt: list[int], n_decode: int, threads: int, no_repack
     llm.eval(prompt)
     prefill_s = time.perf_counter() - t0
     token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     for _ in range(n_decode):
         llm.eval([token])
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    decode_s = time.perf_counter() - t1
-    return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": read_bytes()}
+    decode_s, decode_cpu_s = time.perf_counter() - t1, time.process_time() - c1
+    return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": read_bytes(),
+            "decode_cpu_ms": decode_cpu_s / n_decode * 1e3}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""One MoE layer's routed experts on the ggml CPU backend: the per-expert graph of today's path
-(GgmlExperts: gate, up, down of each picked expert as separate products in one graph) against one
+"""One MoE layer's routed experts on the ggml CPU backend: the per-expert graph of the earlier path
+(ggml_experts.per_expert_ffn: gate, up, down of each picked expert as separate products in one graph) against one
 `mul_mat_id` product over the layer's slots (fomoepy.runtime.ggml_slots.SlotLayer), plain and repacked,
 and, for many tokens, one product per used slot over the repacked slots (SlotLayer.ffn_grouped).
 
@@ -27,8 +27,7 @@ import numpy as np
 from results import record
 
 from fomoepy import quants
-from fomoepy.experts.device import Phase, StepExperts
-from fomoepy.runtime.ggml_experts import GgmlExperts
+from fomoepy.runtime.ggml_experts import per_expert_ffn
 from fomoepy.runtime.ggml_slots import SlotLayer
 
 K, F, N_EXPERT, TOP_K = 1024, 512, 64, 8
@@ -47,7 +46,6 @@ def main() -> int:
     rng = np.random.default_rng(0)
     raw = {e: [quants.quantize(rng.standard_normal(s).astype(np.float32), q).reshape(-1) for q, s in PARTS] for e in range(N_EXPERT)}
     parts = [SimpleNamespace(qtype=q, shape=s) for q, s in PARTS]
-    per_expert = GgmlExperts((SimpleNamespace(parts=parts),), SimpleNamespace(threads=args.threads))
     layers = {}
     for name, repack in (("mul_mat_id, plain", False), ("mul_mat_id, repacked", True)):
         layer = SlotLayer(PARTS, N_EXPERT, repack=repack)
@@ -56,8 +54,7 @@ def main() -> int:
         layers[name] = layer
 
     def variants(T, h, ids, w):
-        phase = Phase.DECODE if T == 1 else Phase.PREFILL
-        yield "per-expert graphs (today)", lambda: per_expert.compute(0, h, ids, w, StepExperts(None, phase, dict(raw), {}, lambda: None))
+        yield "per-expert graphs (earlier path)", lambda: per_expert_ffn(parts, h, ids, w, raw, args.threads)
         for name, layer in layers.items():
             yield name, lambda layer=layer: layer.ffn(h, ids, w, args.threads)
         if T > 1:  # each slot's tokens as the rows of one product: repacked GEMM kernels
@@ -83,7 +80,7 @@ def main() -> int:
                 for _ in range(args.calls):
                     call()
                 times.setdefault(name, []).append((time.perf_counter() - t) / args.calls)
-        base = statistics.median(times["per-expert graphs (today)"])
+        base = statistics.median(times["per-expert graphs (earlier path)"])
         expert_bytes = sum(quants_nbytes(q, s) for q, s in PARTS)
         touched = len(np.unique(ids)) * expert_bytes
         for name, ts in times.items():

@@ -19,6 +19,7 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.device import Phase
 from fomoepy.experts.fast_cache import make_cache
 from fomoepy.experts.policy import make_policy, policy_demotes
+from fomoepy.experts.resident_step import ResidentStep
 from fomoepy.experts.source import GGUFExpertSource, LayerExperts
 from fomoepy.experts.step import MoEStep
 from fomoepy.experts.streamer import ExpertStreamer
@@ -63,16 +64,27 @@ class Engine:
         o = self.options
         layers = self.source.layers
         host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or o.backfills)
-        # exclusive tiers need a host tier to demote into; the reference device then keeps store bytes too
-        demotes = policy_demotes(o.cache_policy) and host > 0
-        device = make_expert_device(self.ops, layers, self.weights.routers(), self.devices, self.placement.device_of_layer, demotes)
-        device_unit = [device.expert_nbytes(layer.layer) for layer in layers]
+        moe = self.spec.moe
+        slots = (moe.n_expert, 0, moe.n_expert_used)
         if is_ggml_cpu(self.ops):
             if o.vram_cache:  # --backend auto fell back to the cpu backend (an explicit cpu is refused by the options)
                 raise FomoeError("--vram-cache must be 0 on the cpu backend, which --backend auto chose: no GPU could start")
-            device_bytes = 0
-        else:
+            # the one tier is ggml's slot tensors in host memory, computed from in place (the cache's device
+            # tier), sized by --ram-cache; by default every expert where that fits in half the free memory
+            store_unit = [layer.expert_nbytes for layer in layers]
+            device_bytes = o.ram_cache if o.ram_cache is not None else default_device_bytes(store_unit, self.spec)
+            host = 0
+            slots = (moe.n_expert, device_bytes, moe.n_expert_used)
+        # exclusive tiers need a host tier to demote into; the reference device then keeps store bytes too
+        demotes = policy_demotes(o.cache_policy) and host > 0
+        device = make_expert_device(self.ops, layers, self.weights.routers(), self.devices, self.placement.device_of_layer, demotes,
+                                    slots)  # fmt: skip
+        device_unit = [device.expert_nbytes(layer.layer) for layer in layers]
+        if not is_ggml_cpu(self.ops):
             device_bytes = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
+        # a cpu tier that holds the whole model is filled at load and never misses: its steps skip the
+        # cache's plans (fomoepy.experts.resident_step)
+        whole = is_ggml_cpu(self.ops) and device_bytes >= sum(device_unit) * moe.n_expert
         # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
         cache = make_cache(
             self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device_bytes, host,
@@ -82,7 +94,19 @@ class Engine:
         streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace,
                                   download=device.download if device.can_download else None,
                                   buffers=getattr(device, "host_buffer", None))  # fmt: skip
-        return MoEStep(streamer, device, predicts=self.weights.routers() is not None, timer=self.timer)
+        if not whole:
+            return MoEStep(streamer, device, predicts=self.weights.routers() is not None, timer=self.timer)
+        step = ResidentStep(streamer, device, timer=self.timer)
+        # filled at load (after a profile's seeds, if any), as llama.cpp repacks its weights at load
+        seeded = cache.seed([(layer.layer, e) for layer in layers for e in range(moe.n_expert)])[0]
+        drop = getattr(self.source, "drop", None)  # a mapped GGUF: its pages back to the page cache
+        for layer in layers:
+            experts = [e for il, e in seeded if il == layer.layer]
+            for e in experts:
+                device.install((layer.layer, e), self.source.read(layer.layer, e))
+            if drop is not None:
+                drop(layer.layer, experts)
+        return step
 
     def _default_device_bytes(self, unit: list[int]) -> int:
         mem_info = getattr(getattr(self.ops, "rt", None), "mem_info", None)

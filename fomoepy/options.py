@@ -38,7 +38,7 @@ class EngineOptions:
     profile_timing: bool = False
     store: tuple[str, ...] = ()  # expert store directories; empty: read experts from the GGUF (mmap)
     vram_cache: int | None = None  # device tier bytes (reference: compute-ready experts; cpu: 0); None: automatic
-    ram_cache: int | None = None  # host tier bytes (store-form experts); None: automatic
+    ram_cache: int | None = None  # host tier bytes (store-form experts; cpu: its one tier, ggml slots); None: automatic
     cache_policy: str = DEFAULT_POLICY
     car: CarConfig = field(default_factory=CarConfig)  # validated by CarConfig itself
     backfill: str = "thread"
@@ -57,7 +57,7 @@ class EngineOptions:
         if self.n_ctx is not None and self.n_ctx < 1:
             bad("ctx-size", f"must be >= 1, got {self.n_ctx}")
         if self.backend == "cpu" and self.vram_cache:
-            bad("vram-cache", "must be 0 on the cpu backend: ggml computes from the host tier's quantized bytes in place "
+            bad("vram-cache", "must be 0 on the cpu backend: its one tier is ggml slots in host memory, sized by --ram-cache "
                 "(--backend reference keeps a float32 device tier)")
         if self.threads is not None and self.threads < 1:
             bad("threads", f"must be >= 1, got {self.threads}")
@@ -139,7 +139,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         "--vram-cache", metavar="SIZE", default=None,
         help="device tier, e.g. 0, 48K, 512M, 16G (0 = off; reference backend: compute-ready float32 experts; cpu backend: 0 only); default: automatic",
     )  # fmt: skip
-    g.add_argument("--ram-cache", metavar="SIZE", default=None, help="host (DRAM) tier of store bytes; default: automatic")
+    g.add_argument("--ram-cache", metavar="SIZE", default=None,
+                   help="host (DRAM) tier of store bytes (cpu backend: its one tier, experts in ggml slots); default: automatic")  # fmt: skip
     g.add_argument("--cache-policy", default=DEFAULT_POLICY, help=f"eviction policy: {', '.join(POLICIES)} (default {DEFAULT_POLICY})")
     g.add_argument("--freq-profile", metavar="F", default=None, help=".freq profile that seeds VRAM, then DRAM")
     g.add_argument("--trace", metavar="FILE", default=None, help="record every routing decision (for fomoe simulate)")

@@ -84,6 +84,9 @@ def replay(seed: int, kind: str, steps: int = 300, batched: bool = False) -> int
             a, b = in_flight.pop(0)
             ref.mark_ready(a), core.mark_ready(b)
             ref.release(a), core.release(b)
+        elif op < 0.20:  # hits counted by a step that made no plan (a tier holding every expert)
+            layer, n = int(rng.integers(0, n_layer)), int(rng.integers(1, k + 1))
+            ref.count_resident_hits(layer, n), core.count_resident_hits(layer, n)
         elif op < 0.28 and in_flight:  # the oldest plan's reads failed: released, its loading slots dropped
             a, b = in_flight.pop(0)
             ref.release(a), core.release(b)

@@ -102,35 +102,79 @@ def test_a_decode_steps_cached_graphs_equal_graphs_built_for_the_call(threads):
         assert np.array_equal(mul_mat(h, w, threads), fresh_mul_mat(h, w, threads))
 
 
-def test_a_decode_steps_experts_sum_the_same_whatever_was_at_hand(stored):
-    """One token's experts through the device's compute (cached decode graphs), with every expert's bytes
-    at hand and with half of them landing only at the wait, equal bit for bit a sum of freshly built
-    one-expert graphs in ascending expert id."""
-    from fomoepy.experts.device import StepExperts
-    from fomoepy.runtime.ggml_experts import expert_matrices
+@pytest.mark.parametrize("T, phase", [(1, Phase.DECODE), (5, Phase.DECODE), (5, Phase.PREFILL)])
+def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T, phase):
+    """A step's experts through the device's compute: all resident (the one-graph product), none resident
+    (every expert set into staging slots, in rounds when they outnumber them), some resident and
+    computed while the others are still being read, equal bit for bit; and with plain (unrepacked) slots,
+    a sum of freshly built one-expert graphs in ascending expert id."""
+    from concurrent.futures import Future
 
-    path, store, tokens, _ = stored
+    from fomoepy.experts.device import StepExperts
+    from fomoepy.runtime.ggml_experts import GgmlExperts, expert_matrices
+
+    path, *_ = stored
     engine = Engine(path, EngineOptions(backend="cpu", threads=1))
-    device = engine.experts.device
-    layer, spec = 0, engine.spec
-    parts = device.layers[layer].parts
-    rng = np.random.default_rng(5)
-    every = {e: engine.source.read(layer, e) for e in range(spec.moe.n_expert)}
+    resident, layer, spec = engine.experts.device, 0, engine.spec
+    layers, n_expert, k = resident.layers, spec.moe.n_expert, spec.moe.n_expert_used
+    parts, unit = layers[layer].parts, layers[layer].expert_nbytes
+    assert len(resident.pool_of[layer]) == n_expert * len(layers)  # the whole model fits: seeded at load
+    none = GgmlExperts(layers, engine.ops, None, n_expert, 0, 2)  # 2 staging slots: rounds
+    some = GgmlExperts(layers, engine.ops, None, n_expert, 3 * unit, k)
+    plain = GgmlExperts(layers, engine.ops, None, n_expert, 0, n_expert, repack=False)
+    rng = np.random.default_rng(5 + T)
+    every = {e: engine.source.read(layer, e) for e in range(n_expert)}
     for _ in range(3):
-        h = rng.standard_normal((1, spec.n_embd)).astype(F32)
-        ids = rng.permutation(spec.moe.n_expert)[: spec.moe.n_expert_used][None, :]
-        weights = rng.dirichlet(np.ones(ids.shape[1])).astype(F32)[None, :]
-        late = set(ids[0, ::2].tolist())
-        at_hand = {e: b for e, b in every.items() if e not in late}
-        split = StepExperts(None, Phase.DECODE, at_hand, {}, lambda: at_hand.update(every))
-        whole = StepExperts(None, Phase.DECODE, dict(every), {}, lambda: None)
-        got = device.compute(layer, h, ids, weights, split)
-        assert np.array_equal(got, device.compute(layer, h, ids, weights, whole))
+        h = rng.standard_normal((T, spec.n_embd)).astype(F32)
+        ids = np.stack([rng.permutation(n_expert)[:k] for _ in range(T)])
+        weights = rng.dirichlet(np.ones(k), size=T).astype(F32)
+        got = resident.compute(layer, h, ids, weights, StepExperts(None, phase, {}, {}, lambda: None))
+        assert np.array_equal(none.compute(layer, h, ids, weights, StepExperts(None, phase, dict(every), {}, lambda: None)), got)
+        held = [int(e) for e in np.unique(ids)[:3]]
+        for e in list(some.pool_of[layer]._slot):
+            some.evict(e)
+        for e in held:
+            some.install((layer, e), every[e])
+        late = {e: Future() for e in np.unique(ids).tolist() if e not in held}  # reads in flight
+        at_hand: dict = {}
+        split = StepExperts(None, phase, at_hand, late, lambda at_hand=at_hand: at_hand.update(every))
+        assert np.array_equal(some.compute(layer, h, ids, weights, split), got)
         want = np.zeros_like(h)
-        for j in np.argsort(ids[0], kind="stable"):
-            e = int(ids[0, j])
-            want += fresh_expert_ffn(h, [(np.zeros(1, np.int64), *expert_matrices(every[e], parts))], 1)[0] * weights[0, j]
-        assert np.array_equal(got, want)
+        for t in range(T):
+            for j in np.argsort(ids[t], kind="stable"):
+                e = int(ids[t, j])
+                y = fresh_expert_ffn(h[t : t + 1], [(np.zeros(1, np.int64), *expert_matrices(every[e], parts))], 1)[0]
+                want[t] += y[0] * weights[t, j]
+        assert np.array_equal(plain.compute(layer, h, ids, weights, StepExperts(None, phase, dict(every), {}, lambda: None)), want)
+    for device in (none, some, plain):
+        device.close()
+    engine.close()
+
+
+def test_a_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_each_row_alone(stored):
+    # GEMM kernels for a prefill's rows; mul_mat_id's one-row kernels for a decode step, whose rows may
+    # be several sequences' (a row's bits must not depend on the rows beside it)
+    from fomoepy.runtime.ggml_slots import SlotLayer
+
+    path, _, tokens, _ = stored
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1))
+    calls = []
+    real = SlotLayer.ffn_grouped
+
+    def grouped(self, *args):
+        calls.append(args[0].shape[0])
+        return real(self, *args)
+
+    SlotLayer.ffn_grouped = grouped
+    try:
+        state = engine.new_state()
+        engine.eval(state, tokens[:6])
+        assert calls == [6] * len(engine.source.layers)
+        engine.eval(state, tokens[6:7], phase=Phase.DECODE)
+        engine.model.forward_batch(tokens[7:9], [state, engine.new_state()])
+        assert calls == [6] * len(engine.source.layers)
+    finally:
+        SlotLayer.ffn_grouped = real
     engine.close()
 
 

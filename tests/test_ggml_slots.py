@@ -13,9 +13,8 @@ from gguf import GGMLQuantizationType as QT
 
 from fomoepy import quants
 from fomoepy.errors import FomoeError
-from fomoepy.experts.device import Phase, StepExperts
 from fomoepy.runtime import ggml_buffers
-from fomoepy.runtime.ggml_experts import GgmlExperts
+from fomoepy.runtime.ggml_experts import per_expert_ffn
 from fomoepy.runtime.ggml_slots import SlotLayer, SlotMatrix
 
 F32 = np.float32
@@ -55,16 +54,20 @@ def test_plain_slots_equal_the_per_expert_path_bit_for_bit(experts, T, threads):
     layer, slot_of = filled(experts, False, rng)
     assert layer.repacked == (False, False, False)
     parts = [SimpleNamespace(qtype=q, shape=s) for q, s in PARTS]
-    per_expert = GgmlExperts((SimpleNamespace(parts=parts),), SimpleNamespace(threads=threads))
     fetched = {e: raw for e, (raw, _) in experts.items()}
     for _ in range(2):  # the second call reuses the graph with new pointers
         h = rng.standard_normal((T, K)).astype(F32)
         ids, w = routing(rng, T)
         got = layer.ffn(h, slot_of[ids], w, threads)
-        phase = Phase.DECODE if T == 1 else Phase.PREFILL
-        want = per_expert.compute(0, h, ids, w, StepExperts(None, phase, dict(fetched), {}, lambda: None))
+        want = per_expert_ffn(parts, h, ids, w, fetched, threads)
         assert np.array_equal(got, want)
         assert np.array_equal(layer.ffn_grouped(h, slot_of[ids], w, threads), want)
+        # each (token, pick) a row of its own: the same expert outputs, unweighted
+        y = layer.pick_outputs(np.repeat(h, TOP_K, axis=0), slot_of[ids].reshape(-1), threads).reshape(T, TOP_K, K)
+        summed = y[:, 0] * w[:, :1]
+        for j in range(1, TOP_K):
+            summed = summed + y[:, j] * w[:, j : j + 1]
+        assert np.array_equal(summed, want)
     layer.close()
 
 
@@ -141,18 +144,29 @@ def test_bad_slots_and_bytes_are_one_clear_error(experts):
 
 
 @pytest.mark.parametrize("name", ["qwen3moe_q4_k_m", "qwen35moe_q4_k"])
-def test_an_engine_on_plain_resident_slots_gives_the_per_expert_paths_logits_bit_for_bit(name):
+def test_an_engine_on_plain_slots_gives_the_per_expert_paths_logits_bit_for_bit(name):
+    # the engine's device with every slot plain against the per-expert products from the mapped bytes,
+    # prefill and decode steps (the cached one-token graphs)
     from conftest import ORACLE
 
     from fomoepy.engine import Engine, EngineOptions
-    from fomoepy.runtime.ggml_slots import resident_slot_layers
+    from fomoepy.runtime.ggml_experts import GgmlExperts
 
     tokens = np.load(ORACLE / f"{name}.tokens.npy")
     runs = []
     for slots in (False, True):
-        engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=2))
+        engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=2, ram_cache=0))  # every expert read
+        device = engine.experts.device
         if slots:
-            engine.experts.device.use_resident_slots(resident_slot_layers(engine.source, engine.spec.moe.n_expert, repack=False))
+            plain = GgmlExperts(device.layers, engine.ops, device.routers, engine.spec.moe.n_expert, 0, engine.spec.moe.n_expert,
+                                repack=False)  # fmt: skip
+            device.compute = plain.compute  # every expert staged into a plain slot
+        else:
+            def per_expert(layer, h, ids, w, experts, device=device, engine=engine):
+                fetched = {e: engine.source.read(layer, e) for e in np.unique(ids).tolist()}
+                return per_expert_ffn(device.layers[layer].parts, h, ids, w, fetched, 2)
+
+            device.compute = per_expert
         state = engine.new_state()
         prefill = engine.eval(state, tokens[:-3], all_logits=True)
         steps = [engine.eval(state, [t])[-1] for t in tokens[-3:]]  # decode steps: one token each

@@ -415,8 +415,8 @@ class ComputeGatedStore(PooledStore):
 
 
 def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_read(model):
-    # ggml backend, one token: of the experts chosen, those in the host tier go through their FFN
-    # before this step's reads finish; then the read ones. The logits are the resident engine's, bit for bit.
+    # ggml backend, one token: of the experts chosen, those in the tier go through their FFN before this
+    # step's reads finish; then the read ones. The logits are the resident engine's, bit for bit.
     import fomoepy.runtime.ggml_experts as ge
 
     path, store, tokens, _ = model
@@ -425,24 +425,23 @@ def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_rea
     resident.eval(resident_state, tokens[:5])
     want = resident.eval(resident_state, tokens[5:6], phase=Phase.DECODE)[-1]
     resident.close()
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=1 << 30, prefetch=False))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=short_of_whole(path), prefetch=False))
     state = engine.new_state()
-    engine.eval(state, tokens[:5])  # the prompt's experts are now in the host tier
+    engine.eval(state, tokens[:5])  # the prompt's experts are now in the tier
     streamer = engine.experts.streamer
     streamer.source = gated = ComputeGatedStore(streamer.source, patience=0.5)
-    real_ffn = ge.expert_ffn
+    real_round = ge._round
 
-    def ffn(h, groups, threads):
-        out = real_ffn(h, groups, threads)
+    def round_(*args):
+        real_round(*args)
         gated.computed.set()
-        return out
 
-    ge.expert_ffn = ffn
+    ge._round = round_
     reads = engine.stats()["cache"]["disk"]["reads"]
     try:
         got = engine.eval(state, tokens[5:6], phase=Phase.DECODE)[-1]
     finally:
-        ge.expert_ffn = real_ffn
+        ge._round = real_round
     assert engine.stats()["cache"]["disk"]["reads"] - reads == len(gated.released) > 0
     assert any(gated.released)  # some step computed experts at hand while its reads were pending
     assert np.array_equal(got, want)  # the order of additions is the resident engine's
@@ -458,28 +457,36 @@ def test_a_cpu_decode_step_that_fails_among_the_experts_at_hand_leaves_the_cache
     fresh = Engine(path, EngineOptions(backend="cpu", threads=1))
     want = fresh.logits(tokens[:6])[-1]
     fresh.close()
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=1 << 30, prefetch=False))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=short_of_whole(path), prefetch=False))
     state = engine.new_state()
     engine.eval(state, tokens[:5])
     streamer = engine.experts.streamer
     streamer.source = source = HeldStore(streamer.source, held=set())
-    real_ffn = ge.expert_ffn
+    real_round = ge._round
 
-    def failing(h, groups, threads):
+    def failing(*args):
         if source.submitted:  # a step with reads in flight
             raise RuntimeError("ggml failed")
-        return real_ffn(h, groups, threads)
+        real_round(*args)
 
-    ge.expert_ffn = failing
+    ge._round = failing
     try:
         with pytest.raises(RuntimeError, match="ggml failed"):
             engine.eval(state, tokens[5:6], phase=Phase.DECODE)
     finally:
-        ge.expert_ffn = real_ffn
-    host = streamer.cache.host
-    assert source.submitted and all(host.state(k) is SlotState.READY for k in host.keys())
+        ge._round = real_round
+    tier = streamer.cache.device  # the cpu backend's one tier
+    assert source.submitted and all(tier.state(k) is SlotState.READY for k in tier.keys())
     assert np.array_equal(engine.logits(tokens[:6])[-1], want)
     engine.close()
+
+
+def short_of_whole(path) -> int:
+    """A cpu tier of every expert but one: not filled at load, and nothing evicted over a few tokens."""
+    engine = Engine(path, EngineOptions(backend="cpu", ram_cache=0))
+    layers, n_expert = engine.source.layers, engine.spec.moe.n_expert
+    engine.close()
+    return sum(layer.expert_nbytes for layer in layers) * n_expert - 1
 
 
 def test_prefetch_on_and_off_give_the_same_tokens(model):

@@ -1172,6 +1172,20 @@ static PyObject *Core_state(Core *c, PyObject *args) {
     return PyLong_FromLong(c->tier[which].state[key]);
 }
 
+/* count_hits(layer, n): n device hits counted as plans count them (a step that made no plan) */
+static PyObject *Core_count_hits(Core *c, PyObject *args) {
+    int layer;
+    long long n;
+    if (!PyArg_ParseTuple(args, "iL", &layer, &n)) return NULL;
+    if (layer < 0 || layer >= c->n_layer) {
+        PyErr_SetString(PyExc_ValueError, "count_hits: a layer outside the cache");
+        return NULL;
+    }
+    int64_t *dev = counter(c, 0, layer);
+    dev[C_HITS] += n, dev[C_HIT_BYTES] += n * c->tier[1].unit[layer];
+    Py_RETURN_NONE;
+}
+
 static PyObject *Core_tick(Core *c, PyObject *args) {
     long long n;
     if (!PyArg_ParseTuple(args, "L", &n)) return NULL;
@@ -1206,6 +1220,7 @@ static PyMethodDef Core_methods[] = {
     {"holds", (PyCFunction)Core_holds, METH_VARARGS, "whether a tier holds a key"},
     {"state", (PyCFunction)Core_state, METH_VARARGS, "a key's slot state in a tier: 0 empty, 1 loading, 2 ready"},
     {"tick", (PyCFunction)Core_tick, METH_VARARGS, "advance logical time"},
+    {"count_hits", (PyCFunction)Core_count_hits, METH_VARARGS, "count device hits made without a plan"},
     {NULL, NULL, 0, NULL},
 };
 

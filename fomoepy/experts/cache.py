@@ -301,6 +301,13 @@ class ExpertCache:
             if item.to_device or item.source is Source.DEVICE:
                 self._dev(plan.layer).unpin(key)
 
+    def count_resident_hits(self, layer: int, n: int) -> None:
+        """n device hits in layer, counted as plans would count them, by a step that made no plan (every
+        expert held for good: fomoepy.experts.resident_step)."""
+        counters = self.stats.device[layer]
+        counters.hits += n
+        counters.hit_bytes += n * self.expert_bytes[layer]
+
     def abort(self, plan: Plan) -> list[Key]:
         """A released plan whose bytes did not all arrive (a read failed): the slots it admitted that are
         still LOADING are dropped, so no later plan takes them for held. Returns the device keys dropped

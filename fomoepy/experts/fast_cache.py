@@ -187,6 +187,10 @@ class CoreCache:
     def release(self, plan: CorePlan) -> None:
         self._core.release(plan.layer, *plan.arrays)
 
+    def count_resident_hits(self, layer: int, n: int) -> None:
+        """ExpertCache.count_resident_hits."""
+        self._core.count_hits(layer, n)
+
     def abort(self, plan: CorePlan) -> list[Key]:
         """ExpertCache.abort: a released plan's admissions still LOADING are dropped."""
         experts, _, to_device, to_host = plan.arrays

@@ -33,6 +33,17 @@ def attention_mixer(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
     return ops.linear(out, w.attn_output)
 
 
+def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int, s: Segment) -> tuple:
+    """One sequence's one decode row x [1, D] through a backend that fuses a layer's dense work around
+    attention (ops.attention_inputs / attention_output: the cpu backend's graphs) → (x + attention,
+    its FFN norm h, the router's logits of h): the ops of attention_mixer, its residual, the FFN norm
+    and the router's product, in fewer calls."""
+    n_past = s.state.n_past
+    q, k, v = ops.attention_inputs(x, w, a, eps, n_past)  # q [1, H, hd], k [1, Hkv, hd] normed, rotated; v [1, Hkv·hd]
+    out = _cache_attend(ops, q, k, v, s.state.layers[il], n_past)
+    return ops.attention_output(x, out.reshape(1, -1), w, a, eps)
+
+
 def _attend(ops, w, a: AttentionSpec, eps: float, q, k, v, cache: KVCache, n_past: int) -> np.ndarray:
     """One sequence's T new rows: q [T, H·hd], k, v [T, Hkv·hd] → [T, H, hd]."""
     T = q.shape[0]
@@ -40,6 +51,12 @@ def _attend(ops, w, a: AttentionSpec, eps: float, q, k, v, cache: KVCache, n_pas
     positions = np.arange(n_past, n_past + T)
     q = ops.rope_neox(ops.rms_norm(q.reshape(T, H, hd), w.attn_q_norm, eps), positions, a.rotary_dim, a.rope_base)
     k = ops.rope_neox(ops.rms_norm(k.reshape(T, Hkv, hd), w.attn_k_norm, eps), positions, a.rotary_dim, a.rope_base)
+    return _cache_attend(ops, q, k, v, cache, n_past)
+
+
+def _cache_attend(ops, q, k, v, cache: KVCache, n_past: int) -> np.ndarray:
+    """q [T, H, hd], k [T, Hkv, hd] normed and rotated, v [T, Hkv·hd] → [T, H, hd]: into the cache, attention."""
+    T, Hkv, hd = k.shape
     cache.k[n_past : n_past + T] = k
     cache.v[n_past : n_past + T] = v.reshape(T, Hkv, hd)
     return ops.attention(q, cache.k, cache.v, n_past)

@@ -7,9 +7,11 @@ import numpy as np
 from fomoepy.model.spec import MoESpec
 
 
-def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray) -> np.ndarray:
-    """h [T, D] (already normed) → [T, D]."""
-    router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
+def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray, router_logits: np.ndarray | None = None) -> np.ndarray:
+    """h [T, D] (already normed) → [T, D]; router_logits: ops.linear(h, w.ffn_gate_inp) where the caller
+    has it already (fomoepy.model.attention.attention_block)."""
+    if router_logits is None:
+        router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
     exact = experts.route(ops, layer, h, router_logits, m.gating, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
     out = experts(layer, h, exact)  # Σ_j weights[t, j] · expert_ids[t, j](h[t]); CAR may swap ids (off: exact)
     if m.shared_ff:

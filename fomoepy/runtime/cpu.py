@@ -130,9 +130,10 @@ class CpuBackend:
         qg = q.reshape(T, Hkv, group, hd).transpose(1, 2, 0, 3).reshape(Hkv, group * T, hd)
         scores = (qg @ k) * F32(1.0 / np.sqrt(hd))  # [Hkv, group·T, n_kv]
         scores = scores.reshape(Hkv, group, T, n_kv)
-        query_pos = n_past + np.arange(T)
-        future = np.arange(n_kv)[None, :] > query_pos[:, None]  # [T, n_kv]
-        scores[:, :, future] = -np.inf
+        if T > 1:  # one new row sees the whole cache: nothing to mask (a decode step's usual case)
+            query_pos = n_past + np.arange(T)
+            future = np.arange(n_kv)[None, :] > query_pos[:, None]  # [T, n_kv]
+            scores[:, :, future] = -np.inf
         probs = self.softmax(scores).reshape(Hkv, group * T, n_kv)
         out = probs @ v  # [Hkv, group·T, hd]
         return out.reshape(Hkv, group, T, hd).transpose(2, 0, 1, 3).reshape(T, H, hd)

@@ -13,7 +13,15 @@ import numpy as np
 
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime.cpu import CpuBackend
+from fomoepy.runtime.ggml_dense import (
+    AttentionGraphs,
+    RopeSpec,
+    rms_norm_rows,
+    rope_neox,
+)
 from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
+
+_SMALL_ELEMENTWISE = 1 << 16  # elements: 64 rows of the bench model's 1024
 
 # 2-D tensors that are not the right-hand side of a product (used elementwise)
 _NOT_MATRICES = (".ssm_conv1d.weight",)
@@ -34,6 +42,7 @@ class GgmlBackend(CpuBackend):
         26-27 tok/s)."""
         super().__init__(1)
         self.threads = threads or 1
+        self._attention: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, the layer's AttentionGraphs)
 
     def load_weight(self, gf: GGUFFile, info: TensorInfo):
         """2-D product weights stay as their file bytes (a view of the mapped GGUF); the rest float32."""
@@ -54,3 +63,41 @@ class GgmlBackend(CpuBackend):
         if isinstance(w, QuantMatrix):
             return mul_mat(x, w, self.threads)
         return CpuBackend.linear_rows(x, w)
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """ggml's RMS norm (row sums in double, as llama.cpp's), times w in numpy: the same ops as the
+        decode graphs (fomoepy.runtime.ggml_dense), so a row gets the same bits either way."""
+        return rms_norm_rows(x, eps, self._threads_for(x)) * w
+
+    def rope_neox(self, x: np.ndarray, positions: np.ndarray, rotary_dim: int, base: float) -> np.ndarray:
+        """ggml's NEOX RoPE (angles in float32, as llama.cpp's): the decode graphs' op."""
+        return rope_neox(x, positions, RopeSpec(rotary_dim, base), self._threads_for(x))
+
+    def _threads_for(self, x: np.ndarray) -> int:
+        """Threads for an elementwise op on x: one for a few rows (a sleeping second thread's wake-up costs
+        more than the work), ggml's count for a prefill's. Each row is one thread's either way: same bits."""
+        return 1 if x.size <= _SMALL_ELEMENTWISE else self.threads
+
+    def fuses_attention(self, a) -> bool:
+        """Whether attention_inputs / attention_output serve this attention (not the gated kind)."""
+        return not a.gated
+
+    def attention_inputs(self, x: np.ndarray, w, a, eps: float, position: int) -> list[np.ndarray]:
+        """A decode row's attention norm, q/k/v products, q/k norms and RoPE in one graph: q [1, H, hd], k, v."""
+        return self._graphs(w, a, eps).inputs(x, position)
+
+    def attention_output(self, x: np.ndarray, attn: np.ndarray, w, a, eps: float) -> list[np.ndarray]:
+        """The output product, the residual, the FFN norm and the router in one graph: x', h, logits."""
+        return self._graphs(w, a, eps).output(x, attn)
+
+    def _graphs(self, w, a, eps: float) -> AttentionGraphs:
+        q = w.attn_q  # a layer view is made per call; its tensors are the engine's, one object each
+        entry = self._attention.get(id(q))
+        if entry is None or entry[0] is not q:  # the weight is kept with its graphs: its id is not reused
+            # one thread: these graphs' products are small (~3 MB of weights a layer, ~80 µs), and a second
+            # thread, sleeping between graphs (fomoepy.runtime.ggml_threads), costs a wake-up per graph that
+            # took more than it saved (pre graph at -t 2 beside another process: 154-363 µs, against 77-83
+            # on one; decode 56 -> 74-86 tok/s). Each row's products are one thread's either way: same bits.
+            entry = self._attention[id(q)] = (q, AttentionGraphs(w, a, eps, 1))
+        return entry[1]
+

@@ -1,87 +1,176 @@
-"""Routed experts on the ggml CPU backend, computed from the store-form bytes the tiers hold.
+"""Routed experts on the ggml CPU backend: the tier's experts in ggml slot tensors, a decode step of a
+layer one mul_mat_id product over them, a prefill one product per expert over its tokens
+(fomoepy.runtime.ggml_pool, fomoepy.runtime.ggml_slots).
 
-There is no device tier on this backend: a host-tier record (or a fresh read, or the mapped GGUF)
-is what ggml reads, in place, so a miss costs its read and nothing else: no dequantisation, no
-float32 copy. Which experts the host tier holds is the MoE step's decision (fomoepy.experts.step).
+The tier (the cache's device tier: on this backend it is host memory, sized by --ram-cache) holds
+experts repacked where ggml has kernels for their type, as llama.cpp holds its weights. A step's
+experts the tier does not hold are set into staging slots of the same pool for the step, so they go
+through the same kernels: which experts were resident changes the time a step takes, never its bits.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from fomoepy.experts.device import StepExperts
+from fomoepy.experts.device import Phase, StepExperts
 from fomoepy.experts.routing import softmax_route
 from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn
+from fomoepy.runtime.ggml_pool import SlotPool, layout_of
+
+F32 = np.float32
 
 
 class GgmlExperts:
-    """The cpu backend's expert device: out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]), experts added
-    in ascending id order. It has no tier of its own (install and evict are never asked of it)."""
+    """The cpu backend's expert device: out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]), each token's
+    experts added in ascending id order.
 
-    can_download = False
+    tier_bytes: the tier's budget (the cache's device tier); n_staging: staging slots per layout (a
+    decode step's misses all fit in n_expert_used); repack=False holds every slot plain (tests)."""
 
-    def __init__(self, layers: tuple[LayerExperts, ...], ops, routers=None):
+    can_download = False  # a repacked slot cannot give its store bytes back
+
+    def __init__(self, layers: tuple[LayerExperts, ...], ops, routers=None, n_expert: int = 0, tier_bytes: int = 0,
+                 n_staging: int = 8, repack: bool = True):  # fmt: skip
         self.layers = layers
         self.ops = ops
         self.routers = routers  # every layer's router, to predict the next layer's experts
-        self.slot_layers: list | None = None  # use_resident_slots
+        by_layout: dict = {}
+        for layer in layers:
+            by_layout.setdefault(layout_of(layer), []).append(layer)
+        self.pools: dict = {}
+        for layout, members in by_layout.items():
+            # every pool may take the whole budget: the cache keeps the sum of what they hold within it,
+            # and a slot's memory is touched only once an expert is set into it
+            n_tier = min(len(members) * n_expert, tier_bytes // store_expert_nbytes(members[0]))
+            self.pools[layout] = SlotPool(layout, n_tier, n_staging, n_expert, repack)
+        self.pool_of = [self.pools[layout_of(layer)] for layer in layers]
 
     def expert_nbytes(self, layer: int) -> int:
         return store_expert_nbytes(self.layers[layer])
 
     def install(self, key, parts) -> None:
-        raise RuntimeError(f"the cpu backend has no device tier: nothing to install {key} into")
+        self.pool_of[key[0]].install(key, parts)
 
     def evict(self, key) -> None:
-        raise RuntimeError(f"the cpu backend has no device tier: nothing to evict {key} from")
+        self.pool_of[key[0]].evict(key)
 
     def download(self, key):
         return None
-
-    def use_resident_slots(self, slot_layers: list) -> None:
-        """Measurement hook (issue 29, until the step wires slots in): every expert of every layer held in
-        `slot_layers[layer]` (a fomoepy.runtime.ggml_slots.SlotLayer) at slot = expert id, and `compute`
-        does a layer's routed experts as one product over them, bypassing the tiers."""
-        self.slot_layers = slot_layers
 
     def route(self, layer: int, h: np.ndarray, k: int) -> np.ndarray:
         return softmax_route(self.ops.linear(h, self.routers[layer]), k).ids
 
     def compute(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> np.ndarray:
-        """Tokens grouped by expert, each expert's rows through its FFN. The experts whose bytes are at hand
-        are computed while the others are still being read, then the rest: an expert's output does not
-        depend on the graph it shares, and the sum keeps ascending id order, so the result is the same
-        bit for bit whatever was at hand (and a one-token step reuses ggml's cached decode graphs)."""
-        if self.slot_layers is not None:
+        """One product over the layer's slots when every expert of the step is in the tier (or gets a
+        tier slot as its read lands). Otherwise in rounds (SlotLayer.pick_outputs; a prefill's,
+        grouped_outputs): the tier's experts
+        while the step's reads are in flight, then the rest, misses the tier does not keep in staging
+        slots, as many rounds as they need; then the same weighted sum, in the same order, in numpy."""
+        ids, weights = _ascending(ids, weights)
+        pool, threads = self.pool_of[layer], self.ops.threads
+        # a prefill's experts each take their tokens as the rows of one product (GEMM kernels); a decode
+        # step's rows each go alone (mul_mat_id), so a row's bits are its own in a batch of sequences
+        grouped = experts.phase is Phase.PREFILL and ids.shape[0] > 1
+        slots = pool.slots_of(layer)[ids]  # [T, k]
+        if slots.min() >= 0:  # every expert in the tier: one product (a decode step's usual case)
             experts.landed()
-            order = np.argsort(ids, axis=1, kind="stable")  # each token's experts in ascending id, as below
-            return self.slot_layers[layer].ffn(h, np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1), self.ops.threads)
-        parts = self.layers[layer].parts
-        flat_ids = ids.reshape(-1)
-        flat_w = weights.reshape(-1)
-        order = np.argsort(flat_ids, kind="stable")
-        bounds = np.flatnonzero(np.diff(flat_ids[order])) + 1
-        k = ids.shape[1]
-        picks = {int(flat_ids[group[0]]): group for group in np.split(order, bounds)}  # ascending expert id
-        fetched = experts.fetched
-        ys = self._ffns(h, [e for e in picks if e in fetched], picks, k, parts, fetched)
-        experts.landed()
-        ys.update(self._ffns(h, [e for e in picks if e not in ys], picks, k, parts, fetched))
-        out = np.zeros_like(h)
-        for e, group in picks.items():  # ascending expert id: a fixed order of additions
-            out[group // k] += ys[e] * flat_w[group][:, None]
+            if grouped:
+                return pool.layer.ffn_grouped(h, slots, weights, threads)
+            return pool.layer.ffn_unchecked(np.ascontiguousarray(h, dtype=F32), slots, weights, threads)
+        slot_of: dict[int, int] = {}
+        missing = []
+        for e in np.unique(ids).tolist():
+            key = (layer, e)
+            if key in pool:
+                slot_of[e] = pool.slot(key)
+            else:
+                missing.append(e)
+        y = np.empty((*ids.shape, pool.layer.n_embd), F32)  # [T, k, K]: each pick's expert output
+        early = list(slot_of) if any(f is not None for f in experts.pending.values()) else []
+        try:
+            if early:  # the tier's experts while the reads go on
+                _round(pool, h, ids, early, slot_of, y, threads, grouped)
+        finally:  # even when that failed: the cache marks the admitted experts ready once their reads land
+            staged = self._install_admitted(layer, missing, slot_of, experts)
+        if not early and not staged:
+            if grouped:
+                return pool.layer.ffn_grouped(h, _slots(ids, slot_of), weights, threads)
+            return pool.layer.ffn(h, _slots(ids, slot_of), weights, threads)
+        rest = [e for e in slot_of if e not in early]
+        n = pool.n_staging
+        for start in range(0, max(len(staged), 1), n):
+            chunk = staged[start : start + n]
+            for i, e in enumerate(chunk):
+                slot_of[e] = pool.stage(i, experts.fetched[e])
+            _round(pool, h, ids, rest + chunk, slot_of, y, threads, grouped)
+            rest = []
+        out = y[:, 0] * weights[:, :1]
+        for j in range(1, ids.shape[1]):  # expert j added after 0..j-1, as SlotLayer.ffn's graph adds them
+            out = out + y[:, j] * weights[:, j : j + 1]
         return out
 
-    def _ffns(self, h, chosen: list[int], picks, k: int, parts, fetched) -> dict[int, np.ndarray]:
-        """Each of `chosen`'s FFN of the rows that picked it, in one graph."""
-        if not chosen:
-            return {}
-        groups = [(picks[e] // k, *expert_matrices(fetched[e], parts)) for e in chosen]
-        return dict(zip(chosen, expert_ffn(h, groups, self.ops.threads)))
+    def _install_admitted(self, layer: int, missing: list[int], slot_of: dict[int, int], experts: StepExperts) -> list[int]:
+        """Wait for the step's reads and set the experts the cache gave tier slots into theirs; returns
+        the others (to be staged)."""
+        fetched = experts.landed()
+        admitted = {item.expert for item in experts.plan.items if item.to_device} if experts.plan is not None else set()
+        pool, staged = self.pool_of[layer], []
+        for e in missing:
+            if e in admitted:  # the cache gave it a tier slot: its bytes go there
+                slot_of[e] = pool.install((layer, e), fetched[e])
+            else:
+                staged.append(e)
+        return staged
 
     def close(self) -> None:
-        pass
+        for pool in self.pools.values():
+            pool.close()
+
+
+def _ascending(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's picks (and their weights, as float32) in ascending expert id: the order of the sum."""
+    if ids.shape[0] == 1:  # a decode step: one row, plain indexing
+        order = np.argsort(ids[0], kind="stable")
+        return ids[:, order], weights[:, order].astype(F32, copy=False)
+    order = np.argsort(ids, axis=1, kind="stable")
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1).astype(F32, copy=False)
+
+
+def _slots(ids: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:
+    """[T, k] expert ids → their slots (-1 for an expert not placed yet)."""
+    lut = np.full(int(ids.max()) + 1, -1, np.int32)
+    lut[list(slot_of)] = list(slot_of.values())
+    return lut[ids]
+
+
+def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], slot_of: dict[int, int], y: np.ndarray,
+           threads: int, grouped: bool) -> None:  # fmt: skip
+    """y[t, j] for every pick of the `chosen` experts (all of each one's picks, token-major), by the
+    products the one-product path uses: grouped rows (a prefill) or one row per pick (mul_mat_id)."""
+    if not chosen:
+        return
+    mask = np.isin(ids, chosen)  # [T, k]
+    rows = np.nonzero(mask)[0]  # token of each pick, in (token, pick) order
+    if grouped:
+        y[mask] = pool.layer.grouped_outputs(h, rows, _slots(ids, slot_of)[mask], threads)
+    else:
+        y[mask] = pool.layer.pick_outputs(h[rows], _slots(ids, slot_of)[mask], threads)
+
+
+def per_expert_ffn(parts, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, fetched: dict, threads: int) -> np.ndarray:
+    """The same sum computed expert by expert from store bytes in place (fomoepy.runtime.ggml_matmul,
+    plain kernels): the independent path the slots are checked against (tests, bench/moe_layer.py)."""
+    flat_ids, flat_w, k = ids.reshape(-1), weights.reshape(-1), ids.shape[1]
+    order = np.argsort(flat_ids, kind="stable")
+    bounds = np.flatnonzero(np.diff(flat_ids[order])) + 1
+    picks = {int(flat_ids[group[0]]): group for group in np.split(order, bounds)}  # ascending expert id
+    groups = [(picks[e] // k, *expert_matrices(fetched[e], parts)) for e in picks]
+    ys = dict(zip(picks, expert_ffn(h, groups, threads)))
+    out = np.zeros_like(h)
+    for e, group in picks.items():  # ascending expert id: a fixed order of additions
+        out[group // k] += ys[e] * flat_w[group][:, None]
+    return out
 
 
 def expert_matrices(raw, parts) -> tuple[QuantMatrix, ...]:
@@ -89,7 +178,6 @@ def expert_matrices(raw, parts) -> tuple[QuantMatrix, ...]:
     return tuple(QuantMatrix.of(raw[i], q.qtype, q.shape) for i, q in enumerate(parts))
 
 
-
 def store_expert_nbytes(layout: LayerExperts) -> int:
-    """The unit of this backend's tiers: one expert's store bytes."""
+    """The unit of this backend's tier: one expert's store bytes (a slot holds as many, repacked or not)."""
     return layout.expert_nbytes

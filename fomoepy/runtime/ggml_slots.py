@@ -142,8 +142,12 @@ class SlotLayer:
         T, k = slots.shape
         if h.shape != (T, self.n_embd) or weights.shape != (T, k):
             raise FomoeError(f"expected h [{T}, {self.n_embd}] and weights [{T}, {k}], got {h.shape} and {weights.shape}")
-        ids = _checked_slots(slots, self.n_slots)
-        weights = np.ascontiguousarray(weights, dtype=F32)
+        return self.ffn_unchecked(h, _checked_slots(slots, self.n_slots), np.ascontiguousarray(weights, dtype=F32), threads)
+
+    def ffn_unchecked(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
+        """`ffn` for a caller whose arrays are already right: h [T, K] and weights [T, k] float32 and
+        C-contiguous, ids [T, k] int32 slots in range (the MoE step's, from its slot lookup)."""
+        T, k = ids.shape
         if T > _MAX_CACHED_TOKENS:
             g = _SlotGraph(self, T, k, threads)
             try:
@@ -158,6 +162,41 @@ class SlotLayer:
             g = self._graphs[key] = _SlotGraph(self, T, k, threads)
         return g.run(h, ids, weights)
 
+    def pick_outputs(self, rows: np.ndarray, slots: np.ndarray, threads: int) -> np.ndarray:
+        """rows [P, K], slots [P] → [P, K]: expert_{slots[p]}(rows[p]) for each pick p, unweighted, in one
+        graph built for the call: `ffn`'s y with each (token, pick) a row of its own. mul_mat_id computes
+        each slot's rows in the order they come, with the kernels it picks for their count, whatever the
+        other slots do: so a pick's result here is its result inside `ffn` when the picks of each slot
+        listed here are those `ffn` gives it, token-major. A step whose experts are not all in slots at
+        once (some still being read, or more misses than staging slots) is computed in such rounds."""
+        rows = np.ascontiguousarray(rows, dtype=F32)
+        ids = _checked_slots(np.asarray(slots).reshape(1, -1), self.n_slots)
+        P, K, F = ids.shape[1], self.n_embd, self.n_ff
+        if rows.shape != (P, K):
+            raise FomoeError(f"expected rows [{P}, {K}], got {rows.shape}")
+        scratch = 4 * 4 * F * P + 64 * 16  # a, b, silu(a), its product with b [F, 1, P]; float32
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * (_OVERHEAD + 64) + 2 * ggml.ggml_graph_overhead() + scratch,
+                                                   mem_buffer=None, no_alloc=False))  # fmt: skip
+        if not ctx:
+            raise FomoeError("ggml could not allocate a graph context")
+        try:
+            ggml.ggml_set_no_alloc(ctx, True)  # inputs and output are numpy memory
+            x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, 1, P), rows)
+            it = _wrap(ctx, ggml.GGML_TYPE_I32, (1, P), ids)
+            ggml.ggml_set_no_alloc(ctx, False)
+            gate, up, down = (m.tensor for m in self.mats)
+            act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, ggml.ggml_mul_mat_id(ctx, gate, x, it)), ggml.ggml_mul_mat_id(ctx, up, x, it))
+            ggml.ggml_set_no_alloc(ctx, True)
+            y = ggml.ggml_mul_mat_id(ctx, down, act, it)  # [K, 1, P]
+            out = np.empty((P, K), F32)
+            y.contents.data = out.ctypes.data
+            gf = ggml.ggml_new_graph(ctx)
+            ggml.ggml_build_forward_expand(gf, y)
+            _compute(gf, threads)
+        finally:
+            ggml.ggml_free(ctx)
+        return out
+
     def ffn_grouped(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
         """`ffn` for many tokens, each slot's tokens as the rows of one product per matrix (a graph built
         for the call): a repacked matrix then runs its GEMM kernels on 4 rows at a time, where
@@ -166,9 +205,22 @@ class SlotLayer:
         T, k = slots.shape
         if h.shape != (T, self.n_embd) or weights.shape != (T, k):
             raise FomoeError(f"expected h [{T}, {self.n_embd}] and weights [{T}, {k}], got {h.shape} and {weights.shape}")
-        flat = _checked_slots(slots, self.n_slots).reshape(-1)
+        ys = self.grouped_outputs(h, np.arange(T * k) // k, slots.reshape(-1), threads).reshape(T, k, self.n_embd)
+        w = np.ascontiguousarray(weights, dtype=F32)
+        out = ys[:, 0] * w[:, :1]
+        for j in range(1, k):  # pick j added after picks 0..j-1, as ffn and the per-expert path add them
+            out += ys[:, j] * w[:, j : j + 1]
+        return out
+
+    def grouped_outputs(self, h: np.ndarray, tokens: np.ndarray, slots: np.ndarray, threads: int) -> np.ndarray:
+        """h [T, K]; for each pick p, its token tokens[p] and slot slots[p] → [P, K]: expert_{slots[p]}(h[tokens[p]]),
+        unweighted: each slot's picks, in the order given, the rows of one product per matrix (GEMM
+        kernels where repacked). A pick's result depends on the rows its slot gets, so a step computed
+        in rounds (fomoepy.runtime.ggml_experts) gives each slot all its picks in one round."""
+        h = np.ascontiguousarray(h, dtype=F32)
+        flat = _checked_slots(np.asarray(slots).reshape(1, -1), self.n_slots).reshape(-1)
         order = np.argsort(flat, kind="stable")
-        groups = np.split(order, np.flatnonzero(np.diff(flat[order])) + 1)  # picks (t·k + j) of each slot
+        groups = np.split(order, np.flatnonzero(np.diff(flat[order])) + 1)  # picks of each slot, in order
         K = self.n_embd
         ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(10 * len(groups) + 4) * _OVERHEAD + 2 * ggml.ggml_graph_overhead(),
                                                    mem_buffer=None, no_alloc=True))  # fmt: skip
@@ -176,7 +228,7 @@ class SlotLayer:
         try:
             gf = ggml.ggml_new_graph(ctx)
             for picks in groups:
-                slot, rows = int(flat[picks[0]]), np.ascontiguousarray(h[picks // k])
+                slot, rows = int(flat[picks[0]]), np.ascontiguousarray(h[tokens[picks]])
                 gate, up, down = (m.slot_tensor(slot) for m in self.mats)
                 x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, len(picks)), rows)
                 act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, ggml.ggml_mul_mat(ctx, gate, x)), ggml.ggml_mul_mat(ctx, up, x))
@@ -192,15 +244,10 @@ class SlotLayer:
             _compute(gf, threads)
         finally:
             ggml.ggml_free(ctx)
-        ys = np.empty((T * k, K), F32)
+        ys = np.empty((len(flat), K), F32)
         for picks, y in outs:
             ys[picks] = y.reshape(len(picks), K)
-        ys = ys.reshape(T, k, K)
-        w = np.ascontiguousarray(weights, dtype=F32)
-        out = ys[:, 0] * w[:, :1]
-        for j in range(1, k):  # pick j added after picks 0..j-1, as ffn and the per-expert path add them
-            out += ys[:, j] * w[:, j : j + 1]
-        return out
+        return ys
 
     def close(self) -> None:
         for g in self._graphs.values():
@@ -235,16 +282,22 @@ class _SlotGraph:
         a = ggml.ggml_mul_mat_id(ctx, gate, self.h, self.ids)  # [F, k, T]
         b = ggml.ggml_mul_mat_id(ctx, up, self.h, self.ids)
         y = ggml.ggml_mul_mat_id(ctx, down, ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, a), b), self.ids)  # [K, k, T]
-        yw = ggml.ggml_mul(ctx, y, self.w)
-        nb1, nb2 = yw.contents.nb[1], yw.contents.nb[2]
-        out = ggml.ggml_view_2d(ctx, yw, K, T, nb2, 0)
-        for j in range(1, k):  # expert j added after experts 0..j-1, as the per-expert path adds them
-            out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
-        self.out = out if k > 1 else ggml.ggml_cont(ctx, out)
+        # On several threads every node ends at a barrier, where a waiting thread sleeps and is woken
+        # (fomoepy.runtime.ggml_threads): the weighted sum's k nodes are then numpy's, the same float32
+        # products and additions in the same order. On one thread they cost nothing in the graph.
+        self.sum_outside = threads > 1
+        if self.sum_outside:
+            self.out, self.shape = y, (T, k, K)
+        else:
+            yw = ggml.ggml_mul(ctx, y, self.w)
+            nb1, nb2 = yw.contents.nb[1], yw.contents.nb[2]
+            out = ggml.ggml_view_2d(ctx, yw, K, T, nb2, 0)
+            for j in range(1, k):  # expert j added after experts 0..j-1, as the per-expert path adds them
+                out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
+            self.out, self.shape = (out if k > 1 else ggml.ggml_cont(ctx, out)), (T, K)
         self.gf = ggml.ggml_new_graph(ctx)
         ggml.ggml_build_forward_expand(self.gf, self.out)
         self.plan, self.work = _plan(self.gf, threads)
-        self.shape = (T, K)
 
     def run(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         self.h.contents.data = h.ctypes.data
@@ -253,6 +306,10 @@ class _SlotGraph:
         out = np.empty(self.shape, F32)
         self.out.contents.data = out.ctypes.data
         _run(self.gf, self.plan)
+        if self.sum_outside:
+            y, out = out, out[:, 0] * w[:, :1]
+            for j in range(1, y.shape[1]):
+                out = out + y[:, j] * w[:, j : j + 1]
         return out  # h, ids, w and out are the caller's: alive for the whole computation
 
     def free(self) -> None:
@@ -302,15 +359,3 @@ def _compute(gf, threads: int) -> None:
     plan, work = _plan(gf, threads)
     _run(gf, plan)
     del work
-
-
-def resident_slot_layers(source, n_expert: int, repack: bool = True) -> list[SlotLayer]:
-    """Every layer's experts read from `source` (a GGUFExpertSource or store: `.layers`, `.read(layer,
-    expert)`) into a SlotLayer of n_expert slots, expert e in slot e: a model held whole in memory."""
-    layers = []
-    for layout in source.layers:
-        layer = SlotLayer([(p.qtype, p.shape) for p in layout.parts], n_expert, repack)
-        for e in range(n_expert):
-            layer.set_slot(e, source.read(layout.layer, e))
-        layers.append(layer)
-    return layers

@@ -1,0 +1,43 @@
+"""ResidentStep: the MoE step when the device tier holds every expert for good.
+
+The cpu backend fills a tier that holds the whole model at load (fomoepy.engine); from then on no step
+misses, evicts, reads or prefetches, so the cache has nothing to decide. A step is then routing as
+MoEStep's (the trace, usage counts, CAR: the streamer's `choose`) and the device's product; the plan,
+its pins and its release are skipped (they were a tenth of a decode step's time on the cpu backend),
+and each selected expert is counted as the device hit a plan would have counted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from fomoepy.experts.device import StepExperts, StepTiming
+from fomoepy.experts.routing import Routing
+from fomoepy.experts.step import MoEStep
+
+
+class ResidentStep(MoEStep):
+    def __init__(self, streamer, device, timer: Any = None):
+        super().__init__(streamer, device, predicts=False, timer=timer)
+        self._cache = streamer.cache
+
+    def __call__(self, layer: int, h: Any, exact: Routing) -> Any:
+        t0 = time.perf_counter()
+        ids, weights = self.streamer.choose(layer, exact)
+        self._cache.count_resident_hits(layer, len(np.unique(ids)))
+        t1 = time.perf_counter()
+        out = self.device.compute(layer, h, ids, weights, StepExperts(None, self.phase, {}, {}, _nothing))
+        if self.records is not None or self.timer is not None:
+            timing = StepTiming(layer, t1 - t0, 0.0, 0.0, time.perf_counter() - t1, 0.0)
+            if self.records is not None:
+                self.records.append(timing)
+            if self.timer is not None:
+                self.timer.add_step(timing)
+        return out
+
+
+def _nothing() -> None:
+    """No read to wait for."""

@@ -1,0 +1,212 @@
+"""The cpu backend's norms, and a decode row's dense attention-layer work as two ggml graphs.
+
+`rms_norm_rows(x, eps)` is ggml's RMS norm of each row (no weight) and `rope_neox` ggml's NEOX RoPE:
+the cpu backend's, so that the graphs below, which use the same ops, give a row the bits the op-by-op
+path gives it.
+
+A decode step of one sequence (one row) spends most of its host time between products: each ggml
+call from Python costs some 10-30 µs beside the product itself, and an attention layer made ~10 of
+them (norms, q/k/v, q/k norms, output, residual, FFN norm, router). `AttentionGraphs` puts them in
+two graphs built once per layer, run with only the row's pointers set:
+
+    before attention:  xn = rms_norm(x)·attn_norm;  q, k, v = Wq·xn, Wk·xn, Wv·xn
+                       q = rope(rms_norm(q per head)·q_norm);  k = rope(rms_norm(k per head)·k_norm)
+    after attention:   x' = x + Wo·attn;  h = rms_norm(x')·ffn_norm;  logits = Wr·h
+
+The attention over the KV cache stays in numpy between the two (fomoepy.model.attention), as on the
+op-by-op path. Every op here is the one that path calls (ggml's products, norm and RoPE; a product
+with a weight vector and a residual sum, elementwise float32 either way), so a row gets the same
+bits through the graphs, op by op, or batched beside other sequences' rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
+
+# isort: split
+import ggml
+import numpy as np
+
+from fomoepy.errors import FomoeError
+from fomoepy.runtime.ggml_matmul import QuantMatrix
+from fomoepy.timing import MATMUL
+
+F32 = np.float32
+_OVERHEAD = ggml.ggml_tensor_overhead()
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """What RoPE reads of an AttentionSpec."""
+
+    rotary_dim: int
+    rope_base: float
+
+
+class _Graph:
+    """A graph built once: leaves whose data is numpy memory (weights fixed at build, inputs set per
+    call), intermediates in the context's own memory, outputs in fresh arrays per call."""
+
+    def __init__(self, n_tensors: int, scratch_bytes: int, threads: int):
+        # a graph of its own size: ggml's default one (2048 nodes) costs a ~0.1 ms clearing per build
+        self.graph_size = 2 * n_tensors
+        size = n_tensors * (_OVERHEAD + 64) + ggml.ggml_graph_overhead_custom(self.graph_size, False) + scratch_bytes
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=False))
+        if not self.ctx:
+            raise FomoeError(f"ggml could not allocate a {size}-byte context")
+        self.threads = threads
+        self.keep: list = []  # the weights' memory, alive as long as the graph
+        self.inputs: list = []
+        self.outputs: list[tuple] = []  # (tensor, shape)
+
+    def leaf(self, qtype: int, *ne: int, data: np.ndarray | None = None):
+        ggml.ggml_set_no_alloc(self.ctx, True)
+        try:
+            t = ggml.ggml_new_tensor(self.ctx, qtype, len(ne), (ctypes.c_int64 * len(ne))(*ne))
+        finally:
+            ggml.ggml_set_no_alloc(self.ctx, False)
+        if data is not None:
+            t.contents.data = data.ctypes.data
+            self.keep.append(data)
+        return t
+
+    def weight(self, w):
+        """A product's weight (a QuantMatrix) or a float32 vector (a norm's weight)."""
+        if isinstance(w, QuantMatrix):
+            return self.leaf(w.qtype, w.n_cols, w.n_rows, data=w.data)
+        v = np.ascontiguousarray(w, dtype=F32).reshape(-1)
+        return self.leaf(ggml.GGML_TYPE_F32, v.size, data=v)
+
+    def input(self, *ne: int, qtype: int = ggml.GGML_TYPE_F32):
+        """An input of the given ggml shape: never viewed (a view takes its source's data pointer when
+        made, and an input's is set only per call)."""
+        t = self.leaf(qtype, *ne)
+        self.inputs.append(t)
+        return t
+
+    def finish(self, outputs: list[tuple]) -> None:
+        self.outputs = outputs
+        self.gf = ggml.ggml_new_graph_custom(self.ctx, self.graph_size, False)
+        for t, _ in outputs:
+            ggml.ggml_build_forward_expand(self.gf, t)
+        self.plan = ggml.ggml_graph_plan(self.gf, self.threads, None)
+        self.work = np.empty(max(self.plan.work_size, 1), np.uint8)
+        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+    def run(self, *inputs: np.ndarray) -> list[np.ndarray]:
+        for t, x in zip(self.inputs, inputs, strict=True):
+            t.contents.data = x.ctypes.data
+        outs = []
+        for t, shape in self.outputs:
+            out = np.empty(shape, F32)
+            t.contents.data = out.ctypes.data
+            outs.append(out)
+        with MATMUL.timed():
+            status = ggml.ggml_graph_compute(self.gf, ctypes.byref(self.plan))
+        if status != 0:
+            raise FomoeError("ggml graph computation failed")
+        return outs  # inputs are the caller's, alive for the whole computation
+
+    def __del__(self) -> None:
+        if getattr(self, "ctx", None) and ggml is not None:
+            ggml.ggml_free(self.ctx)
+
+
+def _rotated(g: _Graph, x, positions, a):
+    """NEOX RoPE of x [hd, heads, T] at `positions` (an int32 input [T]): ggml's, as llama.cpp's (angles
+    pos·base^(-2i/rotary_dim) in float32, the dims past rotary_dim unchanged)."""
+    return ggml.ggml_rope_ext(g.ctx, x, positions, None, a.rotary_dim, ggml.GGML_ROPE_TYPE_NEOX, 0, float(a.rope_base),
+                              1.0, 0.0, 1.0, 0.0, 0.0)  # fmt: skip  (no scaling: freq_scale 1, ext_factor 0, attn_factor 1)
+
+
+def _normed(g: _Graph, x, eps: float, w):
+    """rms_norm(x) · w, w broadcast over x's rows."""
+    return ggml.ggml_mul(g.ctx, ggml.ggml_rms_norm(g.ctx, x, eps), g.weight(w))
+
+
+class AttentionGraphs:
+    """One layer's two decode graphs (see the module's docstring): w the layer's weights (attn_norm,
+    attn_q/k/v/output, attn_q_norm/k_norm, ffn_norm, ffn_gate_inp), a its AttentionSpec (not gated)."""
+
+    def __init__(self, w, a, eps: float, threads: int):
+        H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+        D, E = w.attn_q.n_cols, w.ffn_gate_inp.n_rows
+        f = 4 * 4 * (D + 2 * (H + 2 * Hkv) * hd)  # float32 intermediates, with room for each one's norm
+        pre = self.pre = _Graph(28, f, threads)
+        x, pos = pre.input(D), pre.input(1, qtype=ggml.GGML_TYPE_I32)
+        xn = _normed(pre, x, eps, w.attn_norm)
+        q = ggml.ggml_mul_mat(pre.ctx, pre.weight(w.attn_q), xn)
+        k = ggml.ggml_mul_mat(pre.ctx, pre.weight(w.attn_k), xn)
+        v = ggml.ggml_mul_mat(pre.ctx, pre.weight(w.attn_v), xn)
+        qn = _normed(pre, ggml.ggml_reshape_3d(pre.ctx, q, hd, H, 1), eps, w.attn_q_norm)  # each head's row normed
+        kn = _normed(pre, ggml.ggml_reshape_3d(pre.ctx, k, hd, Hkv, 1), eps, w.attn_k_norm)
+        pre.finish([(_rotated(pre, qn, pos, a), (1, H, hd)), (_rotated(pre, kn, pos, a), (1, Hkv, hd)), (v, (1, Hkv * hd))])
+        post = self.post = _Graph(24, 4 * 4 * (3 * D + E), threads)
+        x, attn = post.input(D), post.input(H * hd)
+        x2 = ggml.ggml_add(post.ctx, x, ggml.ggml_mul_mat(post.ctx, post.weight(w.attn_output), attn))
+        h = _normed(post, x2, eps, w.ffn_norm)
+        logits = ggml.ggml_mul_mat(post.ctx, post.weight(w.ffn_gate_inp), h)
+        post.finish([(x2, (1, D)), (h, (1, D)), (logits, (1, E))])
+
+    def inputs(self, x: np.ndarray, position: int) -> list[np.ndarray]:
+        """x [1, D] at `position` → q [1, H, hd], k [1, Hkv, hd] (normed and rotated), v [1, Hkv·hd]."""
+        return self.pre.run(np.ascontiguousarray(x, dtype=F32), np.array([position], np.int32))
+
+    def output(self, x: np.ndarray, attn: np.ndarray) -> list[np.ndarray]:
+        """x [1, D], attn [1, H·hd] → x + Wo·attn, its FFN norm [1, D], router logits [1, E]."""
+        return self.post.run(np.ascontiguousarray(x, dtype=F32), np.ascontiguousarray(attn, dtype=F32))
+
+
+def rms_norm_rows(x: np.ndarray, eps: float, threads: int) -> np.ndarray:
+    """x / rms(x) over the last axis, by ggml's RMS norm (its row sums in double, as llama.cpp's)."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    n = x.shape[-1]
+    rows = x.size // n if n else 0
+    key = ("norm", rows, n, float(eps), threads)
+    cache = _cache()
+    g = cache.get(key)
+    if g is None:
+        g = _Graph(4, 4 * rows * n + 64, threads)
+        g.finish([(ggml.ggml_rms_norm(g.ctx, g.input(n, rows), eps), x.shape)])
+        _keep(cache, key, g, rows)
+    out = g.run(x)[0]
+    return out.reshape(x.shape)
+
+
+_graphs = threading.local()  # per thread: a graph's pointers are set and run without a lock
+_MAX_CACHED_ROWS = 64
+_MAX_GRAPHS = 64
+
+
+def rope_neox(x: np.ndarray, positions: np.ndarray, a, threads: int) -> np.ndarray:
+    """x [T, heads, hd] rotated at positions [T] by ggml's NEOX RoPE (`_rotated`); each row at its own
+    position, whatever the rows beside it."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    T, heads, hd = x.shape
+    key = ("rope", T, heads, hd, a.rotary_dim, float(a.rope_base), threads)
+    cache = _cache()
+    g = cache.get(key)
+    if g is None:
+        g = _Graph(4, 4 * x.size + 64, threads)
+        g.finish([(_rotated(g, g.input(hd, heads, T), g.input(T, qtype=ggml.GGML_TYPE_I32), a), x.shape)])
+        _keep(cache, key, g, T)
+    return g.run(x, np.ascontiguousarray(positions, dtype=np.int32))[0]
+
+
+def _cache() -> dict:
+    cache = getattr(_graphs, "cache", None)
+    if cache is None:
+        cache = _graphs.cache = {}
+    return cache
+
+
+def _keep(cache: dict, key: tuple, g: _Graph, rows: int) -> None:
+    if rows <= _MAX_CACHED_ROWS:  # decode shapes come back every step; a prefill's rarely
+        if len(cache) >= _MAX_GRAPHS:
+            cache.pop(next(iter(cache)))
+        cache[key] = g
+
