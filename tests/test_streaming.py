@@ -500,3 +500,21 @@ def test_prefetch_on_and_off_give_the_same_tokens(model):
         engine.close()
         assert (stats["issued"] > 0) == prefetch
     assert outs[0] == outs[1]
+
+
+def test_the_cpu_backend_reads_predicted_experts_ahead_with_no_host_tier(model):
+    # the cpu backend's one tier is its device tier (ggml slots), so there is no host tier to keep reads
+    # made ahead: the ones the next step chooses are handed to it, and the tokens are the same as without
+    path, store, tokens, _ = model
+    probe = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=0))
+    unit = probe.experts.streamer.cache.device_expert_bytes[0]
+    probe.close()
+    outs = []
+    for prefetch in (True, False):
+        engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=8 * unit, prefetch=prefetch))
+        assert not engine.experts.streamer.cache.host.enabled
+        outs.append(list(engine.generate(tokens[:6], 12, SamplingParams.greedy(), stop_at_eog=False)))
+        stats = engine.stats()["prefetch"]
+        engine.close()
+        assert (stats["issued"] > 0 and stats["handed"] > 0) == prefetch, stats
+    assert outs[0] == outs[1]

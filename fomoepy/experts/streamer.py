@@ -208,8 +208,10 @@ class ExpertStreamer:
             self._to_prefetch = (layer, predicted)
 
     def _prefetching(self) -> bool:
-        """Whether predictions are read ahead: asked for, a source that reads in the background, a host tier."""
-        return self.options.prefetch and getattr(self.source, "submit", None) is not None and self.cache.host.enabled
+        """Whether predictions are read ahead: asked for, and a source that reads in the background. Without a
+        host tier to keep them (the cpu backend's one tier is its device tier), the reads that the step
+        then chooses are handed to it, the others dropped: the read overlaps the layer before either way."""
+        return self.options.prefetch and getattr(self.source, "submit", None) is not None
 
     def _issue_prefetch(self) -> None:
         if self._to_prefetch is None:
