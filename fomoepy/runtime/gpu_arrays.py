@@ -14,6 +14,7 @@ write it.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -204,7 +205,7 @@ class DeviceArray:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # (np.prod of a tuple costs microseconds; the shape's ints are Python's)
 
     @property
     def nbytes(self) -> int:
