@@ -4,10 +4,15 @@ For measuring the host's own time per MoE layer step at a real model's shape (be
 the layers have the true byte sizes of every expert (from fomoepy.plan.shapes and the quant table), so
 every tier's bookkeeping, every plan and every copy the device is asked for are the real ones, while a
 read costs nothing: each expert's parts are views of one shared zero buffer per layer shape.
+TimedNullStore's reads instead take the time stated drives would (bench/plan_fidelity.py --emulated).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import threading
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -66,3 +71,66 @@ class NullStore:
             bounds = np.cumsum([0] + [p.nbytes for p in self.layers[layer].parts])
             done.set_result(tuple(out[a:b] for a, b in zip(bounds, bounds[1:])))
         return done
+
+
+class TimedNullStore(NullStore):
+    """A null store whose reads take a stated drive's time: each read lands `latency` after it is issued
+    at the earliest, and the bytes of the reads on one drive cross one after another at `bandwidth`, so
+    many reads in flight share a drive's bandwidth while their latencies overlap:
+
+        lands = max(issued + latency, the drive's previous read landed) + bytes / bandwidth
+
+    A read goes to the drive free soonest (the store stripes experts across its drives). A thread
+    completes each read's future when its time comes."""
+
+    def __init__(self, layers: tuple[LayerExperts, ...], bandwidth: float, latency: float, drives: int = 1):
+        if bandwidth <= 0 or latency < 0 or drives < 1:
+            raise ValueError(f"a timed null store needs bandwidth > 0, latency >= 0 and drives >= 1, got {bandwidth}, {latency}, {drives}")
+        super().__init__(layers)
+        self.bandwidth, self.latency = bandwidth, latency
+        self._free_at = [0.0] * drives  # perf_counter time at which each drive's last read lands
+        self._due: list[tuple[float, int, Future, tuple]] = []  # heap: (lands, order, future, parts)
+        self._order = itertools.count()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._complete, name="timed-null-store", daemon=True)
+        self._thread.start()
+
+    def _lands(self, nbytes: int) -> float:
+        d = min(range(len(self._free_at)), key=self._free_at.__getitem__)
+        lands = max(time.perf_counter() + self.latency, self._free_at[d]) + nbytes / self.bandwidth
+        self._free_at[d] = lands
+        return lands
+
+    def read(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        with self._wake:
+            lands = self._lands(self.layers[layer].expert_nbytes)
+        time.sleep(max(0.0, lands - time.perf_counter()))
+        return super().read(layer, expert)
+
+    def submit(self, layer: int, expert: int, out: np.ndarray | None = None) -> Future:
+        parts = super().submit(layer, expert, out).result()
+        done: Future = Future()
+        with self._wake:
+            heapq.heappush(self._due, (self._lands(self.layers[layer].expert_nbytes), next(self._order), done, parts))
+            self._wake.notify()
+        return done
+
+    def _complete(self) -> None:
+        with self._wake:
+            while not self._closed:
+                if not self._due:
+                    self._wake.wait()
+                    continue
+                wait = self._due[0][0] - time.perf_counter()
+                if wait > 0:
+                    self._wake.wait(wait)
+                    continue
+                _, _, done, parts = heapq.heappop(self._due)
+                done.set_result(parts)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()

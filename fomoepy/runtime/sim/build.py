@@ -38,7 +38,7 @@ from fomoepy.runtime.kernels import KernelCompileError, KernelSource, cache_root
 SIM_DIR = Path(__file__).resolve().parent
 DEVICE_HEADERS = (SIM_DIR / "sim_device.h", SIM_DIR / "sim_shared.h", SIM_DIR / "sim_intrinsics.h")
 DRIVER_SOURCE = SIM_DIR / "sim_driver.cpp"
-DRIVER_SOURCES = (DRIVER_SOURCE, SIM_DIR / "sim_streams.h")
+DRIVER_SOURCES = (DRIVER_SOURCE, SIM_DIR / "sim_streams.h", SIM_DIR / "sim_timing.h")
 
 # contraction off, no -march=native: the same bits on every CI processor; strict aliasing off because
 # the kernels read weights through casts of byte pointers, which is fine on a GPU compiler

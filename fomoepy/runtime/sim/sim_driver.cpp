@@ -13,7 +13,8 @@
 // In null mode (sim_set_null, for measuring the host's own time through the real bindings) the device
 // does no work: device memory is address space only (reserved, never backed), copies, memsets and
 // launches are checked as always and then complete at once (a read-back leaves the host bytes as they
-// were; pinned host memory is demand-zero pages), and events are ready at once.
+// were; pinned host memory is demand-zero pages), and events are ready at once. Its timed variant
+// (sim_set_timing, sim_timing.h) gives copies and launches the time stated rates give them.
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -130,6 +131,7 @@ struct Module {
 }  // namespace
 
 #include "sim_streams.h"
+#include "sim_timing.h"
 
 // -- the API -------------------------------------------------------------------------------------------
 EXPORT const char* sim_last_error() { return last_error.c_str(); }
@@ -161,6 +163,23 @@ EXPORT int sim_set_null(int on) {
     config.null_device = on != 0;
     return OK;
 }
+
+// Timed null mode (sim_timing.h): kernels read at `kernel_bandwidth`, copies cross at `link_bandwidth`
+// (bytes per second), and synchronisations wait for the device's time. 0, 0: untimed.
+EXPORT int sim_set_timing(double kernel_bandwidth, double link_bandwidth) {
+    if (!config.null_device) return fail(INVALID_VALUE, "timing is a mode of the null device: set null mode first");
+    if (kernel_bandwidth < 0 || link_bandwidth < 0 || (kernel_bandwidth > 0) != (link_bandwidth > 0))
+        return fail(INVALID_VALUE, "timed null mode needs both rates > 0 (or both 0 to turn it off), got %g and %g",
+                    kernel_bandwidth, link_bandwidth);
+    std::lock_guard<std::mutex> g(timing.m);
+    timing.on = kernel_bandwidth > 0;
+    timing.kernel_bandwidth = kernel_bandwidth;
+    timing.link_bandwidth = link_bandwidth;
+    return OK;
+}
+
+// Nanoseconds the host has spent waiting for the timed device in synchronisations, so far.
+EXPORT long long sim_timed_waited_ns() { return timing.waited_ns.load(); }
 
 EXPORT int sim_device_count(int* n) {
     *n = config.n_devices;
@@ -328,7 +347,10 @@ EXPORT int sim_stream_create(int device, void** out) {
     return OK;
 }
 
-EXPORT int sim_stream_sync(void* s) { return static_cast<Stream*>(s)->sync(); }
+EXPORT int sim_stream_sync(void* s) {
+    if (timing.on) host_wait_until(timed_end(static_cast<Stream*>(s)));
+    return static_cast<Stream*>(s)->sync();
+}
 
 EXPORT int sim_event_create(int device, void** out) {
     if (!valid_device(device)) return fail(INVALID_DEVICE, "no simulated device %d", device);
@@ -346,7 +368,7 @@ EXPORT int sim_event_record(void* e, void* s) {
         std::lock_guard<std::mutex> g(ev->m);
         ev->done = ++ev->issued;
         ev->stream = nullptr;
-        ev->when = std::chrono::steady_clock::now();
+        ev->when = timing.on ? timed_submit(st, 0.0) : std::chrono::steady_clock::now();
         return OK;
     }
     Op op;
@@ -360,8 +382,14 @@ EXPORT int sim_event_record(void* e, void* s) {
 }
 
 EXPORT int sim_stream_wait_event(void* s, void* e) {
-    if (config.null_device) return OK;  // every event is already reached
     Event* ev = static_cast<Event*>(e);
+    if (config.null_device) {  // every event is already reached; on the timed device, at its time
+        if (timing.on) {
+            std::lock_guard<std::mutex> g(ev->m);
+            if (ev->issued) timed_wait(static_cast<Stream*>(s), ev->when);
+        }
+        return OK;
+    }
     Op op;
     op.type = Op::WAIT;
     op.event = ev;
@@ -385,6 +413,14 @@ EXPORT int sim_event_sync(void* e) {
         target = ev->issued;
         source = ev->stream;
         position = ev->position;
+    }
+    if (timing.on && target) {
+        std::chrono::steady_clock::time_point when;
+        {
+            std::lock_guard<std::mutex> g(ev->m);
+            when = ev->when;
+        }
+        host_wait_until(when);
     }
     if (!source) return OK;
     demand(source, position);
@@ -414,7 +450,10 @@ EXPORT int sim_memcpy_async(void* dst, const void* src, size_t n, void* s, int k
         if ((kind == 2 || kind == 3) && !find((uintptr_t)src, n))
             return fail(ILLEGAL_ADDRESS, "copy of %zu bytes from %p: outside every device allocation", n, src);
     }
-    if (config.null_device) return OK;  // a read-back leaves the host bytes as they were
+    if (config.null_device) {  // a read-back leaves the host bytes as they were
+        if (timing.on) timed_submit(static_cast<Stream*>(s), n / (kind == 3 ? timing.kernel_bandwidth : timing.link_bandwidth));
+        return OK;
+    }
     Op op;
     op.type = Op::COPY;
     op.dst = dst;
@@ -431,7 +470,10 @@ EXPORT int sim_memset_d32_async(void* dst, unsigned value, size_t count, void* s
         if (!find((uintptr_t)dst, count * 4))
             return fail(ILLEGAL_ADDRESS, "memset of %zu words at %p: outside every device allocation", count, dst);
     }
-    if (config.null_device) return OK;
+    if (config.null_device) {
+        if (timing.on) timed_submit(static_cast<Stream*>(s), 4.0 * count / timing.kernel_bandwidth);
+        return OK;
+    }
     Op op;
     op.type = Op::MEMSET32;
     op.dst = dst;
@@ -541,7 +583,13 @@ EXPORT int sim_launch(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned 
             return fail(ILLEGAL_ADDRESS, "kernel %s on device %d: argument %d (%p) is memory of device %d", k->name, st->device, i,
                         (void*)p, a->device);
     }
-    if (config.null_device) return OK;  // checked like a real launch; runs nothing
+    if (config.null_device) {  // checked like a real launch; runs nothing (on the timed device, for a time)
+        if (timing.on) {
+            const unsigned grid[3] = {gx, gy, gz};
+            timed_submit(st, launch_bytes(k, grid, params) / timing.kernel_bandwidth);
+        }
+        return OK;
+    }
     st->submit(std::move(op));
     return OK;
 }

@@ -17,7 +17,9 @@
 // FOMOE_STANDIN_GFX (gfx1030: what Debian's hiprtc compiles; a real RDNA4 card reports gfx1201),
 // FOMOE_STANDIN_WARP (32: the lanes of a warp the device reports; 64 plays a wave64 GCN/CDNA card),
 // FOMOE_STANDIN_NULL=1 (the null device: nothing runs, device memory is address space only; for timing
-// the host's own calls through the real bindings, bench/host_time.py).
+// the host's own calls through the real bindings, bench/host_time.py); with it, FOMOE_STANDIN_KERNEL_BW
+// and FOMOE_STANDIN_LINK_BW (bytes per second, both) make it an emulated-cost device (sim_timing.h:
+// launches take the bytes they read / the kernel rate, copies bytes / the link rate, syncs wait).
 #include "sim_driver.cpp"
 
 #include <dirent.h>
@@ -42,6 +44,14 @@ void standin_init() {
         sim_configure(env_int("FOMOE_STANDIN_DEVICES", 2), mem && *mem ? strtoull(mem, nullptr, 10) : (16ull << 30),
                       env_int("FOMOE_STANDIN_DEFERRED", 0));
         sim_set_null(env_int("FOMOE_STANDIN_NULL", 0));
+        const char* kernel_bw = getenv("FOMOE_STANDIN_KERNEL_BW");
+        const char* link_bw = getenv("FOMOE_STANDIN_LINK_BW");
+        if ((kernel_bw && *kernel_bw) || (link_bw && *link_bw)) {
+            if (sim_set_timing(kernel_bw ? atof(kernel_bw) : 0.0, link_bw ? atof(link_bw) : 0.0) != OK) {
+                standin_error = "FOMOE_STANDIN_KERNEL_BW, FOMOE_STANDIN_LINK_BW: " + last_error;
+                return;
+            }
+        }
         const char* dir = getenv("FOMOE_STANDIN_MODULES");
         if (!dir || !*dir) {
             standin_error = "FOMOE_STANDIN_MODULES is not set: no simulator builds of the kernels to run";

@@ -1,0 +1,113 @@
+// sim_timing.h: the null device's timed mode (sim_set_timing), an emulated-cost device. Included by
+// sim_driver.cpp after sim_streams.h, not on its own.
+//
+// Nothing runs, as in null mode, but every stream is a timeline in real (steady-clock) time: an op
+// submitted at host time `now` starts at max(now, the end of the stream's previous op) and takes
+//     a copy host <-> device     bytes / link bandwidth
+//     a launch                   bytes it reads / kernel bandwidth
+//     a device copy, a memset    bytes / kernel bandwidth
+// An event is reached when its stream's timeline reaches the record; a wait on it moves the waiting
+// stream's timeline to at least that point; streams otherwise overlap freely (no shared bandwidth).
+// A synchronisation (stream, event) makes the host sleep until the time the device would be done, so
+// the host's wall clock lives through the device's time, and a read-back returns then.
+//
+// The bytes a launch reads: every allocation its pointer arguments lie in, once each (a weight, an
+// activation), plus what a kernel reads through addresses stored in device memory, which a null
+// device cannot look at: the grouped expert kernels (hip_kernels/experts.hip) read each work item's
+// expert matrices, whose sizes their scalar arguments give (INDIRECT below). A kernel that reads only
+// part of an allocation it names (attention over a KV cache) is charged all of it.
+#pragma once
+
+#include <time.h>
+
+#include <atomic>
+#include <map>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Timing {
+    bool on = false;
+    double kernel_bandwidth = 0.0;  // bytes per second a kernel reads
+    double link_bandwidth = 0.0;    // bytes per second of a host <-> device copy
+    std::mutex m;
+    std::map<const Stream*, Clock::time_point> end;  // each stream's timeline: when its last op is done
+    std::atomic<long long> waited_ns{0};             // host time spent in synchronisations
+};
+Timing timing;
+
+Clock::duration seconds(double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); }
+
+// Places an op of `cost` seconds on the stream's timeline; returns when it is done.
+Clock::time_point timed_submit(const Stream* s, double cost) {
+    std::lock_guard<std::mutex> g(timing.m);
+    Clock::time_point& end = timing.end[s];
+    end = std::max(Clock::now(), end) + seconds(cost);
+    return end;
+}
+
+// A wait for an event reached at `when`: nothing later on the stream starts before then.
+void timed_wait(const Stream* s, Clock::time_point when) {
+    std::lock_guard<std::mutex> g(timing.m);
+    Clock::time_point& end = timing.end[s];
+    end = std::max(end, when);
+}
+
+Clock::time_point timed_end(const Stream* s) {
+    std::lock_guard<std::mutex> g(timing.m);
+    auto it = timing.end.find(s);
+    return it == timing.end.end() ? Clock::time_point{} : it->second;
+}
+
+// The host waits for the device until `when`: sleeps most of the way (a sleep wakes tens of
+// microseconds late, which would add to every read-back) and spins the last stretch.
+void host_wait_until(Clock::time_point when) {
+    const Clock::time_point start = Clock::now();
+    if (when <= start) return;
+    const Clock::duration spin = std::chrono::microseconds(200);
+    if (when - start > spin) std::this_thread::sleep_until(when - spin);
+    while (Clock::now() < when) std::this_thread::yield();
+    timing.waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+}
+
+// Kernels that read device memory through addresses held in device memory: the bytes they read,
+// from the grid and their scalar arguments (hip_kernels/experts.hip; signatures in kernels.py).
+struct Indirect {
+    const char* prefix;
+    double (*bytes)(const unsigned grid[3], void* const* params);
+};
+template <class T>
+T arg(void* const* params, int i) {
+    T v;
+    memcpy(&v, params[i], sizeof v);
+    return v;
+}
+const Indirect INDIRECT[] = {
+    // (work, X, D, F, k, row_bytes, act): gate and up, F rows each, of every work item (grid y)
+    {"moe_gate_up_", [](const unsigned g[3], void* const* p) { return 2.0 * g[1] * arg<int>(p, 3) * (double)arg<long long>(p, 5); }},
+    // (pairs, act, D, F, k, row_bytes, out): each token's (grid y) k down matrices of D rows
+    {"moe_down_sum_", [](const unsigned g[3], void* const* p) { return (double)g[1] * arg<int>(p, 4) * arg<int>(p, 2) * (double)arg<long long>(p, 5); }},
+    // (work, act, D, F, row_bytes, part): the down matrix of every work item
+    {"moe_down_", [](const unsigned g[3], void* const* p) { return (double)g[1] * arg<int>(p, 2) * (double)arg<long long>(p, 4); }},
+};
+
+// The bytes a launch reads (see the top of this file); memory_mutex held by the caller.
+double launch_bytes(const KernelInfo* k, const unsigned grid[3], void* const* params) {
+    double bytes = 0.0;
+    std::vector<uintptr_t> seen;
+    for (int i = 0; i < k->n_params; i++) {
+        if (!k->param_is_pointer[i]) continue;
+        uintptr_t p, base;
+        memcpy(&p, params[i], sizeof p);
+        const Allocation* a = p ? find(p, 1, &base) : nullptr;
+        if (!a || std::find(seen.begin(), seen.end(), base) != seen.end()) continue;
+        seen.push_back(base);
+        bytes += (double)a->size;
+    }
+    for (const Indirect& ind : INDIRECT)  // the first prefix that matches (moe_down_sum_ before moe_down_)
+        if (strncmp(k->name, ind.prefix, strlen(ind.prefix)) == 0) return bytes + ind.bytes(grid, params);
+    return bytes;
+}
+
+}  // namespace
