@@ -443,3 +443,29 @@ def test_the_engine_schedule_reads_ahead_at_the_measured_accuracy_and_prints_fom
                 w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=ids[0] if layer else None)
     assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in p.trace"}
+
+
+def test_a_demoting_policys_copies_down_are_waited_for_on_the_engines_gpu_schedule(q397, fomoe_rig):
+    # each device evictee a demoting policy moves to the host tier crosses the link before the step's
+    # reads are issued (the streamer takes its bytes first): k x demoted x S / link, added in full
+    plain = TierRates(0.6, 0.12, 0.28)
+    demoting = TierRates(0.6, 0.12, 0.28, demoted=0.3)
+    m = q397.model
+    per_token = m.n_layer * m.n_expert_used * 0.3 * m.expert_bytes / fomoe_rig.device.link
+    base, p = project(q397, fomoe_rig, plain, "engine"), project(q397, fomoe_rig, demoting, "engine")
+    assert p.terms["demote"] == pytest.approx(per_token, rel=1e-12)
+    assert p.seconds_per_token - base.seconds_per_token == pytest.approx(per_token, rel=1e-12)
+    # FOMOE's schedule has its own tiers, a CPU backend no device tier: nothing to copy down
+    assert project(q397, fomoe_rig, demoting, "fomoe").seconds_per_token == project(q397, fomoe_rig, plain, "fomoe").seconds_per_token
+    cpu = load_hardware("cpu-only-64g")
+    assert project(q397, cpu, demoting, "engine").terms["demote"] == 0.0
+    with pytest.raises(FomoeError, match="demoted share"):
+        TierRates(0.6, 0.12, 0.28, demoted=1.5)
+
+
+def test_a_trace_replay_counts_the_demotions_of_a_demoting_policy():
+    trace = synthetic_trace(4, 64, 8, 64, RoutingFit(1.0, 0.2), 1 << 20)
+    for policy, demotes in (("lfu-demote", True), ("lru", False)):
+        rates = rates_from_trace(trace, 0.1, 0.2, policy)
+        assert (rates.demoted > 0) == demotes, (policy, rates)
+        assert rates.demoted <= rates.host + rates.disk  # only a copied-up miss evicts a device expert

@@ -25,11 +25,17 @@ class TierRates:
     disk: float
     substituted: float = 0.0
     source: str = "given"  # trace | given | synthetic, with details after a colon
+    # per access, device evictees a demoting policy (lfu-cooc, lfu-demote) copied down into the host tier:
+    # not a tier of its own, a copy over the link that the GPU step makes before its reads (a trace's replay
+    # counts them; given hit rates have none)
+    demoted: float = 0.0
 
     def __post_init__(self) -> None:
         parts = (self.device, self.host, self.disk, self.substituted)
         if any(not 0.0 <= p <= 1.0 for p in parts):
             raise FomoeError(f"hit rates must each be in [0, 1], got {', '.join(f'{p:g}' for p in parts)}")
+        if not 0.0 <= self.demoted <= 1.0:
+            raise FomoeError(f"the demoted share must be in [0, 1], got {self.demoted:g}")
         if abs(sum(parts) - 1.0) > TOLERANCE:
             raise FomoeError(f"hit rates must sum to 1 (device + host + disk + substituted), got {sum(parts):.3f}")
 

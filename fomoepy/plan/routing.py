@@ -36,7 +36,7 @@ def rates_of(result: SimResult, source: str) -> TierRates:
     device, host, disk = s["device"]["hits"] / n, s["host"]["hits"] / n, s["disk"]["reads"] / n
     sub = result.car.rate if result.car is not None else 0.0
     sub = min(sub, device)
-    return TierRates(device - sub, host, disk, sub, source=source)
+    return TierRates(device - sub, host, disk, sub, source=source, demoted=s["host"]["demoted"] / n)
 
 
 def rates_from_trace(

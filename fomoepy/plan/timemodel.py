@@ -9,11 +9,14 @@ Work per MoE layer step for one token (k = experts used, S = bytes of one expert
     plan      host bookkeeping of the step               host.plan
     disk      k x disk share reads of S bytes            spread over the drives (engine) or one queue (FOMOE)
     copy      k x (host + disk share) x S to the device  over the link (GPU) or make-ready (CPU backend)
+    demote    k x demoted share x S to the host          over the link, one by one (GPU, engine schedule)
 
 Two schedules combine them:
 
   engine  (what fomoepy does, DESIGN.md "data path of one decoded token")
-          dense -> sync -> plan -> all the layer's misses read at once, striped across the drives
+          dense -> sync -> plan -> a demoting policy's device evictees copied down, each waited for
+          (the streamer takes their bytes before it issues the reads) -> all the layer's misses read
+          at once, striped across the drives
           (one latency, then bytes / (drives x bandwidth)); each miss copied up on the copy stream
           as soon as its read lands, so the fetch is max(disk, copy) plus the last read's copy, while
           the device computes the experts already resident (launched before any wait on a copy); the
@@ -42,7 +45,7 @@ SCHEDULES = ("engine", "fomoe")
 # is the figure its published efficiency was fitted with (bench/plan_fomoe.py). Our own schedule takes
 # the hardware file's `plan`, which is fomoepy's host time, measured (bench/host_time.py).
 FOMOE_HOST_PLAN = 40e-6
-TERMS = ("dense", "experts", "head", "sync", "plan", "disk", "copy")
+TERMS = ("dense", "experts", "head", "sync", "plan", "disk", "copy", "demote")
 # Fraction of device memory bandwidth the kernels reach, per kernel family. The GPU default is the one
 # constant fitted to FOMOE's published CAR 0.35 figure on its RDNA4 rig (see fit_efficiency); it is a
 # stand-in until our own kernels are timed on a GPU. The CPU backend's rates are measured, hence 1.
@@ -149,6 +152,8 @@ def project(
         "plan": FOMOE_HOST_PLAN if schedule == "fomoe" else hw.host.plan,
         "disk": 0.0,
         "copy": n_copy * S / copy_rate if copy_rate else 0.0,
+        # FOMOE's tiers are its own (no demotion); a CPU backend has no device tier to demote from
+        "demote": k * rates.demoted * S / copy_rate if gpu and schedule == "engine" else 0.0,
     }
     if schedule == "fomoe":
         layer["disk"] = n_disk * (drives.latency + S / drives.bandwidth) if n_disk else 0.0
@@ -182,7 +187,7 @@ def project(
     else:  # ggml, computing on store bytes in place: the experts at hand while the misses are read
         at_hand = layer["experts"] * (1 - rates.disk)
         moe = max(at_hand, (1 - prefetch) * layer["disk"]) + layer["experts"] - at_hand
-    step = layer["dense"] + layer["sync"] + layer["plan"] + moe
+    step = layer["dense"] + layer["sync"] + layer["plan"] + layer["demote"] + moe
     total = m.n_layer * step + head
     terms = {name: m.n_layer * t for name, t in layer.items()}
     terms["head"] = head
@@ -195,7 +200,7 @@ def project(
         "drives": drive_bytes,
     }
     if gpu:
-        busy["link"] = terms["copy"]
+        busy["link"] = terms["copy"] + terms["demote"]
         busy["host"] = terms["plan"]
     bound_resource = max(busy, key=busy.get)
     return Projection(
