@@ -22,6 +22,7 @@ and one fitted constant per thread count, named and printed: the host's per-laye
 that row matches by construction and the other three are predictions.
 
     python bench/plan_fidelity.py [--backend cpu|reference] [--tokens 64] [--threads 1,2] [--record]
+    python bench/plan_fidelity.py --emulated [--json] [--record]   (the GPU schedule: plan_fidelity_emulated.py)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 from datetime import date
 
 import numpy as np
+import plan_fidelity_emulated
 from decode import decode_tokens, disk_bandwidth, ensure_model
 from results import record
 from threadpoolctl import threadpool_limits
@@ -218,10 +220,19 @@ def run_setting(model, store, backend: str, threads: int, vram_frac: float, ram_
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cpu", choices=tuple(SETTINGS), help="the backend decoded on (default cpu: ggml)")
-    ap.add_argument("--tokens", type=int, default=64)  # 24 left single runs 10-20 % apart on this machine
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens measured per setting (default 64; --emulated: 24)")  # 24 left single cpu runs 10-20 %% apart
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--emulated", action="store_true",
+                    help="the GPU schedule instead: the engine's MoE step on an emulated-cost device (plan_fidelity_emulated.py)")
+    ap.add_argument("--json", action="store_true", help="--emulated: print a JSON list, one object per setting")
+    plan_fidelity_emulated.add_arguments(ap)
     args = ap.parse_args()
+    if args.emulated:
+        args.tokens = args.tokens or 24
+        return plan_fidelity_emulated.main(args)
+    args.tokens = args.tokens or 64
     model, store = ensure_model("bench")
     probe = Engine(model, EngineOptions(backend=args.backend, store=(str(store),), vram_cache=0, ram_cache=0))
     # the backend's implementation, not only its name

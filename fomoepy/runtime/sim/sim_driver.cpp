@@ -180,6 +180,8 @@ EXPORT int sim_set_timing(double kernel_bandwidth, double link_bandwidth) {
 
 // Nanoseconds the host has spent waiting for the timed device in synchronisations, so far.
 EXPORT long long sim_timed_waited_ns() { return timing.waited_ns.load(); }
+// Of that, nanoseconds past the time the device was done: the emulation's own error.
+EXPORT long long sim_timed_late_ns() { return timing.late_ns.load(); }
 
 EXPORT int sim_device_count(int* n) {
     *n = config.n_devices;

@@ -34,6 +34,7 @@ struct Timing {
     std::mutex m;
     std::map<const Stream*, Clock::time_point> end;  // each stream's timeline: when its last op is done
     std::atomic<long long> waited_ns{0};             // host time spent in synchronisations
+    std::atomic<long long> late_ns{0};               // of which after the device was done (the machine was busy)
 };
 Timing timing;
 
@@ -60,15 +61,19 @@ Clock::time_point timed_end(const Stream* s) {
     return it == timing.end.end() ? Clock::time_point{} : it->second;
 }
 
-// The host waits for the device until `when`: sleeps most of the way (a sleep wakes tens of
-// microseconds late, which would add to every read-back) and spins the last stretch.
+// The host waits for the device until `when`, spinning as a GPU driver's synchronisation does by
+// default: a sleep wakes late, by a few hundred microseconds on a busy machine, which would add to every
+// read-back. Only a long wait sleeps, and spins its last few milliseconds.
 void host_wait_until(Clock::time_point when) {
     const Clock::time_point start = Clock::now();
     if (when <= start) return;
-    const Clock::duration spin = std::chrono::microseconds(200);
+    const Clock::duration spin = std::chrono::milliseconds(5);
     if (when - start > spin) std::this_thread::sleep_until(when - spin);
-    while (Clock::now() < when) std::this_thread::yield();
-    timing.waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+    Clock::time_point now;
+    while ((now = Clock::now()) < when) {
+    }
+    timing.waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count();
+    timing.late_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(now - when).count();
 }
 
 // Kernels that read device memory through addresses held in device memory: the bytes they read,
