@@ -76,7 +76,7 @@ class EmulatedRates:
 # -- the child: one setting's decode on the emulated device ------------------------------------------------
 def child(args: argparse.Namespace) -> dict:
     from fomoepy.devtools.null_store import TimedNullStore, shape_layers
-    from fomoepy.experts.cache import ExpertCache
+    from fomoepy.experts.fast_cache import make_cache
     from fomoepy.experts.device import Phase
     from fomoepy.experts.policy import DEFAULT_POLICY, make_policy, policy_demotes
     from fomoepy.experts.routing import Routing
@@ -104,7 +104,7 @@ def child(args: argparse.Namespace) -> dict:
     unit = [device.expert_nbytes(il) for il in range(n_layer)]
     policy = DEFAULT_POLICY
     store_bytes = mb.store_bytes
-    cache = ExpertCache(n_expert, [layer.expert_nbytes for layer in layers], int(args.device_share * store_bytes),
+    cache = make_cache(n_expert, [layer.expert_nbytes for layer in layers], int(args.device_share * store_bytes),
                         int(args.host_share * store_bytes), make_policy(policy), make_policy(policy), device_expert_bytes=unit)  # fmt: skip
     source = TimedNullStore(layers, rates.drive, rates.latency, rates.drives)
     streamer = ExpertStreamer(source, cache, k, EngineOptions(prefetch=False),
@@ -118,14 +118,16 @@ def child(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(1)
     weights = np.full((1, k), 1.0 / k, np.float32)
     probs = np.full((1, n_expert), 1.0 / n_expert, np.float32)
-    real_route = dev.route
+    # the device's routing makes its launches and its one read-back (the router's choice and the next
+    # layer's prediction together); what it returns is the trace's choice (the null device computes nothing)
+    real_route_many = dev.route_many
     answer: list[Routing] = []
 
-    def route(logits, gating, kk):  # the device's launches and read-back; the choice is the trace's
-        real_route(logits, gating, kk)
-        return answer.pop()
+    def route_many(requests):
+        real_route_many(requests)
+        return [answer.pop() for _ in requests]
 
-    dev.route = route  # type: ignore[method-assign]
+    dev.route_many = route_many  # type: ignore[method-assign]
     h = dev.upload(np.zeros((1, e), np.float32))
     dev.rt.sync(dev.stream)  # the uploads above: setting up, not decoding
 
@@ -149,7 +151,7 @@ def child(args: argparse.Namespace) -> dict:
                 # the host's time per layer step as bench/host_time.py times it, from the router's launch to
                 # the step's return, less what it waited there for the device and for reads
                 t0, w0 = time.perf_counter(), lib.sim_timed_waited_ns()
-                step(il, h, dev.route(dev.linear(h, routers[il]), "softmax", k))
+                step(il, h, step.route(dev, il, h, dev.linear(h, routers[il]), "softmax", k))  # as moe.py runs it
                 in_step[0] += time.perf_counter() - t0 - (lib.sim_timed_waited_ns() - w0) * 1e-9 - step.records[-1].wait
                 reads_late[0] += source.late_max  # the step waited for its last read: at most this late
                 source.late_max = 0.0
