@@ -73,7 +73,7 @@ class NullStore:
         return done
 
 
-SPIN = 0.5e-3  # seconds before a read lands that the completing thread stops sleeping and spins
+SPIN = 0.1e-3  # seconds before a read lands that the completing thread stops sleeping and spins
 
 
 class TimedNullStore(NullStore):

@@ -61,13 +61,17 @@ Clock::time_point timed_end(const Stream* s) {
     return it == timing.end.end() ? Clock::time_point{} : it->second;
 }
 
-// The host waits for the device until `when`, spinning as a GPU driver's synchronisation does by
-// default: a sleep wakes late, by a few hundred microseconds on a busy machine, which would add to every
-// read-back. Only a long wait sleeps, and spins its last few milliseconds.
+// The host waits for the device until `when`: it sleeps, and spins the last stretch (a sleep wakes late,
+// by a few hundred microseconds on a busy machine, which would add to every read-back). The stretch is
+// short by default (150 µs, FOMOE_STANDIN_SPIN_US): on a machine with few cores a longer spin takes the
+// core that the engine's other threads (the store's) need to hand over a read on time.
 void host_wait_until(Clock::time_point when) {
     const Clock::time_point start = Clock::now();
     if (when <= start) return;
-    const Clock::duration spin = std::chrono::milliseconds(5);
+    static const Clock::duration spin = std::chrono::microseconds([] {
+        const char* v = getenv("FOMOE_STANDIN_SPIN_US");  // how long before the device's time the host spins
+        return v && *v ? atoll(v) : 150LL;
+    }());
     if (when - start > spin) std::this_thread::sleep_until(when - spin);
     Clock::time_point now;
     while ((now = Clock::now()) < when) {

@@ -19,7 +19,8 @@
 // FOMOE_STANDIN_NULL=1 (the null device: nothing runs, device memory is address space only; for timing
 // the host's own calls through the real bindings, bench/host_time.py); with it, FOMOE_STANDIN_KERNEL_BW
 // and FOMOE_STANDIN_LINK_BW (bytes per second, both) make it an emulated-cost device (sim_timing.h:
-// launches take the bytes they read / the kernel rate, copies bytes / the link rate, syncs wait).
+// launches take the bytes they read / the kernel rate, copies bytes / the link rate, syncs wait;
+// FOMOE_STANDIN_SPIN_US: how long before the device's time a waiting host stops sleeping and spins).
 #include "sim_driver.cpp"
 
 #include <dirent.h>
