@@ -316,11 +316,6 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
             f"{r['measured_tok_s']:.2f} ({r['measured_less_late_tok_s']:.2f}) | {r['projected_tok_s']:.2f} | "
             f"{100 * (r['projected_tok_s'] / r['measured_tok_s'] - 1):+.1f}% | {r['fomoe_schedule_tok_s']:.2f} |"
         )
-    if args.prefetch:
-        lines += ["", "- with `fomoe plan`'s read-ahead share (the predictor's accuracy) on top of the run's hits, which "
-                  "already hold what was read ahead: " + ", ".join(
-                      f"{r['setting']} {r['ahead_tok_s']:.2f} tok/s ({100 * (r['ahead_tok_s'] / r['measured_tok_s'] - 1):+.0f}%)"
-                      for r in rows)]  # fmt: skip
     verdict = "within" if worst <= WITHIN else "NOT within"
     slower = sum(r["fomoe_schedule_tok_s"] < r["measured_tok_s"] for r in rows)
     lines += [
@@ -331,6 +326,11 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
         "less its waits for the device and the reads; emulation late: syncs that returned, and reads handed over, after "
         f"their time (a busy machine's, not the engine's; an upper bound); load average at the end {os.getloadavg()[0]:.2f} (1 min)",
     ]
+    if args.prefetch:
+        lines += ["- with `fomoe plan`'s read-ahead share (the predictor's accuracy) on top of the run's hits, which "
+                  "already hold what was read ahead: " + ", ".join(
+                      f"{r['setting']} {r['ahead_tok_s']:.2f} tok/s ({100 * (r['ahead_tok_s'] / r['measured_tok_s'] - 1):+.0f}%)"
+                      for r in rows)]  # fmt: skip
     return "\n".join(lines)
 
 
