@@ -79,14 +79,19 @@ class EmulatedRates:
 # -- the child: one setting's decode on the emulated device ------------------------------------------------
 def child(args: argparse.Namespace) -> dict:
     from fomoepy.devtools.null_store import TimedNullStore, shape_layers
-    from fomoepy.experts.fast_cache import make_cache
     from fomoepy.experts.device import Phase
+    from fomoepy.experts.fast_cache import make_cache
     from fomoepy.experts.policy import DEFAULT_POLICY, make_policy, policy_demotes
     from fomoepy.experts.routing import Routing
     from fomoepy.experts.step import MoEStep
     from fomoepy.experts.streamer import ExpertStreamer
     from fomoepy.options import EngineOptions
-    from fomoepy.plan.routing import RoutingFit, fit_routing, load_traces, synthetic_trace
+    from fomoepy.plan.routing import (
+        RoutingFit,
+        fit_routing,
+        load_traces,
+        synthetic_trace,
+    )
     from fomoepy.plan.shapes import MIXES, model_bytes, shape_by_name
     from fomoepy.quants import row_nbytes
     from fomoepy.runtime.gpu import GpuBackend
@@ -192,7 +197,7 @@ def run_setting(args: argparse.Namespace, rates: EmulatedRates, device_share: fl
     standin = standin_drivers(cache_root() / "standin-timed")
     paths = [str(standin)]
     if args.vendor == "hip":
-        setup = subprocess.run(["bash", str(ROOT / "tools" / "setup_kernel_compilers.sh")], capture_output=True, text=True)
+        setup = subprocess.run(["bash", str(ROOT / "tools" / "setup_kernel_compilers.sh")], capture_output=True, text=True, check=False)
         found = [line.split(": ", 1)[1] for line in setup.stdout.splitlines() if line.startswith("hiprtc: ")]
         if not found:
             raise SystemExit(f"bench/plan_fidelity.py --emulated: Debian's hiprtc is not available for --vendor hip:\n{setup.stderr[-1500:]}")
@@ -206,7 +211,7 @@ def run_setting(args: argparse.Namespace, rates: EmulatedRates, device_share: fl
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--vendor", args.vendor, "--tokens", str(args.tokens),
            "--warm", str(args.warm), "--device-share", repr(device_share), "--host-share", repr(host_share),
            "--rates", json.dumps(asdict(rates))] + (["--prefetch"] if args.prefetch else [])  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"bench/plan_fidelity.py --emulated: the decode failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -296,16 +301,16 @@ def main(args: argparse.Namespace) -> int:
 
 def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> str:
     worst = max(abs(r["projected_tok_s"] / r["measured_tok_s"] - 1) for r in rows)
+    ahead = f"reads ahead (prediction accuracy {rows[0]['prediction_accuracy']:.0%})" if args.prefetch else "prefetch off"
     lines = [
         f"### plan fidelity, emulated GPU — {date.today()} — {platform.machine()}, {os.cpu_count()} cores",
         "",
-        f"`python bench/plan_fidelity.py --emulated --vendor {args.vendor} --tokens {args.tokens} --warm {args.warm} --rig {args.rig}"
-        f"{' --prefetch' if args.prefetch else ''}` "
-        f"({SHAPE} shape, {args.vendor} binding over the stand-in driver's timed null mode: {rates.describe()}; "
-        f"the engine's default cache policy, {'reads ahead (prediction accuracy ' + format(rows[0]['prediction_accuracy'], '.0%') + ')' if args.prefetch else 'prefetch off'}, one device)",
+        (f"`python bench/plan_fidelity.py --emulated --vendor {args.vendor} --tokens {args.tokens} --warm {args.warm} "
+         f"--rig {args.rig}{' --prefetch' if args.prefetch else ''}` ({SHAPE} shape, {args.vendor} binding over the stand-in "
+         f"driver's timed null mode: {rates.describe()}; the engine's default cache policy, {ahead}, one device)"),
         "",
-        "| setting (device + host) | device | host | disk | demoted | host µs / layer | emulation late | measured tok/s "
-        "(less its lateness) | engine schedule tok/s | projected / measured − 1 | FOMOE's schedule tok/s |",
+        ("| setting (device + host) | device | host | disk | demoted | host µs / layer | emulation late | measured tok/s "
+         "(less its lateness) | engine schedule tok/s | projected / measured − 1 | FOMOE's schedule tok/s |"),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -320,15 +325,15 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
     slower = sum(r["fomoe_schedule_tok_s"] < r["measured_tok_s"] for r in rows)
     lines += [
         "",
-        f"- worst setting: {100 * worst:.1f}% off, {verdict} {100 * WITHIN:.0f}%; FOMOE's schedule projects slower than "
-        f"measured at {slower} of {len(rows)} settings",
-        "- host µs / layer: measured in the run as bench/host_time.py times a step (router launch to the step's return), "
-        "less its waits for the device and the reads; emulation late: syncs that returned, and reads handed over, after "
-        f"their time (a busy machine's, not the engine's; an upper bound); load average at the end {os.getloadavg()[0]:.2f} (1 min)",
+        (f"- worst setting: {100 * worst:.1f}% off, {verdict} {100 * WITHIN:.0f}%; FOMOE's schedule projects slower than "
+         f"measured at {slower} of {len(rows)} settings"),
+        ("- host µs / layer: measured in the run as bench/host_time.py times a step (router launch to the step's return), "
+         "less its waits for the device and the reads; emulation late: syncs that returned, and reads handed over, after "
+         f"their time (a busy machine's, not the engine's; an upper bound); load average at the end {os.getloadavg()[0]:.2f} (1 min)"),
     ]
     if args.prefetch:
-        lines += ["- with `fomoe plan`'s read-ahead share (the predictor's accuracy) on top of the run's hits, which "
-                  "already hold what was read ahead: " + ", ".join(
+        lines += [("- with `fomoe plan`'s read-ahead share (the predictor's accuracy) on top of the run's hits, which "
+                   "already hold what was read ahead: ") + ", ".join(
                       f"{r['setting']} {r['ahead_tok_s']:.2f} tok/s ({100 * (r['ahead_tok_s'] / r['measured_tok_s'] - 1):+.0f}%)"
                       for r in rows)]  # fmt: skip
     return "\n".join(lines)

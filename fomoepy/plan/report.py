@@ -41,8 +41,8 @@ def describe(work: Workload, hw: Hardware, hw_source: str, rates: TierRates, p: 
         f"  {'device compute' if p.backend == 'gpu' else 'compute':<15}{_ms(t['dense'] + t['experts'] + t['head'])}"
         f"  (dense {t['dense'] * 1e3:.1f}, experts {t['experts'] * 1e3:.1f}, head {t['head'] * 1e3:.1f})",
         f"  {'host -> device' if p.backend == 'gpu' else 'make ready':<15}{_ms(t['copy'])}",
-        *([f"  {'device -> host':<15}{_ms(t['demote'])}  (a demoting policy's evictees, {100 * rates.demoted:.1f}% of "
-            "accesses, each copied down before the step's reads)"] if t.get("demote") else []),
+        *([(f"  {'device -> host':<15}{_ms(t['demote'])}  (a demoting policy's evictees, {100 * rates.demoted:.1f}% of "
+             "accesses, each copied down before the step's reads)")] if t.get("demote") else []),
         f"  {'disk reads':<15}{_ms(t['disk'])}",
         f"  {'host':<15}{_ms(t['sync'] + t['plan'])}  (router read-back {t['sync'] * 1e3:.1f}, plan {t['plan'] * 1e3:.1f})",
         f"  {'waits':<15}{_ms(p.waits)}  (compute idle, waiting for expert bytes)",
