@@ -1,7 +1,7 @@
 """`fomoe plan`'s GPU schedule against the real engine step on an emulated-cost device.
 
 The device is the stand-in driver in its timed null mode (fomoepy/runtime/sim/sim_timing.h), under the
-real hip-python (or cuda-python) binding: nothing is computed, but each stream is a timeline on which a
+real cuda-python (or hip-python) binding: nothing is computed, but each stream is a timeline on which a
 launch takes the bytes it reads / the kernel rate, a host <-> device copy its bytes / the link rate,
 events order the timelines, and every synchronisation (the router's read-back, an event sync) makes the
 host wait until the device would be done. The store is a timed null store (fomoepy/devtools/null_store.py):

@@ -5,7 +5,7 @@
 // submitted at host time `now` starts at max(now, the end of the stream's previous op) and takes
 //     a copy host <-> device     bytes / link bandwidth
 //     a launch                   bytes it reads / kernel bandwidth
-//     a device copy, a memset    bytes / kernel bandwidth
+//     a device copy, a memset    bytes (copied, written) / kernel bandwidth
 // An event is reached when its stream's timeline reaches the record; a wait on it moves the waiting
 // stream's timeline to at least that point; streams otherwise overlap freely (no shared bandwidth).
 // A synchronisation (stream, event) makes the host sleep until the time the device would be done, so
@@ -17,8 +17,6 @@
 // expert matrices, whose sizes their scalar arguments give (INDIRECT below). A kernel that reads only
 // part of an allocation it names (attention over a KV cache) is charged all of it.
 #pragma once
-
-#include <time.h>
 
 #include <atomic>
 #include <map>
