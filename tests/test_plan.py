@@ -469,3 +469,18 @@ def test_a_trace_replay_counts_the_demotions_of_a_demoting_policy():
         rates = rates_from_trace(trace, 0.1, 0.2, policy)
         assert (rates.demoted > 0) == demotes, (policy, rates)
         assert rates.demoted <= rates.host + rates.disk  # only a copied-up miss evicts a device expert
+
+
+def test_a_replayed_trace_that_read_ahead_is_not_read_ahead_twice(capsys, tmp_path):
+    # the replay of a run that read ahead admits those reads (its hits hold them): the projection then
+    # counts no share of the misses as read ahead on top
+    from fomoepy.experts.trace import TraceHeader, TraceWriter
+
+    path = tmp_path / "ahead.trace"
+    with TraceWriter(path, TraceHeader(2, 8, 2, (100, 100), read_ahead=True)) as w:
+        for t in range(4):
+            for layer in range(2):
+                ids = np.array([[t % 8, (t + 1) % 8]])
+                w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=ids[0] if layer else None)
+    assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 0.0, "source": "the trace's replay counts the engine's reads ahead in its hits"}

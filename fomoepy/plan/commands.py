@@ -115,6 +115,10 @@ class Planner:
             return a.prefetch, "given"
         if a.schedule != "engine":
             return 0.0, "FOMOE's schedule reads nothing ahead"
+        if self.trace is not None and not a.hit_rates and self.trace.header.read_ahead:
+            # the replay admits what the engine read ahead, so its hits hold them already: counting a share
+            # of the misses as read ahead on top would count them twice
+            return 0.0, "the trace's replay counts the engine's reads ahead in its hits"
         trace = self.trace if self.trace is not None and self.trace.prediction_accuracy() else load_traces([str(PREDICTION_TRACE)])[0]
         accuracy, n = trace.prediction_accuracy()  # type: ignore[misc]
         where = Path(trace.path).name
