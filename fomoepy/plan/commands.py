@@ -262,7 +262,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cap = planner.capacity(hw)
     rates = planner.rates(cap)
     p = planner.project(hw, rates)
-    theirs = planner.fomoe_schedule(hw, rates) if args.schedule == "engine" else None
+    # FOMOE is a GPU system: its schedule is printed beside ours on a rig with GPUs
+    theirs = planner.fomoe_schedule(hw, rates) if args.schedule == "engine" and hw.device.count else None
     sweep = _sweep(planner, hw, cap, args.sweep) if args.sweep else []
     what_if = _what_if(planner, hw, p.tokens_per_s) if args.what_if else []
     steps = _steps(planner, hw, rates) if args.steps else []
