@@ -134,6 +134,7 @@ def test_a_demoting_policy_copies_device_evictees_down_and_the_logits_stay_exact
     assert np.abs(gpu - cpu).max() / cpu.std() <= LOGIT_TOL
     s = streamer.cache.stats.summary()
     assert experts.downloads == s["host"]["demoted"] > 0 and s["host"]["hits"] > 0
+    experts.sync_downloads()  # the copies down are not waited for by the step: the host reads them here
     for key, parts in streamer.host_slots.items():  # the bytes that came down are the expert's own
         assert all(np.array_equal(np.frombuffer(np.ascontiguousarray(a), np.uint8), np.frombuffer(np.ascontiguousarray(b), np.uint8))
                    for a, b in zip(parts, source.read(*key)))  # fmt: skip

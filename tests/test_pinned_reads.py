@@ -222,3 +222,38 @@ def test_a_failed_read_leaves_no_slot_waiting_for_bytes_that_never_come(tmp_path
     failing.fail = False
     assert np.array_equal(engine.logits(tokens), want)
     engine.close()
+
+
+def test_a_demoted_experts_copy_down_is_not_waited_for_and_comes_back_right(tmp_path, deferred):
+    """A demoting policy copies device evictees down into pinned memory on the copy stream and the host
+    goes on (the step's reads are issued at once); when such an expert is used again, its copy up follows
+    the copy down on the same stream. Under deferred streams (a stream runs only when waited for), the
+    logits are still the CPU backend's, and no step waited for the copy stream."""
+    from conftest import ORACLE, open_oracle_engine
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.experts.store_writer import prepare_store
+
+    name = "qwen3moe_q4_k_m"
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    store = tmp_path / "store"
+    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000,
+                                                           ram_cache=4_000_000, prefetch=False))  # fmt: skip
+    dev, device = engine.devices[0], engine.experts.device
+    waits, real_sync = [0], dev.rt.sync
+
+    def sync(stream, real_sync=real_sync):
+        waits[0] += stream is dev.copy_stream
+        return real_sync(stream)
+
+    dev.rt.sync = sync
+    try:
+        state = engine.new_state()
+        got = np.concatenate([engine.decode_token(state, int(t))[None] for t in tokens])
+    finally:
+        del dev.rt.sync
+    cpu = open_oracle_engine(name).logits(tokens)
+    assert device.downloads > 0 and waits[0] == 0
+    assert np.abs(got - cpu).max() / cpu.std() <= 1e-3  # the ladder's GPU tolerance (test_gpu_model.py)
+    engine.close()

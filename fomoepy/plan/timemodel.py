@@ -9,13 +9,13 @@ Work per MoE layer step for one token (k = experts used, S = bytes of one expert
     plan      host bookkeeping of the step               host.plan
     disk      k x disk share reads of S bytes            spread over the drives (engine) or one queue (FOMOE)
     copy      k x (host + disk share) x S to the device  over the link (GPU) or make-ready (CPU backend)
-    demote    k x demoted share x S to the host          over the link, one by one (GPU, engine schedule)
+    demote    k x demoted share x S to the host          over the link, ahead of the step's copies up (GPU, engine schedule)
 
 Two schedules combine them:
 
   engine  (what fomoepy does, DESIGN.md "data path of one decoded token")
-          dense -> sync -> plan -> a demoting policy's device evictees copied down, each waited for
-          (the streamer takes their bytes before it issues the reads) -> all the layer's misses read
+          dense -> sync -> plan -> a demoting policy's device evictees copied down on the copy stream
+          (not waited for: the link carries them ahead of the step's copies up) -> all the layer's misses read
           at once, striped across the drives
           (one latency, then bytes / (drives x bandwidth)); each miss copied up on the copy stream
           as soon as its read lands, so the fetch is max(disk, copy) plus the last read's copy, while
@@ -175,7 +175,8 @@ def project(
         # each miss is copied up as soon as its read lands (GpuExperts.compute), so the link works beside
         # the drives: the layer's fetch is the slower of the two, plus the copy of the last read to land
         one_copy = S / copy_rate / devices_per_layer if n_copy and copy_rate else 0.0
-        raw = max(layer["disk"], layer["copy"]) + (one_copy if n_disk else 0.0)
+        # a demoting policy's copies down go first on the same link, not waited for by the host
+        raw = max(layer["disk"], layer["demote"] + layer["copy"]) + (one_copy if n_disk else 0.0)
         # a prefetched read overlaps the previous step, so it hides at most that step's compute
         hidden = min(prefetch * raw, layer["dense"] + layer["experts"])
         fetch = raw - hidden
@@ -187,7 +188,7 @@ def project(
     else:  # ggml, computing on store bytes in place: the experts at hand while the misses are read
         at_hand = layer["experts"] * (1 - rates.disk)
         moe = max(at_hand, (1 - prefetch) * layer["disk"]) + layer["experts"] - at_hand
-    step = layer["dense"] + layer["sync"] + layer["plan"] + layer["demote"] + moe
+    step = layer["dense"] + layer["sync"] + layer["plan"] + moe
     total = m.n_layer * step + head
     terms = {name: m.n_layer * t for name, t in layer.items()}
     terms["head"] = head

@@ -252,6 +252,11 @@ class GpuExperts:
             side.free.setdefault(buf.nbytes, []).append(buf)
         return run.out
 
+    def sync_downloads(self) -> None:
+        """Wait for the copies down issued so far (before the host reads a demoted expert's bytes)."""
+        for side in self.sides:
+            side.rt.sync(side.dev.copy_stream)
+
     def close(self) -> None:
         """Free the pinned staging buffers and every device slot (the engine's reset and close)."""
         for side in self.sides:
@@ -320,8 +325,12 @@ class GpuExperts:
     def _download(self, key: Key) -> ExpertBytes:
         """Copy a resident expert's store bytes back to the host (a demoting policy's device evictee).
 
-        On the copy stream, so it follows the upload that filled the slot; synchronous, and done before
-        the slot is freed for reuse."""
+        On the copy stream, so it follows the upload that filled the slot and precedes any copy that
+        reuses the slot. Into pinned memory (one device) it is not waited for: the bytes only ever go
+        back up, by a copy on the same stream, which stream order puts after this one (the host waiting
+        here cost an expert's transfer time per demotion, before the step's reads were issued). Whoever
+        reads them on the host waits for the copy stream first (`sync_downloads`). Without a pool (several
+        devices) it is synchronous."""
         side = self.side(key[0])
         layout = self.slot_layouts[key[0]]
         parts = self.layers[key[0]].parts
@@ -329,7 +338,8 @@ class GpuExperts:
         # into pinned memory when there is a pool: the DMA needs no bounce, and a later copy up is direct too
         out = self.pool.take(end) if self.pool is not None else np.empty(end, np.uint8)
         side.rt.dtoh(out.ctypes.data, self.resident[key].ptr, end, side.dev.copy_stream)
-        side.rt.sync(side.dev.copy_stream)
+        if self.pool is None:
+            side.rt.sync(side.dev.copy_stream)
         self.downloads += 1
         gate, up, down = (out[o : o + p.nbytes] for o, p in zip(layout.offsets, parts))
         return gate, up, down

@@ -202,6 +202,9 @@ struct Stream {
                     std::lock_guard<std::mutex> g(m);
                     held.push_back(std::move(h));
                 } else {
+                    // a later copy on this stream that reads host memory a held copy wrote: stream order
+                    // has landed that copy for it (a demoted expert's bytes copied down, then up again)
+                    land_held_under(op.src, op.n);
                     memmove(op.dst, op.src, op.n);
                 }
                 break;
@@ -265,6 +268,21 @@ struct Stream {
         show_host(until, g);
         if (!error.empty()) return fail(LAUNCH_FAILED, "%s", error.c_str());
         return OK;
+    }
+
+    // held copies of this stream up to the last one whose destination overlaps [p, p + n), landed
+    void land_held_under(const void* p, size_t n) {
+        std::lock_guard<std::mutex> g(m);
+        const char* lo = static_cast<const char*>(p);
+        size_t last = 0;
+        for (size_t i = 0; i < held.size(); i++) {
+            const char* d = static_cast<const char*>(held[i].dst);
+            if (d < lo + n && lo < d + held[i].bytes.size()) last = i + 1;
+        }
+        for (; last > 0; last--) {
+            memcpy(held.front().dst, held.front().bytes.data(), held.front().bytes.size());
+            held.pop_front();
+        }
     }
 
     // the host has synced this stream up to `position`: the copies to it until there land
