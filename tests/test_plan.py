@@ -449,17 +449,21 @@ def test_a_demoting_policys_copies_down_share_the_link_ahead_of_the_copies_up(q3
     # each device evictee a demoting policy moves to the host tier crosses the link, k x demoted x S / link
     # a layer, on the copy stream ahead of the step's copies up; the host does not wait for it
     # (GpuExperts._download), so it lengthens the layer's fetch only where the link, not the drive, is the
-    # slower of the two: max(disk, demote + copy) where it was max(disk, copy)
+    # slower of the two: max(disk + one copy, demote + copy) where it was max(disk + one copy, copy)
     plain = TierRates(0.6, 0.12, 0.28)
-    demoting = TierRates(0.6, 0.12, 0.28, demoted=0.3)
     m = q397.model
-    per_token = m.n_layer * m.n_expert_used * 0.3 * m.expert_bytes / fomoe_rig.device.link
-    base, p = project(q397, fomoe_rig, plain, "engine"), project(q397, fomoe_rig, demoting, "engine")
-    assert p.terms["demote"] == pytest.approx(per_token, rel=1e-12)
-    disk, copy, demote = (p.terms[t] / m.n_layer for t in ("disk", "copy", "demote"))
-    assert disk < demote + copy  # at these rates the link becomes the slower: the fetch grows, by less than the copies down
-    grown = m.n_layer * (max(disk, demote + copy) - max(disk, copy))
-    assert p.seconds_per_token - base.seconds_per_token == pytest.approx(grown, rel=1e-9) and 0 < grown < per_token
+    base = project(q397, fomoe_rig, plain, "engine")
+    one = m.expert_bytes / fomoe_rig.device.link
+    for share in (0.3, 0.8):  # the drive still the slower, then the link
+        demoting = TierRates(0.6, 0.12, 0.28, demoted=share)
+        per_token = m.n_layer * m.n_expert_used * share * m.expert_bytes / fomoe_rig.device.link
+        p = project(q397, fomoe_rig, demoting, "engine")
+        assert p.terms["demote"] == pytest.approx(per_token, rel=1e-12)
+        disk, copy, demote = (p.terms[t] / m.n_layer for t in ("disk", "copy", "demote"))
+        grown = m.n_layer * (max(disk + one, demote + copy) - max(disk + one, copy))
+        assert p.seconds_per_token - base.seconds_per_token == pytest.approx(grown, rel=1e-9, abs=1e-12)
+        assert (grown > 0) == (demote + copy > disk + one) and grown < per_token
+        assert (share == 0.8) == (grown > 0)
     # FOMOE's schedule has its own tiers, a CPU backend no device tier: nothing to copy down
     assert project(q397, fomoe_rig, demoting, "fomoe").seconds_per_token == project(q397, fomoe_rig, plain, "fomoe").seconds_per_token
     cpu = load_hardware("cpu-only-64g")

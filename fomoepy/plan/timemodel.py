@@ -175,8 +175,10 @@ def project(
         # each miss is copied up as soon as its read lands (GpuExperts.compute), so the link works beside
         # the drives: the layer's fetch is the slower of the two, plus the copy of the last read to land
         one_copy = S / copy_rate / devices_per_layer if n_copy and copy_rate else 0.0
-        # a demoting policy's copies down go first on the same link, not waited for by the host
-        raw = max(layer["disk"], layer["demote"] + layer["copy"]) + (one_copy if n_disk else 0.0)
+        # a demoting policy's copies down go first on the same link, not waited for by the host; the last
+        # copy up starts once the last read has landed (drive-bound) or once the link has done the rest
+        # (link-bound)
+        raw = max(layer["disk"] + (one_copy if n_disk else 0.0), layer["demote"] + layer["copy"])
         # a prefetched read overlaps the previous step, so it hides at most that step's compute
         hidden = min(prefetch * raw, layer["dense"] + layer["experts"])
         fetch = raw - hidden
