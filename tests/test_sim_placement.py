@@ -154,14 +154,16 @@ def test_steps_issued_back_to_back_compute_what_steps_read_one_by_one(deferred_s
 
 def test_a_demoted_expert_is_in_the_host_tier_once_its_step_returns(deferred_streams):
     """lfu-demote over a device tier of 4 slots: each step evicts experts, whose bytes are copied down
-    into the host tier (where the CPU may compute on them, and from where a later step copies them up).
-    Once the step returns and its output has been read (a sync of the compute stream, not of the
-    copies), every demoted expert's host slot holds the expert's store bytes."""
+    into the host tier, from where a later step copies them up (on the same stream: no wait needed). The
+    step does not wait for the copies down; a host reader of those bytes syncs them (sync_downloads).
+    Then every demoted expert's host slot holds the expert's store bytes, and a later step's copy up of
+    one (stream order, with no sync between) computes what the CPU backend does (the other tests here)."""
     experts, spec, source = expert_tiers(4, host=True)
     for i, (h, exact) in enumerate(steps(spec, 8)):
         experts.begin_step(Phase.DECODE)
         np.asarray(experts(0, h, exact))
         experts.end_step(1)
+        experts.device.sync_downloads()
         for key, parts in experts.streamer.host_slots.items():
             for got, want in zip(parts, source.read(*key)):
                 assert np.array_equal(np.frombuffer(np.ascontiguousarray(got), np.uint8), np.frombuffer(np.ascontiguousarray(want), np.uint8)), f"step {i}: {key}"

@@ -84,8 +84,8 @@ def test_the_gpu_tests_pass_through_the_real_binding(standin, vendor):
 def test_with_deferred_streams_a_missing_wait_fails(standin, vendor):
     """Each stream runs only what a sync or an event needs, and the host sees a copy down only once it
     syncs that copy's stream: the model is right with the copy wait and wrong without it, steps issued
-    back to back compute what steps read one by one, and demoted experts reach the host tier
-    (test_sim_placement.py)."""
+    back to back compute what steps read one by one, and demoted experts reach the host tier once their
+    copies are synced (test_sim_placement.py)."""
     proc = run_pytest(standin, vendor, "tests/test_sim_placement.py", "-k", "ordered or back_to_back or demoted", FOMOE_STANDIN_DEFERRED="1")
     assert_ran(proc, 3)
 
