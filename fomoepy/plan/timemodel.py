@@ -186,10 +186,13 @@ def project(
         moe = max(resident, fetch) + (layer["experts"] - resident if fetch > resident else 0.0)
         moe = max(moe, layer["experts"], fetch + (one_ffn if n_copy else 0.0))
     elif copy_rate:  # numpy reference: read, make ready, compute, in turn
-        moe = (1 - prefetch) * (layer["disk"] + layer["copy"]) + layer["experts"]
+        # a read made ahead overlaps the previous step, so it hides at most that step's compute (as on a GPU)
+        hidden = min(prefetch * (layer["disk"] + layer["copy"]), layer["dense"] + layer["experts"])
+        moe = layer["disk"] + layer["copy"] - hidden + layer["experts"]
     else:  # ggml, computing on store bytes in place: the experts at hand while the misses are read
         at_hand = layer["experts"] * (1 - rates.disk)
-        moe = max(at_hand, (1 - prefetch) * layer["disk"]) + layer["experts"] - at_hand
+        hidden = min(prefetch * layer["disk"], layer["dense"] + layer["experts"])
+        moe = max(at_hand, layer["disk"] - hidden) + layer["experts"] - at_hand
     step = layer["dense"] + layer["sync"] + layer["plan"] + moe
     total = m.n_layer * step + head
     terms = {name: m.n_layer * t for name, t in layer.items()}
