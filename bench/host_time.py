@@ -40,7 +40,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SHAPE = "qwen3.5-397b-a17b"
 DEVICE_SHARE, HOST_SHARE = 0.113, 0.129  # fomoe plan's tiers on the fomoe-rig, as shares of the store
-PREDICT_ACCURACY = 0.8  # share of the next layer's experts a prediction gets right (the demo model: 0.63-0.85)
 
 
 def percentiles(us: list[float]) -> tuple[float, float]:
@@ -49,19 +48,14 @@ def percentiles(us: list[float]) -> tuple[float, float]:
 
 # -- the GPU path, in a child process that loads the stand-in driver ------------------------------------
 def gpu_child(args: argparse.Namespace) -> dict:
+    from trace_routing import TraceRouting
+
     from fomoepy.devtools.null_store import NullStore, shape_layers
     from fomoepy.experts.device import Phase
     from fomoepy.experts.fast_cache import make_cache
     from fomoepy.experts.policy import DEFAULT_POLICY, make_policy, policy_demotes
-    from fomoepy.experts.routing import Routing
     from fomoepy.experts.step import MoEStep
     from fomoepy.experts.streamer import ExpertStreamer
-    from fomoepy.plan.routing import (
-        RoutingFit,
-        fit_routing,
-        load_traces,
-        synthetic_trace,
-    )
     from fomoepy.plan.shapes import model_bytes, shape_by_name
     from fomoepy.runtime.gpu import GpuBackend
     from fomoepy.runtime.gpu_experts import GpuExperts
@@ -85,24 +79,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
                               buffers=device.host_buffer)  # as the engine builds it (fomoepy.engine)
     step = MoEStep(streamer, device)
 
-    fit = fit_routing(load_traces([str(ROOT / "fomoepy" / "plan" / "traces" / "demo-qwen3moe.trace")]))
     n_tokens = args.warm + args.tokens
-    trace = synthetic_trace(n_layer, n_expert, k, n_tokens + 1, RoutingFit(fit.skew, fit.reuse), layers[0].expert_nbytes)
-    ids = np.array([r.ids[0] for r in trace.records]).reshape(n_tokens + 1, n_layer, k)
-    rng = np.random.default_rng(1)
-    weights = np.full((1, k), 1.0 / k, np.float32)
-    probs = np.full((1, n_expert), 1.0 / n_expert, np.float32)
-
-    # the device's routing makes its launches and read-back; what it returns is the trace's choice (the
-    # null device computes nothing): the step's own routing, then the prediction of the next layer's
-    real_route_many = dev.route_many
-    answer: list[Routing] = []
-
-    def route_many(requests):
-        real_route_many(requests)
-        return [answer.pop() for _ in requests]
-
-    dev.route_many = route_many  # type: ignore[method-assign]
+    routing = TraceRouting(dev, n_layer, n_expert, k, n_tokens, layers[0].expert_nbytes)
 
     calls = {"n": 0, "s": 0.0, "pack": 0.0}
     real_call = DriverShim.call
@@ -134,12 +112,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
             for t in tokens:
                 step.begin_step(Phase.DECODE)
                 for il in range(n_layer):
-                    if il + 1 < n_layer:  # the prediction the step will ask the device for
-                        guess = ids[t, il + 1].copy()
-                        wrong = rng.random(k) > PREDICT_ACCURACY
-                        guess[wrong] = rng.choice(np.setdiff1d(np.arange(n_expert), ids[t, il + 1]), int(wrong.sum()), replace=False)
-                        answer.append(Routing(guess[None, :], weights, probs))
-                    answer.append(Routing(ids[t, il][None, :], weights, probs))
+                    routing.queue(t, il)
                     c0, s0, p0 = calls["n"], calls["s"], calls["pack"]
                     cpu0 = time.thread_time()
                     t0 = time.perf_counter()

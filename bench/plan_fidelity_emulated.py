@@ -46,7 +46,6 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SHAPE = "qwen3.5-397b-a17b"
-PREDICT_ACCURACY = 0.8  # share of the next layer's experts a prediction gets right (bench/host_time.py's)
 # (name, device share, host share) of the store's bytes; the last leaves over 25 % of accesses to the disk
 SETTINGS = [("40% + 30%", 0.40, 0.30), ("11.3% + 12.9% (fomoe-rig's tiers)", 0.113, 0.129), ("4% + 4%", 0.04, 0.04)]
 WITHIN = 0.10
@@ -78,20 +77,15 @@ class EmulatedRates:
 
 # -- the child: one setting's decode on the emulated device ------------------------------------------------
 def child(args: argparse.Namespace) -> dict:
+    from trace_routing import TraceRouting
+
     from fomoepy.devtools.null_store import TimedNullStore, shape_layers
     from fomoepy.experts.device import Phase
     from fomoepy.experts.fast_cache import make_cache
     from fomoepy.experts.policy import DEFAULT_POLICY, make_policy, policy_demotes
-    from fomoepy.experts.routing import Routing
     from fomoepy.experts.step import MoEStep
     from fomoepy.experts.streamer import ExpertStreamer
     from fomoepy.options import EngineOptions
-    from fomoepy.plan.routing import (
-        RoutingFit,
-        fit_routing,
-        load_traces,
-        synthetic_trace,
-    )
     from fomoepy.plan.shapes import MIXES, model_bytes, shape_by_name
     from fomoepy.quants import row_nbytes
     from fomoepy.runtime.gpu import GpuBackend
@@ -119,23 +113,10 @@ def child(args: argparse.Namespace) -> dict:
                               download=device.download if policy_demotes(policy) else None, buffers=device.host_buffer)  # fmt: skip
     step = MoEStep(streamer, device)
 
-    fit = fit_routing(load_traces([str(ROOT / "fomoepy" / "plan" / "traces" / "demo-qwen3moe.trace")]))
     n_tokens = args.warm + args.tokens
-    trace = synthetic_trace(n_layer, n_expert, k, n_tokens + 1, RoutingFit(fit.skew, fit.reuse), layers[0].expert_nbytes)
-    ids = np.array([r.ids[0] for r in trace.records]).reshape(n_tokens + 1, n_layer, k)
-    rng = np.random.default_rng(1)
-    weights = np.full((1, k), 1.0 / k, np.float32)
-    probs = np.full((1, n_expert), 1.0 / n_expert, np.float32)
     # the device's routing makes its launches and its one read-back (the router's choice and the next
     # layer's prediction together); what it returns is the trace's choice (the null device computes nothing)
-    real_route_many = dev.route_many
-    answer: list[Routing] = []
-
-    def route_many(requests):
-        real_route_many(requests)
-        return [answer.pop() for _ in requests]
-
-    dev.route_many = route_many  # type: ignore[method-assign]
+    routing = TraceRouting(dev, n_layer, n_expert, k, n_tokens, layers[0].expert_nbytes)
     h = dev.upload(np.zeros((1, e), np.float32))
     dev.rt.sync(dev.stream)  # the uploads above: setting up, not decoding
 
@@ -149,12 +130,7 @@ def child(args: argparse.Namespace) -> dict:
         for t in tokens:
             step.begin_step(Phase.DECODE)
             for il in range(n_layer):
-                if il + 1 < n_layer:
-                    guess = ids[t, il + 1].copy()
-                    wrong = rng.random(k) > PREDICT_ACCURACY
-                    guess[wrong] = rng.choice(np.setdiff1d(np.arange(n_expert), ids[t, il + 1]), int(wrong.sum()), replace=False)
-                    answer.append(Routing(guess[None, :], weights, probs))
-                answer.append(Routing(ids[t, il][None, :], weights, probs))
+                routing.queue(t, il)
                 dev.linear(h, dense)  # attention and the shared expert: their bytes
                 # the host's time per layer step as bench/host_time.py times it, from the router's launch to
                 # the step's return, less what it waited there for the device and for reads

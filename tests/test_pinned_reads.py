@@ -15,6 +15,10 @@ from fomoepy.runtime.pinned import ALIGN, PinnedPool
 from fomoepy.runtime.sim.shim import configure
 
 
+# max |gpu - cpu| / std(cpu logits): the ladder's GPU tolerance against the exact logits (test_gpu_model.py)
+LOGIT_TOL = 1e-3
+
+
 @pytest.fixture
 def deferred():
     before = configure(deferred=True)
@@ -76,7 +80,7 @@ def test_an_engine_with_a_store_copies_every_miss_straight_from_its_pinned_read(
                          + [engine.decode_token(state, int(t))[None] for t in tokens[half:]])  # fmt: skip
     device = engine.experts.device
     cpu = open_oracle_engine(name).logits(tokens)
-    assert np.abs(got - cpu).max() / cpu.std() <= 1e-3  # the ladder's GPU tolerance (test_gpu_model.py)
+    assert np.abs(got - cpu).max() / cpu.std() <= LOGIT_TOL
     assert device.uploads > 0 and device.direct_uploads == device.uploads
     assert device.downloads > 0  # lfu-cooc demoted some, into pinned memory, and copied them up again
     engine.close()
@@ -255,5 +259,5 @@ def test_a_demoted_experts_copy_down_is_not_waited_for_and_comes_back_right(tmp_
         del dev.rt.sync
     cpu = open_oracle_engine(name).logits(tokens)
     assert device.downloads > 0 and waits[0] == 0
-    assert np.abs(got - cpu).max() / cpu.std() <= 1e-3  # the ladder's GPU tolerance (test_gpu_model.py)
+    assert np.abs(got - cpu).max() / cpu.std() <= LOGIT_TOL
     engine.close()

@@ -580,36 +580,20 @@ static int tier_admit(Core *c, int which, int32_t key, int state) {
     return 0;
 }
 
-static int64_t tier_evict(Core *c, int which, int32_t key) {
+/* key leaves the tier from state `from`: READY (an eviction) or LOADING (its read failed: the bytes never
+   came); returns the bytes freed */
+static int64_t tier_drop(Core *c, int which, int32_t key, int from) {
     Tier *t = &c->tier[which];
     int layer = KEY_LAYER(c, key), e = key % c->n_expert;
+    const char *what = from == READY ? "evicting" : "cancelling";
     if (t->pins[key]) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: evicting (%d, %d), expected it unpinned, got %d pins",
-                     TIER_NAME[which], layer, e, t->pins[key]);
+        PyErr_Format(PyExc_RuntimeError, "tier %s: %s (%d, %d), expected it unpinned, got %d pins", TIER_NAME[which], what,
+                     layer, e, t->pins[key]);
         return -1;
     }
-    if (t->state[key] != READY) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: evicting (%d, %d), expected READY", TIER_NAME[which], layer, e);
-        return -1;
-    }
-    t->state[key] = EMPTY;
-    int64_t nbytes = t->unit[layer];
-    t->used -= nbytes;
-    tier_forget(t, key);
-    return nbytes;
-}
-
-/* a key still LOADING whose bytes never came (its read failed) leaves the tier */
-static int64_t tier_cancel(Core *c, int which, int32_t key) {
-    Tier *t = &c->tier[which];
-    int layer = KEY_LAYER(c, key), e = key % c->n_expert;
-    if (t->pins[key]) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: cancelling (%d, %d), expected it unpinned, got %d pins",
-                     TIER_NAME[which], layer, e, t->pins[key]);
-        return -1;
-    }
-    if (t->state[key] != LOADING) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: cancelling (%d, %d), expected LOADING", TIER_NAME[which], layer, e);
+    if (t->state[key] != from) {
+        PyErr_Format(PyExc_RuntimeError, "tier %s: %s (%d, %d), expected %s", TIER_NAME[which], what, layer, e,
+                     from == READY ? "READY" : "LOADING");
         return -1;
     }
     t->state[key] = EMPTY;
@@ -677,6 +661,11 @@ static int read_units(PyObject *seq, int n_layer, int64_t **out) {
         return -1;
     }
     *out = malloc(sizeof(int64_t) * n_layer);
+    if (!*out) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
     for (int i = 0; i < n_layer; i++) (*out)[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
     Py_DECREF(fast);
     return PyErr_Occurred() ? -1 : 0;
@@ -786,8 +775,7 @@ static PyObject *Core_plan(Core *c, PyObject *args) {
          demoted = {0}, demotions = {0};
     PyObject *src = PyBytes_FromStringAndSize(NULL, m), *tod = PyBytes_FromStringAndSize(NULL, m),
              *toh = PyBytes_FromStringAndSize(NULL, m), *items = NULL;
-    uint32_t *saved = malloc(sizeof(uint32_t) * (m + 1));
-    if (!src || !tod || !toh || !saved) goto nomem;
+    if (!src || !tod || !toh) goto nomem;
     char *s = PyBytes_AS_STRING(src), *d = PyBytes_AS_STRING(tod), *h = PyBytes_AS_STRING(toh);
     /* the keys this plan uses are protected from both tiers' evictions */
     uint32_t protect = next_stamp(c);
@@ -843,7 +831,7 @@ fail:
     out = NULL;
 done:
     Py_XDECREF(ex), Py_XDECREF(src), Py_XDECREF(tod), Py_XDECREF(toh), Py_XDECREF(items);
-    free(saved), free(dev_wanted.a), free(host_wanted.a), free(to_dev.a), free(dev_victims.a), free(to_host.a);
+    free(dev_wanted.a), free(host_wanted.a), free(to_dev.a), free(dev_victims.a), free(to_host.a);
     free(host_victims.a), free(demoted.a), free(demotions.a);
     return out;
 }
@@ -902,6 +890,11 @@ static int for_keys(Core *c, PyObject *seq, int32_t **out, Py_ssize_t *n) {
     if (!fast) return -1;
     *n = PySequence_Fast_GET_SIZE(fast);
     *out = malloc(sizeof(int32_t) * (*n + 1));
+    if (!*out) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < *n; i++)
         if (parse_key(c, PySequence_Fast_GET_ITEM(fast, i), &(*out)[i])) { Py_DECREF(fast); free(*out); return -1; }
     Py_DECREF(fast);
@@ -929,7 +922,7 @@ static PyObject *Core_commit(Core *c, PyObject *args) {
     for (int which = 0; which < 2; which++) {
         if (for_keys(c, lists[which], &victims, &nv)) goto out;
         for (Py_ssize_t i = 0; i < nv; i++) {
-            int64_t freed = tier_evict(c, which, victims[i]);
+            int64_t freed = tier_drop(c, which, victims[i], READY);
             if (freed < 0) goto out;
             int64_t *cnt = counter(c, which, KEY_LAYER(c, victims[i]));
             cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
@@ -1059,7 +1052,7 @@ static PyObject *Core_abort(Core *c, PyObject *args) {
     if (for_keys(c, dm, &keys, &nk)) goto out;
     for (Py_ssize_t i = 0; i < nk; i++) {
         if (c->tier[1].state[keys[i]] != LOADING || c->tier[1].pins[keys[i]]) continue;
-        int64_t freed = tier_cancel(c, 1, keys[i]);
+        int64_t freed = tier_drop(c, 1, keys[i], LOADING);
         if (freed < 0) goto out;
         int64_t *cnt = counter(c, 1, KEY_LAYER(c, keys[i]));
         cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
@@ -1069,7 +1062,7 @@ static PyObject *Core_abort(Core *c, PyObject *args) {
         int32_t key = layer * c->n_expert + (int32_t)p.experts[i];
         for (int which = 0; which < 2; which++) {
             if (!(which == 0 ? p.tod[i] : p.toh[i]) || c->tier[which].state[key] != LOADING || c->tier[which].pins[key]) continue;
-            int64_t freed = tier_cancel(c, which, key);
+            int64_t freed = tier_drop(c, which, key, LOADING);
             if (freed < 0) goto out;
             int64_t *cnt = counter(c, which, layer);
             cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
@@ -1105,7 +1098,7 @@ static PyObject *Core_admit_host(Core *c, PyObject *args) {
     }
     if (plan_admissions(c, host, wanted.a, wanted.n, 0, &admitted, &victims)) goto nomem;
     for (size_t i = 0; i < victims.n; i++) {
-        int64_t freed = tier_evict(c, 1, victims.a[i]);
+        int64_t freed = tier_drop(c, 1, victims.a[i], READY);
         if (freed < 0) goto fail;
         int64_t *cnt = counter(c, 1, KEY_LAYER(c, victims.a[i]));
         cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
@@ -1152,15 +1145,6 @@ static PyObject *Core_held(Core *c, PyObject *args) {
     const uint8_t *state = c->tier[which].state + (size_t)layer * c->n_expert;
     for (int i = 0; i < c->n_expert; i++) p[i] = state[i] != EMPTY;
     return out;
-}
-
-/* holds(which, key) */
-static PyObject *Core_holds(Core *c, PyObject *args) {
-    int which;
-    PyObject *o;
-    int32_t key;
-    if (!PyArg_ParseTuple(args, "iO", &which, &o) || parse_key(c, o, &key)) return NULL;
-    return PyBool_FromLong(c->tier[which].state[key] != EMPTY);
 }
 
 /* state(which, key): 0 EMPTY, 1 LOADING, 2 READY */
@@ -1217,7 +1201,6 @@ static PyMethodDef Core_methods[] = {
     {"admit_host", (PyCFunction)Core_admit_host, METH_VARARGS, "admit keys read outside a plan into the host tier"},
     {"seed_one", (PyCFunction)Core_seed_one, METH_VARARGS, "seed one key: 0 device, 1 host, -1 not placed"},
     {"held", (PyCFunction)Core_held, METH_VARARGS, "flags of a layer's experts a tier holds"},
-    {"holds", (PyCFunction)Core_holds, METH_VARARGS, "whether a tier holds a key"},
     {"state", (PyCFunction)Core_state, METH_VARARGS, "a key's slot state in a tier: 0 empty, 1 loading, 2 ready"},
     {"tick", (PyCFunction)Core_tick, METH_VARARGS, "advance logical time"},
     {"count_hits", (PyCFunction)Core_count_hits, METH_VARARGS, "count device hits made without a plan"},

@@ -97,13 +97,8 @@ class ExpertCache:
         `device_of_layer`: with several devices (the scheduler's placement), each device has its own
         device tier of `device_bytes` holding only its layers' experts; the host tier stays one.
         """
-        if any(b <= 0 for b in expert_bytes):
-            raise ValueError(f"expected every expert size > 0 bytes, got {list(expert_bytes)}")
         self.n_expert = n_expert
-        self.expert_bytes = tuple(int(b) for b in expert_bytes)
-        self.device_expert_bytes = tuple(int(b) for b in (device_expert_bytes or expert_bytes))
-        if len(self.device_expert_bytes) != len(self.expert_bytes):
-            raise ValueError("expected one device expert size per layer")
+        self.expert_bytes, self.device_expert_bytes = expert_sizes(expert_bytes, device_expert_bytes)
         self.n_layer = len(self.expert_bytes)
         # `is None`, not `or`: a policy with nothing tracked has len 0 and is falsy
         self.device_of_layer = tuple(device_of_layer) if device_of_layer is not None else (0,) * self.n_layer
@@ -221,9 +216,7 @@ class ExpertCache:
             (self.host, plan.host_evictions, self.stats.host),
         ):
             for key in victims:
-                freed = tier.evict(key)
-                counters[key[0]].evicted += 1
-                counters[key[0]].evicted_bytes += freed
+                self._count_eviction(counters, key, tier.evict(key))
                 if tier is not self.host:
                     self.host.policy.covered(key, False)
         device, host = self._dev(layer), self.host
@@ -318,24 +311,24 @@ class ExpertCache:
         device, host = self._dev(layer), self.host
         for key in plan.demotions:
             if host.state(key) is SlotState.LOADING and not host.pinned(key):
-                self._cancelled(self.stats.host, key, host.cancel(key))
+                self._count_eviction(self.stats.host, key, host.cancel(key))
                 changed = True
         for item in plan.items:
             key = (layer, item.expert)
             if item.to_device and device.state(key) is SlotState.LOADING and not device.pinned(key):
-                self._cancelled(self.stats.device, key, device.cancel(key))
+                self._count_eviction(self.stats.device, key, device.cancel(key))
                 host.policy.covered(key, False)
                 dropped.append(key)
                 changed = True
             if item.to_host and host.state(key) is SlotState.LOADING and not host.pinned(key):
-                self._cancelled(self.stats.host, key, host.cancel(key))
+                self._count_eviction(self.stats.host, key, host.cancel(key))
                 changed = True
         if changed:
             self.generation += 1
         return dropped
 
     @staticmethod
-    def _cancelled(counters, key: Key, freed: int) -> None:
+    def _count_eviction(counters, key: Key, freed: int) -> None:
         counters[key[0]].evicted += 1
         counters[key[0]].evicted_bytes += freed
 
@@ -360,9 +353,7 @@ class ExpertCache:
         wanted = [key for key in dict.fromkeys(keys) if key not in self._dev(key[0]) and key not in self.host]
         admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]]) for key in wanted], (), self.now)
         for victim in victims:
-            freed = self.host.evict(victim)
-            self.stats.host[victim[0]].evicted += 1
-            self.stats.host[victim[0]].evicted_bytes += freed
+            self._count_eviction(self.stats.host, victim, self.host.evict(victim))
         for key in admitted:
             self.host.admit(key, self.expert_bytes[key[0]], self.now, SlotState.READY)
         if admitted:
@@ -407,8 +398,22 @@ class ExpertCache:
 ONE_SEQUENCE = (0,)
 
 
+def expert_sizes(expert_bytes: Sequence[int], device_expert_bytes: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One expert's bytes per layer in the store's form and in the device tier's (default: the store's), checked."""
+    if any(b <= 0 for b in expert_bytes):
+        raise ValueError(f"expected every expert size > 0 bytes, got {list(expert_bytes)}")
+    store = tuple(int(b) for b in expert_bytes)
+    device = tuple(int(b) for b in (device_expert_bytes or expert_bytes))
+    if len(device) != len(store):
+        raise ValueError("expected one device expert size per layer")
+    return store, device
+
+
 def users_of(experts: Sequence[int], ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray) -> tuple[tuple[int, ...], ...]:
     """For each of `experts` (ascending), the sequences, ascending, whose rows of ids [T, k] chose it."""
+    first = sequences[0] if len(sequences) else 0
+    if all(s == first for s in sequences):  # one sequence (a prefill, or one decoding alone): the usual step
+        return ((int(first),),) * len(experts)
     rows = np.asarray(ids, dtype=np.int64).reshape(len(sequences), -1)
     chose: dict[int, set[int]] = {e: set() for e in experts}
     for seq, row in zip(np.asarray(sequences).tolist(), rows.tolist()):

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fomoepy.experts.cache import ExpertCache, Plan, PlanItem, Source, users_of
+from fomoepy.experts.cache import (
+    ExpertCache,
+    Plan,
+    PlanItem,
+    Source,
+    StalePlanError,
+    expert_sizes,
+    users_of,
+)
 from fomoepy.experts.cache_stats import CacheStats, DiskCounters, TierCounters
 from fomoepy.experts.co_use import CoUsePolicy
 from fomoepy.experts.policy import (
@@ -74,7 +82,7 @@ class TierView:
 
     def __contains__(self, key: object) -> bool:
         layer, expert = key  # type: ignore[misc]
-        return self._cache._core.holds(self._which, layer * self._cache.n_expert + expert)
+        return self._cache._core.state(self._which, layer * self._cache.n_expert + expert) != 0  # held: LOADING or READY
 
     def state(self, key: Key) -> SlotState:
         return _STATES[self._cache._core.state(self._which, key[0] * self._cache.n_expert + key[1])]
@@ -96,13 +104,8 @@ class CoreCache:
                  policy: EvictionPolicy, device_expert_bytes: Sequence[int] | None = None):  # fmt: skip
         if _cache_core is None:
             raise RuntimeError(f"the cache core is not built: {IMPORT_ERROR}")
-        if any(b <= 0 for b in expert_bytes):
-            raise ValueError(f"expected every expert size > 0 bytes, got {list(expert_bytes)}")
         self.n_expert = n_expert
-        self.expert_bytes = tuple(int(b) for b in expert_bytes)
-        self.device_expert_bytes = tuple(int(b) for b in (device_expert_bytes or expert_bytes))
-        if len(self.device_expert_bytes) != len(self.expert_bytes):
-            raise ValueError("expected one device expert size per layer")
+        self.expert_bytes, self.device_expert_bytes = expert_sizes(expert_bytes, device_expert_bytes)
         self.n_layer = len(self.expert_bytes)
         self.device_of_layer = (0,) * self.n_layer
         kind = getattr(_cache_core, _KIND[type(policy)])
@@ -147,7 +150,7 @@ class CoreCache:
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
         raw = np.ascontiguousarray(ids, dtype=np.int64)
-        out = self._core.plan(layer, raw.tobytes())
+        out = self._core.plan(layer, raw)  # (the core reads the array's buffer: no copy here)
         if out is None:
             experts = [int(e) for e in np.unique(raw)]
             raise ValueError(f"layer {layer}: expected expert ids in [0, {self.n_expert}), got {experts}")
@@ -170,8 +173,6 @@ class CoreCache:
 
     # -- commands ------------------------------------------------------------------------------------
     def commit(self, plan: CorePlan) -> None:
-        from fomoepy.experts.cache import StalePlanError
-
         if plan.generation != self.generation:
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
         n = self.n_expert
@@ -257,7 +258,7 @@ def core_policy(device_policy: EvictionPolicy | None, host_policy: EvictionPolic
     a, b = device_policy, host_policy
     if a.freq.half_life != b.freq.half_life:  # type: ignore[attr-defined]
         return None
-    if isinstance(a, CoUsePolicy) and vars(a.counts).keys() and (
+    if isinstance(a, CoUsePolicy) and (
         (a.counts.weight_next, a.counts.weight_this, a.counts.co_half_life, a.counts.successors)
         != (b.counts.weight_next, b.counts.weight_this, b.counts.co_half_life, b.counts.successors)  # type: ignore[attr-defined]
     ):

@@ -146,23 +146,17 @@ class TierDirectory:
 
     def evict(self, key: Key) -> int:
         """Drop key; returns the bytes freed."""
-        if key in self._pins:
-            raise RuntimeError(f"tier {self.name}: evicting {key}, expected it unpinned, got {self._pins[key]} pins")
-        if self._state.get(key) is not SlotState.READY:
-            raise RuntimeError(f"tier {self.name}: evicting {key}, expected READY, got {self.state(key).value}")
-        del self._state[key]
-        nbytes = self._bytes.pop(key)
-        self._by_layer[key[0]].discard(key[1])
-        self.used -= nbytes
-        self.policy.forget(key)
-        return nbytes
+        return self._drop(key, SlotState.READY, "evicting")
 
     def cancel(self, key: Key) -> int:
         """Drop a key still LOADING whose bytes will never come (its read failed); returns the bytes freed."""
+        return self._drop(key, SlotState.LOADING, "cancelling")
+
+    def _drop(self, key: Key, expected: SlotState, what: str) -> int:
         if key in self._pins:
-            raise RuntimeError(f"tier {self.name}: cancelling {key}, expected it unpinned, got {self._pins[key]} pins")
-        if self._state.get(key) is not SlotState.LOADING:
-            raise RuntimeError(f"tier {self.name}: cancelling {key}, expected LOADING, got {self.state(key).value}")
+            raise RuntimeError(f"tier {self.name}: {what} {key}, expected it unpinned, got {self._pins[key]} pins")
+        if self._state.get(key) is not expected:
+            raise RuntimeError(f"tier {self.name}: {what} {key}, expected {expected.name}, got {self.state(key).value}")
         del self._state[key]
         nbytes = self._bytes.pop(key)
         self._by_layer[key[0]].discard(key[1])

@@ -1,0 +1,52 @@
+"""Routing from a synthetic decode trace, for the benches that run the engine's MoE step on a null device
+(bench/host_time.py, bench/plan_fidelity_emulated.py).
+
+The trace is fitted to the demo model's (fomoepy.plan.routing), at the shape being measured. The device's
+`route_many` still makes its launches and its one read-back; what it returns is the trace's choice (a
+null device computes nothing): for each MoE layer step, the step's own routing and the prediction of the
+next layer's, which gets `accuracy` of that layer's experts right.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fomoepy.experts.routing import Routing
+from fomoepy.plan.routing import RoutingFit, fit_routing, load_traces, synthetic_trace
+
+DEMO_TRACE = Path(__file__).resolve().parents[1] / "fomoepy" / "plan" / "traces" / "demo-qwen3moe.trace"
+PREDICT_ACCURACY = 0.8  # share of the next layer's experts a prediction gets right (the demo model: 0.63-0.85)
+
+
+class TraceRouting:
+    def __init__(self, dev, n_layer: int, n_expert: int, k: int, n_tokens: int, expert_nbytes: int,
+                 accuracy: float = PREDICT_ACCURACY):  # fmt: skip
+        fit = fit_routing(load_traces([str(DEMO_TRACE)]))
+        trace = synthetic_trace(n_layer, n_expert, k, n_tokens + 1, RoutingFit(fit.skew, fit.reuse), expert_nbytes)
+        self.ids = np.array([r.ids[0] for r in trace.records]).reshape(n_tokens + 1, n_layer, k)
+        self.n_layer, self.n_expert, self.k, self.accuracy = n_layer, n_expert, k, accuracy
+        self.rng = np.random.default_rng(1)
+        self.weights = np.full((1, k), 1.0 / k, np.float32)
+        self.probs = np.full((1, n_expert), 1.0 / n_expert, np.float32)
+        self._answers: list[Routing] = []
+        real_route_many = dev.route_many
+
+        def route_many(requests):
+            real_route_many(requests)
+            return [self._answers.pop() for _ in requests]
+
+        dev.route_many = route_many
+
+    def queue(self, t: int, il: int) -> None:
+        """What the device answers for token t's step of layer il: its routing, then (before the last layer)
+        the next layer's prediction."""
+        ids = self.ids
+        if il + 1 < self.n_layer:
+            guess = ids[t, il + 1].copy()
+            wrong = self.rng.random(self.k) > self.accuracy
+            others = np.setdiff1d(np.arange(self.n_expert), ids[t, il + 1])
+            guess[wrong] = self.rng.choice(others, int(wrong.sum()), replace=False)
+            self._answers.append(Routing(guess[None, :], self.weights, self.probs))
+        self._answers.append(Routing(ids[t, il][None, :], self.weights, self.probs))
