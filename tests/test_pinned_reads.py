@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from sim_backend import sim_backend
 
-from fomoepy.runtime.pinned import ALIGN, PinnedPool
+from fomoepy.runtime.pinned import ALIGN, PinnedPool, host_address
 from fomoepy.runtime.sim.shim import configure
 
 
@@ -32,7 +32,11 @@ def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_
     buf = pool.take(10_000)
     assert buf.nbytes == 3 * ALIGN and buf.ctypes.data % ALIGN == 0
     view = buf[100:200]
-    assert pool.holds(view) and pool.holds(buf) and not pool.holds(np.zeros(16, np.uint8))
+    outside = np.zeros(16, np.uint8)
+    assert host_address(view) == buf.ctypes.data + 100 and host_address(outside) == outside.ctypes.data
+    assert pool.pins(host_address(view), view.nbytes) and pool.pins(host_address(buf), buf.nbytes)
+    assert not pool.pins(host_address(buf), buf.nbytes + 1)  # a span running past the pool's memory
+    assert not pool.pins(host_address(outside), outside.nbytes)
     address = buf.ctypes.data
     del buf
     assert not pool.returned  # a view still holds it

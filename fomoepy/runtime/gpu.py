@@ -32,6 +32,7 @@ from fomoepy.runtime.gpu_arrays import (
     DeviceBuffer,
     broadcast_shape,
     broadcast_strides,
+    contiguous_strides,
     dims4,
 )
 from fomoepy.runtime.shim import (
@@ -117,6 +118,7 @@ class GpuBackend:
         self.modules = {name: self.rt.load_module(b) for name, b in binaries.items()}
         self._functions: dict[str, Any] = {}
         self._params: dict[str, ParamBlock | None] = {}  # per kernel, its reusable parameter block
+        self._mv_names: dict[tuple[int, str, int], str] = {}  # (qtype, weight, tile) -> its matvec kernel
         self.stream = self.rt.stream()  # compute
         self.copy_stream = self.rt.stream()  # expert uploads (gpu_experts.py)
         self.pool = BufferPool(self.rt, self.stream)
@@ -150,8 +152,9 @@ class GpuBackend:
 
     # -- memory and transfers -----------------------------------------------------------------------
     def empty(self, shape, dtype=F32) -> DeviceArray:
-        shape = tuple(int(n) for n in shape)
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize  # (np.prod of a tuple costs microseconds)
+        shape = tuple(map(int, shape))
+        dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize  # (np.prod of a tuple costs microseconds)
         out = DeviceArray(self, self.pool.get(nbytes), shape, dtype)
         if self.poison is not None:
             self.rt.memset32(out.ptr, self.poison, _cdiv(nbytes, 4), self.stream)
@@ -255,6 +258,8 @@ class GpuBackend:
     def _rows(x: DeviceArray) -> tuple[DeviceArray, int, int, int]:
         """(array, n_rows, row length, row stride) with rows evenly spaced; copies only if they are not."""
         n = x.shape[-1] if x.ndim else 1
+        if x.strides == contiguous_strides(x.shape):  # the common case, answered without the general walk
+            return x, x.size // max(n, 1), n, n
         lead = [(m, s) for m, s in zip(x.shape[:-1], x.strides[:-1]) if m != 1]
         even = (x.ndim == 0 or x.strides[-1] == 1 or n == 1) and all(
             s == s2 * m2 for (_, s), (m2, s2) in zip(lead, lead[1:])
@@ -299,7 +304,9 @@ class GpuBackend:
         y = self.empty(x.shape[:-1] + (N,))
         if T:
             tile = 1 if T == 1 else 8
-            name = f"{kernels.kernel_name('mv', W.qtype, W.name)}_t{tile}"
+            name = self._mv_names.get((W.qtype, W.name, tile))
+            if name is None:
+                name = self._mv_names[W.qtype, W.name, tile] = f"{kernels.kernel_name('mv', W.qtype, W.name)}_t{tile}"
             self.launch(name, (_cdiv(N, 4), _cdiv(T, tile)), 128, W.ptr, W.row_bytes, x.ptr, x_stride, y.ptr, N, N, K, T)
         return y
 

@@ -95,12 +95,21 @@ class BufferPool:
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    known = _STRIDES.get(shape)
+    if known is not None:
+        return known
     strides = []
     acc = 1
     for n in reversed(shape):
         strides.append(acc)
         acc *= n
-    return tuple(reversed(strides))
+    out = tuple(reversed(strides))
+    if len(_STRIDES) < 4096:  # a model's step makes a few dozen shapes; building them costs microseconds each
+        _STRIDES[shape] = out
+    return out
+
+
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
 def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
@@ -189,10 +198,10 @@ class DeviceArray:
     def __init__(self, dev: Any, buf: DeviceBuffer, shape, dtype=F32, strides=None, offset: int = 0):
         self.dev = dev  # the GpuBackend that launches kernels on this memory
         self.buf = buf
-        self.shape = tuple(int(n) for n in shape)
+        self.shape = tuple(map(int, shape))
         self.strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
         self.offset = offset  # elements
-        self.dtype = np.dtype(dtype)
+        self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
 
     # -- facts ----------------------------------------------------------------------------------------
     @property
@@ -213,6 +222,8 @@ class DeviceArray:
 
     @property
     def is_contiguous(self) -> bool:
+        if self.strides == contiguous_strides(self.shape):
+            return True
         return all(s == c for n, s, c in zip(self.shape, self.strides, contiguous_strides(self.shape)) if n != 1)
 
     def __len__(self) -> int:

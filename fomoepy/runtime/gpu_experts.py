@@ -29,7 +29,7 @@ from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
 from fomoepy.runtime.moe_tables import MOE_TILE, MoETables, build_tables
-from fomoepy.runtime.pinned import PinnedPool
+from fomoepy.runtime.pinned import PinnedPool, host_address
 from fomoepy.scheduler import relay
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -292,20 +292,22 @@ class GpuExperts:
         if not side.pending_uploads:
             # a reused slot may still be read by the last grouped launch: copies wait for it
             side.rt.wait(side.dev.copy_stream, side.computed)
-        if self.pool is not None and all(self.pool.holds(part) for part in parts):
-            # the bytes are in a pinned read buffer: copied from there, part by part, with no staging
-            # memcpy; the pool hands the buffer out again only after these copies are done
-            start = parts[0].ctypes.data
-            if all(part.ctypes.data == start + offset for offset, part in zip(layout.offsets, parts)):
-                # the read buffer has the slot's layout (the store's records pad as slots do): one copy
-                side.rt.htod(buf.ptr, start, layout.offsets[2] + parts[2].nbytes, side.dev.copy_stream)
-            else:
-                for offset, part in zip(layout.offsets, parts):
-                    side.rt.htod(buf.ptr + offset, part.ctypes.data, part.nbytes, side.dev.copy_stream)
-            side.pending_uploads += 1
-            self.uploads += 1
-            self.direct_uploads += 1
-            return buf
+        if self.pool is not None:
+            addresses = [host_address(part) for part in parts]
+            if all(self.pool.pins(a, part.nbytes) for a, part in zip(addresses, parts)):
+                # the bytes are in a pinned read buffer: copied from there, part by part, with no staging
+                # memcpy; the pool hands the buffer out again only after these copies are done
+                start = addresses[0]
+                if all(a == start + offset for a, offset in zip(addresses, layout.offsets)):
+                    # the read buffer has the slot's layout (the store's records pad as slots do): one copy
+                    side.rt.htod(buf.ptr, start, layout.offsets[2] + parts[2].nbytes, side.dev.copy_stream)
+                else:
+                    for a, offset, part in zip(addresses, layout.offsets, parts):
+                        side.rt.htod(buf.ptr + offset, a, part.nbytes, side.dev.copy_stream)
+                side.pending_uploads += 1
+                self.uploads += 1
+                self.direct_uploads += 1
+                return buf
         host_ptr, view, done = side.staging.take()
         self._pack(view, layout, parts)
         end = layout.offsets[2] + parts[2].nbytes
@@ -337,7 +339,7 @@ class GpuExperts:
         end = layout.offsets[2] + parts[2].nbytes
         # into pinned memory when there is a pool: the DMA needs no bounce, and a later copy up is direct too
         out = self.pool.take(end) if self.pool is not None else np.empty(end, np.uint8)
-        side.rt.dtoh(out.ctypes.data, self.resident[key].ptr, end, side.dev.copy_stream)
+        side.rt.dtoh(host_address(out), self.resident[key].ptr, end, side.dev.copy_stream)
         if self.pool is None:
             side.rt.sync(side.dev.copy_stream)
         self.downloads += 1

@@ -14,6 +14,8 @@ pairs in j order: the sums do not depend on where the table is split.
 
 from __future__ import annotations
 
+import functools
+import struct
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -74,7 +76,8 @@ def build_tables(ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int],
 
 def _decode_tables(row: list[int], weights: np.ndarray, slot_ptr: dict[int, int], offsets: tuple[int, int, int],
                    first: Collection[int]) -> MoETables:  # fmt: skip
-    """build_tables for one token (the hot path: every decode step), in list arithmetic over its k choices."""
+    """build_tables for one token (the hot path: every decode step): its k choices in list arithmetic,
+    the table packed by one struct call (numpy's field assignments cost a microsecond or more each)."""
     k = len(row)
     order = sorted(range(k), key=row.__getitem__)  # ascending expert id; pair p is the p-th of them
     ptrs = [slot_ptr[row[j]] for j in order]
@@ -84,16 +87,26 @@ def _decode_tables(row: list[int], weights: np.ndarray, slot_ptr: dict[int, int]
         n_first = k - ahead.count(False)
     else:
         rows, n_first = list(range(k)), 0
-    host, pairs, work = _buffers(k, k)
-    base = np.array(ptrs, np.uint64)  # [k] pair p's slot
-    pairs["down"] = base + np.uint64(offsets[2])
-    pairs["weight"] = weights[order]
-    if n_first:
-        base = base[rows]  # work item i's slot
-    work["gate"], work["up"], work["down"] = (base + np.uint64(o) for o in offsets)
-    work["n_pairs"] = 1
-    work["pair"][:, 0] = rows
+    gate, up, down = offsets
+    w = weights.tolist()
+    values: list[int | float] = []
+    for p, j in enumerate(order):  # PairInfo: the down matrix of pair p's slot, its weight
+        values += (ptrs[p] + down, w[j])
+    for p in rows:  # ExpertWork: one pair each, so n_pairs 1 and pair[0] = p
+        base = ptrs[p]
+        values += (base + gate, base + up, base + down, 1, p)
+    host = np.frombuffer(bytearray(_decode_struct(k).pack(*values)), np.uint8)
     return MoETables(host, k * PAIR_DTYPE.itemsize, n_first, k, 1)
+
+
+@functools.cache
+def _decode_struct(k: int) -> struct.Struct:
+    """A decode step's tables as one struct: k PairInfo (down, weight, pad), then k ExpertWork
+    (gate, up, down, n_pairs, pad, pair[MOE_TILE] with only pair[0] set)."""
+    work = "QQQi4xi" + f"{4 * (MOE_TILE - 1)}x"
+    layout = struct.Struct("<" + "Qf4x" * k + work * k)
+    assert layout.size == k * (PAIR_DTYPE.itemsize + EXPERT_WORK_DTYPE.itemsize)
+    return layout
 
 
 def _buffers(n_pairs: int, n_work: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -10,14 +10,37 @@ device's copy streams by then have completed: a copy may still be reading it.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
-import weakref
 from collections import deque
 from typing import Any
 
 import numpy as np
 
 ALIGN = 4096
+
+
+def host_address(a: np.ndarray) -> int:
+    """The address of a contiguous array's first byte: through the buffer protocol where the array is
+    writable (a fifth of what `a.ctypes.data` costs, and a copy up asks for a few addresses per expert)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError):  # read-only or empty
+        return a.ctypes.data
+
+
+class _Return:
+    """Hung on a buffer's memory object: when the last view of it goes, so does this, which gives the
+    buffer back (cheaper than a weakref.finalize per buffer handed out)."""
+
+    __slots__ = ("key", "sink")
+
+    def __init__(self, key: tuple[int, int], sink: Any):
+        self.key = key
+        self.sink = sink
+
+    def __del__(self) -> None:
+        self.sink(self.key)
 CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a time (its calls are slow)
 
 
@@ -41,8 +64,10 @@ class PinnedPool:
         self.free: dict[int, deque[tuple[int, _Fence | None]]] = {}  # size → (address, fence)
         self.returned: deque[tuple[int, int]] = deque()  # (address, size), appended by any thread
         self.blocks: list[int] = []  # what the driver gave, freed at close
-        self.addresses: set[int] = set()  # every buffer's start: what `holds` recognises
+        self.addresses: set[int] = set()  # every buffer's start (close counts them back)
         self.events: list[Any] = []  # fences no longer needed, for reuse
+        self._starts: list[int] = []  # the blocks' usable spans, sorted by start: what `pins` searches
+        self._ends: list[int] = []
 
     def take(self, nbytes: int) -> np.ndarray:
         """A pinned uint8 buffer of at least `nbytes`, free of any copy still reading it."""
@@ -59,15 +84,14 @@ class PinnedPool:
             fence.done = True
             self.events.extend(fence.events)  # free to record again: no buffer of this batch waits on them now
         memory = (ctypes.c_uint8 * size).from_address(address)
-        weakref.finalize(memory, self.returned.append, (address, size))
+        memory._fomoe_return = _Return((address, size), self.returned.append)
         return np.frombuffer(memory, np.uint8)
 
-    def holds(self, part: np.ndarray) -> bool:
-        """Whether `part` is a view of one of this pool's buffers (so a copy may read it in place)."""
-        root: Any = part
-        while isinstance(root, np.ndarray) and root.base is not None:
-            root = root.base
-        return isinstance(root, ctypes.Array) and ctypes.addressof(root) in self.addresses
+    def pins(self, address: int, nbytes: int) -> bool:
+        """Whether [address, address + nbytes) lies in this pool's page-locked memory (a copy may read it in
+        place)."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        return i >= 0 and address + nbytes <= self._ends[i]
 
     def _collect(self) -> None:
         """Buffers given back since the last take: fenced by one event per copy stream, recorded now (a
@@ -89,6 +113,9 @@ class PinnedPool:
         base = self.rt.host_alloc(count * size + ALIGN)
         self.blocks.append(base)
         start = -(-base // ALIGN) * ALIGN
+        i = bisect.bisect_right(self._starts, start)
+        self._starts.insert(i, start)
+        self._ends.insert(i, start + count * size)
         queue = self.free.setdefault(size, deque())
         for i in range(count):
             self.addresses.add(start + i * size)
@@ -107,3 +134,5 @@ class PinnedPool:
         self.blocks.clear()
         self.free.clear()
         self.addresses.clear()
+        self._starts.clear()
+        self._ends.clear()

@@ -206,12 +206,22 @@ class DriverShim(ABC):
         return self.call(self.names.module_function, module, name.encode())
 
     def launch(self, function: Any, grid: Sequence[int], block: Sequence[int], shared: int, stream: Any, params: int) -> None:
-        gx, gy, gz = (list(grid) + [1, 1])[:3]
-        bx, by, bz = (list(block) + [1, 1])[:3]
+        gx, gy, gz = _dims3(grid)
+        bx, by, bz = _dims3(block)
         self.call(self.names.launch, function, gx, gy, gz, bx, by, bz, shared, stream, params, self.launch_extra)
 
     def driver_version(self) -> int:
         return int(self.call(self.names.driver_version))
+
+
+def _dims3(dims: Sequence[int]) -> tuple[int, int, int]:
+    """A grid or block of one to three dimensions as (x, y, z), the missing ones 1."""
+    n = len(dims)
+    if n == 1:
+        return dims[0], 1, 1
+    if n == 2:
+        return dims[0], dims[1], 1
+    return dims[0], dims[1], dims[2]
 
 
 # -- kernel parameters ---------------------------------------------------------------------------------
