@@ -57,6 +57,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
     from fomoepy.experts.step import MoEStep
     from fomoepy.experts.streamer import ExpertStreamer
     from fomoepy.plan.shapes import model_bytes, shape_by_name
+    from fomoepy.quants import GGMLQuantizationType
     from fomoepy.runtime.gpu import GpuBackend
     from fomoepy.runtime.gpu_experts import GpuExperts
     from fomoepy.runtime.shim import DriverShim
@@ -68,7 +69,9 @@ def gpu_child(args: argparse.Namespace) -> dict:
     dev = GpuBackend(args.vendor)
     device_name = dev.rt.device_name
     routers_host = np.zeros((n_expert, shape.n_embd), np.float32)  # one host array: the null device copies nothing
-    routers = [dev.upload(routers_host, exact=True) for _ in range(n_layer)]
+    # in the router's GGUF form, as the model loads it (GpuBackend.load_weight): a weight, not an array
+    routers = [dev.weight_from_bytes(routers_host.view(np.uint8), GGMLQuantizationType.F32, routers_host.shape,
+                                     f"blk.{il}.ffn_gate_inp.weight") for il in range(n_layer)]  # fmt: skip
     device = GpuExperts(layers, dev, routers)
     unit = [device.expert_nbytes(il) for il in range(n_layer)]
     policy = args.policy or DEFAULT_POLICY

@@ -87,7 +87,7 @@ def child(args: argparse.Namespace) -> dict:
     from fomoepy.experts.streamer import ExpertStreamer
     from fomoepy.options import EngineOptions
     from fomoepy.plan.shapes import MIXES, model_bytes, shape_by_name
-    from fomoepy.quants import row_nbytes
+    from fomoepy.quants import GGMLQuantizationType, row_nbytes
     from fomoepy.runtime.gpu import GpuBackend
     from fomoepy.runtime.gpu_experts import GpuExperts
 
@@ -99,7 +99,9 @@ def child(args: argparse.Namespace) -> dict:
     dev = GpuBackend(args.vendor)
     # weights are address space on the null device; a launch is charged the bytes of the matrices it names
     router_bytes = n_expert * row_nbytes(MIXES[shape.default_mix].router, e)
-    routers = [dev.upload(np.zeros((n_expert, e), np.float32), exact=True) for _ in range(n_layer)]
+    zeros = np.zeros((n_expert, e), np.float32)  # in the router's GGUF form, as the model loads it (load_weight)
+    routers = [dev.weight_from_bytes(zeros.view(np.uint8), GGMLQuantizationType.F32, zeros.shape, f"blk.{il}.ffn_gate_inp.weight")
+               for il in range(n_layer)]  # fmt: skip
     dense = dev.upload(np.zeros(((mb.dense_layer_bytes - router_bytes) // (4 * e), e), np.float32), exact=True)
     head = dev.upload(np.zeros((mb.head_bytes // (4 * e), e), np.float32), exact=True)
     device = GpuExperts(layers, dev, routers)

@@ -41,6 +41,17 @@ def test_counts_become_fractions_of_tokens_sorted_by_frequency():
     assert seed_order(p)[:3] == [(0, 1), (1, 0), (1, 7)]
 
 
+def test_decode_steps_one_token_at_a_time_count_as_the_same_tokens_in_one_step():
+    rows = np.array([[1, 2], [1, 3], [1, 2], [4, 1]])
+    one_by_one = ExpertCounter(n_layer=1, n_expert=8)
+    for row in rows:
+        one_by_one.add(0, row[None, :])  # a decode step's [1, k]
+    together = ExpertCounter(n_layer=1, n_expert=8)
+    together.add(0, rows)
+    assert one_by_one.counts.tolist() == together.counts.tolist() and one_by_one.tokens.tolist() == [4]
+    assert one_by_one.profile() == together.profile()
+
+
 def test_write_matches_the_format_byte_for_byte_and_reads_back(tmp_path):
     p = counted()
     path = tmp_path / "model.freq"

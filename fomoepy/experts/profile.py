@@ -69,7 +69,10 @@ class ExpertCounter:
     def add(self, layer: int, ids: np.ndarray) -> None:
         """ids [T, k]: the k experts each of T tokens chose in `layer`."""
         ids = np.asarray(ids)
-        self.counts[layer] += np.bincount(ids.reshape(-1), minlength=self.counts.shape[1])
+        if ids.ndim == 2 and ids.shape[0] == 1:  # a decode step: one token's k distinct experts
+            self.counts[layer, ids[0]] += 1
+        else:
+            self.counts[layer] += np.bincount(ids.reshape(-1), minlength=self.counts.shape[1])
         self.tokens[layer] += ids.shape[0] if ids.ndim == 2 else 1
 
     def profile(self) -> FreqProfile:

@@ -38,7 +38,6 @@ from fomoepy.runtime.gpu_arrays import (
 from fomoepy.runtime.shim import (
     DriverShim,
     PackedParams,
-    ParamBlock,
     open_runtime,
     param_block,
 )
@@ -48,6 +47,8 @@ I32 = np.int32
 
 # 2-D tensors that are not matmul weights: kept as float32 arrays
 FLOAT_TENSOR_SUFFIXES = ("ssm_conv1d.weight",)
+READBACK_BYTES = 64 << 10  # the error flag's area: the flag, then small results read back with it
+READBACK_AT = 256  # where the results start in it (an aligned offset past the flag)
 # the kernel of each routing variant computed on the device (GATING_FUNCTIONS names)
 DEVICE_GATING = {"softmax": "route_softmax_topk"}
 ERROR_MESSAGES = {
@@ -117,7 +118,7 @@ class GpuBackend:
             binaries = kernels.compile_all(kernels.compiler_for(self.rt.vendor), self.rt.arch)
         self.modules = {name: self.rt.load_module(b) for name, b in binaries.items()}
         self._functions: dict[str, Any] = {}
-        self._params: dict[str, ParamBlock | None] = {}  # per kernel, its reusable parameter block
+        self._launchers: dict[str, tuple] = {}  # per kernel: its function, reusable parameter block, signature
         self._mv_names: dict[tuple[int, str, int], str] = {}  # (qtype, weight, tile) -> its matvec kernel
         self.stream = self.rt.stream()  # compute
         self.copy_stream = self.rt.stream()  # expert uploads (gpu_experts.py)
@@ -125,8 +126,11 @@ class GpuBackend:
         self._direct = _Direct(self.rt)
         self._keepalive: list[Any] = []  # host arrays of copies queued since the last sync
         self.poison: int | None = None  # tests: fill every new array with this 32-bit pattern
-        self.err = self.zeros((1,), I32)
-        self._err_host = self.rt.host_alloc(4)
+        # the kernels' error flag heads a small area that results read back often (the routing of a step)
+        # are written into, so that one copy brings both: a binding call costs microseconds
+        self._readback = self.zeros((READBACK_BYTES // 4,), I32)
+        self.err = self._readback.view((1,), (1,), 0)
+        self._err_host = self.rt.host_alloc(READBACK_BYTES)
         weakref.finalize(self, _free_pinned, self.rt, self._err_host)
 
     # -- launching ----------------------------------------------------------------------------------
@@ -140,15 +144,16 @@ class GpuBackend:
         return fn
 
     def launch(self, name: str, grid: Sequence[int], block: int, *args: Any, shared: int = 0) -> None:
-        signature = kernels.KERNEL_SIGNATURES[name]
-        params = self._params.get(name, False)
-        if params is False:
-            params = self._params[name] = param_block(signature)
-        if params is None or len(args) != len(signature):  # a struct argument (or a wrong count: PackedParams says so)
+        launcher = self._launchers.get(name)
+        if launcher is None:  # first launch of this kernel: its function and reusable parameter block
+            signature = kernels.KERNEL_SIGNATURES[name]
+            launcher = self._launchers[name] = (self.function(name), param_block(signature), len(signature), signature)
+        fn, params, n_args, signature = launcher
+        if params is None or len(args) != n_args:  # a struct argument (or a wrong count: PackedParams says so)
             packed = PackedParams(signature, args)
-            self.rt.launch(self.function(name), grid, (block,), shared, self.stream, packed.address)
+            self.rt.launch(fn, grid, (block,), shared, self.stream, packed.address)
         else:
-            self.rt.launch(self.function(name), grid, (block,), shared, self.stream, params.pack(args))
+            self.rt.launch(fn, grid, (block,), shared, self.stream, params.pack(args))
 
     # -- memory and transfers -----------------------------------------------------------------------
     def empty(self, shape, dtype=F32) -> DeviceArray:
@@ -195,8 +200,10 @@ class GpuBackend:
         self.synchronize()
         return outs[0] if len(outs) == 1 else outs
 
-    def synchronize(self) -> None:
-        self.rt.dtoh(self._err_host, self.err.ptr, 4, self.stream)
+    def synchronize(self, readback: int = 0) -> None:
+        """Wait for the stream, then raise if any kernel flagged an error. `readback`: bytes of the
+        read-back area after the flag (READBACK_AT on) to bring to the host in the same copy."""
+        self.rt.dtoh(self._err_host, self.err.ptr, READBACK_AT + readback if readback else 4, self.stream)
         self.rt.sync(self.stream)
         self._keepalive.clear()
         code = ctypes.c_int32.from_address(self._err_host).value
@@ -431,13 +438,19 @@ class GpuBackend:
             logits, T, E, _ = self._rows(self.asdevice(logits).contiguous())
             rows.append((kernel, logits, T, E, k, total))
             total += T * (E + 2 * k)
-        out = self.empty((max(total, 1),))
+        small = READBACK_AT + 4 * total <= READBACK_BYTES  # a decode step's: read back with the error flag
+        out = None if small else self.empty((max(total, 1),))
+        base = self.err.ptr + READBACK_AT if out is None else out.ptr
         for kernel, logits, T, E, k, at in rows:
             if T:
-                ptr = out.ptr + 4 * at
+                ptr = base + 4 * at
                 self.launch(kernel, (T,), 256, logits.ptr, T, E, k, ptr, ptr + 4 * T * E, ptr + 4 * T * (E + k), self.err.ptr,
                             shared=4 * E)  # fmt: skip
-        host = self.to_host(out)
+        if out is None:
+            self.synchronize(4 * total)
+            host = np.frombuffer((ctypes.c_char * (4 * total)).from_address(self._err_host + READBACK_AT), np.float32).copy()
+        else:
+            host = self.to_host(out)
         routings = []
         for _, _, T, E, k, at in rows:
             p = host[at : at + T * E].reshape(T, E)
