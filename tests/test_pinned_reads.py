@@ -41,7 +41,7 @@ def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_
     del buf
     assert not pool.returned  # a view still holds it
     del view
-    assert [a for a, _ in pool.returned] == [address]
+    assert [a for (a, _), _ in pool.returned] == [address]
     assert pool.take(10_000).ctypes.data == address  # the same buffer, handed out again
 
 
@@ -65,10 +65,14 @@ def test_a_buffer_is_not_reused_while_a_copy_from_it_is_still_queued(deferred):
     assert (got == 7).all(), "the copy read a buffer the pool had already handed out again"
 
 
-def test_an_engine_with_a_store_copies_every_miss_straight_from_its_pinned_read(tmp_path):
+@pytest.mark.parametrize("streams", ["immediate", "deferred"])
+def test_an_engine_with_a_store_copies_every_miss_straight_from_its_pinned_read(tmp_path, streams, request):
     """The simulated device under the engine, tiers far smaller than the experts: every expert read from
     the store lands in pinned memory and goes up without a staging copy, demoted ones come down into
-    pinned memory, and the logits are the CPU backend's."""
+    pinned memory, and the logits are the CPU backend's. Deferred, the device runs queued work only when
+    waited for: a buffer handed out again before its copy ran would change the logits."""
+    if streams == "deferred":
+        request.getfixturevalue("deferred")
     from conftest import ORACLE, open_oracle_engine
 
     from fomoepy.engine import Engine, EngineOptions
@@ -184,6 +188,47 @@ def test_buffers_given_back_together_wait_for_their_copies_once():
     finally:
         del dev.rt.event_sync
     assert waits[0] == 1 and len({a.ctypes.data for a in again}) == 4
+
+
+def test_a_point_marked_after_buffers_came_back_frees_them_once_passed_and_one_marked_before_does_not(deferred):
+    # the device marks a point on the copy stream each time its compute stream joins the copies, and says
+    # when one is passed (it waited for the compute stream): buffers given back before that point are
+    # free of their copies with no driver call; a point marked before they came back proves nothing
+    dev = sim_backend()
+    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN)
+    waits, real = [0], dev.rt.event_sync
+
+    def counted(event, real=real):
+        waits[0] += 1
+        return real(event)
+
+    dev.rt.event_sync = counted
+    target = dev.rt.malloc(ALIGN)
+    try:
+        buf = pool.take(ALIGN)
+        buf[:] = 7
+        early = pool.mark()  # before the copy below is queued
+        dev.rt.htod(target, buf.ctypes.data, ALIGN, dev.copy_stream)  # deferred: queued, not run
+        del buf
+        pool.passed_mark(early)
+        again = pool.take(ALIGN)  # must wait: the copy reading it is after the passed point
+        assert waits[0] == 1
+        again[:] = 9
+        got = np.empty(ALIGN, np.uint8)
+        dev.rt.dtoh(got.ctypes.data, target, ALIGN, dev.copy_stream)
+        dev.rt.sync(dev.copy_stream)
+        assert (got == 7).all(), "the copy read a buffer the pool had already handed out again"
+
+        dev.rt.htod(target, again.ctypes.data, ALIGN, dev.copy_stream)
+        del again
+        late = pool.mark()  # after the copy: the device's join
+        dev.rt.sync(dev.copy_stream)  # what the device's read-back waits for, in effect
+        pool.passed_mark(late)
+        pool.take(ALIGN)
+        assert waits[0] == 1  # freed by the passed point, no wait of its own
+    finally:
+        del dev.rt.event_sync
+        dev.rt.free(target)
 
 
 def test_a_failed_read_leaves_no_slot_waiting_for_bytes_that_never_come(tmp_path):

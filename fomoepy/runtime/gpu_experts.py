@@ -159,6 +159,7 @@ class GpuExperts:
         # page-locked memory belongs to the context that took it
         self.pool = PinnedPool(self.dev.rt, [self.dev.copy_stream]) if len(self.devs) == 1 else None
         self.host_buffer = self.pool.take if self.pool is not None else None
+        self._joined = 0  # the pool's mark of the last join of the copies into the compute stream
 
     def side(self, layer: int) -> _DeviceSide:
         return self.sides[self.device_of_layer[layer]]
@@ -190,10 +191,14 @@ class GpuExperts:
         (its router applied to h), read back together: one device round trip per decode step, not two.
         None for the prediction when the next layer sits on another device (route() relays h there)."""
         dev = self.side(layer).dev
+        joined = self._joined  # the read-back below waits for the compute stream, which waited for that point
         if layer + 1 >= len(self.layers) or self.side(layer + 1).dev is not dev:
-            return dev.route(logits, gating, k), None
-        exact, ahead = dev.route_many([(logits, gating, k), (dev.linear(h, self.routers[layer + 1]), "softmax", k)])
-        return exact, ahead.ids
+            exact, ahead = dev.route(logits, gating, k), None
+        else:
+            exact, ahead = dev.route_many([(logits, gating, k), (dev.linear(h, self.routers[layer + 1]), "softmax", k)])
+        if self.pool is not None:
+            self.pool.passed_mark(joined)  # the buffers given back before it are free of their copies
+        return exact, None if ahead is None else ahead.ids
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
         """h [T, D], ids/weights [T, k] → [T, D] on the device. The experts already in slots are launched
@@ -267,13 +272,15 @@ class GpuExperts:
             self.pool.close()
 
     # -- copies -------------------------------------------------------------------------------------
-    @staticmethod
-    def _join_copies(side: _DeviceSide) -> None:
-        """The compute stream waits for every copy up issued so far (on the device: the host goes on)."""
+    def _join_copies(self, side: _DeviceSide) -> None:
+        """The compute stream waits for every copy up issued so far (on the device: the host goes on). The
+        pinned pool learns of the point: once the compute stream has been waited for, so have these copies."""
         if side.pending_uploads:
             side.rt.record(side.copied, side.dev.copy_stream)
             side.rt.wait(side.dev.stream, side.copied)
             side.pending_uploads = 0
+            if self.pool is not None:
+                self._joined = self.pool.mark()
 
     def _take_slot(self, layer: int) -> DeviceBuffer:
         """A free slot of `layer`'s size (an evicted or streamed one), or a new one."""

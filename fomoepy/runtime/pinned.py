@@ -45,14 +45,15 @@ CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a 
 
 
 class _Fence:
-    """The events recorded on the copy streams when a batch of buffers came back: once one buffer of the
-    batch has waited for them, the others need not (a wait is a driver call, and a step takes several
-    buffers returned together)."""
+    """What a batch of buffers given back together waits for: the copies queued before they came back.
+    `mark`: the points marked on the copy streams by then (PinnedPool.mark); once a later point is known
+    complete, so are those copies, and a take waits for nothing. Otherwise the first take records events
+    and waits for them, once for the batch (a record and a wait are driver calls)."""
 
-    __slots__ = ("done", "events")
+    __slots__ = ("done", "mark")
 
-    def __init__(self, events: list[Any]):
-        self.events = events
+    def __init__(self, mark: int):
+        self.mark = mark
         self.done = False
 
 
@@ -62,10 +63,12 @@ class PinnedPool:
         self.chunk_bytes = chunk_bytes
         self.copy_streams = copy_streams
         self.free: dict[int, deque[tuple[int, _Fence | None]]] = {}  # size → (address, fence)
-        self.returned: deque[tuple[int, int]] = deque()  # (address, size), appended by any thread
+        self.returned: deque[tuple[tuple[int, int], int]] = deque()  # ((address, size), marks then), by any thread
         self.blocks: list[int] = []  # what the driver gave, freed at close
         self.addresses: set[int] = set()  # every buffer's start (close counts them back)
-        self.events: list[Any] = []  # fences no longer needed, for reuse
+        self.events: list[Any] = []  # the events a wait records, reused
+        self.marks = 0  # points marked on the copy streams so far (mark)
+        self.passed = 0  # the newest of them known complete (passed_mark)
         self._starts: list[int] = []  # the blocks' usable spans, sorted by start: what `pins` searches
         self._ends: list[int] = []
 
@@ -79,12 +82,11 @@ class PinnedPool:
             queue = self.free[size]
         address, fence = queue.popleft()
         if fence is not None and not fence.done:
-            for event in fence.events:
-                self.rt.event_sync(event)  # the copies that may have read it: done, almost always already
+            if self.passed <= fence.mark:  # no point marked since it came back is known complete: wait here
+                self._wait_for_copies()
             fence.done = True
-            self.events.extend(fence.events)  # free to record again: no buffer of this batch waits on them now
         memory = (ctypes.c_uint8 * size).from_address(address)
-        memory._fomoe_return = _Return((address, size), self.returned.append)
+        memory._fomoe_return = _Return((address, size), self._given_back)
         return np.frombuffer(memory, np.uint8)
 
     def pins(self, address: int, nbytes: int) -> bool:
@@ -93,19 +95,41 @@ class PinnedPool:
         i = bisect.bisect_right(self._starts, address) - 1
         return i >= 0 and address + nbytes <= self._ends[i]
 
-    def _collect(self) -> None:
-        """Buffers given back since the last take: fenced by one event per copy stream, recorded now (a
-        later record waits for more copies than needed, never fewer)."""
-        if not self.returned:
-            return
-        events = []
+    def mark(self) -> int:
+        """The device marked a point on the copy streams (an event recorded after its copies, which its
+        compute stream waits for); returns its number, for `passed`."""
+        self.marks += 1
+        return self.marks
+
+    def passed_mark(self, mark: int) -> None:
+        """Point `mark` is known complete (the device waited for work ordered after it): every copy queued
+        before it is done."""
+        self.passed = max(self.passed, mark)
+
+    def _wait_for_copies(self) -> None:
+        """Every copy queued on the copy streams so far is done: events recorded now, waited for (a later
+        record waits for more copies than needed, never fewer)."""
         for stream in self.copy_streams:
             event = self.events.pop() if self.events else self.rt.event()
             self.rt.record(event, stream)
-            events.append(event)
-        fence = _Fence(events)
+            self.rt.event_sync(event)
+            self.events.append(event)
+        self.marks += 1  # a point past every fence made so far, complete
+        self.passed = self.marks
+
+    def _given_back(self, key: tuple[int, int]) -> None:
+        """(address, size) came back, from any thread: noted with the points marked by then."""
+        self.returned.append((key, self.marks))
+
+    def _collect(self) -> None:
+        """Buffers given back since the last take, fenced by the points marked when each came back (one
+        fence per such number: the buffers of a batch wait once)."""
+        fences: dict[int, _Fence] = {}
         while self.returned:
-            address, size = self.returned.popleft()
+            (address, size), mark = self.returned.popleft()
+            fence = fences.get(mark)
+            if fence is None:
+                fence = fences[mark] = _Fence(mark)
             self.free.setdefault(size, deque()).append((address, fence))
 
     def _grow(self, size: int) -> None:
