@@ -44,6 +44,10 @@ def state_of(cache) -> tuple:
     tiers = []
     for tier in ("device", "host"):
         tiers.append(tuple(tuple(np.flatnonzero(cache.cached_mask(layer, tier))) for layer in range(cache.n_layer)))
+    for layer in range(cache.n_layer):  # what a prefetch asks: the experts held by neither tier, in its order
+        asked = list(range(cache.n_expert))[::-1]
+        held = cache.cached_mask(layer, "device") | cache.cached_mask(layer, "host")
+        assert cache.uncached(layer, asked) == [e for e in asked if not held[e]]
     return cache.stats.summary(), tuple(tiers), cache.device.used, cache.host.used, cache.generation, cache.now
 
 

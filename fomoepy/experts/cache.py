@@ -179,6 +179,12 @@ class ExpertCache:
     def on_device(self, key: Key) -> bool:
         return key in self._dev(key[0])
 
+    def uncached(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """The experts of `layer` that neither tier holds (LOADING or READY), in their order: what a read
+        ahead fetches."""
+        device = self._dev(layer)
+        return [e for e in experts if (layer, e) not in device and (layer, e) not in self.host]
+
     def _source(self, key: Key) -> Source:
         if key in self._dev(key[0]):
             return Source.DEVICE

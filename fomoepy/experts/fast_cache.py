@@ -163,6 +163,11 @@ class CoreCache:
     def on_device(self, key: Key) -> bool:
         return key in self.device
 
+    def uncached(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """ExpertCache.uncached, from one read of each tier's layer (a core call per expert and tier costs more)."""
+        device, host = self._core.held(0, layer), self._core.held(1, layer)  # a byte per expert: held or not
+        return [e for e in experts if not device[e] and not host[e]]
+
     def resident(self, layer: int, tier: str = "device") -> frozenset[int]:
         return frozenset(int(e) for e in np.flatnonzero(self.cached_mask(layer, tier)))
 

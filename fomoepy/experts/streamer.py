@@ -218,9 +218,9 @@ class ExpertStreamer:
             return
         layer, predicted = self._to_prefetch
         self._to_prefetch = None
-        for e in predicted:
+        for e in self.cache.uncached(layer, predicted):
             key = (layer, e)
-            if key in self._inflight or self.cache.on_device(key) or key in self.cache.host:
+            if key in self._inflight:
                 continue
             self._inflight[key] = self._submit(layer, e)
             self.prefetch_stats.issued += 1

@@ -113,12 +113,14 @@ class DriverShim(ABC):
             raise
         except Exception as e:  # a binding that raises (a missing symbol, a bad argument) names the call too
             raise GpuError(f"{self.vendor}: {name} raised {type(e).__name__}: {e}") from e
-        status, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
-        if int(status) != 0:
-            raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(status)}")
-        if not rest:
+        if not isinstance(result, tuple):
+            if int(result) != 0:
+                raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(result)}")
             return None
-        return rest[0] if len(rest) == 1 else rest
+        if int(result[0]) != 0:
+            raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(result[0])}")
+        n = len(result)  # (status, *results): none, one, or a tuple of them
+        return None if n == 1 else result[1] if n == 2 else result[1:]
 
     def error_string(self, status: Any) -> str:
         try:
