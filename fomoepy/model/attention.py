@@ -22,6 +22,7 @@ def attention_mixer(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
     v = ops.linear(x, w.attn_v)
     single = len(segments) == 1
     out = stack(
+        ops,
         [
             _attend(ops, w, a, eps, rows_of(q, s, single), rows_of(k, s, single), rows_of(v, s, single),
                     s.state.layers[il], s.state.n_past)

@@ -23,6 +23,7 @@ def deltanet_mixer(ops, w, dn: DeltaNetSpec, eps: float, x: np.ndarray, il: int,
     g = ops.softplus(ops.linear(x, w.ssm_alpha) + w.ssm_dt_bias) * w.ssm_a  # log-decay, [N, Hv]
     single = len(segments) == 1
     o = stack(
+        ops,
         [
             _recur(ops, w, dn, eps, rows_of(qkv, s, single), rows_of(beta, s, single), rows_of(g, s, single), s.state.layers[il])
             for s in segments

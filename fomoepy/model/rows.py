@@ -30,9 +30,13 @@ def rows_of(a, s: Segment, single: bool):
     return a if single else a[s.start : s.start + s.n]
 
 
-def stack(parts: list) -> Any:
-    """Segments' results in row order (one segment: itself)."""
-    return parts[0] if len(parts) == 1 else np.concatenate([np.asarray(p) for p in parts], axis=0)
+def stack(ops: Any, parts: list) -> Any:
+    """Segments' results in row order (one segment: itself), where the backend keeps them (a GPU's
+    concat_rows: they stay on the device)."""
+    if len(parts) == 1:
+        return parts[0]
+    concat = getattr(ops, "concat_rows", None)
+    return concat(parts) if concat is not None else np.concatenate([np.asarray(p) for p in parts], axis=0)
 
 
 class RowwiseOps:

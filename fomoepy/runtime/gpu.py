@@ -317,6 +317,24 @@ class GpuBackend:
             self.launch(name, (_cdiv(N, 4), _cdiv(T, tile)), 128, W.ptr, W.row_bytes, x.ptr, x_stride, y.ptr, N, N, K, T)
         return y
 
+    def linear_rows(self, x: Any, w: Any) -> DeviceArray:
+        """linear, which gives each row the bits it gets alone (fomoepy.model.rows): the kernels' tile of
+        rows shares each decoded weight group, and every row's dot product is summed in the same order
+        whatever the tile (row_dot in hip_kernels/dequant.h), so a batch reads the weights once."""
+        return self.linear(x, w)
+
+    def concat_rows(self, parts: Sequence[Any]) -> DeviceArray:
+        """The parts [n_i, ...] one after another along the first axis, on the device."""
+        parts = [self.asdevice(p) for p in parts]
+        if len(parts) == 1:
+            return parts[0]
+        out = self.empty((sum(p.shape[0] for p in parts),) + parts[0].shape[1:], parts[0].dtype)
+        at = 0
+        for p in parts:
+            out[at : at + p.shape[0]] = p
+            at += p.shape[0]
+        return out
+
     def rms_norm(self, x: Any, w: Any, eps: float) -> DeviceArray:
         x, n_rows, n, stride = self._rows(self.asdevice(x))
         w = self.asdevice(w)
