@@ -99,10 +99,21 @@ class _DeviceSide:
         self.rt = dev.rt
         self.staging = _Staging(dev, staging_nbytes)
         self.copied = self.rt.event()  # the uploads of the layer being prepared are done
-        self.computed = self.rt.event()  # the last grouped launch is done with its slots
+        self.computed = self.rt.event()  # recorded after grouped launches that copies into slots must wait for
         self.pending_uploads = 0  # copies issued for the layer being prepared
         self.free: dict[int, list[DeviceBuffer]] = {}  # evicted or temporary slots by size, for reuse
-        self.rt.record(self.computed, dev.stream)
+        # grouped launches issued since the host last waited for the compute stream (a routing read-back):
+        # they may still read slots that copies are about to fill. Every decode and prefill step begins
+        # with such a read-back, so the record and the copies' wait are only made when none came between.
+        self.launches_unsynced = False
+        self.copies_wait = False  # `computed` covers such launches: the next step's first copy waits for it
+
+    def fence_launches(self) -> None:
+        """Before a step's launches or an install: the launches still unsynced get an event to wait for."""
+        if self.launches_unsynced:
+            self.rt.record(self.computed, self.dev.stream)
+            self.launches_unsynced = False
+            self.copies_wait = True
 
 
 @dataclass
@@ -169,6 +180,7 @@ class GpuExperts:
         return self.slot_layouts[layer].nbytes
 
     def install(self, key: Key, parts: ExpertBytes) -> None:
+        self.side(key[0]).fence_launches()
         self.resident[key] = self._upload(key[0], parts)
 
     def evict(self, key: Key) -> None:
@@ -198,6 +210,8 @@ class GpuExperts:
             exact, ahead = dev.route_many([(logits, gating, k), (dev.linear(h, self.routers[layer + 1]), "softmax", k)])
         if self.pool is not None:
             self.pool.passed_mark(joined)  # the buffers given back before it are free of their copies
+        side = self.side(layer)
+        side.launches_unsynced = side.copies_wait = False  # the read-back waited for every launch before it
         return exact, None if ahead is None else ahead.ids
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
@@ -208,6 +222,7 @@ class GpuExperts:
         missing experts' launches wait for the copies on the device, not on the host."""
         plan = experts.plan
         side = self.side(layer)
+        side.fence_launches()  # (before this step's launches: its copies need not wait for them)
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
         slots: dict[int, DeviceBuffer] = {}
         missing: dict[int, bool] = {}  # expert -> whether its slot joins the device tier (to_device)
@@ -242,7 +257,7 @@ class GpuExperts:
         except BaseException:
             # the slots no launch reads are free again; a later copy into a slot the launches above read
             # (one evicted next) waits for them
-            side.rt.record(side.computed, side.dev.stream)
+            side.launches_unsynced = True
             for buf in [slots[e] for e in missing] + temporary:
                 side.free.setdefault(buf.nbytes, []).append(buf)
             raise
@@ -252,7 +267,7 @@ class GpuExperts:
             self._combine(run)
         else:
             self._grouped(run)
-        side.rt.record(side.computed, side.dev.stream)
+        side.launches_unsynced = True
         for buf in temporary:
             side.free.setdefault(buf.nbytes, []).append(buf)
         return run.out
@@ -296,9 +311,10 @@ class GpuExperts:
         layout = self.slot_layouts[layer]
         if buf is None:
             buf = self._take_slot(layer)
-        if not side.pending_uploads:
-            # a reused slot may still be read by the last grouped launch: copies wait for it
+        if not side.pending_uploads and side.copies_wait:
+            # a reused slot may still be read by grouped launches no read-back has waited for: copies wait
             side.rt.wait(side.dev.copy_stream, side.computed)
+            side.copies_wait = False
         if self.pool is not None:
             addresses = [host_address(part) for part in parts]
             if all(self.pool.pins(a, part.nbytes) for a, part in zip(addresses, parts)):
