@@ -105,8 +105,7 @@ class _Graph:
             out = np.empty(shape, F32)
             t.contents.data = out.ctypes.data
             outs.append(out)
-        with MATMUL.timed():
-            status = ggml.ggml_graph_compute(self.gf, ctypes.byref(self.plan))
+        status = MATMUL.call(ggml.ggml_graph_compute, self.gf, ctypes.byref(self.plan))
         if status != 0:
             raise FomoeError("ggml graph computation failed")
         return outs  # inputs are the caller's, alive for the whole computation

@@ -359,8 +359,7 @@ def _plan(gf, threads: int):
 
 
 def _run(gf, plan) -> None:
-    with MATMUL.timed():
-        status = ggml.ggml_graph_compute(gf, ctypes.byref(plan))
+    status = MATMUL.call(ggml.ggml_graph_compute, gf, ctypes.byref(plan))
     if status != 0:
         raise FomoeError("ggml graph computation failed")
 
