@@ -129,6 +129,22 @@ def test_the_cpu_repacks_q4_k_where_it_has_avx2():
     assert not ggml_buffers.repacks(int(QT.F32), K, F)  # float weights have no repacked kernels
 
 
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("k", [1, 2, 8, 10])
+def test_the_weighted_sum_adds_each_tokens_picks_in_order_bit_for_bit(T, k):
+    # numpy's sum of the picks (two calls) must be the graph's: each product rounded, then added pick by pick
+    from fomoepy.runtime.ggml_slots import weighted_sum
+
+    rng = np.random.default_rng(T * 100 + k)
+    y = (rng.standard_normal((T, k, 1024)) * rng.uniform(0.01, 100, size=(T, k, 1))).astype(np.float32)
+    w = rng.dirichlet(np.ones(k), size=T).astype(np.float32)
+    want = y[:, 0] * w[:, :1]
+    for j in range(1, k):
+        want = want + y[:, j] * w[:, j : j + 1]
+    got = weighted_sum(y, w)
+    assert got.shape == (T, 1024) and got.dtype == np.float32 and np.array_equal(got, want)
+
+
 def test_bad_slots_and_bytes_are_one_clear_error(experts):
     layer = SlotLayer(PARTS, 2, repack=False)
     raw = experts[0][0]

@@ -320,12 +320,10 @@ class _SlotGraph:
 
 def weighted_sum(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """y [T, k, K], w [T, k] → Σ_j y[:, j] · w[:, j] [T, K], j = 0, 1, …, k-1 in turn: the graph's ops (each
-    product y·w rounded to float32, then added one pick after another) as one product and k-1 sums."""
-    yw = y * w[:, :, None]
-    out = yw[:, 0]
-    for j in range(1, y.shape[1]):
-        out = out + yw[:, j]
-    return out
+    product y·w rounded to float32, then added one pick after another) as two numpy calls, not 2k-1
+    (~5 µs against ~15 for a decode row). numpy reduces an axis that is not the innermost one by adding
+    its slices in order into a copy of the first, elementwise over the inner axis: the loop's sums."""
+    return np.add.reduce(y * w[:, :, None], axis=1)
 
 
 def _checked_slots(slots: np.ndarray, n_slots: int) -> np.ndarray:
