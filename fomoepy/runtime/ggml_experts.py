@@ -156,14 +156,17 @@ def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], sl
     products the one-product path uses: grouped rows (a prefill) or one row per pick (mul_mat_id)."""
     if not chosen:
         return
-    chosen_lut = np.zeros(int(ids.max()) + 1, bool)  # a lookup, not np.isin: ~2 µs against ~15 on a step's [T, k]
-    chosen_lut[chosen] = True
-    mask = chosen_lut[ids]  # [T, k]
+    # one lookup, expert -> its slot where chosen (-1 elsewhere), gives both the picks and their slots: a
+    # round's few numpy calls are most of its host time (np.isin and a second lookup were ~15 µs more)
+    lut = np.full(int(ids.max()) + 1, -1, np.int32)
+    lut[chosen] = [slot_of[e] for e in chosen]
+    picked = lut[ids]  # [T, k]
+    mask = picked >= 0
     rows = np.nonzero(mask)[0]  # token of each pick, in (token, pick) order
     if grouped:
-        y[mask] = pool.layer.grouped_outputs(h, rows, _slots(ids, slot_of)[mask], threads)
+        y[mask] = pool.layer.grouped_outputs(h, rows, picked[mask], threads)
     else:
-        y[mask] = pool.layer.pick_outputs(h[rows], _slots(ids, slot_of)[mask], threads)
+        y[mask] = pool.layer.pick_outputs(h[rows], picked[mask], threads)
 
 
 def per_expert_ffn(parts, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, fetched: dict, threads: int) -> np.ndarray:
