@@ -89,10 +89,10 @@ class GgmlExperts:
             return pool.layer.ffn_unchecked(np.ascontiguousarray(h, dtype=F32), slots, weights, threads)
         slot_of: dict[int, int] = {}
         missing = []
-        for e in np.unique(ids).tolist():
-            key = (layer, e)
-            if key in pool:
-                slot_of[e] = pool.slot(key)
+        held = dict(zip(ids.ravel().tolist(), slots.ravel().tolist()))  # expert -> its tier slot, -1: none
+        for e in sorted(held):  # ascending expert id, as np.unique gave them (a few ints: no numpy call)
+            if held[e] >= 0:
+                slot_of[e] = held[e]
             else:
                 missing.append(e)
         y = np.empty((*ids.shape, pool.layer.n_embd), F32)  # [T, k, K]: each pick's expert output
