@@ -55,7 +55,8 @@ def test_plain_slots_equal_the_per_expert_path_bit_for_bit(experts, T, threads):
     assert layer.repacked == (False, False, False)
     parts = [SimpleNamespace(qtype=q, shape=s) for q, s in PARTS]
     fetched = {e: raw for e, (raw, _) in experts.items()}
-    for _ in range(2):  # the second call reuses the graph with new pointers
+    results = []  # each call's results stay the caller's after the graph's next run
+    for _ in range(2):  # the second call reuses the graph with new inputs
         h = rng.standard_normal((T, K)).astype(F32)
         ids, w = routing(rng, T)
         got = layer.ffn(h, slot_of[ids], w, threads)
@@ -68,6 +69,9 @@ def test_plain_slots_equal_the_per_expert_path_bit_for_bit(experts, T, threads):
         for j in range(1, TOP_K):
             summed = summed + y[:, j] * w[:, j : j + 1]
         assert np.array_equal(summed, want)
+        results.append((got, y, got.copy(), y.copy()))
+    assert all(np.array_equal(a, a0) and np.array_equal(b, b0) for a, b, a0, b0 in results)
+    assert not np.array_equal(results[0][0], results[1][0])
     layer.close()
 
 

@@ -181,7 +181,7 @@ class SlotLayer:
         if P > _MAX_CACHED_PICKS:
             g = _SlotGraph(self, P, 1, threads, weighted=False)
             try:
-                return g.run(rows, ids, None).reshape(P, K)
+                return g.run(rows, ids.reshape(P, 1), None).reshape(P, K)
             finally:
                 g.free()
         key = (P, threads)
@@ -190,7 +190,7 @@ class SlotLayer:
             if len(self._pick_graphs) >= _MAX_GRAPHS:
                 self._pick_graphs.pop(next(iter(self._pick_graphs))).free()
             g = self._pick_graphs[key] = _SlotGraph(self, P, 1, threads, weighted=False)
-        return g.run(rows, ids, None).reshape(P, K)
+        return g.run(rows, ids.reshape(P, 1), None).reshape(P, K)
 
     def ffn_grouped(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
         """`ffn` for many tokens, each slot's tokens as the rows of one product per matrix (a graph built
@@ -270,17 +270,22 @@ class _SlotGraph:
         if not self.ctx:
             raise FomoeError("ggml could not allocate a graph context")
         ctx = self.ctx
-        ggml.ggml_set_no_alloc(ctx, True)  # the inputs' data are numpy arrays, set per call
+        # inputs and output in numpy arrays of the graph's own, their pointers set once: a run copies a
+        # decode row's few KB in and out, cheaper than setting four pointers through numpy's ctypes views
+        self._h, self._ids, self._w = np.empty((T, K), F32), np.empty((T, k), np.int32), np.empty((T, k), F32)
+        ggml.ggml_set_no_alloc(ctx, True)
         self.h = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, K, 1, T)  # each token one row, read by its k experts
         self.ids = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, k, T)
         self.w = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, 1, k, T)
+        for t, buf in ((self.h, self._h), (self.ids, self._ids), (self.w, self._w)):
+            t.contents.data = buf.ctypes.data
         ggml.ggml_set_no_alloc(ctx, False)
         gate, up, down = (m.tensor for m in layer.mats)
         a = ggml.ggml_mul_mat_id(ctx, gate, self.h, self.ids)  # [F, k, T]
         b = ggml.ggml_mul_mat_id(ctx, up, self.h, self.ids)
         act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, a), b)
         if not weighted:
-            ggml.ggml_set_no_alloc(ctx, True)  # the output is numpy memory, set per call
+            ggml.ggml_set_no_alloc(ctx, True)  # the output is numpy memory
         y = ggml.ggml_mul_mat_id(ctx, down, act, self.ids)  # [K, k, T]
         # On several threads every node ends at a barrier, where a waiting thread sleeps and is woken
         # (fomoepy.runtime.ggml_threads): the weighted sum's k nodes are then numpy's, the same float32
@@ -296,21 +301,22 @@ class _SlotGraph:
             for j in range(1, k):  # expert j added after experts 0..j-1, as the per-expert path adds them
                 out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
             self.out, self.shape = (out if k > 1 else ggml.ggml_cont(ctx, out)), (T, K)
+        self._out = np.empty(self.shape, F32)
+        self.out.contents.data = self._out.ctypes.data
         self.gf = ggml.ggml_new_graph(ctx)
         ggml.ggml_build_forward_expand(self.gf, self.out)
         self.plan, self.work = _plan(self.gf, threads)
 
     def run(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray | None) -> np.ndarray:
-        self.h.contents.data = h.ctypes.data
-        self.ids.contents.data = ids.ctypes.data
+        """h [T, K], ids [T, k] slots, w [T, k] (None unweighted) → a fresh [T, K] (unweighted [T, k, K])."""
+        np.copyto(self._h, h)
+        np.copyto(self._ids, ids)
         if self.weighted:
-            self.w.contents.data = w.ctypes.data
-        out = np.empty(self.shape, F32)
-        self.out.contents.data = out.ctypes.data
+            np.copyto(self._w, w)
         _run(self.gf, self.plan)
         if self.sum_outside:
-            out = weighted_sum(out, w)
-        return out  # h, ids, w and out are the caller's: alive for the whole computation
+            return weighted_sum(self._out, self._w)
+        return self._out.copy()  # the graph's own array is its next run's
 
     def free(self) -> None:
         if self.ctx:
