@@ -102,6 +102,27 @@ def test_a_decode_steps_cached_graphs_equal_graphs_built_for_the_call(threads):
         assert np.array_equal(mul_mat(h, w, threads), fresh_mul_mat(h, w, threads))
 
 
+def test_the_next_layers_prediction_routes_as_the_backends_own_product_on_any_thread_count():
+    """GgmlExperts.route runs a few rows' router product on one thread (a decode step's prediction): its
+    picks are those of the backend's product on its own threads, whichever layer's router it is."""
+    from types import SimpleNamespace
+
+    from fomoepy.experts.routing import softmax_route
+    from fomoepy.runtime.ggml_cpu import GgmlBackend
+    from fomoepy.runtime.ggml_experts import GgmlExperts
+
+    rng = np.random.default_rng(23)
+    d, n_expert, k = 256, 64, 8
+    routers = [QuantMatrix.of(quantized(rng, QT.Q8_0, n_expert, d)[0], int(QT.Q8_0), (n_expert, d)) for _ in range(2)]
+    ops = GgmlBackend(2)
+    device = SimpleNamespace(routers=routers, ops=ops)
+    for T in (1, 3, 20):  # 20 rows: past the one-thread path, the backend's own product
+        h = rng.standard_normal((T, d)).astype(F32)
+        for layer in (0, 1):
+            want = softmax_route(ops.linear(h, routers[layer]), k).ids
+            assert np.array_equal(GgmlExperts.route(device, layer, h, k), want)
+
+
 @pytest.mark.parametrize("T, phase", [(1, Phase.DECODE), (5, Phase.DECODE), (5, Phase.PREFILL)])
 def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T, phase):
     """A step's experts through the device's compute: all resident (the one-graph product), none resident

@@ -33,6 +33,16 @@ def test_rms_norm_rows_is_x_over_its_rms_and_each_row_its_own(threads):
     assert not np.array_equal(rms_norm_rows(x, 1.0, threads), got)  # eps is the graph's, not a cached one's
 
 
+def test_a_kept_graphs_results_stay_the_callers_after_its_next_run():
+    # a kept graph computes into memory of its own, run after run: each run's results are the caller's
+    rng = np.random.default_rng(4)
+    first, second = (rng.standard_normal((1, 256)).astype(F32) for _ in range(2))
+    got = rms_norm_rows(first, 1e-6, 1)
+    kept = got.copy()
+    again = rms_norm_rows(second, 1e-6, 1)  # the same graph (shape, eps, threads), other input
+    assert np.array_equal(got, kept) and not np.array_equal(again, kept)
+
+
 @pytest.mark.parametrize("rotary_dim", [64, 32])  # 32 of 64: the dims past it pass through unchanged
 def test_rope_neox_rotates_pairs_i_and_i_plus_half_by_pos_times_base_to_the_minus_2i_over_d(rotary_dim):
     # ggml computes θ_i = pos·s^i with s = base^(-2/d) rounded to float32 and multiplied in i times, each

@@ -55,7 +55,8 @@ def test_plain_slots_equal_the_per_expert_path_bit_for_bit(experts, T, threads):
     assert layer.repacked == (False, False, False)
     parts = [SimpleNamespace(qtype=q, shape=s) for q, s in PARTS]
     fetched = {e: raw for e, (raw, _) in experts.items()}
-    for _ in range(2):  # the second call reuses the graph with new pointers
+    results = []  # each call's results stay the caller's after the graph's next run
+    for _ in range(2):  # the second call reuses the graph with new inputs
         h = rng.standard_normal((T, K)).astype(F32)
         ids, w = routing(rng, T)
         got = layer.ffn(h, slot_of[ids], w, threads)
@@ -68,6 +69,9 @@ def test_plain_slots_equal_the_per_expert_path_bit_for_bit(experts, T, threads):
         for j in range(1, TOP_K):
             summed = summed + y[:, j] * w[:, j : j + 1]
         assert np.array_equal(summed, want)
+        results.append((got, y, got.copy(), y.copy()))
+    assert all(np.array_equal(a, a0) and np.array_equal(b, b0) for a, b, a0, b0 in results)
+    assert not np.array_equal(results[0][0], results[1][0])
     layer.close()
 
 
@@ -127,6 +131,22 @@ def test_the_cpu_repacks_q4_k_where_it_has_avx2():
         pytest.skip("no AVX2: ggml has no repacked Q4_K kernels here")
     assert ggml_buffers.repacks(int(QT.Q4_K), K, F)
     assert not ggml_buffers.repacks(int(QT.F32), K, F)  # float weights have no repacked kernels
+
+
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("k", [1, 2, 8, 10])
+def test_the_weighted_sum_adds_each_tokens_picks_in_order_bit_for_bit(T, k):
+    # numpy's sum of the picks (two calls) must be the graph's: each product rounded, then added pick by pick
+    from fomoepy.runtime.ggml_slots import weighted_sum
+
+    rng = np.random.default_rng(T * 100 + k)
+    y = (rng.standard_normal((T, k, 1024)) * rng.uniform(0.01, 100, size=(T, k, 1))).astype(np.float32)
+    w = rng.dirichlet(np.ones(k), size=T).astype(np.float32)
+    want = y[:, 0] * w[:, :1]
+    for j in range(1, k):
+        want = want + y[:, j] * w[:, j : j + 1]
+    got = weighted_sum(y, w)
+    assert got.shape == (T, 1024) and got.dtype == np.float32 and np.array_equal(got, want)
 
 
 def test_bad_slots_and_bytes_are_one_clear_error(experts):

@@ -27,7 +27,8 @@ class ResidentStep(MoEStep):
     def __call__(self, layer: int, h: Any, exact: Routing) -> Any:
         t0 = time.perf_counter()
         ids, weights = self.streamer.choose(layer, exact)
-        self._cache.count_resident_hits(layer, len(np.unique(ids)))
+        # a decode row's picks as a set of ints, not np.unique (~8 µs of a ~40 µs step's Python)
+        self._cache.count_resident_hits(layer, len(set(ids[0].tolist())) if ids.shape[0] == 1 else len(np.unique(ids)))
         t1 = time.perf_counter()
         out = self.device.compute(layer, h, ids, weights, StepExperts(None, self.phase, {}, {}, _nothing))
         if self.records is not None or self.timer is not None:

@@ -27,12 +27,32 @@ def softmax_probs(logits: np.ndarray) -> np.ndarray:
 
 def softmax_route(logits: np.ndarray, k: int) -> Routing:
     """Qwen3 / Qwen3.5: softmax over all experts, the k largest, their weights renormalised to sum 1."""
+    if logits.ndim == 2 and logits.shape[0] == 1:
+        return _softmax_route_row(logits, k)
+    return softmax_route_rows(logits, k)
+
+
+def softmax_route_rows(logits: np.ndarray, k: int) -> Routing:
+    """softmax_route for any number of rows."""
     probs = softmax_probs(logits)
     # stable sort on −p: ties (which the test models avoid) go to the lower expert id, deterministically
     ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     top = np.take_along_axis(probs, ids, axis=-1)
     weights = (top / top.sum(axis=-1, keepdims=True)).astype(np.float32)
     return Routing(ids, weights, probs)
+
+
+def _softmax_route_row(logits: np.ndarray, k: int) -> Routing:
+    """softmax_route_rows of one row [1, E] (a decode step's, once per MoE layer), bit for bit: the same
+    float32 ops on the row as a 1-D array, without the [T, E] machinery (take_along_axis, keepdims),
+    which was half of its ~22 µs. A row's max, sum and argsort are the same reductions over the same
+    contiguous values either way."""
+    row = np.asarray(logits, np.float32)[0]
+    probs = np.exp(row - row.max())
+    probs /= probs.sum()
+    ids = np.argsort(-probs, kind="stable")[:k]  # ties to the lower expert id, as softmax_route_rows
+    top = probs[ids]
+    return Routing(ids[None], (top / top.sum())[None], probs[None])
 
 
 GATING_FUNCTIONS = {"softmax": softmax_route}

@@ -89,27 +89,36 @@ class _Graph:
         return t
 
     def finish(self, outputs: list[tuple]) -> None:
+        """Build the graph and plan it; each output gets memory of its own, set once: a run sets only its
+        inputs' pointers and copies the outputs out (a pointer set per array, through numpy's ctypes
+        view, cost more than the copy of a decode row's few KB)."""
         self.outputs = outputs
+        self._results = []
+        for t, shape in outputs:
+            buf = np.empty(shape, F32)
+            t.contents.data = buf.ctypes.data
+            self._results.append(buf)
+        self.keep += self._results
+        self._input_structs = [t.contents for t in self.inputs]  # one struct object each, not one per run
         self.gf = ggml.ggml_new_graph_custom(self.ctx, self.graph_size, False)
         for t, _ in outputs:
             ggml.ggml_build_forward_expand(self.gf, t)
         self.plan = ggml.ggml_graph_plan(self.gf, self.threads, None)
         self.work = np.empty(max(self.plan.work_size, 1), np.uint8)
         self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        self._plan_ref = ctypes.pointer(self.plan)
 
-    def run(self, *inputs: np.ndarray) -> list[np.ndarray]:
-        for t, x in zip(self.inputs, inputs, strict=True):
-            t.contents.data = x.ctypes.data
-        outs = []
-        for t, shape in self.outputs:
-            out = np.empty(shape, F32)
-            t.contents.data = out.ctypes.data
-            outs.append(out)
-        with MATMUL.timed():
-            status = ggml.ggml_graph_compute(self.gf, ctypes.byref(self.plan))
+    def run(self, *inputs: np.ndarray, last: bool = False) -> list[np.ndarray]:
+        """The outputs for these inputs, as fresh arrays (the graph's own are overwritten by its next run);
+        last: the graph runs no more (a prefill's, built for the call): its own arrays, not copies."""
+        if len(inputs) != len(self._input_structs):
+            raise FomoeError(f"expected {len(self._input_structs)} inputs, got {len(inputs)}")
+        for t, x in zip(self._input_structs, inputs):
+            t.data = x.ctypes.data
+        status = MATMUL.call(ggml.ggml_graph_compute, self.gf, self._plan_ref)
         if status != 0:
             raise FomoeError("ggml graph computation failed")
-        return outs  # inputs are the caller's, alive for the whole computation
+        return list(self._results) if last else [r.copy() for r in self._results]  # inputs are the caller's, alive for the whole computation
 
     def __del__(self) -> None:
         if getattr(self, "ctx", None) and ggml is not None:
@@ -168,12 +177,12 @@ def rms_norm_rows(x: np.ndarray, eps: float, threads: int) -> np.ndarray:
     rows = x.size // n if n else 0
     key = ("norm", rows, n, float(eps), threads)
     cache = _cache()
-    g = cache.get(key)
+    g, last = cache.get(key), False
     if g is None:
         g = _Graph(4, 4 * rows * n + 64, threads)
         g.finish([(ggml.ggml_rms_norm(g.ctx, g.input(n, rows), eps), x.shape)])
-        _keep(cache, key, g, rows)
-    out = g.run(x)[0]
+        last = not _keep(cache, key, g, rows)
+    out = g.run(x, last=last)[0]
     return out.reshape(x.shape)
 
 
@@ -189,12 +198,12 @@ def rope_neox(x: np.ndarray, positions: np.ndarray, a, threads: int) -> np.ndarr
     T, heads, hd = x.shape
     key = ("rope", T, heads, hd, a.rotary_dim, float(a.rope_base), threads)
     cache = _cache()
-    g = cache.get(key)
+    g, last = cache.get(key), False
     if g is None:
         g = _Graph(4, 4 * x.size + 64, threads)
         g.finish([(_rotated(g, g.input(hd, heads, T), g.input(T, qtype=ggml.GGML_TYPE_I32), a), x.shape)])
-        _keep(cache, key, g, T)
-    return g.run(x, np.ascontiguousarray(positions, dtype=np.int32))[0]
+        last = not _keep(cache, key, g, T)
+    return g.run(x, np.ascontiguousarray(positions, dtype=np.int32), last=last)[0]
 
 
 def _cache() -> dict:
@@ -204,9 +213,12 @@ def _cache() -> dict:
     return cache
 
 
-def _keep(cache: dict, key: tuple, g: _Graph, rows: int) -> None:
+def _keep(cache: dict, key: tuple, g: _Graph, rows: int) -> bool:
+    """Keep g for later calls where its shape comes back often; whether it was kept."""
     if rows <= _MAX_CACHED_ROWS:  # decode shapes come back every step; a prefill's rarely
         if len(cache) >= _MAX_GRAPHS:
             cache.pop(next(iter(cache)))
         cache[key] = g
+        return True
+    return False
 

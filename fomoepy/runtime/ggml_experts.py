@@ -15,10 +15,12 @@ import numpy as np
 from fomoepy.experts.device import Phase, StepExperts
 from fomoepy.experts.routing import softmax_route
 from fomoepy.experts.source import LayerExperts
-from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn
+from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, mul_mat
 from fomoepy.runtime.ggml_pool import SlotPool, layout_of
+from fomoepy.runtime.ggml_slots import weighted_sum
 
 F32 = np.float32
+_ONE_THREAD_ROWS = 16  # router rows computed on one thread (a decode step's, of up to 16 sequences)
 
 
 class GgmlExperts:
@@ -59,7 +61,14 @@ class GgmlExperts:
         return None
 
     def route(self, layer: int, h: np.ndarray, k: int) -> np.ndarray:
-        return softmax_route(self.ops.linear(h, self.routers[layer]), k).ids
+        """The experts `layer`'s router picks for h (the next layer's prediction on a decode step). A few rows'
+        router product runs on one thread: it is small (~70 KB of weights on the bench model), and a second
+        thread, asleep between graphs (fomoepy.runtime.ggml_threads), is woken for it at a cost larger
+        than the product. Each output element is one thread's dot product either way: the same bits."""
+        router = self.routers[layer]
+        if isinstance(router, QuantMatrix) and h.shape[0] <= _ONE_THREAD_ROWS:
+            return softmax_route(mul_mat(h, router, 1), k).ids
+        return softmax_route(self.ops.linear(h, router), k).ids
 
     def compute(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> np.ndarray:
         """One product over the layer's slots when every expert of the step is in the tier (or gets a
@@ -80,10 +89,10 @@ class GgmlExperts:
             return pool.layer.ffn_unchecked(np.ascontiguousarray(h, dtype=F32), slots, weights, threads)
         slot_of: dict[int, int] = {}
         missing = []
-        for e in np.unique(ids).tolist():
-            key = (layer, e)
-            if key in pool:
-                slot_of[e] = pool.slot(key)
+        held = dict(zip(ids.ravel().tolist(), slots.ravel().tolist()))  # expert -> its tier slot, -1: none
+        for e in sorted(held):  # ascending expert id, as np.unique gave them (a few ints: no numpy call)
+            if held[e] >= 0:
+                slot_of[e] = held[e]
             else:
                 missing.append(e)
         y = np.empty((*ids.shape, pool.layer.n_embd), F32)  # [T, k, K]: each pick's expert output
@@ -105,10 +114,7 @@ class GgmlExperts:
                 slot_of[e] = pool.stage(i, experts.fetched[e])
             _round(pool, h, ids, rest + chunk, slot_of, y, threads, grouped)
             rest = []
-        out = y[:, 0] * weights[:, :1]
-        for j in range(1, ids.shape[1]):  # expert j added after 0..j-1, as SlotLayer.ffn's graph adds them
-            out = out + y[:, j] * weights[:, j : j + 1]
-        return out
+        return weighted_sum(y, weights)  # expert j added after 0..j-1, as SlotLayer.ffn's graph adds them
 
     def _install_admitted(self, layer: int, missing: list[int], slot_of: dict[int, int], experts: StepExperts) -> list[int]:
         """Wait for the step's reads and set the experts the cache gave tier slots into theirs; returns
@@ -150,12 +156,17 @@ def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], sl
     products the one-product path uses: grouped rows (a prefill) or one row per pick (mul_mat_id)."""
     if not chosen:
         return
-    mask = np.isin(ids, chosen)  # [T, k]
+    # one lookup, expert -> its slot where chosen (-1 elsewhere), gives both the picks and their slots: a
+    # round's few numpy calls are most of its host time (np.isin and a second lookup were ~15 µs more)
+    lut = np.full(int(ids.max()) + 1, -1, np.int32)
+    lut[chosen] = [slot_of[e] for e in chosen]
+    picked = lut[ids]  # [T, k]
+    mask = picked >= 0
     rows = np.nonzero(mask)[0]  # token of each pick, in (token, pick) order
     if grouped:
-        y[mask] = pool.layer.grouped_outputs(h, rows, _slots(ids, slot_of)[mask], threads)
+        y[mask] = pool.layer.grouped_outputs(h, rows, picked[mask], threads)
     else:
-        y[mask] = pool.layer.pick_outputs(h[rows], _slots(ids, slot_of)[mask], threads)
+        y[mask] = pool.layer.pick_outputs(h[rows], picked[mask], threads)
 
 
 def per_expert_ffn(parts, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, fetched: dict, threads: int) -> np.ndarray:

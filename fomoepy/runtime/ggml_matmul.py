@@ -227,8 +227,7 @@ class _DecodeGraph:
             out = np.empty((rows, cols), F32)
             t.contents.data = out.ctypes.data
             outs.append(out)
-        with MATMUL.timed():
-            status = ggml.ggml_graph_compute(self.gf, ctypes.byref(self.plan))
+        status = MATMUL.call(ggml.ggml_graph_compute, self.gf, ctypes.byref(self.plan))
         if status != 0:
             raise FomoeError("ggml graph computation failed")
         return outs  # weights, x and outs are the caller's: alive for the whole computation

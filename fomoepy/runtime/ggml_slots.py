@@ -45,6 +45,7 @@ _MAX_GRAPHS = 8  # token counts kept per layer: decode (1) and a few small batch
 # ~165 KB a token (bench model: 21 MB at 128 tokens, per layer), and building one costs ~0.1 ms
 # against the ~50 ms their products take.
 _MAX_CACHED_TOKENS = 16
+_MAX_CACHED_PICKS = 128  # pick_outputs' rows (a round of a decode step of up to 16 sequences of top-8)
 
 
 class SlotMatrix:
@@ -130,6 +131,7 @@ class SlotLayer:
         self.qtypes = tuple(m.qtype for m in self.mats)
         self.repacked = tuple(m.repacked for m in self.mats)
         self._graphs: dict[tuple[int, int, int], _SlotGraph] = {}
+        self._pick_graphs: dict[tuple[int, int], _SlotGraph] = {}  # pick_outputs' graphs by (picks, threads)
 
     def set_slot(self, slot: int, raw: Sequence[np.ndarray]) -> None:
         """Copy an expert's gate, up and down store-form bytes into `slot` (repacked where so held)."""
@@ -163,39 +165,32 @@ class SlotLayer:
         return g.run(h, ids, weights)
 
     def pick_outputs(self, rows: np.ndarray, slots: np.ndarray, threads: int) -> np.ndarray:
-        """rows [P, K], slots [P] → [P, K]: expert_{slots[p]}(rows[p]) for each pick p, unweighted, in one
-        graph built for the call: `ffn`'s y with each (token, pick) a row of its own. mul_mat_id computes
+        """rows [P, K], slots [P] → [P, K]: expert_{slots[p]}(rows[p]) for each pick p, unweighted: `ffn`'s y
+        with each (token, pick) a row of its own. mul_mat_id computes
         each slot's rows in the order they come, with the kernels it picks for their count, whatever the
         other slots do: so a pick's result here is its result inside `ffn` when the picks of each slot
         listed here are those `ffn` gives it, token-major. A step whose experts are not all in slots at
-        once (some still being read, or more misses than staging slots) is computed in such rounds."""
+        once (some still being read, or more misses than staging slots) is computed in such rounds, so the
+        graph for a few picks is kept and reused, as `ffn`'s (building one was ~50-130 µs of a streamed
+        decode step's host time, against ~15 µs to run a kept one)."""
         rows = np.ascontiguousarray(rows, dtype=F32)
         ids = _checked_slots(np.asarray(slots).reshape(1, -1), self.n_slots)
-        P, K, F = ids.shape[1], self.n_embd, self.n_ff
+        P, K = ids.shape[1], self.n_embd
         if rows.shape != (P, K):
             raise FomoeError(f"expected rows [{P}, {K}], got {rows.shape}")
-        scratch = 4 * 4 * F * P + 64 * 16  # a, b, silu(a), its product with b [F, 1, P]; float32
-        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * (_OVERHEAD + 64) + 2 * ggml.ggml_graph_overhead() + scratch,
-                                                   mem_buffer=None, no_alloc=False))  # fmt: skip
-        if not ctx:
-            raise FomoeError("ggml could not allocate a graph context")
-        try:
-            ggml.ggml_set_no_alloc(ctx, True)  # inputs and output are numpy memory
-            x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, 1, P), rows)
-            it = _wrap(ctx, ggml.GGML_TYPE_I32, (1, P), ids)
-            ggml.ggml_set_no_alloc(ctx, False)
-            gate, up, down = (m.tensor for m in self.mats)
-            act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, ggml.ggml_mul_mat_id(ctx, gate, x, it)), ggml.ggml_mul_mat_id(ctx, up, x, it))
-            ggml.ggml_set_no_alloc(ctx, True)
-            y = ggml.ggml_mul_mat_id(ctx, down, act, it)  # [K, 1, P]
-            out = np.empty((P, K), F32)
-            y.contents.data = out.ctypes.data
-            gf = ggml.ggml_new_graph(ctx)
-            ggml.ggml_build_forward_expand(gf, y)
-            _compute(gf, threads)
-        finally:
-            ggml.ggml_free(ctx)
-        return out
+        if P > _MAX_CACHED_PICKS:
+            g = _SlotGraph(self, P, 1, threads, weighted=False)
+            try:
+                return g.run(rows, ids.reshape(P, 1), None).reshape(P, K)
+            finally:
+                g.free()
+        key = (P, threads)
+        g = self._pick_graphs.get(key)
+        if g is None:
+            if len(self._pick_graphs) >= _MAX_GRAPHS:
+                self._pick_graphs.pop(next(iter(self._pick_graphs))).free()
+            g = self._pick_graphs[key] = _SlotGraph(self, P, 1, threads, weighted=False)
+        return g.run(rows, ids.reshape(P, 1), None).reshape(P, K)
 
     def ffn_grouped(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
         """`ffn` for many tokens, each slot's tokens as the rows of one product per matrix (a graph built
@@ -250,9 +245,10 @@ class SlotLayer:
         return ys
 
     def close(self) -> None:
-        for g in self._graphs.values():
-            g.free()
-        self._graphs.clear()
+        for graphs in (self._graphs, self._pick_graphs):
+            for g in graphs.values():
+                g.free()
+            graphs.clear()
         for m in self.mats:
             m.close()
 
@@ -262,9 +258,10 @@ class SlotLayer:
 
 
 class _SlotGraph:
-    """The graph of SlotLayer.ffn for T tokens of k picks; intermediates in its own context memory."""
+    """The graph of SlotLayer.ffn for T tokens of k picks; intermediates in its own context memory.
+    weighted=False: pick_outputs' graph, each pick's output y [T, k, K] unweighted."""
 
-    def __init__(self, layer: SlotLayer, T: int, k: int, threads: int):
+    def __init__(self, layer: SlotLayer, T: int, k: int, threads: int, weighted: bool = True):
         K, F = layer.n_embd, layer.n_ff
         # a, b, silu(a), its product with b [F, k, T]; y, y·w [K, k, T]; k-1 partial sums [K, T]; float32
         scratch = 4 * (4 * F * k * T + 2 * K * k * T + k * K * T) + 64 * (16 + 2 * k)
@@ -273,20 +270,29 @@ class _SlotGraph:
         if not self.ctx:
             raise FomoeError("ggml could not allocate a graph context")
         ctx = self.ctx
-        ggml.ggml_set_no_alloc(ctx, True)  # the inputs' data are numpy arrays, set per call
+        # inputs and output in numpy arrays of the graph's own, their pointers set once: a run copies a
+        # decode row's few KB in and out, cheaper than setting four pointers through numpy's ctypes views
+        self._h, self._ids, self._w = np.empty((T, K), F32), np.empty((T, k), np.int32), np.empty((T, k), F32)
+        ggml.ggml_set_no_alloc(ctx, True)
         self.h = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, K, 1, T)  # each token one row, read by its k experts
         self.ids = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, k, T)
         self.w = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, 1, k, T)
+        for t, buf in ((self.h, self._h), (self.ids, self._ids), (self.w, self._w)):
+            t.contents.data = buf.ctypes.data
         ggml.ggml_set_no_alloc(ctx, False)
         gate, up, down = (m.tensor for m in layer.mats)
         a = ggml.ggml_mul_mat_id(ctx, gate, self.h, self.ids)  # [F, k, T]
         b = ggml.ggml_mul_mat_id(ctx, up, self.h, self.ids)
-        y = ggml.ggml_mul_mat_id(ctx, down, ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, a), b), self.ids)  # [K, k, T]
+        act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, a), b)
+        if not weighted:
+            ggml.ggml_set_no_alloc(ctx, True)  # the output is numpy memory
+        y = ggml.ggml_mul_mat_id(ctx, down, act, self.ids)  # [K, k, T]
         # On several threads every node ends at a barrier, where a waiting thread sleeps and is woken
         # (fomoepy.runtime.ggml_threads): the weighted sum's k nodes are then numpy's, the same float32
         # products and additions in the same order. On one thread they cost nothing in the graph.
-        self.sum_outside = threads > 1
-        if self.sum_outside:
+        self.weighted = weighted
+        self.sum_outside = weighted and threads > 1
+        if not weighted or self.sum_outside:
             self.out, self.shape = y, (T, k, K)
         else:
             yw = ggml.ggml_mul(ctx, y, self.w)
@@ -295,27 +301,35 @@ class _SlotGraph:
             for j in range(1, k):  # expert j added after experts 0..j-1, as the per-expert path adds them
                 out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
             self.out, self.shape = (out if k > 1 else ggml.ggml_cont(ctx, out)), (T, K)
+        self._out = np.empty(self.shape, F32)
+        self.out.contents.data = self._out.ctypes.data
         self.gf = ggml.ggml_new_graph(ctx)
         ggml.ggml_build_forward_expand(self.gf, self.out)
         self.plan, self.work = _plan(self.gf, threads)
 
-    def run(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
-        self.h.contents.data = h.ctypes.data
-        self.ids.contents.data = ids.ctypes.data
-        self.w.contents.data = w.ctypes.data
-        out = np.empty(self.shape, F32)
-        self.out.contents.data = out.ctypes.data
+    def run(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray | None) -> np.ndarray:
+        """h [T, K], ids [T, k] slots, w [T, k] (None unweighted) → a fresh [T, K] (unweighted [T, k, K])."""
+        np.copyto(self._h, h)
+        np.copyto(self._ids, ids)
+        if self.weighted:
+            np.copyto(self._w, w)
         _run(self.gf, self.plan)
         if self.sum_outside:
-            y, out = out, out[:, 0] * w[:, :1]
-            for j in range(1, y.shape[1]):
-                out = out + y[:, j] * w[:, j : j + 1]
-        return out  # h, ids, w and out are the caller's: alive for the whole computation
+            return weighted_sum(self._out, self._w)
+        return self._out.copy()  # the graph's own array is its next run's
 
     def free(self) -> None:
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
+
+
+def weighted_sum(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """y [T, k, K], w [T, k] → Σ_j y[:, j] · w[:, j] [T, K], j = 0, 1, …, k-1 in turn: the graph's ops (each
+    product y·w rounded to float32, then added one pick after another) as two numpy calls, not 2k-1
+    (~5 µs against ~15 for a decode row). numpy reduces an axis that is not the innermost one by adding
+    its slices in order into a copy of the first, elementwise over the inner axis: the loop's sums."""
+    return np.add.reduce(y * w[:, :, None], axis=1)
 
 
 def _checked_slots(slots: np.ndarray, n_slots: int) -> np.ndarray:
@@ -349,8 +363,7 @@ def _plan(gf, threads: int):
 
 
 def _run(gf, plan) -> None:
-    with MATMUL.timed():
-        status = ggml.ggml_graph_compute(gf, ctypes.byref(plan))
+    status = MATMUL.call(ggml.ggml_graph_compute, gf, ctypes.byref(plan))
     if status != 0:
         raise FomoeError("ggml graph computation failed")
 
