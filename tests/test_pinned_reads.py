@@ -310,3 +310,37 @@ def test_a_demoted_experts_copy_down_is_not_waited_for_and_comes_back_right(tmp_
     assert device.downloads > 0 and waits[0] == 0
     assert np.abs(got - cpu).max() / cpu.std() <= LOGIT_TOL
     engine.close()
+
+
+def test_a_steps_reads_are_issued_before_its_copies_down(tmp_path):
+    """A step that both reads misses and demotes device evictees issues the reads first: a drive's
+    latency is the longer wait, and the copies down only have to precede the reuse of their slots."""
+    from conftest import ORACLE
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.experts.store_writer import prepare_store
+
+    name = "qwen3moe_q4_k_m"
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    store = tmp_path / "store"
+    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000,
+                                                           ram_cache=4_000_000, prefetch=False))  # fmt: skip
+    streamer = engine.experts.streamer
+    events: list[str] = []
+    real_submit, real_download, real_start = streamer.source.submit, streamer._download, streamer.start_acquire
+    streamer.source.submit = lambda *a, **k: events.append("read") or real_submit(*a, **k)
+    streamer._download = lambda key: events.append("down") or real_download(key)
+    streamer.start_acquire = lambda *a: events.append("step") or real_start(*a)
+    try:
+        state = engine.new_state()
+        for t in tokens[:12]:
+            engine.decode_token(state, int(t))
+    finally:
+        del streamer.source.submit, streamer.start_acquire
+        streamer._download = real_download
+    steps = "".join("|" if e == "step" else e[0] for e in events).split("|")  # "r": a read, "d": a copy down
+    both = [s for s in steps if "r" in s and "d" in s]
+    assert both, "no step both read and demoted: the test proves nothing"
+    assert all(s.rindex("r") < s.index("d") for s in both)
+    engine.close()

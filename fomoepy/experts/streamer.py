@@ -243,8 +243,6 @@ class ExpertStreamer:
         self.cache.commit(plan)
         for victim in plan.host_evictions:
             self.host_slots.pop(victim, None)
-        for key in plan.demotions:  # before the backend frees the evicted device slots
-            self.host_slots[key] = self._download(key)  # type: ignore[misc]
         if self._backfill_thread is not None:
             self._backfill_thread.set_io_busy(True, self.tokens_seen)
         fetched: dict[int, ExpertBytes] = {}
@@ -262,6 +260,10 @@ class ExpertStreamer:
                     reads[item.expert] = None
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: self._submit(layer, e) for e in reads}
+        # the copies down of the demoted experts: after the reads are issued (a drive's latency is the
+        # longer wait), before the backend frees the evicted device slots
+        for key in plan.demotions:
+            self.host_slots[key] = self._download(key)  # type: ignore[misc]
         self._unadmitted.clear()  # predicted for this step but not chosen
         self._issue_prefetch()  # behind this step's reads in the pool, overlapping its compute
         return plan, fetched, reads
