@@ -59,6 +59,7 @@ class CorePlan(Plan):
     """A Plan, with the arrays the core reads back at commit, mark_ready and release."""
 
     arrays: tuple = ()  # (experts int64 bytes, sources, to_device, to_host)
+    keys: tuple = ((), (), ())  # device evictions, host evictions, demotions as the core's flat keys
 
 
 class TierView:
@@ -158,7 +159,8 @@ class CoreCache:
         n = self.n_expert
         users = users_of([item.expert for item in items], raw, sequences) if sequences is not None else ()
         return CorePlan(layer, items, tuple(divmod(k, n) for k in dev_victims), tuple(divmod(k, n) for k in host_victims),
-                        self.generation, tuple(divmod(k, n) for k in demotions), users, (experts, sources, to_device, to_host))  # fmt: skip
+                        self.generation, tuple(divmod(k, n) for k in demotions), users, (experts, sources, to_device, to_host),
+                        (dev_victims, host_victims, demotions))  # fmt: skip
 
     def on_device(self, key: Key) -> bool:
         return key in self.device
@@ -180,15 +182,11 @@ class CoreCache:
     def commit(self, plan: CorePlan) -> None:
         if plan.generation != self.generation:
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
-        n = self.n_expert
-        self._core.commit(plan.layer, *plan.arrays, tuple(l * n + e for l, e in plan.device_evictions),
-                          tuple(l * n + e for l, e in plan.host_evictions), tuple(l * n + e for l, e in plan.demotions),
-                          plan.users)  # fmt: skip
+        self._core.commit(plan.layer, *plan.arrays, *plan.keys, plan.users)
 
     def mark_ready(self, plan: CorePlan) -> None:
         experts, _, to_device, to_host = plan.arrays
-        n = self.n_expert
-        self._core.mark_ready(plan.layer, experts, to_device, to_host, tuple(l * n + e for l, e in plan.demotions))
+        self._core.mark_ready(plan.layer, experts, to_device, to_host, plan.keys[2])
 
     def release(self, plan: CorePlan) -> None:
         self._core.release(plan.layer, *plan.arrays)
@@ -201,7 +199,7 @@ class CoreCache:
         """ExpertCache.abort: a released plan's admissions still LOADING are dropped."""
         experts, _, to_device, to_host = plan.arrays
         n = self.n_expert
-        dropped = self._core.abort(plan.layer, experts, to_device, to_host, tuple(l * n + e for l, e in plan.demotions))
+        dropped = self._core.abort(plan.layer, experts, to_device, to_host, plan.keys[2])
         return [divmod(k, n) for k in dropped]
 
     def access(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> CorePlan:
