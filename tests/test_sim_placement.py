@@ -169,3 +169,28 @@ def test_a_demoted_expert_is_in_the_host_tier_once_its_step_returns(deferred_str
                 assert np.array_equal(np.frombuffer(np.ascontiguousarray(got), np.uint8), np.frombuffer(np.ascontiguousarray(want), np.uint8)), f"step {i}: {key}"
     assert experts.device.downloads > 0
     experts.close()
+
+
+def test_a_steps_record_splits_its_host_time_at_the_reads_it_issues():
+    """StepTiming.before_reads: the host's time from the step's start until its reads were issued (what
+    the drives wait on; fomoe plan overlaps the rest with them). Made slow on purpose: a plan of 30 ms
+    counts in it, a device's 30 ms of copies and launches after the reads do not."""
+    import time
+
+    experts, spec, _ = expert_tiers(0, host=False)
+    cache, device = experts.streamer.cache, experts.device
+    real_plan, real_compute = cache.plan, device.compute
+    cache.plan = lambda *a, **k: time.sleep(0.03) or real_plan(*a, **k)
+    device.compute = lambda *a, **k: time.sleep(0.03) or real_compute(*a, **k)
+    experts.records = []
+    try:
+        for h, exact in steps(spec, 3):
+            experts.begin_step(Phase.DECODE)
+            experts(0, h, exact)
+            experts.end_step(1)
+    finally:
+        del cache.plan, device.compute
+    for r in experts.records:
+        assert 0.03 <= r.before_reads <= r.route + r.plan
+        assert r.total - r.before_reads >= 0.03  # the device's part is after the reads
+    experts.close()

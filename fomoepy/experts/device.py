@@ -50,6 +50,9 @@ class StepTiming:
     wait: float = 0.0  # blocked on this step's expert reads
     compute: float = 0.0  # the device's part: fills and arithmetic (on a GPU: the calls that queue them)
     release: float = 0.0  # unpinning, unmapping
+    # of route + plan: from the step's start until its reads were issued. The drives wait on this part of
+    # the host's work; what follows (copies, launches) runs while the reads are in flight
+    before_reads: float = 0.0
 
     @property
     def total(self) -> float:

@@ -32,7 +32,7 @@ class ResidentStep(MoEStep):
         t1 = time.perf_counter()
         out = self.device.compute(layer, h, ids, weights, StepExperts(None, self.phase, {}, {}, _nothing))
         if self.records is not None or self.timer is not None:
-            timing = StepTiming(layer, t1 - t0, 0.0, 0.0, time.perf_counter() - t1, 0.0)
+            timing = StepTiming(layer, t1 - t0, 0.0, 0.0, time.perf_counter() - t1, 0.0, t1 - t0)
             if self.records is not None:
                 self.records.append(timing)
             if self.timer is not None:

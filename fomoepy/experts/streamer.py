@@ -91,6 +91,7 @@ class ExpertStreamer:
         slot_nbytes = getattr(source, "slot_nbytes", None)
         self._read_buffer = (lambda layer: buffers(slot_nbytes(layer))) if buffers and slot_nbytes else None
         self.background_wait = 0.0  # seconds blocked on prefetched reads, for the step's record
+        self.reads_issued_at = 0.0  # perf_counter time the last start_acquire had issued its reads
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()
         self.counter = ExpertCounter(self.n_layer, self.n_expert)
@@ -260,6 +261,7 @@ class ExpertStreamer:
                     reads[item.expert] = None
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: self._submit(layer, e) for e in reads}
+        self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
         # the copies down of the demoted experts: after the reads are issued (a drive's latency is the
         # longer wait), before the backend frees the evicted device slots
         for key in plan.demotions:
