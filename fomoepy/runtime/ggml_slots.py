@@ -26,6 +26,7 @@ output's data pointers change between calls.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from collections.abc import Sequence
 
@@ -239,7 +240,7 @@ class SlotLayer:
                                                    mem_buffer=None, no_alloc=True))  # fmt: skip
         try:
             gf = ggml.ggml_new_graph(ctx)
-            for a, b in zip(bounds[:-1], bounds[1:]):
+            for a, b in itertools.pairwise(bounds):
                 gate, up, down = (m.slot_tensor(int(flat[order[a]])) for m in self.mats)
                 x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, b - a), rows[a:b])
                 act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, ggml.ggml_mul_mat(ctx, gate, x)), ggml.ggml_mul_mat(ctx, up, x))
