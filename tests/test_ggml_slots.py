@@ -149,6 +149,34 @@ def test_the_weighted_sum_adds_each_tokens_picks_in_order_bit_for_bit(T, k):
     assert got.shape == (T, 1024) and got.dtype == np.float32 and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("scratch", [True, False])  # False: arrays too large for the reused scratch
+def test_grouped_picks_in_any_order_are_each_picks_own_product_and_stay_the_callers(experts, scratch, monkeypatch):
+    # a streamed prefill's round (grouped_outputs) lists picks of any tokens, repeated, in any slot order;
+    # on plain slots a pick's output is its row's own (each output element one dot product of that row),
+    # so pick_outputs (one row per pick) gives the same bits. The results must stay the caller's when the
+    # next call reuses the thread's scratch.
+    from fomoepy.runtime import ggml_slots
+
+    if not scratch:
+        monkeypatch.setattr(ggml_slots, "_SCRATCH_BYTES", 0)
+    rng = np.random.default_rng(31)
+    layer, slot_of = filled(experts, False, rng)
+    kept = []
+    for _ in range(2):
+        h = rng.standard_normal((9, K)).astype(F32)
+        tokens = rng.integers(0, 9, size=23)
+        slots = slot_of[rng.integers(0, N_EXPERT, size=23)]
+        got = layer.grouped_outputs(h, tokens, slots, 1)
+        assert np.array_equal(got, layer.pick_outputs(h[tokens], slots, 1))
+        ids, w = routing(rng, 9)
+        summed = layer.ffn_grouped(h, slot_of[ids], w, 1)
+        assert np.array_equal(summed, layer.ffn(h, slot_of[ids], w, 1))
+        kept.append((got, got.copy(), summed, summed.copy()))
+    assert all(np.array_equal(a, a0) and np.array_equal(b, b0) for a, a0, b, b0 in kept)
+    assert layer.grouped_outputs(h, tokens[:0], slots[:0], 1).shape == (0, K)
+    layer.close()
+
+
 def test_bad_slots_and_bytes_are_one_clear_error(experts):
     layer = SlotLayer(PARTS, 2, repack=False)
     raw = experts[0][0]

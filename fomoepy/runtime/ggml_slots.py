@@ -26,6 +26,8 @@ output's data pointers change between calls.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import threading
 from collections.abc import Sequence
 
 import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
@@ -46,6 +48,11 @@ _MAX_GRAPHS = 8  # token counts kept per layer: decode (1) and a few small batch
 # against the ~50 ms their products take.
 _MAX_CACHED_TOKENS = 16
 _MAX_CACHED_PICKS = 128  # pick_outputs' rows (a round of a decode step of up to 16 sequences of top-8)
+# a prefill's grouped products keep their rows, intermediates and outputs in arrays reused from call to
+# call (one per thread): fresh ones of a 128-token chunk (~16 MB a layer) cost ~3 ms of page faults a
+# layer, more than building the graph. Larger requests (long chunks of big models) get fresh arrays.
+_SCRATCH_BYTES = 64 << 20
+_scratch = threading.local()
 
 
 class SlotMatrix:
@@ -200,48 +207,53 @@ class SlotLayer:
         T, k = slots.shape
         if h.shape != (T, self.n_embd) or weights.shape != (T, k):
             raise FomoeError(f"expected h [{T}, {self.n_embd}] and weights [{T}, {k}], got {h.shape} and {weights.shape}")
-        ys = self.grouped_outputs(h, np.arange(T * k) // k, slots.reshape(-1), threads).reshape(T, k, self.n_embd)
-        w = np.ascontiguousarray(weights, dtype=F32)
-        out = ys[:, 0] * w[:, :1]
-        for j in range(1, k):  # pick j added after picks 0..j-1, as ffn and the per-expert path add them
-            out += ys[:, j] * w[:, j : j + 1]
-        return out
+        ys = self._grouped(h, np.arange(T * k) // k, slots.reshape(-1), threads, own=False).reshape(T, k, self.n_embd)
+        # weighted_sum's ops, the products in place in the scratch: pick j added after picks 0..j-1, as
+        # ffn and the per-expert path add them, in two numpy calls where a loop over the picks made 2k-1
+        # on strided [T, K] slices (~5 ms a layer of a 128-token chunk)
+        ys *= np.ascontiguousarray(weights, dtype=F32)[:, :, None]
+        return np.add.reduce(ys, axis=1)
 
     def grouped_outputs(self, h: np.ndarray, tokens: np.ndarray, slots: np.ndarray, threads: int) -> np.ndarray:
         """h [T, K]; for each pick p, its token tokens[p] and slot slots[p] → [P, K]: expert_{slots[p]}(h[tokens[p]]),
         unweighted: each slot's picks, in the order given, the rows of one product per matrix (GEMM
         kernels where repacked). A pick's result depends on the rows its slot gets, so a step computed
         in rounds (fomoepy.runtime.ggml_experts) gives each slot all its picks in one round."""
+        return self._grouped(h, tokens, slots, threads, own=True)
+
+    def _grouped(self, h: np.ndarray, tokens: np.ndarray, slots: np.ndarray, threads: int, own: bool) -> np.ndarray:
+        """grouped_outputs; own=False: the result may be this thread's scratch, valid until its next call."""
         h = np.ascontiguousarray(h, dtype=F32)
         flat = _checked_slots(np.asarray(slots).reshape(1, -1), self.n_slots).reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        groups = np.split(order, np.flatnonzero(np.diff(flat[order])) + 1)  # picks of each slot, in order
-        K = self.n_embd
-        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(10 * len(groups) + 4) * _OVERHEAD + 2 * ggml.ggml_graph_overhead(),
+        K, F, P = self.n_embd, self.n_ff, len(flat)
+        if P == 0:
+            return np.empty((0, K), F32)
+        order = np.argsort(flat, kind="stable")  # picks grouped by slot, each slot's in the order given
+        bounds = [0, *(np.flatnonzero(np.diff(flat[order])) + 1).tolist(), P]
+        # one array each for every group's rows, intermediates and outputs, in slot order: a group's
+        # tensors point at its slice, so building the graph sets pointers but allocates nothing, and the
+        # rows come in by one gather and go out by one scatter, not a copy each way per group
+        rows, inter, ys_sorted, ys = _scratch_arrays((P, K), (4, P, F), (P, K), None if own else (P, K))
+        np.take(h, np.asarray(tokens)[order], axis=0, out=rows)
+        # inter: gate·x, up·x, silu(gate·x), silu(gate·x)·(up·x)
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(10 * (len(bounds) - 1) + 4) * _OVERHEAD + 2 * ggml.ggml_graph_overhead(),
                                                    mem_buffer=None, no_alloc=True))  # fmt: skip
-        keep, outs = [], []
         try:
             gf = ggml.ggml_new_graph(ctx)
-            for picks in groups:
-                slot, rows = int(flat[picks[0]]), np.ascontiguousarray(h[tokens[picks]])
-                gate, up, down = (m.slot_tensor(slot) for m in self.mats)
-                x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, len(picks)), rows)
+            for a, b in itertools.pairwise(bounds):
+                gate, up, down = (m.slot_tensor(int(flat[order[a]])) for m in self.mats)
+                x = _wrap(ctx, ggml.GGML_TYPE_F32, (K, b - a), rows[a:b])
                 act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, ggml.ggml_mul_mat(ctx, gate, x)), ggml.ggml_mul_mat(ctx, up, x))
                 y = ggml.ggml_mul_mat(ctx, down, act)
-                tensors = _intermediates(y)
-                for t in tensors:  # every result in numpy memory: the context holds headers only
-                    buf = np.empty(t.contents.ne[0] * t.contents.ne[1], F32)
-                    t.contents.data = buf.ctypes.data
-                    keep.append(buf)
-                keep.append(rows)
-                outs.append((picks, keep[-2]))  # y's memory: _intermediates lists y last
+                for t, buf in zip(_intermediates(y), (*inter, ys_sorted)):  # numpy memory: the context holds headers only
+                    t.contents.data = buf[a:b].ctypes.data
                 ggml.ggml_build_forward_expand(gf, y)
             _compute(gf, threads)
         finally:
             ggml.ggml_free(ctx)
-        ys = np.empty((len(flat), K), F32)
-        for picks, y in outs:
-            ys[picks] = y.reshape(len(picks), K)
+        if ys is None:
+            ys = np.empty((P, K), F32)
+        ys[order] = ys_sorted
         return ys
 
     def close(self) -> None:
@@ -330,6 +342,22 @@ def weighted_sum(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     (~5 µs against ~15 for a decode row). numpy reduces an axis that is not the innermost one by adding
     its slices in order into a copy of the first, elementwise over the inner axis: the loop's sums."""
     return np.add.reduce(y * w[:, :, None], axis=1)
+
+
+def _scratch_arrays(*shapes) -> list:
+    """float32 arrays of these shapes (None: None), views of this thread's reused scratch where they fit
+    in _SCRATCH_BYTES together, else fresh; their contents are left over from earlier calls."""
+    sizes = [0 if s is None else int(np.prod(s)) for s in shapes]
+    if 4 * sum(sizes) > _SCRATCH_BYTES:
+        return [None if s is None else np.empty(s, F32) for s in shapes]
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < sum(sizes):
+        buf = _scratch.buf = np.empty(sum(sizes), F32)
+    out, at = [], 0
+    for shape, n in zip(shapes, sizes):
+        out.append(None if shape is None else buf[at : at + n].reshape(shape))
+        at += n
+    return out
 
 
 def _checked_slots(slots: np.ndarray, n_slots: int) -> np.ndarray:
