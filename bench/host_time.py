@@ -15,8 +15,8 @@ cpu backend, on the bench model (bench/decode.py's; its one tier, ggml slot tens
 the slot fills (ggml repacking a miss's store bytes into its slot: this backend's making ready, as a
 copy up is a GPU's) and the time blocked on reads.
 
-Prints median and p90 µs per step; on the GPU path also the median of its part before the step's
-reads are issued (what the drives wait on: `[host] before_reads` in a rig file), and split into
+Prints median and p90 µs per step; on the GPU path also the median of its part in series with the
+step's reads (before they are issued, after the last lands: `[host] serial` in a rig file), split into
 routing (the router's launches and read-back, CAR, the trace, next-layer prediction), plan (the cache
 plan and policy, host bytes, reads issued), binding calls (every driver call's time, counted) and the
 rest of Python.
@@ -147,9 +147,10 @@ def gpu_child(args: argparse.Namespace) -> dict:
     cpu_median, cpu_p90 = percentiles([s[6] * 1e6 for s in plain])
     n = len(split)
     route_us = float(np.median([(s[1] + s[2].route) * 1e6 for s in split]))
-    # the part the drives wait on: from the router's launch until the step's reads were issued (the rest,
-    # copies and launches, runs while they are read; fomoe plan's engine schedule overlaps it with them)
-    before_us = float(np.median([(s[1] + s[2].before_reads) * 1e6 for s in split]))
+    # the part in series with the step's reads: from the router's launch until they were issued, and from
+    # the last one's landing to the step's return (the rest, copies and launches, runs while they are read;
+    # fomoe plan's engine schedule overlaps it with them: `[host] serial`)
+    serial_us = float(np.median([(s[1] + s[2].before_reads + s[2].after_landed) * 1e6 for s in split]))
     plan_us = float(np.median([(s[2].plan + s[2].wait) * 1e6 for s in split]))
     binding_us = float(np.median([s[4] * 1e6 for s in split]))
     calls_per_step = float(np.median([s[3] for s in split]))
@@ -160,7 +161,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
         "shape": SHAPE, "median_us": median, "p90_us": p90, "cpu_median_us": cpu_median, "cpu_p90_us": cpu_p90,
         "steps": len(totals), "vendor": args.vendor, "policy": policy,
         "device": device_name,
-        "before_reads_median_us": before_us,
+        "serial_median_us": serial_us,
         "split_median_us": {"total (instrumented)": total_split, "routing": route_us, "plan": plan_us,
                             "binding calls": binding_us, "calls per step": calls_per_step,
                             "staging copies (mean)": pack_us},
@@ -269,7 +270,7 @@ def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|",
         f"| GPU, {gpu['vendor']} binding over the null stand-in, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall, "
         f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | "
-        f"before the reads are issued {gpu['before_reads_median_us']:.1f}; routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
+        f"in series with the reads {gpu['serial_median_us']:.1f}; routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
         f"{g['binding calls']:.1f} ({g['calls per step']:.0f} calls), staging copies {g['staging copies (mean)']:.1f} (mean), "
         f"rest {rest - g['binding calls']:.1f} "
         f"(instrumented total {g['total (instrumented)']:.1f}); device hits {gpu['tiers']['device_hit']:.1%}, "

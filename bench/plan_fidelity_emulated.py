@@ -126,7 +126,7 @@ def child(args: argparse.Namespace) -> dict:
     lib.sim_timed_waited_ns.restype = lib.sim_timed_late_ns.restype = ctypes.c_longlong
     step.records = []
     in_step = [0.0]  # host seconds inside the steps' windows, less their waits
-    before_reads = [0.0]  # of those, the seconds before each step's reads were issued
+    serial = [0.0]  # of those, the seconds in series with each step's reads (before them, after the last)
     reads_late = [0.0]  # seconds the steps' reads were handed over late (the latest of each step's)
 
     def decode(tokens: range) -> None:
@@ -142,8 +142,9 @@ def child(args: argparse.Namespace) -> dict:
                 t1, w1 = time.perf_counter(), lib.sim_timed_waited_ns()
                 step(il, h, exact)
                 in_step[0] += time.perf_counter() - t0 - (lib.sim_timed_waited_ns() - w0) * 1e-9 - step.records[-1].wait
-                # of it, the part before the step's reads were issued (the router's, less its read-back's wait)
-                before_reads[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_reads
+                # of it, the part in series with the step's reads (the router's, less its read-back's wait; the
+                # step's before its reads were issued and after the last landed)
+                serial[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_reads + step.records[-1].after_landed
                 reads_late[0] += source.late_max  # the step waited for its last read: at most this late
                 source.late_max = 0.0
             dev.argmax(dev.linear(h, head))  # the output head and the sampler's read-back
@@ -151,7 +152,7 @@ def child(args: argparse.Namespace) -> dict:
 
     decode(range(args.warm))
     before = cache.stats.summary()
-    step.records, in_step[0], reads_late[0], before_reads[0] = [], 0.0, 0.0, 0.0
+    step.records, in_step[0], reads_late[0], serial[0] = [], 0.0, 0.0, 0.0
     w0, late0, reads0, down0, sync_late0 = lib.sim_timed_waited_ns(), source.late, source.reads, device.downloads, lib.sim_timed_late_ns()
     t0 = time.perf_counter()
     decode(range(args.warm, n_tokens))
@@ -168,7 +169,7 @@ def child(args: argparse.Namespace) -> dict:
     counts = {"device": after["device"]["hits"] - before["device"]["hits"], "host": after["host"]["hits"] - before["host"]["hits"],
               "disk": after["disk"]["reads"] - before["disk"]["reads"]}  # fmt: skip
     parts = {p: sum(getattr(r, p) for r in step.records) for p in ("route", "plan", "wait", "compute", "release")}
-    return {"wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_before_reads_s": before_reads[0], "late_s": late,
+    return {"wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_serial_s": serial[0], "late_s": late,
             "counts": counts, "prediction_accuracy": streamer.prefetch_stats.accuracy, "step_parts_s": parts, "store": store, "demotions": device.downloads - down0, "device": dev.rt.device_name}  # fmt: skip
 
 
@@ -215,11 +216,11 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     tier_rates = TierRates(shares["device"], shares["host"], shares["disk"], source="this run's hit counts", demoted=shares["demoted"])
     steps = measured["tokens"] * mb.n_layer
     host = measured["host_step_s"] / steps
-    before = min(host, measured["host_before_reads_s"] / steps)
+    in_series = min(host, measured["host_serial_s"] / steps)
     # the rig, one device (the bench places every layer on one), no stated round trip (the emulated device
     # answers at once; the host's side of a read-back is in `host`), the host time measured here
     hw = load_hardware(rig)
-    hw = hw.with_changes(device={"count": 1, "sync": 0.0, "bandwidth": rates.kernel / GPU_EFFICIENCY}, host={"plan": host, "before_reads": before})
+    hw = hw.with_changes(device={"count": 1, "sync": 0.0, "bandwidth": rates.kernel / GPU_EFFICIENCY}, host={"plan": host, "serial": in_series})
     work = Workload(mb)
     # Reading ahead, the run's hit counts already hold what it read ahead (a prefetched expert is a host hit
     # when its layer asks), so the engine schedule is projected from them with no read-ahead share; `fomoe
@@ -227,7 +228,7 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     # read-ahead twice: that figure is reported beside it (ahead_tok_s). FOMOE's schedule reads none ahead.
     engine = project(work, hw, tier_rates, "engine")
     ahead = project(work, hw, tier_rates, "engine", prefetch=measured["prediction_accuracy"]) if prefetch else None
-    return shares, engine, project(work, hw, tier_rates, "fomoe"), (host, before), ahead
+    return shares, engine, project(work, hw, tier_rates, "fomoe"), (host, in_series), ahead
 
 
 def measure(args: argparse.Namespace, rates: EmulatedRates, device_share: float, host_share: float) -> dict:
@@ -257,14 +258,14 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     for name, device_share, host_share in SETTINGS:
         measured = measure(args, rates, device_share, host_share)
-        shares, engine, fomoe, (host, before), ahead = projections(rates, args.rig, measured, args.prefetch)
+        shares, engine, fomoe, (host, in_series), ahead = projections(rates, args.rig, measured, args.prefetch)
         rows.append({
             "setting": name, "measured_tok_s": measured["tokens"] / measured["wall_s"],
             # the emulation's own lateness (see child) is the busy machine's, not the engine's; this bound
             # leaves it out (an upper bound of it: a late read may not have delayed the step by all of it)
             "measured_less_late_tok_s": measured["tokens"] / (measured["wall_s"] - measured["late_s"]),
             "projected_tok_s": engine.tokens_per_s, "fomoe_schedule_tok_s": fomoe.tokens_per_s,
-            "hit_rates": shares, "host_us_per_layer": host * 1e6, "host_before_reads_us_per_layer": before * 1e6, "emulation_late": measured["late_s"] / measured["wall_s"],
+            "hit_rates": shares, "host_us_per_layer": host * 1e6, "host_serial_us_per_layer": in_series * 1e6, "emulation_late": measured["late_s"] / measured["wall_s"],
             "waits_s": {"device": measured["device_wait_s"], "reads": measured["read_wait_s"]}, "wall_s": measured["wall_s"],
             "host_step_s": measured["host_step_s"], "demotions": measured["demotions"], "store": measured["store"],
             "prediction_accuracy": measured["prediction_accuracy"],
@@ -293,7 +294,7 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
          f"--rig {args.rig}{' --prefetch' if args.prefetch else ''}` ({SHAPE} shape, {args.vendor} binding over the stand-in "
          f"driver's timed null mode: {rates.describe()}; the engine's default cache policy, {ahead}, one device)"),
         "",
-        ("| setting (device + host) | device | host | disk | demoted | host µs / layer (before the reads) | emulation late | measured tok/s "
+        ("| setting (device + host) | device | host | disk | demoted | host µs / layer (in series with the reads) | emulation late | measured tok/s "
          "(less its lateness) | engine schedule tok/s | projected / measured − 1 | FOMOE's schedule tok/s |"),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -301,7 +302,7 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
         s = r["hit_rates"]
         lines.append(
             f"| {r['setting']} | {100 * s['device']:.1f}% | {100 * s['host']:.1f}% | {100 * s['disk']:.1f}% | "
-            f"{100 * s['demoted']:.1f}% | {r['host_us_per_layer']:.0f} ({r['host_before_reads_us_per_layer']:.0f}) | {100 * r['emulation_late']:.1f}% | "
+            f"{100 * s['demoted']:.1f}% | {r['host_us_per_layer']:.0f} ({r['host_serial_us_per_layer']:.0f}) | {100 * r['emulation_late']:.1f}% | "
             f"{r['measured_tok_s']:.2f} ({r['measured_less_late_tok_s']:.2f}) | {r['projected_tok_s']:.2f} | "
             f"{100 * (r['projected_tok_s'] / r['measured_tok_s'] - 1):+.1f}% | {r['fomoe_schedule_tok_s']:.2f} |"
         )
@@ -312,8 +313,8 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
         (f"- worst setting: {100 * worst:.1f}% off, {verdict} {100 * WITHIN:.0f}%; FOMOE's schedule projects slower than "
          f"measured at {slower} of {len(rows)} settings"),
         ("- host µs / layer: measured in the run as bench/host_time.py times a step (router launch to the step's return), "
-         "less its waits for the device and the reads, and of it the part before the step's reads were issued (the engine "
-         "schedule overlaps the rest with the step's device work); emulation late: syncs that returned, and reads handed over, after "
+         "less its waits for the device and the reads, and of it the part in series with the step's reads (before they are "
+         "issued, after the last lands; the engine schedule overlaps the rest with the step's device work); emulation late: syncs that returned, and reads handed over, after "
          f"their time (a busy machine's, not the engine's; an upper bound); load average at the end {os.getloadavg()[0]:.2f} (1 min)"),
     ]
     if args.prefetch:

@@ -323,43 +323,43 @@ def test_gpu_engine_schedule_computes_the_resident_experts_while_the_misses_arri
         assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
 
 
-def test_the_gpu_engines_host_time_after_its_reads_are_issued_runs_beside_them(q397, fomoe_rig):
-    # host time per layer = before (routing, plan: the drives wait on it) + after (copies and launches,
-    # made while the reads are in flight): the step takes before + max(after, the MoE half's device work)
+def test_the_gpu_engines_host_time_beside_its_reads_overlaps_them(q397, fomoe_rig):
+    # host time per layer = serial (before the reads are issued, after the last lands) + the rest (copies
+    # and launches made while the reads are in flight): a step takes serial + max(rest, the MoE half's work)
     host = 300e-6
-    serial = fomoe_rig.with_changes(host={"plan": host})
+    rig = fomoe_rig.with_changes(host={"plan": host})
     for shares in (FOMOE_CAR_OFF[0], TierRates(0.95, 0.05, 0.0)):  # fetch bound, then compute bound
-        base = project(q397, serial, shares, "engine")
+        base = project(q397, rig, shares, "engine")
         n_layer = q397.model.n_layer
-        bare = project(q397, serial.with_changes(host={"plan": 0.0}), shares, "engine")
+        bare = project(q397, rig.with_changes(host={"plan": 0.0}), shares, "engine")
         moe = (bare.seconds_per_token - bare.terms["head"]) / n_layer - (bare.terms["dense"] + bare.terms["sync"]) / n_layer
-        for before in (0.0, 100e-6, host):
-            split = project(q397, serial.with_changes(host={"before_reads": before}), shares, "engine")
-            want = base.seconds_per_token - n_layer * (host - before - max(0.0, host - before - moe))
+        for in_series in (0.0, 100e-6, host):
+            split = project(q397, rig.with_changes(host={"serial": in_series}), shares, "engine")
+            want = base.seconds_per_token - n_layer * (host - in_series - max(0.0, host - in_series - moe))
             assert split.seconds_per_token == pytest.approx(want, rel=1e-12)
-            assert split.host_before_reads == pytest.approx(n_layer * before, rel=1e-12)
+            assert split.host_serial == pytest.approx(n_layer * in_series, rel=1e-12)
         assert moe > host  # the fetch-bound and compute-bound steps both hide this host time's remainder
     # FOMOE's schedule keeps its own host time, serial
-    fomoe = project(q397, serial.with_changes(host={"before_reads": 0.0}), FOMOE_CAR_OFF[0], "fomoe")
-    assert fomoe.seconds_per_token == project(q397, serial, FOMOE_CAR_OFF[0], "fomoe").seconds_per_token
-    assert fomoe.host_before_reads is None
+    fomoe = project(q397, rig.with_changes(host={"serial": 0.0}), FOMOE_CAR_OFF[0], "fomoe")
+    assert fomoe.seconds_per_token == project(q397, rig, FOMOE_CAR_OFF[0], "fomoe").seconds_per_token
+    assert fomoe.host_serial is None
 
 
-def test_host_time_after_the_reads_longer_than_the_step_adds_only_its_excess(q397, fomoe_rig):
+def test_host_time_beside_the_reads_longer_than_the_step_adds_only_its_excess(q397, fomoe_rig):
     shares = TierRates(1.0, 0.0, 0.0)  # all resident: the MoE half is the experts' compute alone
     n_layer = q397.model.n_layer
     bare = project(q397, fomoe_rig.with_changes(host={"plan": 0.0}), shares, "engine")
     moe = (bare.seconds_per_token - bare.terms["head"] - bare.terms["dense"] - bare.terms["sync"]) / n_layer
     host = 3 * moe
-    split = project(q397, fomoe_rig.with_changes(host={"plan": host, "before_reads": moe}), shares, "engine")
-    # before (moe) + max(2 moe, moe): three moe of host time a step, the device's work under it
+    split = project(q397, fomoe_rig.with_changes(host={"plan": host, "serial": moe}), shares, "engine")
+    # serial (moe) + max(2 moe, moe): three moe of host time a step, the device's work under it
     assert split.seconds_per_token == pytest.approx(bare.seconds_per_token + n_layer * (host - moe), rel=1e-12)
 
 
-def test_before_reads_larger_than_the_host_time_is_one_clear_error():
-    data = {"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "plan": "100 us", "before_reads": "150 us"},
+def test_a_serial_part_larger_than_the_host_time_is_one_clear_error():
+    data = {"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "plan": "100 us", "serial": "150 us"},
             "drives": {"count": 1, "bandwidth": "1 GB/s", "latency": "1 us"}}  # fmt: skip
-    with pytest.raises(FomoeError, match=r"before_reads is a part of plan, so at most 100 us; got 150 us"):
+    with pytest.raises(FomoeError, match=r"serial is a part of plan, so at most 100 us; got 150 us"):
         hardware_from_dict(data, "rig.toml")
 
 

@@ -171,10 +171,11 @@ def test_a_demoted_expert_is_in_the_host_tier_once_its_step_returns(deferred_str
     experts.close()
 
 
-def test_a_steps_record_splits_its_host_time_at_the_reads_it_issues():
-    """StepTiming.before_reads: the host's time from the step's start until its reads were issued (what
-    the drives wait on; fomoe plan overlaps the rest with them). Made slow on purpose: a plan of 30 ms
-    counts in it, a device's 30 ms of copies and launches after the reads do not."""
+def test_a_steps_record_splits_its_host_time_at_its_reads():
+    """StepTiming.before_reads and after_landed: the host's time in series with a step's reads, from its
+    start until they were issued and from the last one's landing to its return (fomoe plan overlaps the
+    rest with them). Made slow on purpose: a plan of 30 ms counts before the reads; a device's 30 ms of
+    work before it waits for its reads counts in neither part."""
     import time
 
     experts, spec, _ = expert_tiers(0, host=False)
@@ -192,5 +193,6 @@ def test_a_steps_record_splits_its_host_time_at_the_reads_it_issues():
         del cache.plan, device.compute
     for r in experts.records:
         assert 0.03 <= r.before_reads <= r.route + r.plan
-        assert r.total - r.before_reads >= 0.03  # the device's part is after the reads
+        assert 0.0 <= r.after_landed <= r.compute + r.release
+        assert r.total - r.before_reads - r.after_landed >= 0.03  # the device's part beside the reads
     experts.close()

@@ -50,9 +50,11 @@ class StepTiming:
     wait: float = 0.0  # blocked on this step's expert reads
     compute: float = 0.0  # the device's part: fills and arithmetic (on a GPU: the calls that queue them)
     release: float = 0.0  # unpinning, unmapping
-    # of route + plan: from the step's start until its reads were issued. The drives wait on this part of
-    # the host's work; what follows (copies, launches) runs while the reads are in flight
+    # The parts of the host's work in series with the step's reads: from its start until they were issued,
+    # and from the last one's landing to its return (the last copies and launches). What lies between runs
+    # while the reads are in flight (fomoe plan's `[host] serial` is their sum)
     before_reads: float = 0.0
+    after_landed: float = 0.0
 
     @property
     def total(self) -> float:
@@ -65,7 +67,7 @@ class StepExperts:
     `fetched[e]` holds the store bytes of every expert not in the device tier once `landed()` has
     returned; before that, only those at hand (host-tier hits, prefetches handed over)."""
 
-    __slots__ = ("plan", "phase", "fetched", "pending", "_finish", "_done", "failed", "wait_seconds")
+    __slots__ = ("plan", "phase", "fetched", "pending", "_finish", "_done", "failed", "wait_seconds", "landed_at")
 
     def __init__(self, plan, phase: Phase, fetched: dict[int, ExpertBytes], pending: dict, finish: Callable[[], None]):
         self.plan = plan
@@ -76,6 +78,7 @@ class StepExperts:
         self._done = False
         self.failed = False  # a read of this step raised: its bytes never came
         self.wait_seconds = 0.0
+        self.landed_at = 0.0  # perf_counter time landed() returned: every read of the step was in
 
     def as_they_land(self) -> Iterator[tuple[int, ExpertBytes]]:
         """(expert, bytes) of this step's reads in flight, each as soon as it lands, in the order they
@@ -110,7 +113,8 @@ class StepExperts:
                 self.failed = True
                 raise
             finally:
-                self.wait_seconds += time.perf_counter() - t
+                self.landed_at = time.perf_counter()
+                self.wait_seconds += self.landed_at - t
         return self.fetched
 
 

@@ -97,11 +97,11 @@ class MoEStep:
         t4 = time.perf_counter()
         if self.records is not None or self.timer is not None:
             wait, prefetched = experts.wait_seconds, s.background_wait - background  # prefetched: this layer's
-            before = s.reads_issued_at - t0 - prefetched
+            before, after = s.reads_issued_at - t0 - prefetched, t4 - experts.landed_at
             if waited_inside:  # the device waited among its work
-                timing = StepTiming(layer, t1 - t0, t2 - t1 - prefetched, wait + prefetched, t3 - t2 - wait, t4 - t3, before)
+                timing = StepTiming(layer, t1 - t0, t2 - t1 - prefetched, wait + prefetched, t3 - t2 - wait, t4 - t3, before, after)
             else:  # it never called landed(): the wait fell after it returned
-                timing = StepTiming(layer, t1 - t0, t2 - t1 - prefetched, wait + prefetched, t3 - t2, t4 - t3 - wait, before)
+                timing = StepTiming(layer, t1 - t0, t2 - t1 - prefetched, wait + prefetched, t3 - t2, t4 - t3 - wait, before, after)
             if self.records is not None:
                 self.records.append(timing)
             if self.timer is not None:

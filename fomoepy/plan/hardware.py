@@ -15,8 +15,9 @@
     make_ready = "2 GB/s"        # CPU backend: store bytes per second made compute-ready (its "copy up")
     plan = "1445 us"             # host time per MoE layer step (routing, cache plan, binding calls): measured
                                  # by bench/host_time.py or `fomoe plan MODEL --measure DIR`
-    before_reads = "700 us"      # of plan, the part before the step's reads are issued (GPU engine schedule:
-                                 # the rest runs while they are read); optional, default all of plan
+    serial = "700 us"            # of plan, the part in series with the step's reads (before they are issued,
+                                 # after the last lands); the GPU engine schedule runs the rest beside them;
+                                 # optional, default all of plan
     flops = "1 TFLOPS"           # CPU backend: its quantised products at prompt batch sizes; optional
     [drives]
     count = 2
@@ -92,9 +93,10 @@ class Host:
     make_ready: float  # store bytes/s made compute-ready by the CPU backend
     plan: float  # seconds of host bookkeeping per MoE layer step
     flops: float = 0.0  # operations/s of the CPU backend's products at prompt batch sizes; 0: not stated
-    # of `plan`, the seconds before the step's reads are issued (routing, the cache plan); the rest runs
-    # while they are read (the GPU engine's copies and launches). None: all of it before
-    before_reads: float | None = None
+    # of `plan`, the seconds in series with the step's reads: before they are issued (routing, the cache
+    # plan) and after the last has landed (its copy, the last launches); the GPU engine makes the rest of
+    # its copies and launches while they are read. None: all of it in series
+    serial: float | None = None
 
 
 @dataclass(frozen=True)
@@ -122,14 +124,14 @@ class Hardware:
 _FIELDS = {
     "device": {"count": int, "memory": "size", "bandwidth": "rate", "link": "rate", "sync": "time", "flops": "flops"},
     "host": {"memory": "size", "bandwidth": "rate", "matvec": "rate", "make_ready": "rate", "plan": "time", "flops": "flops",
-             "before_reads": "time"},
+             "serial": "time"},
     "drives": {"count": int, "bandwidth": "rate", "latency": "time"},
 }
 _DEFAULTS = {
     "device": {"count": 0, "memory": 0, "bandwidth": 0.0, "link": 0.0, "sync": 0.0, "flops": 0.0},
     # a file without `plan` gets the GPU path's measured host time per MoE layer step (bench/host_time.py,
     # the 397B shape, the default policy, on a 2-core AVX2 machine: bench/RESULTS.md)
-    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "before_reads": None},
+    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "serial": None},
     "drives": {},
 }
 
@@ -169,9 +171,9 @@ def hardware_from_dict(data: dict, source: str) -> Hardware:
                 raise FomoeError(f"{source}: [{section}] needs {key}")
         sections[section] = values
     host = sections["host"]
-    if host["before_reads"] is not None and host["before_reads"] > host["plan"]:
-        raise FomoeError(f"{source}: [host] before_reads is a part of plan, so at most {host['plan'] * 1e6:.0f} us; "
-                         f"got {host['before_reads'] * 1e6:.0f} us")  # fmt: skip
+    if host["serial"] is not None and host["serial"] > host["plan"]:
+        raise FomoeError(f"{source}: [host] serial is a part of plan, so at most {host['plan'] * 1e6:.0f} us; "
+                         f"got {host['serial'] * 1e6:.0f} us")  # fmt: skip
     return Hardware(str(data.get("name", source)), Device(**sections["device"]), Host(**host), Drives(**sections["drives"]))
 
 

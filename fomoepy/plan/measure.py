@@ -132,7 +132,7 @@ def measured(hw: Hardware, directory: str, model: str | None = None) -> tuple[Ha
     if model is not None:
         store = directory if (Path(directory) / "fomoe-store.manifest").exists() else None
         host["plan"] = host_step_seconds(model, store)
-        host["before_reads"] = None  # measured whole: the cpu backend's step is not split at its reads
+        host["serial"] = None  # measured whole: the cpu backend's step is not split at its reads
         where = f"{Path(model).name}, experts from the store in {directory}" if store else Path(model).name
         notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us, measured on {where} (cpu backend)")
     else:

@@ -45,8 +45,8 @@ def describe(work: Workload, hw: Hardware, hw_source: str, rates: TierRates, p: 
              "accesses, each copied down once the step's reads are issued)")] if t.get("demote") else []),
         f"  {'disk reads':<15}{_ms(t['disk'])}",
         f"  {'host':<15}{_ms(t['sync'] + t['plan'])}  (router read-back {t['sync'] * 1e3:.1f}, plan {t['plan'] * 1e3:.1f}"
-        + (f"; {p.host_before_reads * 1e3:.1f} of it before the reads are issued, the rest beside them)"
-           if p.host_before_reads is not None else ")"),
+        + (f"; {p.host_serial * 1e3:.1f} of it in series with the reads, the rest beside them)"
+           if p.host_serial is not None else ")"),
         f"  {'waits':<15}{_ms(p.waits)}  (compute idle, waiting for expert bytes)",
         f"bound under perfect overlap: {1 / p.bound_seconds:.2f} tok/s ({p.bound_resource} busy {p.bound_seconds * 1e3:.1f} ms)",
         "rests on: " + assumptions(p),

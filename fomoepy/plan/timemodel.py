@@ -87,7 +87,7 @@ class Projection:
     prefill_tokens_per_s: float
     efficiency: dict = field(default_factory=dict)
     prefill_flops_modelled: bool = False  # False: the hardware states no flops, prefill is bytes bound
-    host_before_reads: float | None = None  # per token, of terms["plan"]: before the reads (None: not split)
+    host_serial: float | None = None  # per token, of terms["plan"]: in series with the reads (None: all of it)
 
     @property
     def tokens_per_s(self) -> float:
@@ -194,12 +194,13 @@ def project(
         at_hand = layer["experts"] * (1 - rates.disk)
         hidden = min(prefetch * layer["disk"], layer["dense"] + layer["experts"])
         moe = max(at_hand, layer["disk"] - hidden) + layer["experts"] - at_hand
-    host, before = layer["plan"], None
-    if gpu and schedule == "engine" and hw.host.before_reads is not None:
-        # the engine issues a step's reads once its plan is made; its copies and launches (the rest of its
-        # host time) are made while they are read, so they overlap the step's device work and waits
-        before = min(hw.host.before_reads, host)
-        step = layer["dense"] + layer["sync"] + before + max(host - before, moe)
+    host, serial = layer["plan"], None
+    if gpu and schedule == "engine" and hw.host.serial is not None:
+        # the engine issues a step's reads once its plan is made and makes most of its copies and launches
+        # while they are read: that host time overlaps the step's device work and waits; what comes before
+        # the reads and after the last one lands stays in series
+        serial = min(hw.host.serial, host)
+        step = layer["dense"] + layer["sync"] + serial + max(host - serial, moe)
     else:
         step = layer["dense"] + layer["sync"] + host + moe
     total = m.n_layer * step + head
@@ -228,7 +229,7 @@ def project(
         prefill_tokens_per_s=_prefill(work, hw, rates, (compute_rate, copy_rate, flop_rate), eff, prefill_tokens),
         efficiency=eff,
         prefill_flops_modelled=flop_rate > 0,
-        host_before_reads=None if before is None else m.n_layer * before,
+        host_serial=None if serial is None else m.n_layer * serial,
     )
 
 
