@@ -344,3 +344,43 @@ def test_a_steps_reads_are_issued_before_its_copies_down(tmp_path):
     assert both, "no step both read and demoted: the test proves nothing"
     assert all(s.rindex("r") < s.index("d") for s in both)
     engine.close()
+
+
+def test_a_steps_last_expert_kernels_are_launched_before_its_reads_bookkeeping(tmp_path):
+    """Once a step's last read has landed and been copied up, its expert kernels are launched first; the
+    cache's bookkeeping of the reads (host admissions, readiness) follows, where it delays no kernel."""
+    from conftest import ORACLE
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.experts.store_writer import prepare_store
+
+    name = "qwen3moe_q4_k_m"
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    store = tmp_path / "store"
+    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000,
+                                                           ram_cache=1_200_000, prefetch=False))  # fmt: skip
+    streamer, dev = engine.experts.streamer, engine.devices[0]
+    events: list[str] = []
+    real_finish, real_launch = streamer.finish_acquire, dev.launch
+
+    def finish(plan, fetched, reads):
+        events.append("books" if reads else "books, no reads")
+        return real_finish(plan, fetched, reads)
+
+    def launch(name, *a, **k):
+        events.append("last" if name == "moe_combine" or name.startswith("moe_down_sum") else "kernel")
+        return real_launch(name, *a, **k)
+
+    streamer.finish_acquire, dev.launch = finish, launch
+    try:
+        state = engine.new_state()
+        for t in tokens[:8]:
+            engine.decode_token(state, int(t))
+    finally:
+        del streamer.finish_acquire, dev.launch
+    steps_with_reads = [i for i, e in enumerate(events) if e == "books"]
+    assert steps_with_reads, "no step read an expert: the test proves nothing"
+    for i in steps_with_reads:
+        assert events[i - 1] == "last"  # the step's last expert launch came just before its bookkeeping
+    engine.close()

@@ -83,18 +83,30 @@ class StepExperts:
     def as_they_land(self) -> Iterator[tuple[int, ExpertBytes]]:
         """(expert, bytes) of this step's reads in flight, each as soon as it lands, in the order they
         land: a device can start copying one up while the others are still being read. Reads the source
-        makes without a pool (no future) are left to landed()."""
+        makes without a pool (no future) are left to landed(). When the last one lands, `landed_at` is set:
+        the step's reads are in, whether or not landed() has been called yet."""
         futures = {f: e for e, f in self.pending.items() if f is not None}
+        left = len(futures)
         for f in [f for f in futures if f.done()]:  # landed already: as_completed's locks cost microseconds each
+            left -= 1
+            if not left:
+                self._all_in()
             yield futures.pop(f), f.result()
         t = time.perf_counter()
         try:
             for f in as_completed(futures):
                 self.wait_seconds += time.perf_counter() - t
+                left -= 1
+                if not left:
+                    self._all_in()
                 yield futures[f], f.result()
                 t = time.perf_counter()
         finally:
             self.wait_seconds += time.perf_counter() - t
+
+    def _all_in(self) -> None:
+        if not self.landed_at and all(f is not None for f in self.pending.values()):
+            self.landed_at = time.perf_counter()
 
     @property
     def done(self) -> bool:
@@ -113,8 +125,9 @@ class StepExperts:
                 self.failed = True
                 raise
             finally:
-                self.landed_at = time.perf_counter()
-                self.wait_seconds += self.landed_at - t
+                now = time.perf_counter()
+                self.landed_at = self.landed_at or now
+                self.wait_seconds += now - t
         return self.fetched
 
 

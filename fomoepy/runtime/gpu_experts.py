@@ -251,9 +251,10 @@ class GpuExperts:
                 place(expert, experts.fetched[expert])
             for expert, parts in experts.as_they_land():
                 place(expert, parts)
-            fetched = experts.landed()  # every read is in: the cache's bookkeeping (host admissions)
-            for expert in list(missing):  # read by a source with no pool of its own, at landed()
-                place(expert, fetched[expert])
+            if missing:  # read by a source with no pool of its own: the bytes come at landed()
+                fetched = experts.landed()
+                for expert in list(missing):
+                    place(expert, fetched[expert])
         except BaseException:
             # the slots no launch reads are free again; a later copy into a slot the launches above read
             # (one evicted next) waits for them
@@ -270,6 +271,7 @@ class GpuExperts:
         side.launches_unsynced = True
         for buf in temporary:
             side.free.setdefault(buf.nbytes, []).append(buf)
+        experts.landed()  # the reads' bookkeeping (host admissions), after the launches: it delays no kernel
         return run.out
 
     def sync_downloads(self) -> None:
