@@ -104,6 +104,26 @@ def test_each_graph_gives_the_op_by_op_paths_bits(threads):
     engine.close()
 
 
+def test_a_batched_steps_graphs_give_each_row_the_bits_of_its_one_row_graphs():
+    # a batched decode step runs the graphs built for B rows, one row of each sequence at its own position
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=1))
+    ops, a, eps = engine.ops, engine.spec.attention, engine.spec.rms_eps
+    w = engine.weights.layer(1)
+    rng = np.random.default_rng(5)
+    positions = [0, 37, 200, 5]
+    x = rng.standard_normal((len(positions), engine.spec.n_embd)).astype(F32)
+    attn = rng.standard_normal((len(positions), a.n_head * a.head_dim)).astype(F32)
+    q, k, v = ops.attention_inputs(x, w, a, eps, positions)
+    x2, h, logits = ops.attention_output(x, attn, w, a, eps)
+    assert q.shape == (4, a.n_head, a.head_dim) and logits.shape == (4, engine.spec.moe.n_expert)
+    for i, position in enumerate(positions):
+        alone = ops.attention_inputs(x[i : i + 1], w, a, eps, position), ops.attention_output(x[i : i + 1], attn[i : i + 1], w, a, eps)
+        for got, want in zip((q, k, v, x2, h, logits), (*alone[0], *alone[1])):
+            assert np.array_equal(got[i : i + 1], want)
+    assert not np.array_equal(q[1], ops.attention_inputs(x[1:2], w, a, eps, 0)[0][0])  # each row at its own position
+    engine.close()
+
+
 def test_gated_attention_keeps_the_op_by_op_path():
     engine = Engine(ORACLE / "qwen35moe_q4_k.gguf", EngineOptions(backend="cpu", threads=1))
     assert engine.spec.attention.gated and not engine.ops.fuses_attention(engine.spec.attention)
