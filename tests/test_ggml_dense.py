@@ -124,6 +124,26 @@ def test_a_batched_steps_graphs_give_each_row_the_bits_of_its_one_row_graphs():
     engine.close()
 
 
+def test_every_layer_keeps_its_one_row_graphs_and_those_of_the_last_two_batch_sizes():
+    # a graph's intermediates take room for its rows in every layer: sizes a batch no longer has are dropped
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=1))
+    ops, a, eps = engine.ops, engine.spec.attention, engine.spec.rms_eps
+    x = np.random.default_rng(6).standard_normal((5, engine.spec.n_embd)).astype(F32)
+    layers = [engine.weights.layer(il) for il in range(2)]
+
+    def step(B):  # what a batched step of B sequences asks of each layer
+        return [ops.attention_inputs(x[:B], w, a, eps, list(range(B))) for w in layers]
+
+    first = step(1), step(3)
+    step(2), step(4)
+    assert all(set(graphs) == {1, 2, 4} for _, graphs in ops._attention.values())
+    again = step(1), step(3)  # 3 built anew: the same bits
+    assert all(set(graphs) == {1, 3, 4} for _, graphs in ops._attention.values())
+    for before, after in zip(first, again):
+        assert all(np.array_equal(p, q) for b, c in zip(before, after) for p, q in zip(b, c))
+    engine.close()
+
+
 def test_gated_attention_keeps_the_op_by_op_path():
     engine = Engine(ORACLE / "qwen35moe_q4_k.gguf", EngineOptions(backend="cpu", threads=1))
     assert engine.spec.attention.gated and not engine.ops.fuses_attention(engine.spec.attention)

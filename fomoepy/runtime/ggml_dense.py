@@ -15,9 +15,10 @@ two graphs built once per layer, run with only the row's pointers set:
 
 A batched decode step (one row of each of B sequences) runs the same two graphs built for B rows,
 each row at its own position. The attention over the KV cache stays in numpy between the two, per
-sequence (fomoepy.model.attention), as on the op-by-op path. Every op here is the one that path calls (ggml's products, norm and RoPE; a product
-with a weight vector and a residual sum, elementwise float32 either way), so a row gets the same
-bits through the graphs, op by op, or batched beside other sequences' rows.
+sequence (fomoepy.model.attention), as on the op-by-op path. Every op here is the one that path
+calls (ggml's products, norm and RoPE; a product with a weight vector and a residual sum, elementwise
+float32 either way), so a row gets the same bits through the graphs, op by op, or batched beside
+other sequences' rows.
 """
 
 from __future__ import annotations
