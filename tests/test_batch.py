@@ -6,7 +6,9 @@ Alone and batched run the same engine steps (prompt chunks, then decode steps); 
 differ, by the rows beside each sequence's own. On the reference backend the dense products give each
 row its own bits (RowwiseOps), and in a decode step so do the routed experts' (fomoepy.runtime.
 cpu_experts multiplies a decode step's rows one at a time): a batched request is its lone run bit for
-bit. A prefill's rows share one GEMM per expert.
+bit. On the cpu backend (ggml) every product of a decode step is row by row (each output element one
+dot product of its row's own Q8 activations), so a batched request is its lone run bit for bit there
+too. A prefill's rows share one GEMM per expert.
 """
 
 from __future__ import annotations
@@ -119,11 +121,11 @@ def test_each_request_in_a_batch_gets_its_lone_tokens_and_logits_within_two_summ
             assert np.abs(a - b).max() <= bound
 
 
-def test_a_batched_request_is_its_lone_run_bit_for_bit_on_the_reference_and_gpu_backends(engine):
+def test_a_batched_request_is_its_lone_run_bit_for_bit(engine):
     # the GPU's kernels sum each row's products in the same order alone and in a batch (its matvec's
-    # tile of rows shares weight loads, not sums; the experts' tables add a token's pairs in its order)
-    if engine.options.backend not in ("reference", "sim"):
-        pytest.skip("the numpy experts and the GPU kernels; ggml's are per row already")
+    # tile of rows shares weight loads, not sums; the experts' tables add a token's pairs in its order);
+    # cpu: a batched step's dense graphs and head are row by row (ggml_dense, ggml_cpu.linear_rows) and
+    # its experts one mul_mat_id whose rows each go alone (ggml_slots)
     reqs = requests(engine)
     sizes = []
     decode = engine.decode

@@ -104,6 +104,46 @@ def test_each_graph_gives_the_op_by_op_paths_bits(threads):
     engine.close()
 
 
+def test_a_batched_steps_graphs_give_each_row_the_bits_of_its_one_row_graphs():
+    # a batched decode step runs the graphs built for B rows, one row of each sequence at its own position
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=1))
+    ops, a, eps = engine.ops, engine.spec.attention, engine.spec.rms_eps
+    w = engine.weights.layer(1)
+    rng = np.random.default_rng(5)
+    positions = [0, 37, 200, 5]
+    x = rng.standard_normal((len(positions), engine.spec.n_embd)).astype(F32)
+    attn = rng.standard_normal((len(positions), a.n_head * a.head_dim)).astype(F32)
+    q, k, v = ops.attention_inputs(x, w, a, eps, positions)
+    x2, h, logits = ops.attention_output(x, attn, w, a, eps)
+    assert q.shape == (4, a.n_head, a.head_dim) and logits.shape == (4, engine.spec.moe.n_expert)
+    for i, position in enumerate(positions):
+        alone = ops.attention_inputs(x[i : i + 1], w, a, eps, position), ops.attention_output(x[i : i + 1], attn[i : i + 1], w, a, eps)
+        for got, want in zip((q, k, v, x2, h, logits), (*alone[0], *alone[1])):
+            assert np.array_equal(got[i : i + 1], want)
+    assert not np.array_equal(q[1], ops.attention_inputs(x[1:2], w, a, eps, 0)[0][0])  # each row at its own position
+    engine.close()
+
+
+def test_every_layer_keeps_its_one_row_graphs_and_those_of_the_last_two_batch_sizes():
+    # a graph's intermediates take room for its rows in every layer: sizes a batch no longer has are dropped
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=1))
+    ops, a, eps = engine.ops, engine.spec.attention, engine.spec.rms_eps
+    x = np.random.default_rng(6).standard_normal((5, engine.spec.n_embd)).astype(F32)
+    layers = [engine.weights.layer(il) for il in range(2)]
+
+    def step(B):  # what a batched step of B sequences asks of each layer
+        return [ops.attention_inputs(x[:B], w, a, eps, list(range(B))) for w in layers]
+
+    first = step(1), step(3)
+    step(2), step(4)
+    assert all(set(graphs) == {1, 2, 4} for _, graphs in ops._attention.values())
+    again = step(1), step(3)  # 3 built anew: the same bits
+    assert all(set(graphs) == {1, 3, 4} for _, graphs in ops._attention.values())
+    for before, after in zip(first, again):
+        assert all(np.array_equal(p, q) for b, c in zip(before, after) for p, q in zip(b, c))
+    engine.close()
+
+
 def test_gated_attention_keeps_the_op_by_op_path():
     engine = Engine(ORACLE / "qwen35moe_q4_k.gguf", EngineOptions(backend="cpu", threads=1))
     assert engine.spec.attention.gated and not engine.ops.fuses_attention(engine.spec.attention)

@@ -34,15 +34,17 @@ def attention_mixer(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
     return ops.linear(out, w.attn_output)
 
 
-def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int, s: Segment) -> tuple:
-    """One sequence's one decode row x [1, D] through a backend that fuses a layer's dense work around
-    attention (ops.attention_inputs / attention_output: the cpu backend's graphs) → (x + attention,
-    its FFN norm h, the router's logits of h): the ops of attention_mixer, its residual, the FFN norm
-    and the router's product, in fewer calls."""
-    n_past = s.state.n_past
-    q, k, v = ops.attention_inputs(x, w, a, eps, n_past)  # q [1, H, hd], k [1, Hkv, hd] normed, rotated; v [1, Hkv·hd]
-    out = _cache_attend(ops, q, k, v, s.state.layers[il], n_past)
-    return ops.attention_output(x, out.reshape(1, -1), w, a, eps)
+def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int, segments: list[Segment]) -> tuple:
+    """Decode rows x [B, D], one of each sequence (`segments` of one row each), through a backend that
+    fuses a layer's dense work around attention (ops.attention_inputs / attention_output: the cpu
+    backend's graphs) → (x + attention, its FFN norm h, the router's logits of h): the ops of
+    attention_mixer, its residual, the FFN norm and the router's product, in fewer calls, on all rows at
+    once; each row attends over its own sequence's cache."""
+    positions = [s.state.n_past for s in segments]
+    q, k, v = ops.attention_inputs(x, w, a, eps, positions)  # q [B, H, hd], k [B, Hkv, hd] normed, rotated; v [B, Hkv·hd]
+    out = stack(ops, [_cache_attend(ops, q[i : i + 1], k[i : i + 1], v[i : i + 1], s.state.layers[il], s.state.n_past)
+                 for i, s in enumerate(segments)])  # fmt: skip
+    return ops.attention_output(x, out.reshape(len(segments), -1), w, a, eps)
 
 
 def _attend(ops, w, a: AttentionSpec, eps: float, q, k, v, cache: KVCache, n_past: int) -> np.ndarray:

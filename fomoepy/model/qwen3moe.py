@@ -11,8 +11,8 @@ def qwen3moe_layer(model, il: int, x, segments):
     ops, spec, w = model.layer_ops(il, len(segments) > 1), model.spec, model.weights.layer(il)
     eps = spec.rms_eps
     fuses = getattr(ops, "fuses_attention", None)
-    if x.shape[0] == 1 and fuses is not None and fuses(spec.attention):  # one decode row: fewer, fused calls
-        x, h, router_logits = attention_block(ops, w, spec.attention, eps, x, il, segments[0])
+    if x.shape[0] == len(segments) and fuses is not None and fuses(spec.attention):  # a row per sequence: fused calls
+        x, h, router_logits = attention_block(ops, w, spec.attention, eps, x, il, segments)
         return x + moe_ffn(ops, w, spec.moe, model.experts, il, h, router_logits)
     x = x + attention_mixer(ops, w, spec.attention, eps, ops.rms_norm(x, w.attn_norm, eps), il, segments)
     x = x + moe_ffn(ops, w, spec.moe, model.experts, il, ops.rms_norm(x, w.ffn_norm, eps))

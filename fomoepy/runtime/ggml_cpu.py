@@ -22,6 +22,11 @@ from fomoepy.runtime.ggml_dense import (
 from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
 
 _SMALL_ELEMENTWISE = 1 << 16  # elements: 64 rows of the bench model's 1024
+# Batched row counts whose attention graphs every layer keeps (one row's are always kept): a graph's
+# intermediates take room for its rows in every layer (Qwen3-235B's shape: ~0.36 MB a row a layer, 94
+# layers), and building a layer's pair again costs ~0.2 ms when a batch's size comes back. Two: the
+# batch's size now and the one it had before a request joined or left.
+_BATCH_ROW_COUNTS = 2
 
 # 2-D tensors that are not the right-hand side of a product (used elementwise)
 _NOT_MATRICES = (".ssm_conv1d.weight",)
@@ -42,8 +47,9 @@ class GgmlBackend(CpuBackend):
         26-27 tok/s)."""
         super().__init__(1)
         self.threads = threads or 1
-        self._attention: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, the layer's AttentionGraphs)
-        self._last: tuple = (None, None)  # (the layer view, its graphs) of the last lookup
+        self._attention: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, {rows: the layer's AttentionGraphs})
+        self._last: tuple = (None, 0, None)  # (the layer view, rows, their graphs) of the last lookup
+        self._row_counts: list[int] = []  # batched row counts with graphs, the most recent last
 
     def load_weight(self, gf: GGUFFile, info: TensorInfo):
         """2-D product weights stay as their file bytes (a view of the mapped GGUF); the rest float32."""
@@ -83,25 +89,42 @@ class GgmlBackend(CpuBackend):
         """Whether attention_inputs / attention_output serve this attention (not the gated kind)."""
         return not a.gated
 
-    def attention_inputs(self, x: np.ndarray, w, a, eps: float, position: int) -> list[np.ndarray]:
-        """A decode row's attention norm, q/k/v products, q/k norms and RoPE in one graph: q [1, H, hd], k, v."""
-        return self._graphs(w, a, eps).inputs(x, position)
+    def attention_inputs(self, x: np.ndarray, w, a, eps: float, positions) -> list[np.ndarray]:
+        """Decode rows' attention norm, q/k/v products, q/k norms and RoPE in one graph: x [B, D], row i at
+        positions[i] (one row of each sequence of a step) → q [B, H, hd], k [B, Hkv, hd], v [B, Hkv·hd]."""
+        return self._graphs(w, a, eps, x.shape[0]).inputs(x, positions)
 
     def attention_output(self, x: np.ndarray, attn: np.ndarray, w, a, eps: float) -> list[np.ndarray]:
         """The output product, the residual, the FFN norm and the router in one graph: x', h, logits."""
-        return self._graphs(w, a, eps).output(x, attn)
+        return self._graphs(w, a, eps, x.shape[0]).output(x, attn)
 
-    def _graphs(self, w, a, eps: float) -> AttentionGraphs:
-        if w is self._last[0]:  # attention_output after attention_inputs, with the same layer view
-            return self._last[1]
+    def _graphs(self, w, a, eps: float, rows: int = 1) -> AttentionGraphs:
+        if w is self._last[0] and rows == self._last[1]:  # attention_output after attention_inputs, same view
+            return self._last[2]
         q = w.attn_q  # a layer view is made per call; its tensors are the engine's, one object each
         entry = self._attention.get(id(q))
         if entry is None or entry[0] is not q:  # the weight is kept with its graphs: its id is not reused
+            entry = self._attention[id(q)] = (q, {})
+        if rows > 1 and (not self._row_counts or self._row_counts[-1] != rows):
+            self._batch_rows(rows)
+        graphs = entry[1].get(rows)
+        if graphs is None:
             # one thread: these graphs' products are small (~3 MB of weights a layer, ~80 µs), and a second
             # thread, sleeping between graphs (fomoepy.runtime.ggml_threads), costs a wake-up per graph that
             # took more than it saved (pre graph at -t 2 beside another process: 154-363 µs, against 77-83
             # on one; decode 56 -> 74-86 tok/s). Each row's products are one thread's either way: same bits.
-            entry = self._attention[id(q)] = (q, AttentionGraphs(w, a, eps, 1))
-        self._last = (w, entry[1])  # the view held: `is` then means this layer's call, not a reused id
-        return entry[1]
+            # A batch of B sequences: a pair built for B rows (_BATCH_ROW_COUNTS says how many such B stay).
+            graphs = entry[1][rows] = AttentionGraphs(w, a, eps, 1, rows)
+        self._last = (w, rows, graphs)  # the view held: `is` then means this layer's call, not a reused id
+        return graphs
 
+    def _batch_rows(self, rows: int) -> None:
+        """A step of `rows` rows begins: every layer drops its graphs of the batched row count least
+        recently used beyond the _BATCH_ROW_COUNTS kept."""
+        if rows in self._row_counts:
+            self._row_counts.remove(rows)
+        self._row_counts.append(rows)
+        while len(self._row_counts) > _BATCH_ROW_COUNTS:
+            old = self._row_counts.pop(0)
+            for _, graphs in self._attention.values():
+                graphs.pop(old, None)

@@ -13,10 +13,12 @@ two graphs built once per layer, run with only the row's pointers set:
                        q = rope(rms_norm(q per head)·q_norm);  k = rope(rms_norm(k per head)·k_norm)
     after attention:   x' = x + Wo·attn;  h = rms_norm(x')·ffn_norm;  logits = Wr·h
 
-The attention over the KV cache stays in numpy between the two (fomoepy.model.attention), as on the
-op-by-op path. Every op here is the one that path calls (ggml's products, norm and RoPE; a product
-with a weight vector and a residual sum, elementwise float32 either way), so a row gets the same
-bits through the graphs, op by op, or batched beside other sequences' rows.
+A batched decode step (one row of each of B sequences) runs the same two graphs built for B rows,
+each row at its own position. The attention over the KV cache stays in numpy between the two, per
+sequence (fomoepy.model.attention), as on the op-by-op path. Every op here is the one that path
+calls (ggml's products, norm and RoPE; a product with a weight vector and a residual sum, elementwise
+float32 either way), so a row gets the same bits through the graphs, op by op, or batched beside
+other sequences' rows.
 """
 
 from __future__ import annotations
@@ -138,35 +140,38 @@ def _normed(g: _Graph, x, eps: float, w):
 
 
 class AttentionGraphs:
-    """One layer's two decode graphs (see the module's docstring): w the layer's weights (attn_norm,
-    attn_q/k/v/output, attn_q_norm/k_norm, ffn_norm, ffn_gate_inp), a its AttentionSpec (not gated)."""
+    """One layer's two decode graphs (see the module's docstring) for `rows` decode rows, one of each
+    sequence of a batched step: w the layer's weights (attn_norm, attn_q/k/v/output, attn_q_norm/k_norm,
+    ffn_norm, ffn_gate_inp), a its AttentionSpec (not gated). Every op is row by row (each product's
+    output element one dot product of its row, norms over a row or a head of it, RoPE at the row's own
+    position), so a row gets the bits it gets in a graph of one row."""
 
-    def __init__(self, w, a, eps: float, threads: int):
-        H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+    def __init__(self, w, a, eps: float, threads: int, rows: int = 1):
+        H, Hkv, hd, B = a.n_head, a.n_head_kv, a.head_dim, rows
         D, E = w.attn_q.n_cols, w.ffn_gate_inp.n_rows
-        f = 4 * 4 * (D + 2 * (H + 2 * Hkv) * hd)  # float32 intermediates, with room for each one's norm
+        f = 4 * 4 * B * (D + 2 * (H + 2 * Hkv) * hd)  # float32 intermediates, with room for each one's norm
         pre = self.pre = _Graph(28, f, threads)
-        x, pos = pre.input(D), pre.input(1, qtype=ggml.GGML_TYPE_I32)
+        x, pos = pre.input(D, B), pre.input(B, qtype=ggml.GGML_TYPE_I32)
         xn = _normed(pre, x, eps, w.attn_norm)
         q = ggml.ggml_mul_mat(pre.ctx, pre.weight(w.attn_q), xn)
         k = ggml.ggml_mul_mat(pre.ctx, pre.weight(w.attn_k), xn)
         v = ggml.ggml_mul_mat(pre.ctx, pre.weight(w.attn_v), xn)
-        qn = _normed(pre, ggml.ggml_reshape_3d(pre.ctx, q, hd, H, 1), eps, w.attn_q_norm)  # each head's row normed
-        kn = _normed(pre, ggml.ggml_reshape_3d(pre.ctx, k, hd, Hkv, 1), eps, w.attn_k_norm)
-        pre.finish([(_rotated(pre, qn, pos, a), (1, H, hd)), (_rotated(pre, kn, pos, a), (1, Hkv, hd)), (v, (1, Hkv * hd))])
-        post = self.post = _Graph(24, 4 * 4 * (3 * D + E), threads)
-        x, attn = post.input(D), post.input(H * hd)
+        qn = _normed(pre, ggml.ggml_reshape_3d(pre.ctx, q, hd, H, B), eps, w.attn_q_norm)  # each head's row normed
+        kn = _normed(pre, ggml.ggml_reshape_3d(pre.ctx, k, hd, Hkv, B), eps, w.attn_k_norm)
+        pre.finish([(_rotated(pre, qn, pos, a), (B, H, hd)), (_rotated(pre, kn, pos, a), (B, Hkv, hd)), (v, (B, Hkv * hd))])
+        post = self.post = _Graph(24, 4 * 4 * B * (3 * D + E), threads)
+        x, attn = post.input(D, B), post.input(H * hd, B)
         x2 = ggml.ggml_add(post.ctx, x, ggml.ggml_mul_mat(post.ctx, post.weight(w.attn_output), attn))
         h = _normed(post, x2, eps, w.ffn_norm)
         logits = ggml.ggml_mul_mat(post.ctx, post.weight(w.ffn_gate_inp), h)
-        post.finish([(x2, (1, D)), (h, (1, D)), (logits, (1, E))])
+        post.finish([(x2, (B, D)), (h, (B, D)), (logits, (B, E))])
 
-    def inputs(self, x: np.ndarray, position: int) -> list[np.ndarray]:
-        """x [1, D] at `position` → q [1, H, hd], k [1, Hkv, hd] (normed and rotated), v [1, Hkv·hd]."""
-        return self.pre.run(np.ascontiguousarray(x, dtype=F32), np.array([position], np.int32))
+    def inputs(self, x: np.ndarray, positions) -> list[np.ndarray]:
+        """x [B, D], row i at positions[i] → q [B, H, hd], k [B, Hkv, hd] (normed and rotated), v [B, Hkv·hd]."""
+        return self.pre.run(np.ascontiguousarray(x, dtype=F32), np.array(positions, np.int32).reshape(-1))
 
     def output(self, x: np.ndarray, attn: np.ndarray) -> list[np.ndarray]:
-        """x [1, D], attn [1, H·hd] → x + Wo·attn, its FFN norm [1, D], router logits [1, E]."""
+        """x [B, D], attn [B, H·hd] → x + Wo·attn, its FFN norm [B, D], router logits [B, E]."""
         return self.post.run(np.ascontiguousarray(x, dtype=F32), np.ascontiguousarray(attn, dtype=F32))
 
 
