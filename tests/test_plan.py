@@ -312,8 +312,9 @@ def test_gpu_engine_schedule_computes_the_resident_experts_while_the_misses_arri
     # ones after the last: fetch bound, only the copied experts' FFNs add to the fetch; compute bound,
     # the copies hide under the resident FFNs and the layer's experts cost their compute alone
     n_layer, S = q397.model.n_layer, q397.model.expert_bytes
+    rig = fomoe_rig.with_changes(host={"serial": None})  # all host time in series: the MoE half alone below
     for shares, fetch_bound in ((FOMOE_CAR_OFF[0], True), (TierRates(0.95, 0.05, 0.0), False)):
-        p = project(q397, fomoe_rig, shares, "engine")
+        p = project(q397, rig, shares, "engine")
         layer = {name: t / n_layer for name, t in p.terms.items()}
         fetch = max(layer["disk"], layer["copy"]) + (S / fomoe_rig.device.link if shares.disk else 0.0)
         resident = layer["experts"] * shares.device
@@ -327,7 +328,7 @@ def test_the_gpu_engines_host_time_beside_its_reads_overlaps_them(q397, fomoe_ri
     # host time per layer = serial (before the reads are issued, after the last lands) + the rest (copies
     # and launches made while the reads are in flight): a step takes serial + max(rest, the MoE half's work)
     host = 300e-6
-    rig = fomoe_rig.with_changes(host={"plan": host})
+    rig = fomoe_rig.with_changes(host={"plan": host, "serial": None})
     for shares in (FOMOE_CAR_OFF[0], TierRates(0.95, 0.05, 0.0)):  # fetch bound, then compute bound
         base = project(q397, rig, shares, "engine")
         n_layer = q397.model.n_layer
@@ -354,6 +355,31 @@ def test_host_time_beside_the_reads_longer_than_the_step_adds_only_its_excess(q3
     split = project(q397, fomoe_rig.with_changes(host={"plan": host, "serial": moe}), shares, "engine")
     # serial (moe) + max(2 moe, moe): three moe of host time a step, the device's work under it
     assert split.seconds_per_token == pytest.approx(bare.seconds_per_token + n_layer * (host - moe), rel=1e-12)
+
+
+def test_a_read_made_ahead_hides_drive_time_not_the_links(q397, fomoe_rig):
+    # the engine reads the next layer's predicted experts during this one but copies them up in their own
+    # step: where the link is the slower side, reading ahead gains nothing
+    rig = fomoe_rig.with_changes(host={"serial": None})
+    link_bound = TierRates(0.3, 0.6, 0.1)
+    layer = {n: t / q397.model.n_layer for n, t in project(q397, rig, link_bound, "engine").terms.items()}
+    assert layer["copy"] > layer["disk"]
+    assert project(q397, rig, link_bound, "engine", prefetch=0.8).seconds_per_token == pytest.approx(
+        project(q397, rig, link_bound, "engine").seconds_per_token, rel=1e-12)
+    # where the drive is, it hides up to the step before's compute
+    disk_bound = FOMOE_CAR_OFF[0]
+    assert project(q397, rig, disk_bound, "engine", prefetch=0.6).seconds_per_token < project(q397, rig, disk_bound, "engine").seconds_per_token
+
+
+def test_reading_ahead_also_reads_the_wrong_guesses_and_no_step_outruns_the_drives(q397, fomoe_rig):
+    # at accuracy p, about (1 - p) of the misses are read once more for nothing: a drive of 1 GB/s then
+    # sets the pace, (1 + (1 - p)) x the misses' bytes a layer
+    rig = fomoe_rig.with_changes(drives={"bandwidth": 1e9}, host={"serial": None})
+    m, shares = q397.model, FOMOE_CAR_OFF[0]
+    drive_step = (1 + 0.4) * m.n_expert_used * shares.disk * m.expert_bytes / 1e9
+    p = project(q397, rig, shares, "engine", prefetch=0.6)
+    assert p.seconds_per_token == pytest.approx(m.n_layer * drive_step + p.terms["head"], rel=1e-12)
+    assert p.bound_seconds == pytest.approx(m.n_layer * drive_step, rel=1e-12) and p.bound_resource == "drives"
 
 
 def test_a_serial_part_larger_than_the_host_time_is_one_clear_error():

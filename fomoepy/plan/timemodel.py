@@ -179,10 +179,11 @@ def project(
         # a demoting policy's copies down go first on the same link, not waited for by the host; the last
         # copy up starts once the last read has landed (drive-bound) or once the link has done the rest
         # (link-bound)
-        raw = max(layer["disk"] + (one_copy if n_disk else 0.0), layer["demote"] + layer["copy"])
-        # a prefetched read overlaps the previous step, so it hides at most that step's compute
-        hidden = min(prefetch * raw, layer["dense"] + layer["experts"])
-        fetch = raw - hidden
+        # A read made ahead (the next layer's predicted experts, during this one) hides its drive time, at
+        # most the step before it; its copy up is still made in its own step (the engine copies nothing
+        # ahead), so the link's time stays whole
+        hidden = min(prefetch * layer["disk"], layer["dense"] + layer["experts"])
+        fetch = max(layer["disk"] - hidden + (one_copy if n_disk else 0.0), layer["demote"] + layer["copy"])
         resident = layer["experts"] * (1 - (rates.host + rates.disk))
         moe = max(resident, fetch) + (layer["experts"] - resident if fetch > resident else 0.0)
         moe = max(moe, layer["experts"], fetch + (one_ffn if n_copy else 0.0))
@@ -194,6 +195,10 @@ def project(
         at_hand = layer["experts"] * (1 - rates.disk)
         hidden = min(prefetch * layer["disk"], layer["dense"] + layer["experts"])
         moe = max(at_hand, layer["disk"] - hidden) + layer["experts"] - at_hand
+    # reading ahead at accuracy p also reads the wrong guesses: about (1 - p) of the misses once more, drive
+    # time that hides nothing; a step cannot be shorter than its drives' reads
+    wasted = (1 - prefetch) * n_disk if prefetch and schedule == "engine" and "disk" not in drop else 0.0
+    drive_step = (n_disk + wasted) * S / (drives.bandwidth * max(1, drives.count)) if n_disk and "disk" not in drop else 0.0
     host, serial = layer["plan"], None
     if gpu and schedule == "engine" and hw.host.serial is not None:
         # the engine issues a step's reads once its plan is made and makes most of its copies and launches
@@ -203,13 +208,14 @@ def project(
         step = layer["dense"] + layer["sync"] + serial + max(host - serial, moe)
     else:
         step = layer["dense"] + layer["sync"] + host + moe
+    step = max(step, drive_step)
     total = m.n_layer * step + head
     terms = {name: m.n_layer * t for name, t in layer.items()}
     terms["head"] = head
     compute = terms["dense"] + terms["experts"] + head
     # the drives' busy time under perfect overlap is their bytes at their bandwidth, all drives at once: a
     # read's latency overlaps other reads then (a schedule's disk term may serialise it, FOMOE's does)
-    drive_bytes = 0.0 if "disk" in drop or not n_disk else m.n_layer * n_disk * S / (drives.bandwidth * max(1, drives.count))
+    drive_bytes = m.n_layer * drive_step
     busy = {
         "device" if gpu else "host compute": compute + (0.0 if gpu else terms["copy"] + terms["plan"]),
         "drives": drive_bytes,
