@@ -26,6 +26,21 @@ def deferred():
     configure(**before)
 
 
+def sim_store_engine(tmp_path, **options):
+    """The simulated device under the engine, the first oracle model's experts read from a store
+    prepared in tmp_path: (engine, the model's oracle tokens)."""
+    from conftest import ORACLE
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.experts.store_writer import prepare_store
+
+    name = "qwen3moe_q4_k_m"
+    store = tmp_path / "store"
+    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), **options))
+    return engine, np.load(ORACLE / f"{name}.tokens.npy")
+
+
 def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_pinned():
     dev = sim_backend()
     pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN)  # one buffer per chunk: a take after a give reuses it
@@ -282,17 +297,10 @@ def test_a_demoted_experts_copy_down_is_not_waited_for_and_comes_back_right(tmp_
     goes on (the step's reads are issued at once); when such an expert is used again, its copy up follows
     the copy down on the same stream. Under deferred streams (a stream runs only when waited for), the
     logits are still the CPU backend's, and no step waited for the copy stream."""
-    from conftest import ORACLE, open_oracle_engine
-
-    from fomoepy.engine import Engine, EngineOptions
-    from fomoepy.experts.store_writer import prepare_store
+    from conftest import open_oracle_engine
 
     name = "qwen3moe_q4_k_m"
-    tokens = np.load(ORACLE / f"{name}.tokens.npy")
-    store = tmp_path / "store"
-    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
-    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000,
-                                                           ram_cache=4_000_000, prefetch=False))  # fmt: skip
+    engine, tokens = sim_store_engine(tmp_path, vram_cache=600_000, ram_cache=4_000_000, prefetch=False)
     dev, device = engine.devices[0], engine.experts.device
     waits, real_sync = [0], dev.rt.sync
 
@@ -315,17 +323,7 @@ def test_a_demoted_experts_copy_down_is_not_waited_for_and_comes_back_right(tmp_
 def test_a_steps_reads_are_issued_before_its_copies_down(tmp_path):
     """A step that both reads misses and demotes device evictees issues the reads first: a drive's
     latency is the longer wait, and the copies down only have to precede the reuse of their slots."""
-    from conftest import ORACLE
-
-    from fomoepy.engine import Engine, EngineOptions
-    from fomoepy.experts.store_writer import prepare_store
-
-    name = "qwen3moe_q4_k_m"
-    tokens = np.load(ORACLE / f"{name}.tokens.npy")
-    store = tmp_path / "store"
-    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
-    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000,
-                                                           ram_cache=4_000_000, prefetch=False))  # fmt: skip
+    engine, tokens = sim_store_engine(tmp_path, vram_cache=600_000, ram_cache=4_000_000, prefetch=False)
     streamer = engine.experts.streamer
     events: list[str] = []
     real_submit, real_download, real_start = streamer.source.submit, streamer._download, streamer.start_acquire
@@ -349,17 +347,7 @@ def test_a_steps_reads_are_issued_before_its_copies_down(tmp_path):
 def test_a_steps_last_expert_kernels_are_launched_before_its_reads_bookkeeping(tmp_path):
     """Once a step's last read has landed and been copied up, its expert kernels are launched first; the
     cache's bookkeeping of the reads (host admissions, readiness) follows, where it delays no kernel."""
-    from conftest import ORACLE
-
-    from fomoepy.engine import Engine, EngineOptions
-    from fomoepy.experts.store_writer import prepare_store
-
-    name = "qwen3moe_q4_k_m"
-    tokens = np.load(ORACLE / f"{name}.tokens.npy")
-    store = tmp_path / "store"
-    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
-    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000,
-                                                           ram_cache=1_200_000, prefetch=False))  # fmt: skip
+    engine, tokens = sim_store_engine(tmp_path, vram_cache=600_000, ram_cache=1_200_000, prefetch=False)
     streamer, dev = engine.experts.streamer, engine.devices[0]
     events: list[str] = []
     real_finish, real_launch = streamer.finish_acquire, dev.launch
