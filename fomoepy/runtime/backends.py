@@ -33,7 +33,9 @@ def open_backends(options, spec) -> list:
     """One ops object per device of `options` (fomoepy.options.EngineOptions): its backend, on
     `threads` CPU threads (default: cpu_threads)."""
     threads = cpu_threads(spec, options.threads)
-    return [make_backend(options.backend, threads, d) for d in range(options.devices)]
+    # no -t given: a decode row's products on 1 or all of those threads, as each measures faster (row_threads)
+    tune = options.threads is None
+    return [make_backend(options.backend, threads, d, tune) for d in range(options.devices)]
 
 
 def cpu_threads(spec, requested: int | None, runnable=None) -> int:
@@ -76,7 +78,7 @@ def _runnable() -> int:
         return 1
 
 
-def make_backend(name: str, threads: int | None = None, device: int = 0):
+def make_backend(name: str, threads: int | None = None, device: int = 0, tune_rows: bool = False):
     """The ops object for a --backend value (threads: ggml's or BLAS's if it is the CPU; device: which
     GPU, for placements over several)."""
     if name not in BACKEND_NAMES:
@@ -88,7 +90,7 @@ def make_backend(name: str, threads: int | None = None, device: int = 0):
     if name == "cpu":
         from fomoepy.runtime.ggml_cpu import GgmlBackend
 
-        return GgmlBackend(threads)
+        return GgmlBackend(threads, tune_rows)
     if name == "auto":
         try:
             return open_gpu("auto", device)
@@ -96,7 +98,7 @@ def make_backend(name: str, threads: int | None = None, device: int = 0):
             log.warning("backend auto: using the CPU (%s)", e)
             from fomoepy.runtime.ggml_cpu import GgmlBackend
 
-            return GgmlBackend(threads)
+            return GgmlBackend(threads, tune_rows)
     return open_gpu(name, device)
 
 

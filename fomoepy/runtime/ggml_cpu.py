@@ -20,6 +20,7 @@ from fomoepy.runtime.ggml_dense import (
     rope_neox,
 )
 from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
+from fomoepy.runtime.row_threads import RowThreads
 
 _SMALL_ELEMENTWISE = 1 << 16  # elements: 64 rows of the bench model's 1024
 # Batched row counts whose attention graphs every layer keeps (one row's are always kept): a graph's
@@ -38,8 +39,10 @@ class GgmlBackend(CpuBackend):
     # one imports no other backend's libraries (a GPU install need not have ggml)
     experts_kind = "ggml"
 
-    def __init__(self, threads: int | None = None):
-        """threads: ggml's threads for every product (llama.cpp's -t).
+    def __init__(self, threads: int | None = None, tune_rows: bool = False):
+        """threads: ggml's threads for every product (llama.cpp's -t). tune_rows: a decode row's products
+        use 1 or `threads` threads, whichever measures faster for each kind (fomoepy.runtime.row_threads;
+        the engine's default when no -t is given).
 
         numpy's BLAS keeps one thread: it only does attention's small products here, and its idle
         threads spin on the cores ggml's need. Measured on the 2-core machine, bench model, -t 2: a
@@ -47,6 +50,7 @@ class GgmlBackend(CpuBackend):
         26-27 tok/s)."""
         super().__init__(1)
         self.threads = threads or 1
+        self.row_threads = RowThreads(self.threads) if tune_rows and self.threads > 1 else None
         self._attention: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, {rows: the layer's AttentionGraphs})
         self._last: tuple = (None, 0, None)  # (the layer view, rows, their graphs) of the last lookup
         self._row_counts: list[int] = []  # batched row counts with graphs, the most recent last
@@ -59,6 +63,8 @@ class GgmlBackend(CpuBackend):
 
     def linear(self, x: np.ndarray, w) -> np.ndarray:
         if isinstance(w, QuantMatrix):
+            if x.shape[0] == 1 and self.row_threads is not None:
+                return self.row_threads.run(("mul_mat", w.qtype, w.shape), lambda n: mul_mat(x, w, n))
             return mul_mat(x, w, self.threads)
         return x @ w.T
 

@@ -86,7 +86,11 @@ class GgmlExperts:
             experts.landed()
             if grouped:
                 return pool.layer.ffn_grouped(h, slots, weights, threads)
-            return pool.layer.ffn_unchecked(np.ascontiguousarray(h, dtype=F32), slots, weights, threads)
+            h = np.ascontiguousarray(h, dtype=F32)
+            tuned = self.ops.row_threads if h.shape[0] == 1 else None
+            if tuned is not None:  # a decode row: on the count measured faster for this layer's experts
+                return tuned.run(("experts", pool.layer), lambda n: pool.layer.ffn_unchecked(h, slots, weights, n))
+            return pool.layer.ffn_unchecked(h, slots, weights, threads)
         slot_of: dict[int, int] = {}
         missing = []
         held = dict(zip(ids.ravel().tolist(), slots.ravel().tolist()))  # expert -> its tier slot, -1: none
