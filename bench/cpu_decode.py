@@ -14,7 +14,7 @@ Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. R
 fomoepy's cpu rows and llama.cpp's are medians of `--rounds` turns taken alternately; beside the
 wall-clock rates, the CPU milliseconds each process spent per decoded token.
 
-    python bench/cpu_decode.py [--prompt 128] [--decode 64] [--threads N] [--rounds 3] [--record]
+    python bench/cpu_decode.py [--prompt 128] [--decode 64] [--threads N | --default-threads] [--rounds 3] [--record]
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
     ap.add_argument("--decode", type=int, default=64, help="decoded tokens")
     ap.add_argument("--threads", type=int, default=None, help="threads for every run (default: all cores)")
+    ap.add_argument("--default-threads", action="store_true",
+                    help="fomoepy without a thread count (its default: the cores free at start, each kind of decode-row "
+                         "product on 1 or all of them as measured); llama.cpp on all cores")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="turns of fomoepy's cpu backend and llama.cpp (medians reported)")
     ap.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = ap.parse_args()
@@ -76,7 +79,7 @@ def main() -> int:
     threads = args.threads or os.cpu_count() or 1
     rng = np.random.default_rng(0)
     t = time.perf_counter()
-    cpu = Engine(path, EngineOptions(backend="cpu", threads=threads))
+    cpu = Engine(path, EngineOptions(backend="cpu", threads=None if args.default_threads else threads))
     load_s = time.perf_counter() - t
     prompt = rng.integers(0, cpu.spec.n_vocab - 3, size=args.prompt)
     # fomoepy's cpu backend and llama.cpp take turns, `--rounds` each: load from other work on a shared
@@ -86,6 +89,9 @@ def main() -> int:
     for _ in range(args.rounds):
         ours.append(timed_run(cpu, prompt, args.decode))
         peers.append(llama_peer.run(path, prompt, args.decode, threads, cpu=True))
+    ours_threads = cpu.devices[0].threads
+    tuned = cpu.devices[0].row_threads
+    chosen = sorted(set(tuned.chosen.values())) if tuned is not None else []
     cpu.close()
     name = "fomoepy cpu (ggml; experts in the tier's slots, repacked; one mul_mat_id per layer)"
     rows = [f"| {name} | {_median(ours, 0):.1f} | {_median(ours, 1):.1f} | {_median(ours, 2):.2f} |"]
@@ -106,8 +112,11 @@ def main() -> int:
     header = (
         f"### cpu_decode — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
         f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode} --rounds {args.rounds}"
-        + (f" --threads {args.threads}" if args.threads else "")
-        + f"`; threads {threads} for every run; cpu model load {load_s:.1f} s (the tier filled: every expert set into its slot, "
+        + (f" --threads {args.threads}" if args.threads else "") + (" --default-threads" if args.default_threads else "")
+        + ("`; fomoepy on its default threads: " + f"{ours_threads}"
+           + (f", a decode row's products on {' or '.join(map(str, chosen))} as measured" if chosen else "")
+           + f"; llama.cpp and the reference engine on {threads}" if args.default_threads else f"`; threads {threads} for every run")
+        + f"; cpu model load {load_s:.1f} s (the tier filled: every expert set into its slot, "
         f"repacked); OpenMP wait policy: fomoepy {os.environ.get('OMP_WAIT_POLICY', 'default')}, llama.cpp "
         f"{llama_peer.peer_env().get('OMP_WAIT_POLICY', 'default')}; {load_line()}, {one:.2f} (1 min) / {five:.2f} (5 min) at the end\n\n"
         f"Decode tok/s by round: {rounds}. CPU ms per decoded token: the process's CPU time (every thread's, spinning "
