@@ -172,22 +172,9 @@ def gpu_child(args: argparse.Namespace) -> dict:
 
 def gpu_path(args: argparse.Namespace) -> dict:
     """Runs gpu_child in a process whose loader finds the stand-in driver (LD_LIBRARY_PATH is read at start)."""
-    from fomoepy.runtime.kernels import cache_root
-    from fomoepy.runtime.sim.build import standin_drivers
+    from standin import standin_env
 
-    standin = standin_drivers(cache_root() / "standin-null")
-    paths = [str(standin)]
-    if args.vendor == "hip":
-        setup = subprocess.run(["bash", str(ROOT / "tools" / "setup_kernel_compilers.sh")], capture_output=True, text=True)
-        found = [line.split(": ", 1)[1] for line in setup.stdout.splitlines() if line.startswith("hiprtc: ")]
-        if not found:
-            raise SystemExit(f"bench/host_time.py: Debian's hiprtc is not available for --vendor hip:\n{setup.stderr[-1500:]}")
-        paths.append(found[0])
-    env = os.environ | {
-        "LD_LIBRARY_PATH": ":".join(paths + [os.environ.get("LD_LIBRARY_PATH", "")]),
-        "FOMOE_STANDIN_MODULES": str(standin / "modules"), "FOMOE_STANDIN_NULL": "1", "FOMOE_STANDIN_DEVICES": "1",
-        "FOMOE_STANDIN_MEMORY": str(64 << 30),
-    }  # fmt: skip
+    env = standin_env("bench/host_time.py", args.vendor, "null", 64 << 30)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child-gpu", "--vendor", args.vendor,
            "--tokens", str(args.tokens), "--warm", str(args.warm)] + (["--policy", args.policy] if args.policy else [])  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

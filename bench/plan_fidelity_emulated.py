@@ -175,23 +175,10 @@ def child(args: argparse.Namespace) -> dict:
 
 def run_setting(args: argparse.Namespace, rates: EmulatedRates, device_share: float, host_share: float) -> dict:
     """One setting in a child process whose loader finds the stand-in driver, timed."""
-    from fomoepy.runtime.kernels import cache_root
-    from fomoepy.runtime.sim.build import standin_drivers
+    from standin import standin_env
 
-    standin = standin_drivers(cache_root() / "standin-timed")
-    paths = [str(standin)]
-    if args.vendor == "hip":
-        setup = subprocess.run(["bash", str(ROOT / "tools" / "setup_kernel_compilers.sh")], capture_output=True, text=True, check=False)
-        found = [line.split(": ", 1)[1] for line in setup.stdout.splitlines() if line.startswith("hiprtc: ")]
-        if not found:
-            raise SystemExit(f"bench/plan_fidelity.py --emulated: Debian's hiprtc is not available for --vendor hip:\n{setup.stderr[-1500:]}")
-        paths.append(found[0])
-    env = os.environ | {
-        "LD_LIBRARY_PATH": ":".join(paths + [os.environ.get("LD_LIBRARY_PATH", "")]),
-        "FOMOE_STANDIN_MODULES": str(standin / ("modules-hip" if args.vendor == "hip" else "modules")),
-        "FOMOE_STANDIN_NULL": "1", "FOMOE_STANDIN_DEVICES": "1", "FOMOE_STANDIN_MEMORY": str(1 << 40),
-        "FOMOE_STANDIN_KERNEL_BW": repr(rates.kernel), "FOMOE_STANDIN_LINK_BW": repr(rates.link),
-    }  # fmt: skip
+    env = standin_env("bench/plan_fidelity.py --emulated", args.vendor, "timed", 1 << 40,
+                      {"FOMOE_STANDIN_KERNEL_BW": repr(rates.kernel), "FOMOE_STANDIN_LINK_BW": repr(rates.link)})
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--vendor", args.vendor, "--tokens", str(args.tokens),
            "--warm", str(args.warm), "--device-share", repr(device_share), "--host-share", repr(host_share),
            "--rates", json.dumps(asdict(rates))] + (["--prefetch"] if args.prefetch else [])  # fmt: skip

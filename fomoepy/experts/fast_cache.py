@@ -202,12 +202,7 @@ class CoreCache:
         dropped = self._core.abort(plan.layer, experts, to_device, to_host, plan.keys[2])
         return [divmod(k, n) for k in dropped]
 
-    def access(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> CorePlan:
-        plan = self.plan(layer, ids, sequences)
-        self.commit(plan)
-        self.mark_ready(plan)
-        self.release(plan)
-        return plan
+    access = ExpertCache.access  # plan + commit + mark_ready + release, through this class's methods
 
     def admit_host(self, keys: Sequence[Key]) -> tuple[list[Key], list[Key]]:
         n = self.n_expert

@@ -202,7 +202,8 @@ class GpuExperts:
         """The router's choice for `layer` (its logits already computed) and the next layer's predicted ids
         (its router applied to h), read back together: one device round trip per decode step, not two.
         None for the prediction when the next layer sits on another device (route() relays h there)."""
-        dev = self.side(layer).dev
+        side = self.side(layer)
+        dev = side.dev
         joined = self._joined  # the read-back below waits for the compute stream, which waited for that point
         if layer + 1 >= len(self.layers) or self.side(layer + 1).dev is not dev:
             exact, ahead = dev.route(logits, gating, k), None
@@ -210,7 +211,6 @@ class GpuExperts:
             exact, ahead = dev.route_many([(logits, gating, k), (dev.linear(h, self.routers[layer + 1]), "softmax", k)])
         if self.pool is not None:
             self.pool.passed_mark(joined)  # the buffers given back before it are free of their copies
-        side = self.side(layer)
         side.launches_unsynced = side.copies_wait = False  # the read-back waited for every launch before it
         return exact, None if ahead is None else ahead.ids
 
