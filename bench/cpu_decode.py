@@ -33,6 +33,7 @@ from results import load_line, record
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
+from fomoepy.runtime import ggml_threads
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -117,7 +118,7 @@ def main() -> int:
            + (f", a decode row's products on {' or '.join(map(str, chosen))} as measured" if chosen else "")
            + f"; llama.cpp and the reference engine on {threads}" if args.default_threads else f"`; threads {threads} for every run")
         + f"; cpu model load {load_s:.1f} s (the tier filled: every expert set into its slot, "
-        f"repacked); OpenMP wait policy: fomoepy {os.environ.get('OMP_WAIT_POLICY', 'default')}, llama.cpp "
+        f"repacked); OpenMP wait policy: fomoepy {ggml_threads.in_force()}, llama.cpp "
         f"{llama_peer.peer_env().get('OMP_WAIT_POLICY', 'default')}; {load_line()}, {one:.2f} (1 min) / {five:.2f} (5 min) at the end\n\n"
         f"Decode tok/s by round: {rounds}. CPU ms per decoded token: the process's CPU time (every thread's, spinning "
         "included) over the decoded tokens, less sensitive to other work than the wall-clock rates.\n\n"

@@ -1,4 +1,5 @@
-"""ggml's OpenMP threads sleep while they wait (fomoepy.runtime.ggml_threads), unless the user chose."""
+"""ggml's OpenMP threads spin while they wait only where each has a free core (fomoepy.runtime.ggml_threads),
+unless the user chose."""
 
 from __future__ import annotations
 
@@ -11,22 +12,48 @@ import pytest
 UNSET_SPINS = 300000  # libgomp's spins before a waiting thread sleeps when no policy is set
 
 
-def openmp_spin_count(env_policy: str | None) -> int:
+def openmp_spin_count(env_policy: str | None, code: str = "import fomoepy.runtime.ggml_matmul") -> int:
     """How long libgomp's waiting threads spin (GOMP_SPINCOUNT, as it reports at its start with
-    OMP_DISPLAY_ENV=VERBOSE: 0 under the passive policy) in a process importing the cpu backend."""
+    OMP_DISPLAY_ENV=VERBOSE: 0 under the passive policy) in a process running `code`, which loads ggml."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["OMP_DISPLAY_ENV"] = "VERBOSE"
     if env_policy is not None:
         env["OMP_WAIT_POLICY"] = env_policy
-    out = subprocess.run([sys.executable, "-c", "import fomoepy.runtime.ggml_matmul"], env=env,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     lines = [line for line in out.stderr.splitlines() if "GOMP_SPINCOUNT" in line]
     assert lines, out.stderr
     return int(lines[0].split("=")[1].strip().strip("'"))
 
 
-def test_the_cpu_backends_openmp_threads_sleep_while_they_wait():
+def test_ggml_loaded_without_a_thread_count_sleeps_while_it_waits():
     assert openmp_spin_count(None) == 0
+
+
+def opened_with(threads: int, runnable: int) -> str:
+    """Code that opens the cpu backend on `threads` on a 2-core machine where /proc/loadavg counts
+    `runnable` threads (this one included) at every sample."""
+    return ("from fomoepy.runtime import backends\n"
+            "backends.os.cpu_count = lambda: 2\n"
+            f"backends._runnable = lambda: {runnable}\n"
+            f"backends.make_backend('cpu', {threads})\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("threads, runnable, spins", [
+    (2, 1, UNSET_SPINS),  # idle: each thread has a core, they spin as OpenMP's default (llama.cpp's)
+    (2, 2, 0),  # another process busy throughout: one thread would spin on the core the other needs
+    (1, 1, 0),  # one thread never waits for another: nothing to choose
+])  # fmt: skip
+def test_the_cpu_backend_spins_only_where_each_thread_has_a_free_core(threads, runnable, spins):
+    assert openmp_spin_count(None, opened_with(threads, runnable)) == spins
+
+
+def test_a_choice_made_after_ggml_loaded_reports_the_policy_libgomp_read():
+    code = ("import fomoepy.runtime.ggml_matmul\n"
+            "from fomoepy.runtime import ggml_threads\n"
+            "print(ggml_threads.choose(2, lambda: 2))\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "passive"
 
 
 @pytest.mark.parametrize("chosen", ["active", "passive"])

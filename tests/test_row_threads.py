@@ -96,3 +96,19 @@ def test_an_engine_without_t_tunes_its_decode_rows_and_decodes_the_bits_of_one_t
     assert any(kind[0] == "experts" for kind in rt.chosen)  # the routed experts' product was measured too
     one.close()
     tuned.close()
+
+
+def test_a_kind_measures_again_after_every_rows_and_follows_a_change_of_load(monkeypatch):
+    clock = Clock({1: 1.0, 2: 2.0}, {})
+    monkeypatch.setattr(row_threads.time, "perf_counter", clock)
+    rt = RowThreads(2, samples=1, every=5)
+    for _ in range(4):  # measures: 1, 2, 1, 2
+        rt.run("experts", clock.product)
+    assert rt.chosen == {"experts": 1}
+    clock.cost = {1: 2.0, 2: 1.0}  # the load changed: now 2 threads are faster
+    for _ in range(5):
+        rt.run("experts", clock.product)
+    assert clock.ran[4:] == [1] * 5 and "experts" not in rt.chosen  # its 5 rows run, it measures again
+    for _ in range(4 + 3):
+        rt.run("experts", clock.product)
+    assert clock.ran[9:13] == [1, 2, 1, 2] and clock.ran[13:] == [2] * 3 and rt.chosen == {"experts": 2}

@@ -45,15 +45,15 @@ def cpu_threads(spec, requested: int | None, runnable=None) -> int:
     one core two threads fall to 5 tok/s (threads that lose their core while the others wait for them)
     where one keeps 16.4; beside other work (load 6), even with ggml's OpenMP threads sleeping while
     they wait, 2 threads decoded at 40-50 tok/s where 1 kept 62-67 (fomoepy.runtime.ggml_threads).
-    So the default leaves out the cores found busy when the engine starts; `-t` overrides it."""
+    So the default leaves out the cores found busy when the engine starts (and a decode row's products
+    then use 1 or all of them as measured: row_threads); `-t` overrides it."""
     if requested is not None:
         if requested < 1:
             raise FomoeError(f"--threads must be >= 1, got {requested}")
         return requested
     if spec.n_embd * spec.moe.expert_ff < 1 << 19:
         return 1
-    cores = os.cpu_count() or 1
-    return max(1, cores - busy_cores(runnable or _runnable))
+    return max(1, free_cores(runnable))
 
 
 def busy_cores(runnable, samples: int = 5, interval_s: float = 0.01) -> int:
@@ -88,18 +88,29 @@ def make_backend(name: str, threads: int | None = None, device: int = 0, tune_ro
 
         return CpuBackend(threads)
     if name == "cpu":
-        from fomoepy.runtime.ggml_cpu import GgmlBackend
-
-        return GgmlBackend(threads, tune_rows)
+        return _ggml_backend(threads, tune_rows)
     if name == "auto":
         try:
             return open_gpu("auto", device)
         except FomoeError as e:
             log.warning("backend auto: using the CPU (%s)", e)
-            from fomoepy.runtime.ggml_cpu import GgmlBackend
-
-            return GgmlBackend(threads, tune_rows)
+            return _ggml_backend(threads, tune_rows)
     return open_gpu(name, device)
+
+
+def _ggml_backend(threads: int | None, tune_rows: bool):
+    """The cpu backend, its OpenMP threads told first whether to spin (fomoepy.runtime.ggml_threads)."""
+    from fomoepy.runtime import ggml_threads
+
+    ggml_threads.choose(threads or 1, free_cores)
+    from fomoepy.runtime.ggml_cpu import GgmlBackend
+
+    return GgmlBackend(threads, tune_rows)
+
+
+def free_cores(runnable=None) -> int:
+    """The cores other processes leave free now (busy_cores)."""
+    return (os.cpu_count() or 1) - busy_cores(runnable or _runnable)
 
 
 def make_expert_device(ops, layers, routers=None, devices=None, device_of_layer=None, keep_raw: bool = False,
