@@ -20,7 +20,8 @@ OFFSETS = (0, 4096, 8192)  # gate, up, down in a slot
 
 @pytest.mark.parametrize("T", [1, 3, 6, 40])
 @pytest.mark.parametrize("n_first", [0, 1, 5])
-def test_every_pair_is_in_one_work_item_of_its_expert_and_the_first_experts_lead(T, n_first):
+@pytest.mark.parametrize("n_then", [0, 2])
+def test_every_pair_is_in_one_work_item_of_its_expert_and_the_first_experts_lead(T, n_first, n_then):
     rng = np.random.default_rng(T * 10 + n_first)
     E, k = 16, 4
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
@@ -28,7 +29,8 @@ def test_every_pair_is_in_one_work_item_of_its_expert_and_the_first_experts_lead
     chosen = sorted(set(ids.reshape(-1).tolist()))
     slot = {e: (e + 1) << 20 for e in chosen}
     first = set(chosen[len(chosen) - min(n_first, len(chosen) - 1) :])  # the highest: in id order they come last
-    t = build_tables(ids, weights, slot, OFFSETS, first)
+    then = set([e for e in chosen if e not in first][-n_then:]) if n_then else set()  # the next highest
+    t = build_tables(ids, weights, slot, OFFSETS, first, then)
     pairs = t.host[: t.work_offset].view(PAIR_DTYPE)
     work = t.host[t.work_offset :].view(EXPERT_WORK_DTYPE)
     assert len(work) == t.n_work and t.work_row(t.n_work) == t.host.size
@@ -46,6 +48,12 @@ def test_every_pair_is_in_one_work_item_of_its_expert_and_the_first_experts_lead
         ps = item["pair"][: item["n_pairs"]].tolist()
         assert all(expert_of_pair[p] == e for p in ps)  # the item's pairs are its expert's
         assert (e in first) == (row < t.n_first)  # the first experts' items lead, theirs only
+        assert t.experts[row] == e
         seen += ps
+    rank = [0 if e in first else 1 if e in then else 2 for e in t.experts]
+    assert rank == sorted(rank)  # first, then `then`, then the rest
+    for r in (0, 1, 2):  # ascending ids within each
+        ids_r = [e for e, q in zip(t.experts, rank) if q == r]
+        assert ids_r == sorted(ids_r)
     assert sorted(seen) == list(range(T * k))  # every pair once
     assert t.tile == (1 if all(item["n_pairs"] == 1 for item in work) else MOE_TILE)

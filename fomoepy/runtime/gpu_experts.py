@@ -218,8 +218,11 @@ class GpuExperts:
         """h [T, D], ids/weights [T, k] → [T, D] on the device. The experts already in slots are launched
         first, with no wait on any copy; each missing expert's copy up is issued as soon as its bytes are
         here: those at hand first, then each read as it lands, so the layer's reads and copies overlap
-        (fetch time max(disk, copy), not their sum) and the resident experts compute beside them. The
-        missing experts' launches wait for the copies on the device, not on the host."""
+        (fetch time max(disk, copy), not their sum) and the resident experts compute beside them. A
+        missing expert is launched once its copy is issued and the table's experts before it are in
+        slots (the table puts those at hand before those read, each read in id order): its launch waits
+        for the copies on the device, not on the host, and after the last read lands only the last
+        experts' work is left, not every miss's."""
         plan = experts.plan
         side = self.side(layer)
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
@@ -233,9 +236,12 @@ class GpuExperts:
                 missing[item.expert] = item.to_device
             slots[item.expert] = buf
         split = len(missing) not in (0, len(slots))
-        run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, slots, missing if split else None)
+        at_hand = [e for e in missing if e in experts.fetched]
+        run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, slots, missing if split else None, at_hand)
+        launched = 0  # work items launched (split): the table's stretch whose experts are all in slots
         if split:  # what the slots hold computes while the misses are read and copied up
             self._stages(run, 0, run.tables.n_first)
+            launched = run.tables.n_first
         temporary: list[DeviceBuffer] = []
 
         def place(expert: int, parts: ExpertBytes) -> None:
@@ -246,11 +252,26 @@ class GpuExperts:
             else:
                 temporary.append(buf)  # streamed through a slot that is free again after this layer
 
+        def launch_placed() -> None:
+            """Launch the work items from `launched` up to the first whose expert is still missing."""
+            nonlocal launched
+            stop, order = launched, run.tables.experts
+            while stop < run.tables.n_work and order[stop] not in missing:
+                stop += 1
+            if stop > launched:
+                self._join_copies(side)
+                self._stages(run, launched, stop)
+                launched = stop
+
         try:
-            for expert in [e for e in missing if e in experts.fetched]:
+            for expert in at_hand:
                 place(expert, experts.fetched[expert])
+            if split and at_hand:
+                launch_placed()
             for expert, parts in experts.as_they_land():
                 place(expert, parts)
+                if split and missing:  # (the last: launched below with the rest)
+                    launch_placed()
             if missing:  # read by a source with no pool of its own: the bytes come at landed()
                 fetched = experts.landed()
                 for expert in list(missing):
@@ -264,7 +285,7 @@ class GpuExperts:
             raise
         self._join_copies(side)
         if split:
-            self._stages(run, run.tables.n_first, run.tables.n_work)
+            self._stages(run, launched, run.tables.n_work)
             self._combine(run)
         else:
             self._grouped(run)
@@ -373,14 +394,16 @@ class GpuExperts:
 
     # -- arithmetic ---------------------------------------------------------------------------------
     def _prepare(self, layer: int, h: DeviceArray, ids: np.ndarray, weights: np.ndarray, slots: dict[int, DeviceBuffer],
-                 missing: dict[int, bool] | None) -> _Launch:  # fmt: skip
+                 missing: dict[int, bool] | None, at_hand: list[int]) -> _Launch:  # fmt: skip
         """The step's tables, in one upload, and its arrays. `missing`: when given, the experts not in
-        it (their slots are filled already) get the first work items, to be launched on their own."""
+        it (their slots are filled already) get the first work items, to be launched on their own, and
+        those `at_hand` (copied before any read lands) the next ones."""
         gate_m, _, down_m = self.layers[layer].parts
         T, k = ids.shape
         F, D = gate_m.shape[0], down_m.shape[0]
         first = {e for e in slots if e not in missing} if missing is not None else ()
-        tables = build_tables(ids, weights, {e: buf.ptr for e, buf in slots.items()}, self.slot_layouts[layer].offsets, first)
+        tables = build_tables(ids, weights, {e: buf.ptr for e, buf in slots.items()}, self.slot_layouts[layer].offsets, first,
+                              at_hand if missing is not None else ())  # fmt: skip
         dev = self.side(layer).dev
         part = dev.empty((T * k, D)) if missing is not None or T > DOWN_SUM_MAX_TOKENS else None
         return _Launch(layer, tables, dev.upload(tables.host), h, dev.empty((T * k, F)), part, dev.empty((T, D)))

@@ -3,13 +3,14 @@ items, packed into one buffer so that a step uploads its tables with one copy.
 
 A step has T tokens with k choices each; pair p = t*k + j is token t's j-th choice, a token's choices
 sorted by ascending expert id (the order the CPU backend adds them in). A work item is one expert and up
-to MOE_TILE of its pairs. The work items of the experts named `first` come first in the table, so that a
-step can launch their stages on their own (the experts already in device slots, computed while the
-others are still being copied up) and the others' after. Each pair's activations and partial output are
+to MOE_TILE of its pairs. The work items of the experts named `first` come first in the table, then
+those named `then`, then the rest, so that a step can launch a stretch of the table as soon as its
+experts are in device slots: the experts already there first, computed while the others are still being
+copied up; then those whose bytes are at hand, copied at once; then each read as it lands. Each pair's activations and partial output are
 written by the one work item that holds it, whatever the items' order, and the combine adds a token's
 pairs in j order: the sums do not depend on where the table is split.
 
-    | pairs: T*k x PairInfo (16 B) | work: the first experts' items, then the others' (64 B each) |
+    | pairs: T*k x PairInfo (16 B) | work: the first experts' items, `then`'s, the others' (64 B each) |
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class MoETables:
     n_first: int  # work items of the `first` experts: rows [0, n_first)
     n_work: int
     tile: int  # 1 when every work item has one pair, else MOE_TILE: the gate/up kernel's variant
+    experts: list[int]  # the expert of each work item, in table order
 
     def work_row(self, row: int) -> int:
         """Byte offset of work item `row` in the uploaded tables."""
@@ -44,24 +46,24 @@ class MoETables:
 
 
 def build_tables(ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int], offsets: tuple[int, int, int],
-                 first: Collection[int] = ()) -> MoETables:  # fmt: skip
-    """ids/weights [T, k]; slot_ptr: each chosen expert's device slot; offsets: gate, up, down in a slot."""
+                 first: Collection[int] = (), then: Collection[int] = ()) -> MoETables:  # fmt: skip
+    """ids/weights [T, k]; slot_ptr: each chosen expert's device slot; offsets: gate, up, down in a slot;
+    first, then: experts whose work items lead the table, in that order (the rest by ascending id)."""
     T, k = ids.shape
     if T == 1:  # a decode step: k distinct experts, ascending, one work item (one pair) each
-        return _decode_tables(ids[0].tolist(), weights[0], slot_ptr, offsets, first)
+        return _decode_tables(ids[0].tolist(), weights[0], slot_ptr, offsets, first, then)
     # each token's choices by ascending expert id: the order the CPU backend adds them in
     order = np.argsort(ids, axis=1, kind="stable")
     flat = np.take_along_axis(ids, order, axis=1).reshape(-1)  # [T*k]
     w_s = np.take_along_axis(weights, order, axis=1).astype(np.float32)
     base = np.fromiter((slot_ptr[e] for e in flat.tolist()), np.uint64, count=flat.size)  # each pair's slot
     experts = np.unique(flat).tolist()  # a work item is one expert and up to MOE_TILE of its pairs
-    ahead = [e for e in experts if e in first]
-    experts = ahead + [e for e in experts if e not in first]
+    experts.sort(key=lambda e: 0 if e in first else 1 if e in then else 2)  # stable: ascending ids within each
     items = []  # (expert, its pairs in this item)
     for e in experts:
         ps = np.flatnonzero(flat == e)
         items += [(e, ps[s : s + MOE_TILE]) for s in range(0, len(ps), MOE_TILE)]
-    n_first = sum(1 for e, _ in items if e in first) if ahead else 0
+    n_first = sum(1 for e, _ in items if e in first)
     host, pairs, work = _buffers(T * k, len(items))
     item_base = np.array([slot_ptr[e] for e, _ in items], np.uint64)
     work["gate"], work["up"], work["down"] = (item_base + np.uint64(o) for o in offsets)
@@ -71,20 +73,20 @@ def build_tables(ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int],
     tile = 1 if all(len(chunk) == 1 for _, chunk in items) else MOE_TILE
     pairs["down"] = base + np.uint64(offsets[2])
     pairs["weight"] = w_s.reshape(-1)
-    return MoETables(host, T * k * PAIR_DTYPE.itemsize, n_first, len(work), tile)
+    return MoETables(host, T * k * PAIR_DTYPE.itemsize, n_first, len(work), tile, [e for e, _ in items])
 
 
 def _decode_tables(row: list[int], weights: np.ndarray, slot_ptr: dict[int, int], offsets: tuple[int, int, int],
-                   first: Collection[int]) -> MoETables:  # fmt: skip
+                   first: Collection[int], then: Collection[int]) -> MoETables:  # fmt: skip
     """build_tables for one token (the hot path: every decode step): its k choices in list arithmetic,
     the table packed by one struct call (numpy's field assignments cost a microsecond or more each)."""
     k = len(row)
     order = sorted(range(k), key=row.__getitem__)  # ascending expert id; pair p is the p-th of them
     ptrs = [slot_ptr[row[j]] for j in order]
-    if first:
-        ahead = [row[j] in first for j in order]
-        rows = [p for p in range(k) if ahead[p]] + [p for p in range(k) if not ahead[p]]
-        n_first = k - ahead.count(False)
+    if first or then:
+        rank = [0 if row[j] in first else 1 if row[j] in then else 2 for j in order]
+        rows = sorted(range(k), key=rank.__getitem__)  # stable: ascending ids within each rank
+        n_first = rank.count(0)
     else:
         rows, n_first = list(range(k)), 0
     gate, up, down = offsets
@@ -96,7 +98,7 @@ def _decode_tables(row: list[int], weights: np.ndarray, slot_ptr: dict[int, int]
         base = ptrs[p]
         values += (base + gate, base + up, base + down, 1, p)
     host = np.frombuffer(bytearray(_decode_struct(k).pack(*values)), np.uint8)
-    return MoETables(host, k * PAIR_DTYPE.itemsize, n_first, k, 1)
+    return MoETables(host, k * PAIR_DTYPE.itemsize, n_first, k, 1, [row[order[p]] for p in rows])
 
 
 @functools.cache
