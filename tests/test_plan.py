@@ -308,9 +308,9 @@ def test_on_the_cpu_schedule_a_read_made_ahead_hides_at_most_the_step_before_it(
 
 
 def test_gpu_engine_schedule_computes_the_resident_experts_while_the_misses_arrive(q397, fomoe_rig):
-    # GpuExperts launches the experts already in device slots before it waits for any copy, the copied
-    # ones after the last: fetch bound, only the copied experts' FFNs add to the fetch; compute bound,
-    # the copies hide under the resident FFNs and the layer's experts cost their compute alone
+    # GpuExperts launches the experts already in device slots before it waits for any copy, and each
+    # copied one as its copy lands: fetch bound, only the last copied expert's FFN adds to the fetch;
+    # compute bound, the copies hide under the FFNs and the layer's experts cost their compute alone
     n_layer, S = q397.model.n_layer, q397.model.expert_bytes
     rig = fomoe_rig.with_changes(host={"serial": None})  # all host time in series: the MoE half alone below
     for shares, fetch_bound in ((FOMOE_CAR_OFF[0], True), (TierRates(0.95, 0.05, 0.0), False)):
@@ -319,7 +319,7 @@ def test_gpu_engine_schedule_computes_the_resident_experts_while_the_misses_arri
         fetch = max(layer["disk"], layer["copy"]) + (S / fomoe_rig.device.link if shares.disk else 0.0)
         resident = layer["experts"] * shares.device
         assert (fetch > resident) == fetch_bound  # both sides of the overlap are taken
-        moe = fetch + layer["experts"] * (1 - shares.device) if fetch_bound else layer["experts"]
+        moe = fetch + layer["experts"] / q397.model.n_expert_used if fetch_bound else layer["experts"]
         want = n_layer * (layer["dense"] + layer["sync"] + layer["plan"] + moe) + p.terms["head"]
         assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
 

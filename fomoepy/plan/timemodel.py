@@ -184,9 +184,12 @@ def project(
         # ahead), so the link's time stays whole
         hidden = min(prefetch * layer["disk"], layer["dense"] + layer["experts"])
         fetch = max(layer["disk"] - hidden + (one_copy if n_disk else 0.0), layer["demote"] + layer["copy"])
-        resident = layer["experts"] * (1 - (rates.host + rates.disk))
-        moe = max(resident, fetch) + (layer["experts"] - resident if fetch > resident else 0.0)
-        moe = max(moe, layer["experts"], fetch + (one_ffn if n_copy else 0.0))
+        # the compute stream runs the slots' experts, then each miss once its copy is done (the host
+        # launches a miss when its copy is issued and the misses before it in the table, those at hand
+        # and then the reads in id order, are too): after the last copy only that expert's work is left,
+        # if each expert computes in less time than the next copy takes (true where the link is slower
+        # than the kernels read; else the layer's compute is the longer term)
+        moe = max(layer["experts"], fetch + (one_ffn if n_copy else 0.0))
     elif copy_rate:  # numpy reference: read, make ready, compute, in turn
         # a read made ahead overlaps the previous step, so it hides at most that step's compute (as on a GPU)
         hidden = min(prefetch * (layer["disk"] + layer["copy"]), layer["dense"] + layer["experts"])
