@@ -150,11 +150,16 @@ def test_gated_attention_keeps_the_op_by_op_path():
     engine.close()
 
 
-def test_a_decode_rows_graphs_run_on_one_thread_whatever_the_backends_count():
-    # small products: a second, sleeping thread's wake-up per graph costs more than it saves
+@pytest.mark.parametrize("spins", [False, True])
+def test_a_decode_rows_graphs_run_on_one_thread_unless_the_threads_spin(monkeypatch, spins):
+    # small products: a second, sleeping thread's wake-up per node costs more than it saves; one that
+    # spins gains
+    from fomoepy.runtime import ggml_threads
+
+    monkeypatch.setattr(ggml_threads, "spins", lambda: spins)
     engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2))
     graphs = engine.ops._graphs(engine.weights.layer(0), engine.spec.attention, engine.spec.rms_eps)
-    assert engine.ops.threads == 2 and graphs.pre.threads == graphs.post.threads == 1
+    assert engine.ops.threads == 2 and graphs.pre.threads == graphs.post.threads == (2 if spins else 1)
     engine.close()
 
 

@@ -87,3 +87,33 @@ def test_the_machines_runnable_threads_count_this_one():
     from fomoepy.runtime import backends
 
     assert backends._runnable() >= 1
+
+
+def test_this_processs_own_runnable_threads_are_not_counted_as_other_processes_load(tmp_path):
+    from fomoepy.runtime import backends
+
+    (tmp_path / "loadavg").write_text("0.50 0.40 0.30 4/120 999\n")
+    tasks = tmp_path / "self" / "task"
+    for tid, state in ((10, "R"), (11, "R"), (12, "S")):  # this thread and a spinning BLAS thread; one asleep
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "stat").write_text(f"{tid} (python3 (x) y) {state} 1 1 1 0 -1 0\n")
+    assert backends._own_runnable(str(tmp_path)) == 2
+    assert backends._runnable(str(tmp_path)) == 3  # 2 threads of other processes, and this one
+
+
+@pytest.mark.parametrize("env, spins", [
+    ({}, True),  # OpenMP's default: spin, then sleep
+    ({"OMP_WAIT_POLICY": "passive"}, False),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, False),
+    ({"OMP_WAIT_POLICY": "active"}, True),
+    ({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "3000"}, True),  # libgomp: the count wins
+    ({"GOMP_SPINCOUNT": "0"}, False),
+])  # fmt: skip
+def test_whether_waiting_threads_spin_follows_the_environment_libgomp_reads(monkeypatch, env, spins):
+    from fomoepy.runtime import ggml_threads
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert ggml_threads.spins() == spins

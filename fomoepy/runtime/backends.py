@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 from fomoepy.errors import FomoeError
 from fomoepy.runtime.names import BACKEND_NAMES
@@ -68,14 +69,28 @@ def busy_cores(runnable, samples: int = 5, interval_s: float = 0.01) -> int:
     return max(0, (fewest or 1) - 1)
 
 
-def _runnable() -> int:
-    """Runnable threads on the machine now, this one included (/proc/loadavg: "1.0 0.9 0.8 R/T pid");
-    1 (none but this) where the file is not there."""
+def _runnable(proc: str = "/proc") -> int:
+    """Runnable threads of other processes now, plus this one (/proc/loadavg: "1.0 0.9 0.8 R/T pid",
+    less this process's own runnable threads: numpy's BLAS threads spin a while after a product, and they
+    are not another process's load); 1 (none but this) where the files are not there."""
     try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
+        with open(f"{proc}/loadavg") as f:
+            everyone = int(f.read().split()[3].split("/")[0])
     except (OSError, IndexError, ValueError):
         return 1
+    return max(1, everyone - _own_runnable(proc) + 1)
+
+
+def _own_runnable(proc: str) -> int:
+    """This process's threads the kernel counts as running (state R in /proc/self/task/*/stat)."""
+    n = 0
+    for task in Path(f"{proc}/self/task").glob("*/stat"):
+        try:
+            stat = task.read_text()
+        except OSError:  # the thread ended while it was looked at
+            continue
+        n += stat[stat.rindex(")") + 2 : stat.rindex(")") + 3] == "R"  # the state follows the name in parentheses
+    return n
 
 
 def make_backend(name: str, threads: int | None = None, device: int = 0, tune_rows: bool = False):

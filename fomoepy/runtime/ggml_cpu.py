@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
+from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.cpu import CpuBackend
 from fomoepy.runtime.ggml_dense import (
     AttentionGraphs,
@@ -115,12 +116,14 @@ class GgmlBackend(CpuBackend):
             self._batch_rows(rows)
         graphs = entry[1].get(rows)
         if graphs is None:
-            # one thread: these graphs' products are small (~3 MB of weights a layer, ~80 µs), and a second
-            # thread, sleeping between graphs (fomoepy.runtime.ggml_threads), costs a wake-up per graph that
-            # took more than it saved (pre graph at -t 2 beside another process: 154-363 µs, against 77-83
-            # on one; decode 56 -> 74-86 tok/s). Each row's products are one thread's either way: same bits.
+            # these graphs' products are small (~3 MB of weights a layer, ~80 µs): a second thread that
+            # sleeps while it waits (fomoepy.runtime.ggml_threads) costs a wake-up per node that takes more
+            # than it saves (pre graph at -t 2 beside another process: 154-363 µs, against 77-83 on one;
+            # decode at -t 2, idle, 69-76 tok/s on 2 against 91-106 on 1), so they run on one thread then;
+            # threads that spin gain from every thread (idle, -t 2: 127-132 against 122-128). Each row's
+            # products are one thread's either way: the same bits.
             # A batch of B sequences: a pair built for B rows (_BATCH_ROW_COUNTS says how many such B stay).
-            graphs = entry[1][rows] = AttentionGraphs(w, a, eps, 1, rows)
+            graphs = entry[1][rows] = AttentionGraphs(w, a, eps, self.threads if ggml_threads.spins() else 1, rows)
         self._last = (w, rows, graphs)  # the view held: `is` then means this layer's call, not a reused id
         return graphs
 

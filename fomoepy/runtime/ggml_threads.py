@@ -64,3 +64,11 @@ def in_force() -> str:
     if not SET_HERE:
         return "user: " + ", ".join(f"{k}={os.environ[k]}" for k in (WAIT_POLICY, SPIN_COUNT) if k in os.environ)
     return os.environ.get(WAIT_POLICY, "default")
+
+
+def spins() -> bool:
+    """Whether a waiting thread spins a while before it sleeps under the policy in force."""
+    spin_count = os.environ.get(SPIN_COUNT)
+    if spin_count is not None:
+        return spin_count.strip() not in ("0", "")
+    return os.environ.get(WAIT_POLICY, "").strip().lower() != "passive"
