@@ -58,3 +58,15 @@ def test_prefill_in_uneven_chunks_equals_one_batch(run):
     rel = np.abs(np.concatenate(parts) - logits).max() / np.abs(logits).max()
     bound = reorder_bound(engine.spec, len(tokens))
     assert rel <= bound, f"{name}: uneven chunks vs one batch differ by {rel:.2e} of the largest logit (bound {bound:.2e})"
+
+
+@pytest.mark.parametrize("token", [-1, "vocab"])
+def test_a_token_outside_the_vocabulary_is_refused_before_the_state_changes(run, token):
+    _, engine, tokens, _ = run
+    state = engine.new_state()
+    engine.eval(state, tokens[:2])
+    bad = engine.spec.n_vocab if token == "vocab" else token
+    for step in ([bad], [int(tokens[2]), bad]):  # a decode step's one token, and a prompt's
+        with pytest.raises(ValueError, match=f"token id {bad} outside the vocabulary"):
+            engine.eval(state, step)
+    assert state.n_past == 2 and state.tokens == [int(t) for t in tokens[:2]]

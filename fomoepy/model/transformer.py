@@ -97,6 +97,9 @@ class Transformer:
 
     def _checked(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 1:  # a decode step: one comparison in Python, not four array operations
+            if 0 <= int(tokens[0]) < self.spec.n_vocab:
+                return tokens
         bad = tokens[(tokens < 0) | (tokens >= self.spec.n_vocab)]
         if bad.size:
             raise ValueError(f"token id {int(bad[0])} outside the vocabulary [0, {self.spec.n_vocab})")
