@@ -35,6 +35,7 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.runtime.ggml_matmul import QuantMatrix
+from fomoepy.runtime.pinned import host_address
 from fomoepy.timing import MATMUL
 
 F32 = np.float32
@@ -116,7 +117,7 @@ class _Graph:
         if len(inputs) != len(self._input_structs):
             raise FomoeError(f"expected {len(self._input_structs)} inputs, got {len(inputs)}")
         for t, x in zip(self._input_structs, inputs):
-            t.data = x.ctypes.data
+            t.data = host_address(x)  # (the buffer protocol: a fifth of x.ctypes.data's ~1 µs)
         status = MATMUL.call(ggml.ggml_graph_compute, self.gf, self._plan_ref)
         if status != 0:
             raise FomoeError("ggml graph computation failed")
