@@ -106,7 +106,7 @@ def child(args: argparse.Namespace) -> dict:
     head = dev.upload(np.zeros((mb.head_bytes // (4 * e), e), np.float32), exact=True)
     device = GpuExperts(layers, dev, routers)
     unit = [device.expert_nbytes(il) for il in range(n_layer)]
-    policy = DEFAULT_POLICY
+    policy = args.policy or DEFAULT_POLICY
     store_bytes = mb.store_bytes
     cache = make_cache(n_expert, [layer.expert_nbytes for layer in layers], int(args.device_share * store_bytes),
                         int(args.host_share * store_bytes), make_policy(policy), make_policy(policy), device_expert_bytes=unit)  # fmt: skip
@@ -181,7 +181,7 @@ def run_setting(args: argparse.Namespace, rates: EmulatedRates, device_share: fl
                       {"FOMOE_STANDIN_KERNEL_BW": repr(rates.kernel), "FOMOE_STANDIN_LINK_BW": repr(rates.link)})
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--vendor", args.vendor, "--tokens", str(args.tokens),
            "--warm", str(args.warm), "--device-share", repr(device_share), "--host-share", repr(host_share),
-           "--rates", json.dumps(asdict(rates))] + (["--prefetch"] if args.prefetch else [])  # fmt: skip
+           "--rates", json.dumps(asdict(rates))] + (["--prefetch"] if args.prefetch else []) + (["--policy", args.policy] if args.policy else [])  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"bench/plan_fidelity.py --emulated: the decode failed:\n{proc.stderr[-3000:]}")
@@ -199,7 +199,7 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     mb = model_bytes(shape_by_name(SHAPE))
     n = sum(measured["counts"].values())
     shares = {tier: c / n for tier, c in measured["counts"].items()}
-    shares["demoted"] = measured["demotions"] / n  # the default policy demotes: its copies down are a term too
+    shares["demoted"] = measured["demotions"] / n  # a demoting policy's (the default's) copies down are a term too
     tier_rates = TierRates(shares["device"], shares["host"], shares["disk"], source="this run's hit counts", demoted=shares["demoted"])
     steps = measured["tokens"] * mb.n_layer
     host = measured["host_step_s"] / steps
@@ -273,13 +273,14 @@ def main(args: argparse.Namespace) -> int:
 
 def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> str:
     worst = max(abs(r["projected_tok_s"] / r["measured_tok_s"] - 1) for r in rows)
+    policy_text = f"cache policy {args.policy}" if args.policy else "the engine's default cache policy"
     ahead = f"reads ahead (prediction accuracy {rows[0]['prediction_accuracy']:.0%})" if args.prefetch else "prefetch off"
     lines = [
         f"### plan fidelity, emulated GPU — {date.today()} — {platform.machine()}, {os.cpu_count()} cores",
         "",
         (f"`python bench/plan_fidelity.py --emulated --vendor {args.vendor} --tokens {args.tokens} --warm {args.warm} "
-         f"--rig {args.rig}{' --prefetch' if args.prefetch else ''}` ({SHAPE} shape, {args.vendor} binding over the stand-in "
-         f"driver's timed null mode: {rates.describe()}; the engine's default cache policy, {ahead}, one device)"),
+         f"--rig {args.rig}{' --prefetch' if args.prefetch else ''}{' --policy ' + args.policy if args.policy else ''}` ({SHAPE} shape, {args.vendor} binding over the stand-in "
+         f"driver's timed null mode: {rates.describe()}; {policy_text}, {ahead}, one device)"),
         "",
         ("| setting (device + host) | device | host | disk | demoted | host µs / layer (in series with the reads) | emulation late | measured tok/s "
          "(less its lateness) | engine schedule tok/s | projected / measured − 1 | FOMOE's schedule tok/s |"),
@@ -321,6 +322,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefetch", action="store_true",
                     help="--emulated: the engine reads the next layer's predicted experts ahead (its default); off, every "
                          "miss is read when its layer asks")  # fmt: skip
+    from fomoepy.experts.policy import POLICIES
+
+    ap.add_argument("--policy", default=None, choices=POLICIES, help="--emulated: the cache policy (default: the engine's; a demoting one copies its device evictees down)")
     ap.add_argument("--tries", type=int, default=3,
                     help=f"--emulated: runs of a setting at most, until its emulation error is under {100 * EMULATION_ERROR:.0f} %% of its time")  # fmt: skip
 
