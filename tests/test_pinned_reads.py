@@ -372,3 +372,53 @@ def test_a_steps_last_expert_kernels_are_launched_before_its_reads_bookkeeping(t
     for i in steps_with_reads:
         assert events[i - 1] == "last"  # the step's last expert launch came just before its bookkeeping
     engine.close()
+
+
+def test_a_steps_copies_up_do_not_wait_for_its_own_copies_down(tmp_path, deferred):
+    """A demoting policy's copies down go on a stream of their own, beside the step's copies up (a GPU's
+    copy engines move both directions at once): no copy up of a step waits for the step's own copies
+    down; the next step's copy stream waits for them once, before it reuses their slots or their bytes.
+    Under deferred streams the logits are still the CPU backend's."""
+    from conftest import open_oracle_engine
+
+    name = "qwen3moe_q4_k_m"
+    engine, tokens = sim_store_engine(tmp_path, vram_cache=600_000, ram_cache=4_000_000, prefetch=False)
+    dev, device, streamer = engine.devices[0], engine.experts.device, engine.experts.streamer
+    rt = dev.rt
+    side = device.sides[0]
+    events: list[tuple] = []  # ("step",), ("down", stream), ("up", stream), ("wait", stream, event)
+    real = {name: getattr(rt, name) for name in ("dtoh", "htod", "wait", "record")}
+    rt.record = lambda event, stream: events.append(("record", stream, event)) or real["record"](event, stream)
+    rt.dtoh = lambda dst, src, n, stream: events.append(("down", stream)) or real["dtoh"](dst, src, n, stream)
+    rt.htod = lambda dst, src, n, stream: events.append(("up", stream)) or real["htod"](dst, src, n, stream)
+    rt.wait = lambda stream, event: events.append(("wait", stream, event)) or real["wait"](stream, event)
+    real_start, real_download = streamer.start_acquire, streamer._download
+    streamer.start_acquire = lambda *a: events.append(("step",)) or real_start(*a)
+    streamer._download = lambda key: events.append(("demote",)) or real_download(key)
+    try:
+        state = engine.new_state()
+        got = np.concatenate([engine.decode_token(state, int(t))[None] for t in tokens])
+    finally:
+        del rt.dtoh, rt.htod, rt.wait, rt.record, streamer.start_acquire
+        streamer._download = real_download
+    steps, current = [], None
+    for e in events:
+        if e[0] == "step":
+            current = []
+            steps.append(current)
+        elif current is not None:
+            current.append(e)
+    both = [s for s in steps if any(e[0] == "demote" for e in s) and any(e[0] == "up" and e[1] is dev.copy_stream for e in s)]
+    assert both, "no step both demoted and copied up: the test proves nothing"
+    for s in both:
+        first_down = next(i for i, e in enumerate(s) if e[0] == "demote")
+        # each demotion's copy down (the next driver copy to the host after it) is on the down stream
+        assert all(next(f for f in s[i:] if f[0] == "down")[1] is dev.down_stream for i, e in enumerate(s) if e[0] == "demote")
+        # the copy stream waits on `down_done` as recorded before this step's copies down, never after
+        recorded = [i for i, e in enumerate(s) if e[0] == "record" and e[2] is side.down_done]
+        waits = [i for i, e in enumerate(s) if e[0] == "wait" and e[1] is dev.copy_stream and e[2] is side.down_done]
+        assert not [w for w in waits if any(first_down < r < w for r in recorded)]
+    assert device.downloads > 0
+    cpu = open_oracle_engine(name).logits(tokens)
+    assert np.abs(got - cpu).max() / cpu.std() <= LOGIT_TOL
+    engine.close()

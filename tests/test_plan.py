@@ -530,25 +530,25 @@ def test_the_engine_schedule_reads_ahead_at_the_measured_accuracy_and_prints_fom
     assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in p.trace"}
 
 
-def test_a_demoting_policys_copies_down_share_the_link_ahead_of_the_copies_up(q397, fomoe_rig):
+def test_a_demoting_policys_copies_down_run_beside_the_copies_up(q397, fomoe_rig):
     # each device evictee a demoting policy moves to the host tier crosses the link, k x demoted x S / link
-    # a layer, on the copy stream ahead of the step's copies up; the host does not wait for it
-    # (GpuExperts._download), so it lengthens the layer's fetch only where the link, not the drive, is the
-    # slower of the two: max(disk + one copy, demote + copy) where it was max(disk + one copy, copy)
+    # a layer, on a stream of its own, in the link's other direction (GpuExperts._download): it leaves the
+    # layer's fetch as it was and only bounds the step from below. On the fomoe-rig it never binds; over a
+    # link ten times slower, copying down more experts than are copied up, it does
     plain = TierRates(0.6, 0.12, 0.28)
     m = q397.model
-    base = project(q397, fomoe_rig, plain, "engine")
-    one = m.expert_bytes / fomoe_rig.device.link
-    for share in (0.3, 0.8):  # the drive still the slower, then the link
-        demoting = TierRates(0.6, 0.12, 0.28, demoted=share)
-        per_token = m.n_layer * m.n_expert_used * share * m.expert_bytes / fomoe_rig.device.link
-        p = project(q397, fomoe_rig, demoting, "engine")
-        assert p.terms["demote"] == pytest.approx(per_token, rel=1e-12)
-        disk, copy, demote = (p.terms[t] / m.n_layer for t in ("disk", "copy", "demote"))
-        grown = m.n_layer * (max(disk + one, demote + copy) - max(disk + one, copy))
-        assert p.seconds_per_token - base.seconds_per_token == pytest.approx(grown, rel=1e-9, abs=1e-12)
-        assert (grown > 0) == (demote + copy > disk + one) and grown < per_token
-        assert (share == 0.8) == (grown > 0)
+    for rig, binds in ((fomoe_rig, False), (fomoe_rig.with_changes(device={"link": fomoe_rig.device.link / 10}), True)):
+        base = project(q397, rig, plain, "engine")
+        base_layer = (base.seconds_per_token - base.terms["head"]) / m.n_layer
+        for share in (0.3, 0.8):
+            demoting = TierRates(0.6, 0.12, 0.28, demoted=share)
+            per_token = m.n_layer * m.n_expert_used * share * m.expert_bytes / rig.device.link
+            p = project(q397, rig, demoting, "engine")
+            assert p.terms["demote"] == pytest.approx(per_token, rel=1e-12)
+            demote = p.terms["demote"] / m.n_layer
+            want = m.n_layer * max(base_layer, demote) + base.terms["head"]
+            assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
+            assert (demote > base_layer) == (binds and share == 0.8)
     # FOMOE's schedule has its own tiers, a CPU backend no device tier: nothing to copy down
     assert project(q397, fomoe_rig, demoting, "fomoe").seconds_per_token == project(q397, fomoe_rig, plain, "fomoe").seconds_per_token
     cpu = load_hardware("cpu-only-64g")

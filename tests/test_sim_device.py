@@ -282,6 +282,33 @@ def deferred():
     configure(**before)
 
 
+def test_a_copy_up_ordered_after_another_streams_copy_down_reads_what_it_wrote(binary, deferred):
+    """Deferred, a copy to the host lands in host memory only when the host syncs its stream; a copy up
+    that a device stream makes after waiting for an event recorded after that copy down reads its bytes
+    (as a device's DMA does: a demoted expert copied down on one stream and up again on another). Without
+    the wait it reads what the host memory held before, every time."""
+    d = Device(binary)
+    down, up = d.rt.stream(), d.rt.stream()
+    n = 256
+    fresh = np.arange(n, dtype=F32)
+    src = d.upload(fresh)
+    for with_wait in (True, False):
+        host = np.zeros(n, F32)
+        dst = d.upload(np.full(n, -1, F32))  # (synced: nothing of it still queued)
+        downloaded = d.rt.event()
+        d.rt.dtoh(host.ctypes.data, src, host.nbytes, down)
+        d.rt.record(downloaded, down)
+        if with_wait:
+            d.rt.wait(up, downloaded)
+        d.rt.htod(dst, host.ctypes.data, host.nbytes, up)
+        d.rt.sync(up)
+        got = d.download(dst, n)
+        d.rt.sync(down)
+        assert np.array_equal(host, fresh)  # the host's own view, once it synced the copy's stream
+        assert np.array_equal(got, fresh if with_wait else np.zeros(n, F32))
+    d.close()
+
+
 def test_deferred_streams_run_only_what_an_event_orders(binary, deferred):
     """A kernel on the compute stream reads a buffer a copy stream fills: with the wait it sees the
     copy; without it, it reads what was there before, every time."""

@@ -9,13 +9,14 @@ Work per MoE layer step for one token (k = experts used, S = bytes of one expert
     plan      host bookkeeping of the step               host.plan
     disk      k x disk share reads of S bytes            spread over the drives (engine) or one queue (FOMOE)
     copy      k x (host + disk share) x S to the device  over the link (GPU) or make-ready (CPU backend)
-    demote    k x demoted share x S to the host          over the link, ahead of the step's copies up (GPU, engine schedule)
+    demote    k x demoted share x S to the host          over the link's other direction, beside the copies up (GPU, engine schedule)
 
 Two schedules combine them:
 
   engine  (what fomoepy does, DESIGN.md "data path of one decoded token")
-          dense -> sync -> plan -> a demoting policy's device evictees copied down on the copy stream
-          (not waited for: the link carries them ahead of the step's copies up) -> all the layer's misses read
+          dense -> sync -> plan -> a demoting policy's device evictees copied down on a stream of their own
+          (not waited for; a GPU's copy engines move them beside the copies up, the link's two
+          directions at once; the next step's copies up wait for them) -> all the layer's misses read
           at once, striped across the drives
           (one latency, then bytes / (drives x bandwidth)); each miss copied up on the copy stream
           as soon as its read lands, so the fetch is max(disk, copy) plus the last read's copy, while
@@ -176,14 +177,14 @@ def project(
         # each miss is copied up as soon as its read lands (GpuExperts.compute), so the link works beside
         # the drives: the layer's fetch is the slower of the two, plus the copy of the last read to land
         one_copy = S / copy_rate / devices_per_layer if n_copy and copy_rate else 0.0
-        # a demoting policy's copies down go first on the same link, not waited for by the host; the last
-        # copy up starts once the last read has landed (drive-bound) or once the link has done the rest
-        # (link-bound)
+        # the last copy up starts once the last read has landed (drive-bound) or once the link has done
+        # the rest (link-bound); a demoting policy's copies down run in the link's other direction, beside
+        # them: a step is no shorter than they are
         # A read made ahead (the next layer's predicted experts, during this one) hides its drive time, at
         # most the step before it; its copy up is still made in its own step (the engine copies nothing
         # ahead), so the link's time stays whole
         hidden = min(prefetch * layer["disk"], layer["dense"] + layer["experts"])
-        fetch = max(layer["disk"] - hidden + (one_copy if n_disk else 0.0), layer["demote"] + layer["copy"])
+        fetch = max(layer["disk"] - hidden + (one_copy if n_disk else 0.0), layer["copy"])
         # the compute stream runs the slots' experts, then each miss once its copy is done (the host
         # launches a miss when its copy is issued and the misses before it in the table, those at hand
         # and then the reads in id order, are too): after the last copy only that expert's work is left,
@@ -211,7 +212,7 @@ def project(
         step = layer["dense"] + layer["sync"] + serial + max(host - serial, moe)
     else:
         step = layer["dense"] + layer["sync"] + host + moe
-    step = max(step, drive_step)
+    step = max(step, drive_step, layer["demote"])
     total = m.n_layer * step + head
     terms = {name: m.n_layer * t for name, t in layer.items()}
     terms["head"] = head
@@ -224,7 +225,7 @@ def project(
         "drives": drive_bytes,
     }
     if gpu:
-        busy["link"] = terms["copy"] + terms["demote"]
+        busy["link"] = max(terms["copy"], terms["demote"])  # its two directions at once
         busy["host"] = terms["plan"]
     bound_resource = max(busy, key=busy.get)
     return Projection(

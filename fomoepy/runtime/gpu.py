@@ -122,6 +122,9 @@ class GpuBackend:
         self._mv_names: dict[tuple[int, str, int], str] = {}  # (qtype, weight, tile) -> its matvec kernel
         self.stream = self.rt.stream()  # compute
         self.copy_stream = self.rt.stream()  # expert uploads (gpu_experts.py)
+        # demoted experts' copies down: a GPU's copy engines move the two directions at once, so they need
+        # not queue ahead of the copies up (gpu_experts.py)
+        self.down_stream = self.rt.stream()
         self.pool = BufferPool(self.rt, self.stream)
         self._direct = _Direct(self.rt)
         self._keepalive: list[Any] = []  # host arrays of copies queued since the last sync

@@ -37,6 +37,10 @@ ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 SLOT_ALIGN = 256
 DOWN_SUM_MAX_TOKENS = 4  # up to this many tokens (all in slots, or all copied) the fused down + weighted-sum kernel is used
 STAGING_BUFFERS = 4
+# slots a device side may hold beyond its tier so that a step's copies up need not wait for the copies down
+# of the slots it evicts (those are reused a step later): one step's evictions, at most; 8 of the 397B's
+# 7.25 MiB experts are 58 MiB
+SPARE_SLOTS = 8
 
 
 def _align(n: int) -> int:
@@ -102,11 +106,52 @@ class _DeviceSide:
         self.computed = self.rt.event()  # recorded after grouped launches that copies into slots must wait for
         self.pending_uploads = 0  # copies issued for the layer being prepared
         self.free: dict[int, list[DeviceBuffer]] = {}  # evicted or temporary slots by size, for reuse
+        # Copies down run on their own stream (dev.down_stream). A slot whose expert was copied down, and a
+        # pinned buffer a copy down wrote, may be written or read by a copy up only once the copy stream has
+        # waited for that copy down: copies down are numbered, `down_covered` is the last the copy stream
+        # has waited for, `down_recorded` the last `down_done` was recorded after.
+        self.down_done = self.rt.event()
+        self.downloads = 0
+        self.down_recorded = 0
+        self.down_covered = 0
+        self.dirty: list[tuple[int, DeviceBuffer]] = []  # (the copy down it waits for, the slot) evicted slots
+        self.joins = 0  # times `copied` was recorded after copies up (and the compute stream waited for it)
+        self.down_saw_joins = 0  # of them, the last the down stream has waited for
+        self.down_buffers: dict[int, tuple[int, object]] = {}  # address -> (copy down, its buffer, held till covered)
+        self.spares = 0  # slots allocated beyond the tier while only dirty ones were free (up to SPARE_SLOTS)
         # grouped launches issued since the host last waited for the compute stream (a routing read-back):
         # they may still read slots that copies are about to fill. Every decode and prefill step begins
         # with such a read-back, so the record and the copies' wait are only made when none came between.
         self.launches_unsynced = False
         self.copies_wait = False  # `computed` covers such launches: the next step's first copy waits for it
+
+    def cover_downloads(self, upto: int | None = None) -> None:
+        """The copy stream waits for the copies down up to `upto` (default: those recorded, that is the
+        earlier steps'; a number past them records first: every copy down so far): their slots are free
+        for copies up, their buffers may be read by them and handed out again."""
+        upto = self.down_recorded if upto is None else upto
+        if upto <= self.down_covered:
+            return
+        if upto > self.down_recorded:
+            self.record_downloads()
+        self.rt.wait(self.dev.copy_stream, self.down_done)
+        self.down_covered = self.down_recorded
+        if self.dirty:
+            kept = []
+            for seq, buf in self.dirty:
+                if seq <= self.down_covered:
+                    self.free.setdefault(buf.nbytes, []).append(buf)
+                else:
+                    kept.append((seq, buf))
+            self.dirty = kept
+        if self.down_buffers:
+            self.down_buffers = {a: v for a, v in self.down_buffers.items() if v[0] > self.down_covered}
+
+    def record_downloads(self) -> None:
+        """`down_done` after every copy down issued so far."""
+        if self.downloads > self.down_recorded:
+            self.rt.record(self.down_done, self.dev.down_stream)
+            self.down_recorded = self.downloads
 
     def fence_launches(self) -> None:
         """Before a step's launches or an install: the launches still unsynced get an event to wait for."""
@@ -168,7 +213,8 @@ class GpuExperts:
         self.direct_uploads = 0  # of those, copied straight from a pinned read buffer (no staging memcpy)
         # reads land in pinned buffers (host_buffer), so an upload is a DMA from them; on one device only:
         # page-locked memory belongs to the context that took it
-        self.pool = PinnedPool(self.dev.rt, [self.dev.copy_stream]) if len(self.devs) == 1 else None
+        self.pool = PinnedPool(self.dev.rt, [self.dev.copy_stream, self.dev.down_stream]) if len(self.devs) == 1 else None
+        self._downloaded: dict[int, int] = {}  # slot address -> the copy down that read it (until evicted)
         self.host_buffer = self.pool.take if self.pool is not None else None
         self._joined = 0  # the pool's mark of the last join of the copies into the compute stream
 
@@ -186,7 +232,12 @@ class GpuExperts:
     def evict(self, key: Key) -> None:
         buf = self.resident.pop(key, None)
         if buf is not None:
-            self.side(key[0]).free.setdefault(buf.nbytes, []).append(buf)
+            side = self.side(key[0])
+            seq = self._downloaded.pop(buf.ptr, 0)
+            if seq > side.down_covered:  # its copy down may still be reading it: reused once covered
+                side.dirty.append((seq, buf))
+            else:
+                side.free.setdefault(buf.nbytes, []).append(buf)
 
     def download(self, key: Key) -> ExpertBytes:
         return self._download(key)
@@ -226,6 +277,7 @@ class GpuExperts:
         plan = experts.plan
         side = self.side(layer)
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
+        side.cover_downloads()  # the earlier steps' copies down (this step's, issued since, go on beside its copies up)
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
         slots: dict[int, DeviceBuffer] = {}
         missing: dict[int, bool] = {}  # expert -> whether its slot joins the device tier (to_device)
@@ -292,20 +344,25 @@ class GpuExperts:
         side.launches_unsynced = True
         for buf in temporary:
             side.free.setdefault(buf.nbytes, []).append(buf)
+        side.record_downloads()  # this step's copies down: the next step's copies up wait for them
         experts.landed()  # the reads' bookkeeping (host admissions), after the launches: it delays no kernel
         return run.out
 
     def sync_downloads(self) -> None:
         """Wait for the copies down issued so far (before the host reads a demoted expert's bytes)."""
         for side in self.sides:
-            side.rt.sync(side.dev.copy_stream)
+            side.rt.sync(side.dev.down_stream)
 
     def close(self) -> None:
         """Free the pinned staging buffers and every device slot (the engine's reset and close)."""
         for side in self.sides:
+            side.rt.sync(side.dev.down_stream)
             side.staging.close()
             side.free.clear()
+            side.dirty.clear()
+            side.down_buffers.clear()
         self.resident.clear()
+        self._downloaded.clear()
         if self.pool is not None:
             self.pool.close()
 
@@ -317,15 +374,27 @@ class GpuExperts:
             side.rt.record(side.copied, side.dev.copy_stream)
             side.rt.wait(side.dev.stream, side.copied)
             side.pending_uploads = 0
+            side.joins += 1
             if self.pool is not None:
                 self._joined = self.pool.mark()
 
     def _take_slot(self, layer: int) -> DeviceBuffer:
-        """A free slot of `layer`'s size (an evicted or streamed one), or a new one."""
+        """A free slot of `layer`'s size (an evicted or streamed one); else, while this step's evictees'
+        copies down may still read theirs, a spare (up to SPARE_SLOTS) or, past them, one of those once
+        the copy stream waits for its copy down; else a new one."""
         side = self.side(layer)
         nbytes = self.slot_layouts[layer].nbytes
         stack = side.free.get(nbytes)
-        return stack.pop() if stack else DeviceBuffer(side.dev._direct, side.rt.malloc(nbytes), nbytes)
+        if stack:
+            return stack.pop()
+        dirty = [i for i, (_, buf) in enumerate(side.dirty) if buf.nbytes == nbytes]
+        if dirty and side.spares >= SPARE_SLOTS:
+            seq, buf = side.dirty.pop(dirty[0])
+            side.cover_downloads(seq)
+            return buf
+        if dirty:
+            side.spares += 1
+        return DeviceBuffer(side.dev._direct, side.rt.malloc(nbytes), nbytes)
 
     def _upload(self, layer: int, parts: ExpertBytes, buf: DeviceBuffer | None = None) -> DeviceBuffer:
         """Copy the expert into a slot (`buf`, or a free one) on the copy stream: straight from its pinned
@@ -344,6 +413,9 @@ class GpuExperts:
                 # the bytes are in a pinned read buffer: copied from there, part by part, with no staging
                 # memcpy; the pool hands the buffer out again only after these copies are done
                 start = addresses[0]
+                written = side.down_buffers.get(start)
+                if written is not None:  # a copy down wrote these bytes: not yet waited for by this stream
+                    side.cover_downloads(written[0])
                 if all(a == start + offset for a, offset in zip(addresses, layout.offsets)):
                     # the read buffer has the slot's layout (the store's records pad as slots do): one copy
                     side.rt.htod(buf.ptr, start, layout.offsets[2] + parts[2].nbytes, side.dev.copy_stream)
@@ -373,21 +445,34 @@ class GpuExperts:
     def _download(self, key: Key) -> ExpertBytes:
         """Copy a resident expert's store bytes back to the host (a demoting policy's device evictee).
 
-        On the copy stream, so it follows the upload that filled the slot and precedes any copy that
-        reuses the slot. Into pinned memory (one device) it is not waited for: the bytes only ever go
-        back up, by a copy on the same stream, which stream order puts after this one (the host waiting
-        here cost an expert's transfer time per demotion, before the step's reads were issued). Whoever
-        reads them on the host waits for the copy stream first (`sync_downloads`). Without a pool (several
-        devices) it is synchronous."""
+        On the down stream, after the copies up that filled slots so far (the slot's among them), beside
+        the step's copies up: a GPU's copy engines move the two directions at once, and the copies up are
+        the step's critical path (on the copy stream, these went first: at the fomoe-rig's tiers 2.7
+        experts a step, a link's time as long as the step's copies up). A copy up that writes the slot or
+        reads these bytes waits for it (`_DeviceSide.cover_downloads`): the next step's, by the stream
+        order set at its start; one in the same step, by waiting then. Into pinned memory (one device) it
+        is not waited for by the host (the host waiting here cost an expert's transfer time per demotion,
+        before the step's reads were issued); whoever reads the bytes on the host waits for the down stream
+        first (`sync_downloads`). Without a pool (several devices) it is synchronous."""
         side = self.side(key[0])
         layout = self.slot_layouts[key[0]]
         parts = self.layers[key[0]].parts
         end = layout.offsets[2] + parts[2].nbytes
         # into pinned memory when there is a pool: the DMA needs no bounce, and a later copy up is direct too
         out = self.pool.take(end) if self.pool is not None else np.empty(end, np.uint8)
-        side.rt.dtoh(host_address(out), self.resident[key].ptr, end, side.dev.copy_stream)
+        if side.pending_uploads:  # an install not yet joined may have filled the slot
+            self._join_copies(side)
+        if side.joins > side.down_saw_joins:  # the copies up joined so far are done before this reads the slot
+            side.rt.wait(side.dev.down_stream, side.copied)
+            side.down_saw_joins = side.joins
+        address, slot = host_address(out), self.resident[key].ptr
+        side.rt.dtoh(address, slot, end, side.dev.down_stream)
         if self.pool is None:
-            side.rt.sync(side.dev.copy_stream)
+            side.rt.sync(side.dev.down_stream)
+        else:
+            side.downloads += 1
+            self._downloaded[slot] = side.downloads
+            side.down_buffers[address] = (side.downloads, out)  # held (not handed out again) till covered
         self.downloads += 1
         gate, up, down = (out[o : o + p.nbytes] for o, p in zip(layout.offsets, parts))
         return gate, up, down

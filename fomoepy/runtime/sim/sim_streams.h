@@ -142,6 +142,9 @@ struct Stream {
     std::deque<Op> queue;
     uint64_t submitted = 0, completed = 0, demanded = 0;
     std::deque<HeldCopy> held;  // in position order
+    // deferred mode: how far into each other stream this one's work has waited (its WAITs' records), so
+    // a copy up ordered after another stream's copy down reads what it wrote, as a device's DMA does
+    std::vector<std::pair<Stream*, uint64_t>> waited_for;  // touched by this stream's thread only
     bool stopping = false;
     std::string error;  // sticky: the first failure, reported by every later sync
     std::thread worker;
@@ -203,8 +206,10 @@ struct Stream {
                     held.push_back(std::move(h));
                 } else {
                     // a later copy on this stream that reads host memory a held copy wrote: stream order
-                    // has landed that copy for it (a demoted expert's bytes copied down, then up again)
+                    // has landed that copy for it (a demoted expert's bytes copied down, then up again);
+                    // so has an event this stream waited for, recorded on another stream after its copy
                     land_held_under(op.src, op.n);
+                    for (auto& [other, position] : waited_for) other->land_held_under(op.src, op.n, position);
                     memmove(op.dst, op.src, op.n);
                 }
                 break;
@@ -247,7 +252,12 @@ struct Stream {
                 break;
             }
             case Op::WAIT: {
-                if (config.deferred) demand(op.source, op.source_position);
+                if (config.deferred && op.source) {
+                    demand(op.source, op.source_position);
+                    auto seen = std::find_if(waited_for.begin(), waited_for.end(), [&](auto& w) { return w.first == op.source; });
+                    if (seen == waited_for.end()) waited_for.emplace_back(op.source, op.source_position);
+                    else seen->second = std::max(seen->second, op.source_position);
+                }
                 std::unique_lock<std::mutex> g(op.event->m);
                 op.event->cv.wait(g, [&] { return op.event->done >= op.target; });
                 break;
@@ -270,12 +280,12 @@ struct Stream {
         return OK;
     }
 
-    // held copies of this stream up to the last one whose destination overlaps [p, p + n), landed
-    void land_held_under(const void* p, size_t n) {
+    // held copies of this stream (up to `upto`) until the last one whose destination overlaps [p, p + n), landed
+    void land_held_under(const void* p, size_t n, uint64_t upto = UINT64_MAX) {
         std::lock_guard<std::mutex> g(m);
         const char* lo = static_cast<const char*>(p);
         size_t last = 0;
-        for (size_t i = 0; i < held.size(); i++) {
+        for (size_t i = 0; i < held.size() && held[i].position <= upto; i++) {
             const char* d = static_cast<const char*>(held[i].dst);
             if (d < lo + n && lo < d + held[i].bytes.size()) last = i + 1;
         }
