@@ -12,7 +12,9 @@ the decode of each setting:
     dense family   this model's layer-0 dense matrices and head through the backend's own product
                    (reference: float32 matvecs; cpu: ggml on the file's bytes): its rate / compute rate
     make ready     reference: store bytes/s turned into compute-ready experts (its "copy up"), through
-                   its own make_ready on bytes read from the store; cpu: none, ggml reads store bytes in place
+                   its own make_ready on bytes read from the store; cpu: none
+    slot fills     cpu: store bytes/s set into a slot of its tier, repacked (a miss's making ready there),
+                   through its own pool on experts read from the store (fomoepy.plan.measure.slot_fill_rate)
     disk           O_DIRECT reads of the store: bandwidth (many in flight), latency (one at a time)
     tier shares    the run's own hit counts (prefetch and backfill off, so every miss is a
                    synchronous read, as the model's schedule has it)
@@ -44,6 +46,7 @@ from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.store_reader import ExpertStore
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.plan.hardware import Device, Drives, Hardware, Host
+from fomoepy.plan.measure import slot_fill_rate
 from fomoepy.plan.rates import TierRates
 from fomoepy.plan.shapes import model_bytes_from_gguf
 from fomoepy.plan.timemodel import Workload, project
@@ -155,10 +158,12 @@ def disk_latency(model, store, n: int = 16) -> float:
 def measure_hardware(model, store, backend: str, threads: int) -> tuple[Hardware, float, dict]:
     """This machine's figures, as the backend computes (each a median: the machine may be shared)."""
     probe = Engine(model, EngineOptions(backend=backend, store=(str(store),), vram_cache=0, ram_cache=0, threads=threads))
+    fill = 0.0
     if backend == "cpu":
         matvec = ggml_expert_rate(probe)
         dense = ggml_dense_rate(model, threads)
-        ready = 0.0  # ggml computes on the store bytes in place: nothing to make ready
+        ready = 0.0  # ggml computes on its slots' bytes: a miss is set into a slot (fill), not made ready
+        fill = slot_fill_rate(probe)
     else:
         with threadpool_limits(threads):
             matvec = expert_rate(probe)
@@ -172,10 +177,10 @@ def measure_hardware(model, store, backend: str, threads: int) -> tuple[Hardware
     hw = Hardware(
         f"this machine, {threads} thread(s)",
         Device(0, 0, 0.0, 0.0, 0.0),
-        Host(memory=0, bandwidth=0.0, matvec=matvec, make_ready=ready, plan=0.0),
+        Host(memory=0, bandwidth=0.0, matvec=matvec, make_ready=ready, plan=0.0, fill=fill),
         Drives(1, bw, latency),
     )
-    return hw, dense / matvec, {"expert": matvec, "dense": dense, "ready": ready, "disk": bw, "latency": latency}
+    return hw, dense / matvec, {"expert": matvec, "dense": dense, "ready": ready, "fill": fill, "disk": bw, "latency": latency}
 
 
 def workload(model, engine: Engine) -> Workload:
@@ -283,10 +288,10 @@ def main() -> int:
         def span(key: str, scale: float, figs: list = figs) -> str:
             return f"{min(f[key] for f in figs) * scale:.3g}–{max(f[key] for f in figs) * scale:.3g}"
 
-        ready = "none (ggml reads store bytes in place)" if args.backend == "cpu" else f"{span('ready', 1e-9)} GB/s"
+        ready = f"slot fills {span('fill', 1e-9)} GB/s" if args.backend == "cpu" else f"make-ready {span('ready', 1e-9)} GB/s"
         lines.append(
             f"- measured, {threads} thread(s), range over the four settings: expert FFN {span('expert', 1e-9)} GB/s of "
-            f"the bytes it reads, dense products {span('dense', 1e-9)} GB/s, make-ready {ready}, disk "
+            f"the bytes it reads, dense products {span('dense', 1e-9)} GB/s, {ready}, disk "
             f"{span('disk', 1e-9)} GB/s + {span('latency', 1e6)} µs per read; fitted host_overhead_per_layer = "
             f"{fits[threads] * 1e6:.0f} µs"
         )

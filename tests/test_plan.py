@@ -578,3 +578,24 @@ def test_a_replayed_trace_that_read_ahead_is_not_read_ahead_twice(capsys, tmp_pa
                 w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=ids[0] if layer else None)
     assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 0.0, "source": "the trace's replay counts the engine's reads ahead in its hits"}
+
+
+def test_the_cpu_backend_sets_each_miss_into_a_tier_slot_once_the_reads_have_landed(q397):
+    # ggml computes the experts at hand while the misses are read, then sets each miss into a slot of
+    # its tier, repacked (GgmlExperts._install_admitted / stage), then computes them: k x disk share x S /
+    # host.fill more per layer, in series; a file without `fill` has none (store bytes computed in place)
+    cpu = load_hardware("cpu-only-64g")
+    shares = TierRates(0.0, 0.6, 0.4)
+    m = q397.model
+    plain = project(q397, cpu.with_changes(host={"fill": 0.0}), shares, "engine")
+    filled = project(q397, cpu.with_changes(host={"fill": 2e9}), shares, "engine")
+    per_token = m.n_layer * m.n_expert_used * shares.disk * m.expert_bytes / 2e9
+    assert plain.terms["fill"] == 0.0 and filled.terms["fill"] == pytest.approx(per_token, rel=1e-12)
+    assert filled.seconds_per_token - plain.seconds_per_token == pytest.approx(per_token, rel=1e-9)
+    assert filled.waits == pytest.approx(plain.waits, rel=1e-9, abs=1e-12)  # a fill is work, not a wait
+    from fomoepy.plan.report import describe
+
+    lines = [describe(q397, cpu, "stated", shares, p) for p in (filled, plain)]
+    assert "slot fills" in lines[0] and "slot fills" not in lines[1]
+    gpu = load_hardware("fomoe-rig").with_changes(host={"fill": 2e9})  # a GPU backend copies up instead
+    assert project(q397, gpu, shares, "engine").terms["fill"] == 0.0

@@ -19,6 +19,8 @@
                                  # after the last lands); the GPU engine schedule runs the rest beside them;
                                  # optional, default all of plan
     flops = "1 TFLOPS"           # CPU backend: its quantised products at prompt batch sizes; optional
+    fill = "2 GB/s"              # cpu backend: store bytes per second set (repacked) into its tier's slots, per
+                                 # expert read from the drive; optional, default none
     [drives]
     count = 2
     bandwidth = "7 GB/s"         # each
@@ -97,6 +99,9 @@ class Host:
     # plan) and after the last has landed (its copy, the last launches); the GPU engine makes the rest of
     # its copies and launches while they are read. None: all of it in series
     serial: float | None = None
+    # store bytes/s the cpu (ggml) backend sets into its tier's slots, repacked for its kernels, per expert
+    # read from the drive (its "copy up"; 0: none, it computes store bytes in place)
+    fill: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,14 +129,14 @@ class Hardware:
 _FIELDS = {
     "device": {"count": int, "memory": "size", "bandwidth": "rate", "link": "rate", "sync": "time", "flops": "flops"},
     "host": {"memory": "size", "bandwidth": "rate", "matvec": "rate", "make_ready": "rate", "plan": "time", "flops": "flops",
-             "serial": "time"},
+             "serial": "time", "fill": "rate"},
     "drives": {"count": int, "bandwidth": "rate", "latency": "time"},
 }
 _DEFAULTS = {
     "device": {"count": 0, "memory": 0, "bandwidth": 0.0, "link": 0.0, "sync": 0.0, "flops": 0.0},
     # a file without `plan` gets the GPU path's measured host time per MoE layer step (bench/host_time.py,
     # the 397B shape, the default policy, on a 2-core AVX2 machine: bench/RESULTS.md)
-    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "serial": None},
+    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "serial": None, "fill": 0.0},
     "drives": {},
 }
 

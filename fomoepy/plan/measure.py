@@ -124,6 +124,21 @@ def host_step_seconds(model: str, store: str | None = None, threads: int | None 
         engine.close()
 
 
+def slot_fill_rate(engine, experts: int = 8) -> float:
+    """Store bytes/s the cpu backend's `engine` sets into a slot of its tier (repacked where ggml has
+    kernels for the type: its making ready of a miss), over layer 0's first `experts` experts read from
+    its source first (the median of their times)."""
+    pool, source = engine.experts.device.pool_of[0], engine.source
+    parts = [source.read(0, e) for e in range(min(experts, engine.spec.moe.n_expert))]
+    nbytes = source.layers[0].expert_nbytes
+    times = []
+    for raw in parts:
+        t = time.perf_counter()
+        pool.stage(0, raw)
+        times.append(time.perf_counter() - t)
+    return nbytes / float(np.median(times))
+
+
 def measured(hw: Hardware, directory: str, model: str | None = None) -> tuple[Hardware, list[str]]:
     """`hw` with its host and drive figures replaced by this machine's (drive count kept); given a model
     file, its host time per layer step too (otherwise the hardware file's stated figure stays)."""

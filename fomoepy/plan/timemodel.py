@@ -10,6 +10,7 @@ Work per MoE layer step for one token (k = experts used, S = bytes of one expert
     disk      k x disk share reads of S bytes            spread over the drives (engine) or one queue (FOMOE)
     copy      k x (host + disk share) x S to the device  over the link (GPU) or make-ready (CPU backend)
     demote    k x demoted share x S to the host          over the link's other direction, beside the copies up (GPU, engine schedule)
+    fill      k x disk share x S set into tier slots     host.fill: the cpu (ggml) backend repacks each miss (0: none)
 
 Two schedules combine them:
 
@@ -46,7 +47,7 @@ SCHEDULES = ("engine", "fomoe")
 # is the figure its published efficiency was fitted with (bench/plan_fomoe.py). Our own schedule takes
 # the hardware file's `plan`, which is fomoepy's host time, measured (bench/host_time.py).
 FOMOE_HOST_PLAN = 40e-6
-TERMS = ("dense", "experts", "head", "sync", "plan", "disk", "copy", "demote")
+TERMS = ("dense", "experts", "head", "sync", "plan", "disk", "copy", "demote", "fill")
 # Fraction of device memory bandwidth the kernels reach, per kernel family. The GPU default is the one
 # constant fitted to FOMOE's published CAR 0.35 figure on its RDNA4 rig (see fit_efficiency); it is a
 # stand-in until our own kernels are timed on a GPU. The CPU backend's rates are measured, hence 1.
@@ -156,6 +157,8 @@ def project(
         "copy": n_copy * S / copy_rate if copy_rate else 0.0,
         # FOMOE's tiers are its own (no demotion); a CPU backend has no device tier to demote from
         "demote": k * rates.demoted * S / copy_rate if gpu and schedule == "engine" else 0.0,
+        # the cpu (ggml) backend sets each miss into a tier slot, repacked, once the step's reads have landed
+        "fill": n_disk * S / hw.host.fill if not gpu and not copy_rate and hw.host.fill else 0.0,
     }
     if schedule == "fomoe":
         layer["disk"] = n_disk * (drives.latency + S / drives.bandwidth) if n_disk else 0.0
@@ -195,10 +198,10 @@ def project(
         # a read made ahead overlaps the previous step, so it hides at most that step's compute (as on a GPU)
         hidden = min(prefetch * (layer["disk"] + layer["copy"]), layer["dense"] + layer["experts"])
         moe = layer["disk"] + layer["copy"] - hidden + layer["experts"]
-    else:  # ggml, computing on store bytes in place: the experts at hand while the misses are read
+    else:  # ggml: the experts at hand while the misses are read; then the misses set into slots, computed
         at_hand = layer["experts"] * (1 - rates.disk)
         hidden = min(prefetch * layer["disk"], layer["dense"] + layer["experts"])
-        moe = max(at_hand, layer["disk"] - hidden) + layer["experts"] - at_hand
+        moe = max(at_hand, layer["disk"] - hidden) + layer["fill"] + layer["experts"] - at_hand
     # reading ahead at accuracy p also reads the wrong guesses: about (1 - p) of the misses once more, drive
     # time that hides nothing; a step cannot be shorter than its drives' reads
     wasted = (1 - prefetch) * n_disk if prefetch and schedule == "engine" and "disk" not in drop else 0.0
@@ -221,7 +224,7 @@ def project(
     # read's latency overlaps other reads then (a schedule's disk term may serialise it, FOMOE's does)
     drive_bytes = m.n_layer * drive_step
     busy = {
-        "device" if gpu else "host compute": compute + (0.0 if gpu else terms["copy"] + terms["plan"]),
+        "device" if gpu else "host compute": compute + (0.0 if gpu else terms["copy"] + terms["plan"] + terms["fill"]),
         "drives": drive_bytes,
     }
     if gpu:
@@ -233,7 +236,7 @@ def project(
         backend="gpu" if gpu else "cpu",
         seconds_per_token=total,
         terms=terms,
-        waits=max(0.0, total - compute - terms["sync"] - terms["plan"]),
+        waits=max(0.0, total - compute - terms["sync"] - terms["plan"] - terms["fill"]),
         bound_seconds=busy[bound_resource],
         bound_resource=bound_resource,
         prefill_tokens_per_s=_prefill(work, hw, rates, (compute_rate, copy_rate, flop_rate), eff, prefill_tokens),
