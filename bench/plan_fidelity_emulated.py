@@ -200,7 +200,11 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     n = sum(measured["counts"].values())
     shares = {tier: c / n for tier, c in measured["counts"].items()}
     shares["demoted"] = measured["demotions"] / n  # a demoting policy's (the default's) copies down are a term too
-    tier_rates = TierRates(shares["device"], shares["host"], shares["disk"], source="this run's hit counts", demoted=shares["demoted"])
+    # the store's reads beyond the steps' own misses: the reads made ahead, right or wrong (their hits are
+    # host hits above), which took the drive's time beside the step before theirs
+    shares["ahead"] = max(0, measured["store"]["reads"] - measured["counts"]["disk"]) / n
+    tier_rates = TierRates(shares["device"], shares["host"], shares["disk"], source="this run's hit counts", demoted=shares["demoted"],
+                           ahead=shares["ahead"])  # fmt: skip
     steps = measured["tokens"] * mb.n_layer
     host = measured["host_step_s"] / steps
     in_series = min(host, measured["host_serial_s"] / steps)
@@ -210,9 +214,10 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     hw = hw.with_changes(device={"count": 1, "sync": 0.0, "bandwidth": rates.kernel / GPU_EFFICIENCY}, host={"plan": host, "serial": in_series})
     work = Workload(mb)
     # Reading ahead, the run's hit counts already hold what it read ahead (a prefetched expert is a host hit
-    # when its layer asks), so the engine schedule is projected from them with no read-ahead share; `fomoe
-    # plan` also hides its predictor's accuracy's share of the remaining misses, which would count the
-    # read-ahead twice: that figure is reported beside it (ahead_tok_s). FOMOE's schedule reads none ahead.
+    # when its layer asks), so the engine schedule is projected from them with no read-ahead share, the
+    # reads made ahead counted on the drive (`ahead`); `fomoe plan`'s own read-ahead also hides its
+    # predictor's accuracy's share of the remaining misses, which would count the read-ahead twice: that
+    # figure is reported beside it (ahead_tok_s). FOMOE's schedule reads none ahead.
     engine = project(work, hw, tier_rates, "engine")
     ahead = project(work, hw, tier_rates, "engine", prefetch=measured["prediction_accuracy"]) if prefetch else None
     return shares, engine, project(work, hw, tier_rates, "fomoe"), (host, in_series), ahead
@@ -282,15 +287,16 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
          f"--rig {args.rig}{' --prefetch' if args.prefetch else ''}{' --policy ' + args.policy if args.policy else ''}` ({SHAPE} shape, {args.vendor} binding over the stand-in "
          f"driver's timed null mode: {rates.describe()}; {policy_text}, {ahead}, one device)"),
         "",
-        ("| setting (device + host) | device | host | disk | demoted | host µs / layer (in series with the reads) | emulation late | measured tok/s "
-         "(less its lateness) | engine schedule tok/s | projected / measured − 1 | FOMOE's schedule tok/s |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        ("| setting (device + host) | device | host | disk | demoted | read ahead | host µs / layer (in series with the reads) | emulation late | "
+         "measured tok/s (less its lateness) | engine schedule tok/s | projected / measured − 1 | FOMOE's schedule tok/s |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r["hit_rates"]
         lines.append(
             f"| {r['setting']} | {100 * s['device']:.1f}% | {100 * s['host']:.1f}% | {100 * s['disk']:.1f}% | "
-            f"{100 * s['demoted']:.1f}% | {r['host_us_per_layer']:.0f} ({r['host_serial_us_per_layer']:.0f}) | {100 * r['emulation_late']:.1f}% | "
+            f"{100 * s['demoted']:.1f}% | {100 * s['ahead']:.1f}% | {r['host_us_per_layer']:.0f} ({r['host_serial_us_per_layer']:.0f}) | "
+            f"{100 * r['emulation_late']:.1f}% | "
             f"{r['measured_tok_s']:.2f} ({r['measured_less_late_tok_s']:.2f}) | {r['projected_tok_s']:.2f} | "
             f"{100 * (r['projected_tok_s'] / r['measured_tok_s'] - 1):+.1f}% | {r['fomoe_schedule_tok_s']:.2f} |"
         )

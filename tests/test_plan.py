@@ -599,3 +599,22 @@ def test_the_cpu_backend_sets_each_miss_into_a_tier_slot_once_the_reads_have_lan
     assert "slot fills" in lines[0] and "slot fills" not in lines[1]
     gpu = load_hardware("fomoe-rig").with_changes(host={"fill": 2e9})  # a GPU backend copies up instead
     assert project(q397, gpu, shares, "engine").terms["fill"] == 0.0
+
+
+def test_a_runs_reads_made_ahead_take_the_drives_time(q397, fomoe_rig):
+    # a run's counts hold its read-ahead hits as host hits; the reads made ahead (right or wrong) still
+    # took the drives' time, beside the step before theirs: a step is no shorter than all its drive's reads
+    m = q397.model
+    plain = TierRates(0.6, 0.12, 0.28)
+    base = project(q397, fomoe_rig, plain, "engine")
+    base_layer = (base.seconds_per_token - base.terms["head"]) / m.n_layer
+    one_read = m.expert_bytes / (fomoe_rig.drives.bandwidth * fomoe_rig.drives.count)
+    for ahead, binds in ((0.05, False), (0.3, True)):
+        p = project(q397, fomoe_rig, TierRates(0.6, 0.12, 0.28, ahead=ahead), "engine")
+        drive = (m.n_expert_used * (0.28 + ahead)) * one_read
+        assert p.seconds_per_token == pytest.approx(m.n_layer * max(base_layer, drive) + base.terms["head"], rel=1e-12)
+        assert (drive > base_layer) == binds
+        assert project(q397, fomoe_rig, TierRates(0.6, 0.12, 0.28, ahead=ahead), "fomoe").seconds_per_token == \
+            project(q397, fomoe_rig, plain, "fomoe").seconds_per_token  # FOMOE's schedule reads nothing ahead
+    with pytest.raises(FomoeError, match="read ahead"):
+        TierRates(0.6, 0.12, 0.28, ahead=1.5)

@@ -29,6 +29,10 @@ class TierRates:
     # not a tier of its own, a copy over the link that the GPU step makes before its reads (a trace's replay
     # counts them; given hit rates have none)
     demoted: float = 0.0
+    # per access, reads made a step ahead (the next layer's predicted experts, right or wrong): served
+    # beside the step before, so no step waits for them, but the drives read their bytes all the same (a
+    # run's counts have them; a projection's own read-ahead, `prefetch`, counts its wrong guesses instead)
+    ahead: float = 0.0
 
     def __post_init__(self) -> None:
         parts = (self.device, self.host, self.disk, self.substituted)
@@ -36,6 +40,8 @@ class TierRates:
             raise FomoeError(f"hit rates must each be in [0, 1], got {', '.join(f'{p:g}' for p in parts)}")
         if not 0.0 <= self.demoted <= 1.0:
             raise FomoeError(f"the demoted share must be in [0, 1], got {self.demoted:g}")
+        if not 0.0 <= self.ahead <= 1.0:
+            raise FomoeError(f"the share read ahead must be in [0, 1], got {self.ahead:g}")
         if abs(sum(parts) - 1.0) > TOLERANCE:
             raise FomoeError(f"hit rates must sum to 1 (device + host + disk + substituted), got {sum(parts):.3f}")
 

@@ -145,7 +145,7 @@ def project(
     n_disk = k * rates.disk
     n_copy = k * (rates.host + rates.disk)
     drives = hw.drives
-    if n_disk > 0:
+    if n_disk > 0 or rates.ahead > 0:
         _rate(drives.bandwidth, "drive bandwidth")
     layer = {
         "dense": work.dense_compute / (compute_rate * eff["dense"]),
@@ -205,7 +205,9 @@ def project(
     # reading ahead at accuracy p also reads the wrong guesses: about (1 - p) of the misses once more, drive
     # time that hides nothing; a step cannot be shorter than its drives' reads
     wasted = (1 - prefetch) * n_disk if prefetch and schedule == "engine" and "disk" not in drop else 0.0
-    drive_step = (n_disk + wasted) * S / (drives.bandwidth * max(1, drives.count)) if n_disk and "disk" not in drop else 0.0
+    # a run's own reads ahead (rates.ahead: its counts hold their hits as host hits) take the drives' time too
+    wasted += k * rates.ahead if schedule == "engine" else 0.0
+    drive_step = (n_disk + wasted) * S / (drives.bandwidth * max(1, drives.count)) if (n_disk or wasted) and "disk" not in drop else 0.0
     host, serial = layer["plan"], None
     if gpu and schedule == "engine" and hw.host.serial is not None:
         # the engine issues a step's reads once its plan is made and makes most of its copies and launches
