@@ -3,11 +3,14 @@ grouped launches compute every selected expert of a layer straight from its slot
 when some experts are in slots and others are being copied up, one per stage for each group.
 
 The MoE step (fomoepy.experts.step) decides where each expert comes from, as on the CPU; this class
-is its device (fomoepy.experts.device.ExpertDevice): it only fills and reads device slots. A miss is copied host → device on the copy stream through a ring of pinned
-staging buffers (the host side packs buffer i+1 while buffer i crosses PCIe), and the compute
+is its device (fomoepy.experts.device.ExpertDevice): it only fills and reads device slots. A miss is
+copied host → device on the copy stream, straight from its pinned read buffer or through a ring of
+pinned staging buffers (the host side packs buffer i+1 while buffer i crosses PCIe), and the compute
 stream waits on an event, not the host. The experts already in slots are computed first (their gate/up
-and down stages, launched before any wait on the copies), then the copied ones, then one combine of every
-pair (the same sums as one launch over all of them: moe_tables.py).
+and down stages, launched before any wait on the copies), then each stretch of copied ones as soon as
+its copies are issued, then one combine of every pair (the same sums as one launch over all of them:
+moe_tables.py). A demoting policy's evictees are copied device → host on a third stream, beside the
+copies up.
 Slot layout, mirrored in the staging buffers so one copy moves an expert:
 
     | gate (F rows) | pad to 256 | up (F rows) | pad to 256 | down (D rows) |
