@@ -168,16 +168,12 @@ def test_a_step_split_between_slots_and_copies_computes_the_bits_of_one_launch_o
     whole.close()
 
 
-def test_experts_in_slots_are_computed_before_a_missing_experts_copy_is_issued(deferred):
-    """A decode step with two experts in slots and two read from disk, one of whose reads is held: the
-    experts in slots go through gate/up and down, and their kernels run (a sync of the compute stream
-    runs them, deferred), while no copy of the step's misses has been issued, let alone completed. Only
-    then is the held read let go. A step that waits for its copies first never gets there: its held
-    read runs out of patience."""
+def step_with_9_held():
+    """layer0_step with 4, 12, 13 and 14 in slots and the read of expert 9 held; the copies up it issues
+    are logged (their sizes, in order) until the caller deletes rt.htod: (step, spec, source, copies)."""
     step, spec, source = layer0_step(device_slots=8)
     run(step, *step_input(spec, [[4, 12, 13, 14]], seed=1))  # 4, 12, 13, 14 into slots
-    device = step.device
-    dev, rt = device.dev, device.dev.rt
+    dev, rt = step.device.dev, step.device.dev.rt
     source.held = {(0, 9)}
     copies: list[int] = []
     real_htod = rt.htod
@@ -187,6 +183,45 @@ def test_experts_in_slots_are_computed_before_a_missing_experts_copy_is_issued(d
             copies.append(nbytes)
         return real_htod(dst, src, nbytes, stream)
 
+    rt.htod = htod
+    return step, spec, source, copies
+
+
+def decode_1_4_9_12(step, spec, source, after):
+    """One decode step onto experts 1, 4, 9 and 12, after(name) run after each expert kernel's launch;
+    the logging of step_with_9_held undone and the held read let go after: (output, the expert kernels
+    launched, (h, routing))."""
+    dev = step.device.dev
+    log: list[str] = []
+    expert_launches(dev, log, after)
+    h, exact = step_input(spec, [[1, 4, 9, 12]], seed=2)
+    try:
+        got = run(step, h, exact)
+    finally:
+        del dev.rt.htod, dev.launch
+        source.release("the end")
+    return got, log, (h, exact)
+
+
+def all_in_slots(spec, h, exact) -> np.ndarray:
+    """The same step with every expert already in a slot: the output a split step must give bit for bit."""
+    whole, _, _ = layer0_step(device_slots=16)
+    run(whole, *step_input(spec, [[1, 4, 9, 12]], seed=3))
+    try:
+        return run(whole, h, exact)
+    finally:
+        whole.close()
+
+
+def test_experts_in_slots_are_computed_before_a_missing_experts_copy_is_issued(deferred):
+    """A decode step with two experts in slots and two read from disk, one of whose reads is held: the
+    experts in slots go through gate/up and down, and their kernels run (a sync of the compute stream
+    runs them, deferred), while no copy of the step's misses has been issued, let alone completed. Only
+    then is the held read let go. A step that waits for its copies first never gets there: its held
+    read runs out of patience."""
+    step, spec, source, copies = step_with_9_held()
+    device = step.device
+    dev, rt = device.dev, device.dev.rt
     seen: list[tuple[str, int, bool]] = []  # (kernel, copies issued so far, the held read let go)
 
     def after(name):
@@ -196,24 +231,13 @@ def test_experts_in_slots_are_computed_before_a_missing_experts_copy_is_issued(d
             seen.append(("ran", len(copies), source.gate.is_set()))
             source.release("the experts in slots were computed")
 
-    rt.htod = htod
-    log: list[str] = []
-    expert_launches(dev, log, after)
-    h, exact = step_input(spec, [[1, 4, 9, 12]], seed=2)
-    try:
-        got = run(step, h, exact)
-    finally:
-        del rt.htod, dev.launch
-        source.release("the end")
+    got, log, (h, exact) = decode_1_4_9_12(step, spec, source, after)
     assert source.released_by == "the experts in slots were computed"
     assert [s[0] for s in seen[:3]] == [log[0], log[1], "ran"] and is_down_stage(log[1])  # both stages, run
     assert all(n == 0 and not let_go for _, n, let_go in seen[:3])  # before any copy of a miss, held read held
     assert len(copies) == 2 and device.uploads == 6  # then the misses, 1 and 9, were copied up
-    whole, _, _ = layer0_step(device_slots=16)
-    run(whole, *step_input(spec, [[1, 4, 9, 12]], seed=3))
-    assert np.array_equal(got, run(whole, h, exact))  # and computed after their copies, on the device
+    assert np.array_equal(got, all_in_slots(spec, h, exact))  # and computed after their copies, on the device
     step.close()
-    whole.close()
 
 
 def test_a_missing_expert_is_computed_once_copied_while_a_later_read_is_still_held(deferred):
@@ -223,19 +247,8 @@ def test_a_missing_expert_is_computed_once_copied_while_a_later_read_is_still_he
     misses after the last read never gets there: the held read runs out of patience. Under deferred
     streams a launch that did not wait for 1's copy on the device would read an unfilled slot: the output
     is checked against a step with every expert in a slot."""
-    step, spec, source = layer0_step(device_slots=8)
-    run(step, *step_input(spec, [[4, 12, 13, 14]], seed=1))  # 4, 12, 13, 14 into slots
-    device = step.device
-    dev, rt = device.dev, device.dev.rt
-    source.held = {(0, 9)}
-    copies: list[int] = []
-    real_htod = rt.htod
-
-    def htod(dst, src, nbytes, stream):
-        if stream is dev.copy_stream:
-            copies.append(nbytes)
-        return real_htod(dst, src, nbytes, stream)
-
+    step, spec, source, copies = step_with_9_held()
+    dev, rt = step.device.dev, step.device.dev.rt
     downs: list[tuple[int, bool]] = []  # (copies issued so far, the held read let go) at each down stage
 
     def after(name):
@@ -245,22 +258,11 @@ def test_a_missing_expert_is_computed_once_copied_while_a_later_read_is_still_he
                 rt.sync(dev.stream)
                 source.release("the first miss was computed")
 
-    rt.htod = htod
-    log: list[str] = []
-    expert_launches(dev, log, after)
-    h, exact = step_input(spec, [[1, 4, 9, 12]], seed=2)
-    try:
-        got = run(step, h, exact)
-    finally:
-        del rt.htod, dev.launch
-        source.release("the end")
+    got, _, (h, exact) = decode_1_4_9_12(step, spec, source, after)
     assert source.released_by == "the first miss was computed"
     assert downs == [(0, False), (1, False), (2, True)]  # slots' experts, then 1 with 9 held, then 9
-    whole, _, _ = layer0_step(device_slots=16)
-    run(whole, *step_input(spec, [[1, 4, 9, 12]], seed=3))
-    assert np.array_equal(got, run(whole, h, exact))
+    assert np.array_equal(got, all_in_slots(spec, h, exact))
     step.close()
-    whole.close()
 
 
 def test_a_prefetched_read_is_issued_before_the_layers_expert_kernels_and_in_flight_while_they_run(tmp_path, deferred):
