@@ -422,3 +422,53 @@ def test_a_steps_copies_up_do_not_wait_for_its_own_copies_down(tmp_path, deferre
     cpu = open_oracle_engine(name).logits(tokens)
     assert np.abs(got - cpu).max() / cpu.std() <= LOGIT_TOL
     engine.close()
+
+
+def test_any_wait_for_the_compute_stream_frees_what_waited_on_it(tmp_path):
+    """The host's waits for the compute stream are counted by the runtime (rt.syncs), whatever made them
+    (a routing read-back, the sampler's, a plain synchronize): launches queued before one need no event for
+    the copies after them, and a join of the copies before one frees the pinned buffers given back before
+    it without an event wait."""
+    engine, _ = sim_store_engine(tmp_path, vram_cache=600_000, ram_cache=4_000_000, prefetch=False)
+    dev, device = engine.devices[0], engine.experts.device
+    side, pool = device.sides[0], device.pool
+    recorded = []
+    real_record = dev.rt.record
+    dev.rt.record = lambda event, stream: recorded.append(event) or real_record(event, stream)
+    try:
+        side.launched()
+        dev.synchronize()  # not a routing read-back: any wait for the compute stream
+        side.fence_launches()
+        assert side.computed not in recorded and not side.copies_wait
+        side.launched()
+        side.fence_launches()  # no wait between: the copies after must wait for these launches
+        assert side.computed in recorded and side.copies_must_wait()
+        dev.synchronize()
+        assert not side.copies_must_wait()
+        parts = engine.source.read(0, 0)
+        device.install((0, 0), parts)
+        device._join_copies(side)
+        mark = side.joins_pending[-1][0]
+        device._pinned(4096)
+        assert pool.passed < mark  # no wait for the compute stream since the join
+        dev.synchronize()
+        device._pinned(4096)
+        assert pool.passed >= mark
+    finally:
+        del dev.rt.record
+    engine.close()
+
+
+def test_a_copy_down_of_an_expert_just_copied_up_reads_its_bytes(tmp_path, deferred):
+    """An expert installed (copied up, no wait for the compute stream since) and demoted at once: its copy
+    down, on its own stream, waits for the copy up, so the host gets the store's bytes. Deferred, a copy
+    down that did not wait would read the slot before the copy up ran."""
+    engine, _ = sim_store_engine(tmp_path, vram_cache=600_000, ram_cache=4_000_000, prefetch=False)
+    device = engine.experts.device
+    parts = engine.source.read(0, 3)
+    want = [np.array(p, copy=True) for p in parts]
+    device.install((0, 3), parts)
+    got = device.download((0, 3))
+    device.sync_downloads()
+    assert all(np.array_equal(np.asarray(g), w) for g, w in zip(got, want))
+    engine.close()

@@ -119,14 +119,19 @@ class _DeviceSide:
         self.down_covered = 0
         self.dirty: list[tuple[int, DeviceBuffer]] = []  # (the copy down it waits for, the slot) evicted slots
         self.joins = 0  # times `copied` was recorded after copies up (and the compute stream waited for it)
+        self.joined_at = 0  # the compute stream's sync count at the last of them
         self.down_saw_joins = 0  # of them, the last the down stream has waited for
         self.down_buffers: dict[int, tuple[int, object]] = {}  # address -> (copy down, its buffer, held till covered)
         self.spares = 0  # slots allocated beyond the tier while only dirty ones were free (up to SPARE_SLOTS)
-        # grouped launches issued since the host last waited for the compute stream (a routing read-back):
-        # they may still read slots that copies are about to fill. Every decode and prefill step begins
-        # with such a read-back, so the record and the copies' wait are only made when none came between.
+        # grouped launches issued since the host last waited for the compute stream (a routing read-back,
+        # any synchronisation: rt.syncs counts them): they may still read slots that copies are about to
+        # fill. Every decode and prefill step begins with such a read-back, so the record and the copies'
+        # wait are only made when none came between.
         self.launches_unsynced = False
+        self.launched_at = 0  # the compute stream's sync count when they were queued
         self.copies_wait = False  # `computed` covers such launches: the next step's first copy waits for it
+        self.computed_at = 0  # the sync count when `computed` was recorded
+        self.joins_pending: list[tuple[int, int]] = []  # (the pinned pool's mark of a join, the sync count then)
 
     def cover_downloads(self, upto: int | None = None) -> None:
         """The copy stream waits for the copies down up to `upto` (default: those recorded, that is the
@@ -156,12 +161,34 @@ class _DeviceSide:
             self.rt.record(self.down_done, self.dev.down_stream)
             self.down_recorded = self.downloads
 
+    def launched(self) -> None:
+        """Grouped launches were queued: copies into slots may have to wait for them."""
+        self.launches_unsynced = True
+        self.launched_at = self.rt.syncs(self.dev.stream)
+
     def fence_launches(self) -> None:
-        """Before a step's launches or an install: the launches still unsynced get an event to wait for."""
-        if self.launches_unsynced:
+        """Before a step's launches or an install: the launches still unsynced get an event to wait for
+        (none if the host has waited for the compute stream since they were queued)."""
+        if self.launches_unsynced and self.rt.syncs(self.dev.stream) == self.launched_at:
             self.rt.record(self.computed, self.dev.stream)
-            self.launches_unsynced = False
             self.copies_wait = True
+            self.computed_at = self.launched_at
+        self.launches_unsynced = False
+
+    def copies_must_wait(self) -> bool:
+        """Whether the next copy into a slot waits for `computed` (not if the host has waited for the
+        compute stream since it was recorded)."""
+        if self.copies_wait and self.rt.syncs(self.dev.stream) != self.computed_at:
+            self.copies_wait = False
+        return self.copies_wait
+
+    def joins_passed(self) -> int:
+        """The pinned pool's newest join mark that a wait of the host for the compute stream has passed
+        (the compute stream waited for the copies before it), or 0."""
+        now, passed = self.rt.syncs(self.dev.stream), 0
+        while self.joins_pending and self.joins_pending[0][1] < now:
+            passed = self.joins_pending.pop(0)[0]
+        return passed
 
 
 @dataclass
@@ -218,8 +245,16 @@ class GpuExperts:
         # page-locked memory belongs to the context that took it
         self.pool = PinnedPool(self.dev.rt, [self.dev.copy_stream, self.dev.down_stream]) if len(self.devs) == 1 else None
         self._downloaded: dict[int, int] = {}  # slot address -> the copy down that read it (until evicted)
-        self.host_buffer = self.pool.take if self.pool is not None else None
-        self._joined = 0  # the pool's mark of the last join of the copies into the compute stream
+        self.host_buffer = self._pinned if self.pool is not None else None
+
+    def _pinned(self, nbytes: int) -> np.ndarray:
+        """A buffer of the pinned pool (one device), the pool first told which of its join marks a wait
+        for the compute stream has passed since: the buffers given back before them are free of their
+        copies, with no event to wait for."""
+        passed = self.sides[0].joins_passed()
+        if passed:
+            self.pool.passed_mark(passed)
+        return self.pool.take(nbytes)
 
     def side(self, layer: int) -> _DeviceSide:
         return self.sides[self.device_of_layer[layer]]
@@ -258,14 +293,10 @@ class GpuExperts:
         None for the prediction when the next layer sits on another device (route() relays h there)."""
         side = self.side(layer)
         dev = side.dev
-        joined = self._joined  # the read-back below waits for the compute stream, which waited for that point
         if layer + 1 >= len(self.layers) or self.side(layer + 1).dev is not dev:
             exact, ahead = dev.route(logits, gating, k), None
         else:
             exact, ahead = dev.route_many([(logits, gating, k), (dev.linear(h, self.routers[layer + 1]), "softmax", k)])
-        if self.pool is not None:
-            self.pool.passed_mark(joined)  # the buffers given back before it are free of their copies
-        side.launches_unsynced = side.copies_wait = False  # the read-back waited for every launch before it
         return exact, None if ahead is None else ahead.ids
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
@@ -334,7 +365,7 @@ class GpuExperts:
         except BaseException:
             # the slots no launch reads are free again; a later copy into a slot the launches above read
             # (one evicted next) waits for them
-            side.launches_unsynced = True
+            side.launched()
             for buf in [slots[e] for e in missing] + temporary:
                 side.free.setdefault(buf.nbytes, []).append(buf)
             raise
@@ -344,7 +375,7 @@ class GpuExperts:
             self._combine(run)
         else:
             self._grouped(run)
-        side.launches_unsynced = True
+        side.launched()
         for buf in temporary:
             side.free.setdefault(buf.nbytes, []).append(buf)
         side.record_downloads()  # this step's copies down: the next step's copies up wait for them
@@ -378,8 +409,9 @@ class GpuExperts:
             side.rt.wait(side.dev.stream, side.copied)
             side.pending_uploads = 0
             side.joins += 1
+            side.joined_at = side.rt.syncs(side.dev.stream)
             if self.pool is not None:
-                self._joined = self.pool.mark()
+                side.joins_pending.append((self.pool.mark(), side.rt.syncs(side.dev.stream)))
 
     def _take_slot(self, layer: int) -> DeviceBuffer:
         """A free slot of `layer`'s size (an evicted or streamed one); else, while this step's evictees'
@@ -406,7 +438,7 @@ class GpuExperts:
         layout = self.slot_layouts[layer]
         if buf is None:
             buf = self._take_slot(layer)
-        if not side.pending_uploads and side.copies_wait:
+        if not side.pending_uploads and side.copies_must_wait():
             # a reused slot may still be read by grouped launches no read-back has waited for: copies wait
             side.rt.wait(side.dev.copy_stream, side.computed)
             side.copies_wait = False
@@ -462,11 +494,12 @@ class GpuExperts:
         parts = self.layers[key[0]].parts
         end = layout.offsets[2] + parts[2].nbytes
         # into pinned memory when there is a pool: the DMA needs no bounce, and a later copy up is direct too
-        out = self.pool.take(end) if self.pool is not None else np.empty(end, np.uint8)
+        out = self._pinned(end) if self.pool is not None else np.empty(end, np.uint8)
         if side.pending_uploads:  # an install not yet joined may have filled the slot
             self._join_copies(side)
         if side.joins > side.down_saw_joins:  # the copies up joined so far are done before this reads the slot
-            side.rt.wait(side.dev.down_stream, side.copied)
+            if side.rt.syncs(side.dev.stream) <= side.joined_at:  # (a wait for the compute stream since: done)
+                side.rt.wait(side.dev.down_stream, side.copied)
             side.down_saw_joins = side.joins
         address, slot = host_address(out), self.resident[key].ptr
         side.rt.dtoh(address, slot, end, side.dev.down_stream)

@@ -92,6 +92,7 @@ class DriverShim(ABC):
     def __init__(self, api: Any, device: int = 0):
         self.api = api
         self.device = device
+        self._syncs: dict[int, int] = {}  # id of a stream -> the host's waits for it so far
 
     # -- what differs: set in the vendor modules --------------------------------------------------------
     @abstractmethod
@@ -161,6 +162,13 @@ class DriverShim(ABC):
 
     def sync(self, stream: Any) -> None:
         self.call(self.names.stream_sync, stream)
+        self._syncs[id(stream)] = self._syncs.get(id(stream), 0) + 1
+
+    def syncs(self, stream: Any) -> int:
+        """How many times the host has waited for `stream` (the one object its owner keeps): at each,
+        everything queued on it before was done. Whoever needs to know that some work of theirs is done
+        compares this count with the one when they queued it, whatever made the wait."""
+        return self._syncs.get(id(stream), 0)
 
     def event(self, timing: bool = False) -> Any:
         return self.call(self.names.event_create, EVENT_DEFAULT if timing else EVENT_DISABLE_TIMING)
