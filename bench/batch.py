@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 from decode import ensure_model
-from results import load_line, record
+from results import load_line, publish
 from soak import Conn, pct
 
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
@@ -215,10 +215,7 @@ def main() -> int:
         "| expert MB used / token | of which read from store MB / token |\n|---|---|---|---|---|---|---|---|\n"
         + "\n".join(rows) + "\n"
     )  # fmt: skip
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from datetime import date
 import numpy as np
 from batch import prompts
 from decode import ensure_model
-from results import record
+from results import publish
 
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.store_reader import ExpertStore
@@ -137,10 +137,7 @@ def main() -> int:
         "| sequences B | step ms | of which ggml ms | host ms | step ms / row | ggml ms / row | B·t(1)/t(B) step "
         "| B·t(1)/ggml(B) products only |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n" + "\n".join(lines) + "\n"
     )  # fmt: skip
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

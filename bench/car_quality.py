@@ -28,7 +28,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
-from results import record
+from results import publish
 
 from fomoepy.data import demo_heldout_path, demo_model_path
 from fomoepy.engine import Engine, EngineOptions
@@ -167,10 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         + table(outcomes, targets)
         + "\n"
     )
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

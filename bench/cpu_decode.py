@@ -29,7 +29,7 @@ from pathlib import Path
 
 import llama_peer
 import numpy as np
-from results import load_line, record
+from results import load_line, publish
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
@@ -125,10 +125,7 @@ def main() -> int:
         "| run | prefill tok/s | decode tok/s | decode CPU ms/token |\n|---|---|---|---|\n"
     )
     report = header + "\n".join(rows) + "\n"
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 def _median(runs: list, i: int) -> float:

@@ -29,7 +29,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
-from results import record
+from results import publish
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
@@ -185,10 +185,7 @@ def main() -> int:
         + reference
         + f"| llama.cpp --n-cpu-moe | {llama} |\n"
     )
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

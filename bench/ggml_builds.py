@@ -30,7 +30,7 @@ import subprocess
 import sys
 from datetime import date
 
-from results import record
+from results import publish
 
 K_EMBD, FF, N_EXPERT, TOP_K = 1024, 512, 64, 8
 Q4_K, Q6_K, F32, I32 = 12, 14, 0, 26
@@ -213,10 +213,7 @@ def main() -> int:
         f"--repeats {args.repeats} --calls {args.calls}`; median µs per compute over {args.repeats} interleaved runs\n\n"
         + "\n".join(lines) + "\n"
     )  # fmt: skip
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 def version(libdir: str) -> str:

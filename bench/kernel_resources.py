@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
 
-from results import record
+from results import publish
 
 from fomoepy.devtools import amdgpu_codegen as ag
 from fomoepy.devtools import amdgpu_device_libs as devlibs
@@ -97,10 +97,7 @@ def main() -> int:
         "",
         "\n\n".join(tables),
     ])  # fmt: skip
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

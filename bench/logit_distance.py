@@ -19,7 +19,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
-from results import record
+from results import publish
 
 from fomoepy.engine import Engine, EngineOptions
 
@@ -55,10 +55,7 @@ def main() -> int:
         lines.append(f"| {name} | {row['ref']:.2e} | {row['cpu']:.3f} | {row['exact']:.3f} |")
     lines.append(f"| worst | {worst['ref']:.2e} | {worst['cpu']:.3f} | {worst['exact']:.3f} |")
     report = "\n".join(lines)
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from datetime import date
 
 import numpy as np
 from cpu_decode import ensure_model, timed_run
-from results import record
+from results import publish
 
 from fomoepy.engine import Engine, EngineOptions
 
@@ -61,10 +61,7 @@ def main() -> int:
         f"Unmapping after each use costs {1 - unmapped / kept:.0%} of the decode speed ({unmapped:.1f} against {kept:.1f} tok/s).",
     ]
     report = "\n".join(lines)
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import llama_peer
 import numpy as np
-from results import record
+from results import publish
 from store_read import MODEL, RawReader, ensure_model
 
 from fomoepy.devtools import router_skew
@@ -320,10 +320,7 @@ def main() -> int:
         "| measured on | tokens | top 10% | top 25% | top 50% | most used expert |\n|---|---|---|---|---|---|\n"
         + "\n".join(usage) + "\n"
     )  # fmt: skip
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

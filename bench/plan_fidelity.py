@@ -39,7 +39,7 @@ from datetime import date
 import numpy as np
 import plan_fidelity_emulated
 from decode import decode_tokens, disk_bandwidth, ensure_model
-from results import record
+from results import publish
 from threadpoolctl import threadpool_limits
 
 from fomoepy.engine import Engine, EngineOptions
@@ -298,10 +298,7 @@ def main() -> int:
     verdict = "within" if worst <= WITHIN else "NOT within"
     lines.append(f"- worst predicted setting: {100 * worst:.1f}% off, {verdict} {100 * WITHIN:.0f}%")
     report = "\n".join(lines)
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from datetime import date
 
-from results import record
+from results import publish
 
 from fomoepy.plan.hardware import load_hardware
 from fomoepy.plan.rates import parse_hit_rates
@@ -79,10 +79,7 @@ def main() -> int:
         "(every miss read when the router asks) and with 85 % of misses read a layer ahead, layers alternating GPUs as FOMOE does",
     ]
     report = "\n".join(lines)
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from results import load_line, record
+from results import load_line, publish
 
 from fomoepy.experts import simulate as replay
 from fomoepy.experts.cache import ExpertCache
@@ -88,10 +88,7 @@ def main() -> int:
         lines.append(f"| {policy} | {per_step['core'] * 1e6:.1f} | {per_step['python'] * 1e6:.0f} | "
                      f"{per_step['core'] * n_layer * 1e3:.2f} | {results['core'].memory_hit_rate:.1%} |")  # fmt: skip
     report = "\n".join(lines)
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from results import load_line, record
+from results import load_line, publish
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
@@ -99,10 +99,7 @@ def main() -> int:
     )
     footer = f"\nbatched / token by token: {batched[0] / stepped[0]:.1f}x\n"
     report = header + "\n".join(rows) + "\n" + footer
-    print(report)
-    if args.record:
-        record(report)
-    return 0
+    return publish(report, args.record)
 
 
 if __name__ == "__main__":

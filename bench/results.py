@@ -27,3 +27,11 @@ def record(report: str) -> None:
         first = f"{first} — {load_line()}"
     existing = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     RESULTS.write_text(existing.rstrip("\n") + "\n\n" + (first + "\n" + rest).rstrip("\n") + "\n")
+
+
+def publish(report: str, keep: bool) -> int:
+    """A bench script's last step: print its report, append it here when `keep` (--record); its exit code."""
+    print(report)
+    if keep:
+        record(report)
+    return 0
