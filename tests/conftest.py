@@ -1,4 +1,5 @@
-"""Shared fixtures: where the oracle files are, and engines opened once per session."""
+"""Shared fixtures: where the oracle files are, engines opened once per session, and the plan tests'
+workload (Qwen3.5-397B's shape) and rig (FOMOE's)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,21 @@ def oracle_dir() -> Path:
 @pytest.fixture(scope="session")
 def manifest() -> dict:
     return json.loads((ORACLE / "MANIFEST.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def q397():
+    from fomoepy.plan.shapes import SHAPES, model_bytes
+    from fomoepy.plan.timemodel import Workload
+
+    return Workload(model_bytes(SHAPES["qwen3.5-397b-a17b"]))
+
+
+@pytest.fixture(scope="session")
+def fomoe_rig():
+    from fomoepy.plan.hardware import load_hardware
+
+    return load_hardware("fomoe-rig")
 
 
 _engines: dict = {}
