@@ -206,8 +206,9 @@ def project(
     # time that hides nothing; a step cannot be shorter than its drives' reads
     wasted = (1 - prefetch) * n_disk if prefetch and schedule == "engine" and "disk" not in drop else 0.0
     # a run's own reads ahead (rates.ahead: its counts hold their hits as host hits) take the drives' time too
-    wasted += k * rates.ahead if schedule == "engine" else 0.0
-    drive_step = (n_disk + wasted) * S / (drives.bandwidth * max(1, drives.count)) if (n_disk or wasted) and "disk" not in drop else 0.0
+    ahead = k * rates.ahead if schedule == "engine" else 0.0
+    drive_reads = n_disk + wasted + ahead  # a step's reads of the drives, whoever waits for them
+    drive_step = drive_reads * S / (drives.bandwidth * max(1, drives.count)) if drive_reads and "disk" not in drop else 0.0
     host, serial = layer["plan"], None
     if gpu and schedule == "engine" and hw.host.serial is not None:
         # the engine issues a step's reads once its plan is made and makes most of its copies and launches

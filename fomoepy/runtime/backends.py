@@ -114,10 +114,12 @@ def make_backend(name: str, threads: int | None = None, device: int = 0, tune_ro
 
 
 def _ggml_backend(threads: int | None, tune_rows: bool):
-    """The cpu backend, its OpenMP threads told first whether to spin (fomoepy.runtime.ggml_threads)."""
+    """The cpu backend, its OpenMP threads told first whether to spin (fomoepy.runtime.ggml_threads).
+    tune_rows is the engine's "no -t": its thread count is then the free cores just sampled
+    (cpu_threads), at most, and they are not sampled again."""
     from fomoepy.runtime import ggml_threads
 
-    ggml_threads.choose(threads or 1, free_cores)
+    ggml_threads.choose(threads or 1, (lambda: threads or 1) if tune_rows else free_cores)
     from fomoepy.runtime.ggml_cpu import GgmlBackend
 
     return GgmlBackend(threads, tune_rows)

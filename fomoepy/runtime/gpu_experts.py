@@ -19,6 +19,7 @@ Slot layout, mirrored in the staging buffers so one copy moves an expert:
 from __future__ import annotations
 
 import ctypes
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,7 +132,7 @@ class _DeviceSide:
         self.launched_at = 0  # the compute stream's sync count when they were queued
         self.copies_wait = False  # `computed` covers such launches: the next step's first copy waits for it
         self.computed_at = 0  # the sync count when `computed` was recorded
-        self.joins_pending: list[tuple[int, int]] = []  # (the pinned pool's mark of a join, the sync count then)
+        self.joins_pending: deque[tuple[int, int]] = deque()  # (the pinned pool's mark of a join, the sync count then)
 
     def cover_downloads(self, upto: int | None = None) -> None:
         """The copy stream waits for the copies down up to `upto` (default: those recorded, that is the
@@ -187,7 +188,7 @@ class _DeviceSide:
         (the compute stream waited for the copies before it), or 0."""
         now, passed = self.rt.syncs(self.dev.stream), 0
         while self.joins_pending and self.joins_pending[0][1] < now:
-            passed = self.joins_pending.pop(0)[0]
+            passed = self.joins_pending.popleft()[0]
         return passed
 
 
@@ -251,10 +252,14 @@ class GpuExperts:
         """A buffer of the pinned pool (one device), the pool first told which of its join marks a wait
         for the compute stream has passed since: the buffers given back before them are free of their
         copies, with no event to wait for."""
-        passed = self.sides[0].joins_passed()
+        self._tell_pool(self.sides[0])
+        return self.pool.take(nbytes)
+
+    def _tell_pool(self, side: _DeviceSide) -> None:
+        """The pinned pool learns which of its join marks a wait for the compute stream has passed."""
+        passed = side.joins_passed()
         if passed:
             self.pool.passed_mark(passed)
-        return self.pool.take(nbytes)
 
     def side(self, layer: int) -> _DeviceSide:
         return self.sides[self.device_of_layer[layer]]
@@ -411,7 +416,8 @@ class GpuExperts:
             side.joins += 1
             side.joined_at = side.rt.syncs(side.dev.stream)
             if self.pool is not None:
-                side.joins_pending.append((self.pool.mark(), side.rt.syncs(side.dev.stream)))
+                self._tell_pool(side)  # (the marks already passed first: the pending ones stay few)
+                side.joins_pending.append((self.pool.mark(), side.joined_at))
 
     def _take_slot(self, layer: int) -> DeviceBuffer:
         """A free slot of `layer`'s size (an evicted or streamed one); else, while this step's evictees'
