@@ -154,6 +154,8 @@ def child(args: argparse.Namespace) -> dict:
     before = cache.stats.summary()
     step.records, in_step[0], reads_late[0], serial[0] = [], 0.0, 0.0, 0.0
     w0, late0, reads0, down0, sync_late0 = lib.sim_timed_waited_ns(), source.late, source.reads, device.downloads, lib.sim_timed_late_ns()
+    ahead_counts = streamer.read_ahead.counts if streamer.read_ahead is not None else None
+    ahead0 = asdict(ahead_counts) if ahead_counts is not None else {}
     t0 = time.perf_counter()
     decode(range(args.warm, n_tokens))
     wall = time.perf_counter() - t0
@@ -169,7 +171,10 @@ def child(args: argparse.Namespace) -> dict:
     counts = {"device": after["device"]["hits"] - before["device"]["hits"], "host": after["host"]["hits"] - before["host"]["hits"],
               "disk": after["disk"]["reads"] - before["disk"]["reads"]}  # fmt: skip
     parts = {p: sum(getattr(r, p) for r in step.records) for p in ("route", "plan", "wait", "compute", "release")}
-    return {"wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_serial_s": serial[0], "late_s": late,
+    # the reads made ahead in the measured tokens: issued, used by their step (among its disk reads), wrong,
+    # dropped unread
+    ahead = {c: v - ahead0[c] for c, v in asdict(ahead_counts).items()} if ahead_counts is not None else None
+    return {"ahead": ahead, "wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_serial_s": serial[0], "late_s": late,
             "counts": counts, "prediction_accuracy": streamer.prefetch_stats.accuracy, "step_parts_s": parts, "store": store, "demotions": device.downloads - down0, "device": dev.rt.device_name}  # fmt: skip
 
 
@@ -190,7 +195,7 @@ def run_setting(args: argparse.Namespace, rates: EmulatedRates, device_share: fl
 
 def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) -> tuple:
     """fomoe plan's engine schedule and FOMOE's for this run's figures: (tier shares, engine, fomoe, host
-    s/layer, the engine schedule with fomoe plan's read-ahead share on top or None)."""
+    s/layer and of it in series, (the read-ahead share, reads landed ahead a step measured and projected))."""
     from fomoepy.plan.hardware import load_hardware
     from fomoepy.plan.rates import TierRates
     from fomoepy.plan.shapes import model_bytes, shape_by_name
@@ -200,8 +205,8 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     n = sum(measured["counts"].values())
     shares = {tier: c / n for tier, c in measured["counts"].items()}
     shares["demoted"] = measured["demotions"] / n  # a demoting policy's (the default's) copies down are a term too
-    # the store's reads beyond the steps' own misses: the reads made ahead, right or wrong (their hits are
-    # host hits above), which took the drive's time beside the step before theirs
+    # the store's reads beyond the steps' own misses: the wrong guesses read ahead, which took the drive's
+    # time beside the step before theirs (the right ones are among the disk reads: the cache counts them so)
     shares["ahead"] = max(0, measured["store"]["reads"] - measured["counts"]["disk"]) / n
     tier_rates = TierRates(shares["device"], shares["host"], shares["disk"], source="this run's hit counts", demoted=shares["demoted"],
                            ahead=shares["ahead"])  # fmt: skip
@@ -213,14 +218,14 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     hw = load_hardware(rig)
     hw = hw.with_changes(device={"count": 1, "sync": 0.0, "bandwidth": rates.kernel / GPU_EFFICIENCY}, host={"plan": host, "serial": in_series})
     work = Workload(mb)
-    # Reading ahead, the run's hit counts already hold what it read ahead (a prefetched expert is a host hit
-    # when its layer asks), so the engine schedule is projected from them with no read-ahead share, the
-    # reads made ahead counted on the drive (`ahead`); `fomoe plan`'s own read-ahead also hides its
-    # predictor's accuracy's share of the remaining misses, which would count the read-ahead twice: that
-    # figure is reported beside it (ahead_tok_s). FOMOE's schedule reads none ahead.
-    engine = project(work, hw, tier_rates, "engine")
-    ahead = project(work, hw, tier_rates, "engine", prefetch=measured["prediction_accuracy"]) if prefetch else None
-    return shares, engine, project(work, hw, tier_rates, "fomoe"), (host, in_series), ahead
+    # Reading ahead, the share of the run's disk reads that its step took from a read made ahead is the
+    # projection's read-ahead share (`fomoe plan` assumes its predictor's accuracy instead); the wrong
+    # guesses read are `ahead`. FOMOE's schedule reads none ahead.
+    share = measured["ahead"]["used"] / measured["counts"]["disk"] if prefetch and measured["counts"]["disk"] else 0.0
+    engine = project(work, hw, tier_rates, "engine", prefetch=share)
+    # right guesses landed before their step asked, per layer step: measured, and as the projection has it
+    landed = (measured["ahead"]["landed"] / steps if prefetch else 0.0, engine.landed_ahead)
+    return shares, engine, project(work, hw, tier_rates, "fomoe"), (host, in_series), (share, landed)
 
 
 def measure(args: argparse.Namespace, rates: EmulatedRates, device_share: float, host_share: float) -> dict:
@@ -250,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     for name, device_share, host_share in SETTINGS:
         measured = measure(args, rates, device_share, host_share)
-        shares, engine, fomoe, (host, in_series), ahead = projections(rates, args.rig, measured, args.prefetch)
+        shares, engine, fomoe, (host, in_series), (ahead_share, landed) = projections(rates, args.rig, measured, args.prefetch)
         rows.append({
             "setting": name, "measured_tok_s": measured["tokens"] / measured["wall_s"],
             # the emulation's own lateness (see child) is the busy machine's, not the engine's; this bound
@@ -261,7 +266,9 @@ def main(args: argparse.Namespace) -> int:
             "waits_s": {"device": measured["device_wait_s"], "reads": measured["read_wait_s"]}, "wall_s": measured["wall_s"],
             "host_step_s": measured["host_step_s"], "demotions": measured["demotions"], "store": measured["store"],
             "prediction_accuracy": measured["prediction_accuracy"],
-            **({"ahead_tok_s": ahead.tokens_per_s} if ahead is not None else {}),
+            "read_ahead": measured["ahead"], "read_ahead_share": ahead_share,
+            # right guesses landed before their step asked, per step: measured, and as the projection has it
+            "landed_ahead": landed,
             "terms_ms_per_token": {t: v * 1e3 for t, v in engine.terms.items()}, "device": measured["device"],
         })  # fmt: skip
     if args.json:
@@ -312,9 +319,14 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
          f"their time (a busy machine's, not the engine's; an upper bound); load average at the end {os.getloadavg()[0]:.2f} (1 min)"),
     ]
     if args.prefetch:
-        lines += [("- with `fomoe plan`'s read-ahead share (the predictor's accuracy) on top of the run's hits, which "
-                   "already hold what was read ahead: ") + ", ".join(
-                      f"{r['setting']} {r['ahead_tok_s']:.2f} tok/s ({100 * (r['ahead_tok_s'] / r['measured_tok_s'] - 1):+.0f}%)"
+        lines += [("- reads made ahead (two in flight per drive, most confident first; a guess its layer did not choose "
+                   "and that was never issued is dropped unread): ") + "; ".join(
+                      f"{r['setting']}: {r['read_ahead']['issued']} issued, {r['read_ahead']['used']} used by their step "
+                      f"({100 * r['read_ahead_share']:.0f}% of its disk reads, the projection's read-ahead share; "
+                      f"{r['read_ahead']['landed']} of them landed before it asked: {r['landed_ahead'][0]:.2f} a step, "
+                      f"projected {r['landed_ahead'][1]:.2f}), {r['read_ahead']['wasted']} wrong "
+                      f"({r['read_ahead']['in_the_way']} still in flight when their layer routed), "
+                      f"{r['read_ahead']['skipped']} dropped unread"
                       for r in rows)]  # fmt: skip
     return "\n".join(lines)
 

@@ -316,7 +316,7 @@ def test_a_prefetched_read_is_issued_before_the_layers_expert_kernels_and_in_fli
         del dev.launch, dev.rt.sync
         source.release("the end")
     prefetches = [e for e in events if e[0] == "read" and e[1] > e[3]]
-    assert prefetches and streamer.prefetch_stats.issued == len(prefetches)
+    assert prefetches and streamer.read_ahead.counts.issued == len(prefetches)
     il = prefetches[0][3]
     first_launch = next(i for i, e in enumerate(events) if e[0] == "launch" and e[2] == il)
     assert events.index(prefetches[0]) < first_launch  # issued before layer il's expert kernels

@@ -405,9 +405,9 @@ def test_a_trace_replay_counts_the_demotions_of_a_demoting_policy():
         assert rates.demoted <= rates.host + rates.disk  # only a copied-up miss evicts a device expert
 
 
-def test_a_replayed_trace_that_read_ahead_is_not_read_ahead_twice(capsys, tmp_path):
-    # the replay of a run that read ahead admits those reads (its hits hold them): the projection then
-    # counts no share of the misses as read ahead on top
+def test_a_replayed_trace_that_read_ahead_projects_its_reads_ahead_at_its_accuracy(capsys, tmp_path):
+    # a run's reads made ahead never changed its tiers (they are disk reads made early), so the replay's
+    # misses are all there and the projection reads its predictor's share of them ahead
     from fomoepy.experts.trace import TraceHeader, TraceWriter
 
     path = tmp_path / "ahead.trace"
@@ -417,4 +417,4 @@ def test_a_replayed_trace_that_read_ahead_is_not_read_ahead_twice(capsys, tmp_pa
                 ids = np.array([[t % 8, (t + 1) % 8]])
                 w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=ids[0] if layer else None)
     assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 0.0, "source": "the trace's replay counts the engine's reads ahead in its hits"}
+    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in ahead.trace"}

@@ -4,6 +4,8 @@ resident compute, copies and host time with its reads, reads made ahead, copies 
 from __future__ import annotations
 
 import pytest
+
+from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE
 from test_plan import FOMOE_CAR_OFF
 
 from fomoepy.errors import FomoeError
@@ -117,15 +119,30 @@ def test_a_read_made_ahead_hides_drive_time_not_the_links(q397, fomoe_rig):
     assert project(q397, rig, disk_bound, "engine", prefetch=0.6).seconds_per_token < project(q397, rig, disk_bound, "engine").seconds_per_token
 
 
-def test_reading_ahead_also_reads_the_wrong_guesses_and_no_step_outruns_the_drives(q397, fomoe_rig):
-    # at accuracy p, about (1 - p) of the misses are read once more for nothing: a drive of 1 GB/s then
-    # sets the pace, (1 + (1 - p)) x the misses' bytes a layer
-    rig = fomoe_rig.with_changes(drives={"bandwidth": 1e9}, host={"serial": None})
-    m, shares = q397.model, FOMOE_CAR_OFF[0]
-    drive_step = (1 + 0.4) * m.n_expert_used * shares.disk * m.expert_bytes / 1e9
-    p = project(q397, rig, shares, "engine", prefetch=0.6)
-    assert p.seconds_per_token == pytest.approx(m.n_layer * drive_step + p.terms["head"], rel=1e-12)
-    assert p.bound_seconds == pytest.approx(m.n_layer * drive_step, rel=1e-12) and p.bound_resource == "drives"
+def test_wrong_guesses_take_the_drives_idle_time_and_only_those_in_flight_delay_a_step(q397, fomoe_rig):
+    # a run's wrong guesses (rates.ahead) are read in the drives' time after the step's own reads; where
+    # that window holds them all, the step is as long as without them and the drives spent k x ahead reads
+    # on them; where the drives have no time left (a 1 GB/s drive), the reads of the next layer queue
+    # behind the guesses in flight, half of each on average
+    m = q397.model
+    k, S = m.n_expert_used, m.expert_bytes
+    light, plain = TierRates(0.6, 0.12, 0.28, ahead=0.01), TierRates(0.6, 0.12, 0.28)
+    base = project(q397, fomoe_rig, plain, "engine")
+    p = project(q397, fomoe_rig, light, "engine")
+    assert p.seconds_per_token == pytest.approx(base.seconds_per_token, rel=1e-9)
+    assert p.wrong_reads == pytest.approx(m.n_layer * k * 0.01 * S / fomoe_rig.drives.bandwidth, rel=1e-12)
+    slow = fomoe_rig.with_changes(drives={"bandwidth": 1e9})
+    base, p = project(q397, slow, plain, "engine"), project(q397, slow, TierRates(0.6, 0.12, 0.28, ahead=0.3), "engine")
+    # the drives get to a guess only in what the last read's copy and FFN leave them: nearly every step
+    # routes with the depth's guesses in flight, half of each still to read
+    most = m.n_layer * DEPTH_PER_DRIVE * S / 1e9 / 2
+    assert base.seconds_per_token + 0.5 * most < p.seconds_per_token <= base.seconds_per_token + most
+    assert p.wrong_reads < 0.5 * m.n_layer * k * 0.3 * S / 1e9 and p.bound_resource == "drives"
+    assert p.bound_seconds == pytest.approx(m.n_layer * k * 0.28 * S / 1e9, rel=1e-12)  # the misses' bytes alone
+    # FOMOE's schedule reads nothing ahead
+    assert project(q397, fomoe_rig, light, "fomoe").seconds_per_token == project(q397, fomoe_rig, plain, "fomoe").seconds_per_token
+    with pytest.raises(FomoeError, match="read ahead"):
+        TierRates(0.6, 0.12, 0.28, ahead=1.5)
 
 
 def test_a_serial_part_larger_than_the_host_time_is_one_clear_error():
@@ -183,20 +200,35 @@ def test_the_cpu_backend_sets_each_miss_into_a_tier_slot_once_the_reads_have_lan
     assert project(q397, gpu, shares, "engine").terms["fill"] == 0.0
 
 
-def test_a_runs_reads_made_ahead_take_the_drives_time(q397, fomoe_rig):
-    # a run's counts hold its read-ahead hits as host hits; the reads made ahead (right or wrong) still
-    # took the drives' time, beside the step before theirs: a step is no shorter than all its drive's reads
-    m = q397.model
-    plain = TierRates(0.6, 0.12, 0.28)
-    base = project(q397, fomoe_rig, plain, "engine")
-    base_layer = (base.seconds_per_token - base.terms["head"]) / m.n_layer
-    one_read = m.expert_bytes / (fomoe_rig.drives.bandwidth * fomoe_rig.drives.count)
-    for ahead, binds in ((0.05, False), (0.3, True)):
-        p = project(q397, fomoe_rig, TierRates(0.6, 0.12, 0.28, ahead=ahead), "engine")
-        drive = (m.n_expert_used * (0.28 + ahead)) * one_read
-        assert p.seconds_per_token == pytest.approx(m.n_layer * max(base_layer, drive) + base.terms["head"], rel=1e-12)
-        assert (drive > base_layer) == binds
-        assert project(q397, fomoe_rig, TierRates(0.6, 0.12, 0.28, ahead=ahead), "fomoe").seconds_per_token == \
-            project(q397, fomoe_rig, plain, "fomoe").seconds_per_token  # FOMOE's schedule reads nothing ahead
-    with pytest.raises(FomoeError, match="read ahead"):
-        TierRates(0.6, 0.12, 0.28, ahead=1.5)
+def test_the_read_ahead_steady_state_lands_what_the_drives_window_holds():
+    # a step's drives read its own misses (those not landed ahead), then the next layer's guesses, right
+    # and wrong interleaved, until that layer routes one step later
+    from fomoepy.plan.timemodel import ReadAheadModel
+
+    r, lat = 1e-3, 1e-4
+    m = ReadAheadModel(misses=3.0, right=2.0, wrong=2.0, per_read=r, latency=lat, depth=2)
+    # a long step: every guess lands, none is in the way, every wrong one took the drives' time
+    hidden, delay, wrong = m.at(lat + 10 * r)
+    assert (hidden, delay, wrong) == (2 * r, 0.0, pytest.approx(2 * r, rel=1e-12))
+    # no window at all: nothing lands; the depth's guesses are in flight, half of them wrong, half read
+    hidden, delay, wrong = m.at(lat + 3 * r)
+    assert hidden == 0.0 and delay == pytest.approx(0.5 * 2 * r / 2, rel=1e-12) and wrong == 0.0
+    # in between: the guesses read in the window are the step less its own reads, half of them right
+    t = lat + 4.5 * r
+    hidden, delay, wrong = m.at(t)
+    landed = hidden / r
+    done = (t - lat) / r - (3.0 - landed)
+    assert landed == pytest.approx(0.5 * done, rel=1e-12) and wrong == pytest.approx(0.5 * done * r, rel=1e-12)
+    assert 0 < landed < 2.0 and delay > 0
+    # with no wrong guesses, the right ones land once the step leaves the drives any time
+    assert ReadAheadModel(3.0, 2.0, 0.0, r, lat, 2).at(lat + 3.1 * r)[:2] == (2 * r, 0.0)
+
+
+def test_a_projection_with_reads_ahead_is_its_own_steady_state(q397, fomoe_rig):
+    # the step the projection settles on lands the reads ahead that hide its fetch: solving again from it
+    # gives it back, and a more accurate predictor never makes it slower
+    m, shares = q397.model, FOMOE_CAR_OFF[0]
+    steps = [project(q397, fomoe_rig, shares, "engine", prefetch=p) for p in (0.0, 0.3, 0.6, 0.9)]
+    per_layer = [(s.seconds_per_token - s.terms["head"]) / m.n_layer for s in steps]
+    assert all(a >= b for a, b in zip(per_layer, per_layer[1:])) and per_layer[0] > per_layer[-1]
+    assert steps[0].landed_ahead == 0.0 and all(0 < s.landed_ahead for s in steps[1:])

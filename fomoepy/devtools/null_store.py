@@ -92,6 +92,7 @@ class TimedNullStore(NullStore):
             raise ValueError(f"a timed null store needs bandwidth > 0, latency >= 0 and drives >= 1, got {bandwidth}, {latency}, {drives}")
         super().__init__(layers)
         self.bandwidth, self.latency = bandwidth, latency
+        self.drives = drives
         self._free_at = [0.0] * drives  # perf_counter time at which each drive's last read lands
         self._due: list[tuple[float, int, Future, tuple]] = []  # heap: (lands, order, future, parts)
         self._order = itertools.count()

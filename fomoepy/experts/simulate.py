@@ -72,13 +72,12 @@ def simulate(
     pin_fraction: float = 0.0,
     car: CarConfig | None = None,
     device_expert_bytes: Sequence[int] | None = None,
-    prefetch: bool = True,
 ) -> SimResult:
     """Replay trace; `seed` (e.g. profile.seed_order) fills VRAM then DRAM first, and with a
     `*-pinned` policy the seeded keys filling the first `pin_fraction` of each tier are pinned.
     `device_expert_bytes`: one expert's size in the device tier's form, when it is not the store's (the
-    CPU backend's compute-ready float32). `prefetch`: where the engine read each step's predicted experts
-    ahead (the trace's read_ahead), they are admitted into the host tier first, as the engine did."""
+    CPU backend's compute-ready float32). The engine's reads made ahead (a trace's read_ahead) are not
+    replayed: the cache counts them as the disk reads they are (fomoepy.experts.read_ahead)."""
     header = trace.header
     seed = list(seed)
     cache = make_cache(
@@ -111,10 +110,6 @@ def simulate(
             )
             car_stats.record(record.layer, result)
             ids = result.ids
-        if prefetch and header.read_ahead and record.predicted is not None:
-            # the engine read these ahead, during the layer before, and gave them host slots where the host
-            # policy took them (ExpertStreamer._collect_background), just before this step's plan
-            cache.admit_host([(record.layer, int(e)) for e in record.predicted])
         cache.access(record.layer, ids, record.sequences)
     return SimResult(
         policy, device_bytes, host_bytes, cache.stats.summary(), car_stats, (tuple(seeded[0]), tuple(seeded[1]))

@@ -74,7 +74,6 @@ class MoEStep:
             ahead, self._ahead = self._ahead, None
             s.predict(layer + 1, ahead[1] if ahead is not None and ahead[0] == layer else device.route(layer + 1, h, exact.ids.shape[1]))
         t1 = time.perf_counter()
-        background = s.background_wait
         plan, fetched, reads = s.start_acquire(layer, ids)
         for victim in plan.device_evictions:
             device.evict(victim)
@@ -96,12 +95,12 @@ class MoEStep:
                         device.evict(key)
         t4 = time.perf_counter()
         if self.records is not None or self.timer is not None:
-            wait, prefetched = experts.wait_seconds, s.background_wait - background  # prefetched: this layer's
-            before, after = s.reads_issued_at - t0 - prefetched, t4 - experts.landed_at
+            wait = experts.wait_seconds
+            before, after = s.reads_issued_at - t0, t4 - experts.landed_at
             if waited_inside:  # the device waited among its work
-                timing = StepTiming(layer, t1 - t0, t2 - t1 - prefetched, wait + prefetched, t3 - t2 - wait, t4 - t3, before, after)
+                timing = StepTiming(layer, t1 - t0, t2 - t1, wait, t3 - t2 - wait, t4 - t3, before, after)
             else:  # it never called landed(): the wait fell after it returned
-                timing = StepTiming(layer, t1 - t0, t2 - t1 - prefetched, wait + prefetched, t3 - t2, t4 - t3 - wait, before, after)
+                timing = StepTiming(layer, t1 - t0, t2 - t1, wait, t3 - t2, t4 - t3 - wait, before, after)
             if self.records is not None:
                 self.records.append(timing)
             if self.timer is not None:

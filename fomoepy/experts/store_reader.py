@@ -129,6 +129,12 @@ class ExpertStore:
     # --- reading ---------------------------------------------------------------------------------
 
     @property
+    def drives(self) -> int:
+        """The directories read from at once (a striped store's, or a mirror's copies given): the drives a
+        reader can keep busy, if each directory is on its own."""
+        return len(self.dirs)
+
+    @property
     def n_copies(self) -> int:
         """Copies of each record that can be read: the mirrored directories given, else 1."""
         return len(self.dirs) if self.manifest.mirror else 1

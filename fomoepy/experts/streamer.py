@@ -28,6 +28,7 @@ from fomoepy.experts.cache import PIN_FRACTION, ExpertCache, Plan, Source
 from fomoepy.experts.car import CarStats, cache_aware_route
 from fomoepy.experts.policy import Key
 from fomoepy.experts.profile import ExpertCounter, read_freq, seed_order
+from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE, ReadAhead, ReadAheadCounts
 from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
 from fomoepy.experts.trace import TraceHeader, TraceWriter
@@ -48,9 +49,6 @@ class ExpertSourceLike(Protocol):
 class PrefetchStats:
     predicted: int = 0  # experts predicted for the next layer
     correct: int = 0  # of those, selected by the router there
-    issued: int = 0  # reads started because a prediction was not cached
-    admitted: int = 0  # prefetched experts that got a host slot
-    handed: int = 0  # prefetched experts the host tier refused, handed to their step's demand instead of a second read
 
     @property
     def accuracy(self) -> float:
@@ -90,16 +88,15 @@ class ExpertStreamer:
         self._download = download
         slot_nbytes = getattr(source, "slot_nbytes", None)
         self._read_buffer = (lambda layer: buffers(slot_nbytes(layer))) if buffers and slot_nbytes else None
-        self.background_wait = 0.0  # seconds blocked on prefetched reads, for the step's record
         self.reads_issued_at = 0.0  # perf_counter time the last start_acquire had issued its reads
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()
         self.counter = ExpertCounter(self.n_layer, self.n_expert)
         self.tokens_seen = 0  # tokens fully processed; the running index for warmup and traces
         self._predicted: dict[int, list[int]] = {}  # layer → its predicted experts, ascending
-        self._to_prefetch: tuple[int, list[int]] | None = None  # (layer, experts) to read from the next acquire
-        self._inflight: dict[Key, Future] = {}
-        self._unadmitted: dict[Key, ExpertBytes] = {}  # prefetched for this step, refused a host slot
+        self._to_prefetch: tuple[int, list[int]] | None = None  # (layer, experts, most confident first) to read ahead
+        # the next layer's guesses not yet cached, fed to the drives as they free up (fomoepy.experts.read_ahead)
+        self.read_ahead = ReadAhead(self._submit, DEPTH_PER_DRIVE * getattr(source, "drives", 1)) if self._prefetching() else None
         self.trace: TraceWriter | None = None
         if options.trace and record_trace:
             header = TraceHeader(self.n_layer, self.n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name,
@@ -126,6 +123,8 @@ class ExpertStreamer:
         not the record of the run)."""
         self.cache.stats = old.cache.stats
         self.car_stats, self.prefetch_stats, self.counter = old.car_stats, old.prefetch_stats, old.counter
+        if self.read_ahead is not None and old.read_ahead is not None:
+            self.read_ahead.counts = old.read_ahead.counts
         self.tokens_seen, self.backfilled = old.tokens_seen, old.backfilled
         self.trace = trace
 
@@ -198,15 +197,16 @@ class ExpertStreamer:
                 self._backfill_queue.add(key, float(score[original]), self.tokens_seen)
 
     def predict(self, layer: int, ids: np.ndarray) -> None:
-        """Note the experts predicted for `layer`; those no tier holds are read in the background from
-        the next `acquire` on, right after that step's own reads are issued (a guess costs bandwidth if
-        wrong, never correctness, and is never queued ahead of a demand read)."""
+        """Note the experts predicted for `layer` (ids [T, k], each row most confident first); those no tier
+        holds are read ahead from the next `acquire` on, right after that step's own reads are issued, a
+        few at a time (a guess costs bandwidth if wrong, never correctness; fomoepy.experts.read_ahead)."""
         if not 0 <= layer < self.n_layer:
             return
-        predicted = sorted(set(np.asarray(ids).ravel().tolist()))
-        self._predicted[layer] = predicted
-        if self._prefetching():
-            self._to_prefetch = (layer, predicted)
+        # every row's first choice, then every row's second, ...: the likeliest guesses are read first
+        ranked = list(dict.fromkeys(np.asarray(ids).T.ravel().tolist()))
+        self._predicted[layer] = sorted(ranked)
+        if self.read_ahead is not None:
+            self._to_prefetch = (layer, ranked)
 
     def _prefetching(self) -> bool:
         """Whether predictions are read ahead: asked for, and a source that reads in the background. Without a
@@ -215,23 +215,18 @@ class ExpertStreamer:
         return self.options.prefetch and getattr(self.source, "submit", None) is not None
 
     def _issue_prefetch(self) -> None:
-        if self._to_prefetch is None:
+        if self._to_prefetch is None or self.read_ahead is None:
             return
-        layer, predicted = self._to_prefetch
+        layer, ranked = self._to_prefetch
         self._to_prefetch = None
-        for e in self.cache.uncached(layer, predicted):
-            key = (layer, e)
-            if key in self._inflight:
-                continue
-            self._inflight[key] = self._submit(layer, e)
-            self.prefetch_stats.issued += 1
+        self.read_ahead.queue(layer, self.cache.uncached(layer, ranked))
 
     def acquire(self, layer: int, ids: np.ndarray) -> tuple[Plan, dict[int, ExpertBytes]]:
         """Plan and commit this step; the store-form bytes of every expert not already in the device tier.
 
-        Waits only for what this step needs: its own reads, and the reads prefetched for this layer
-        (admitted here, at a fixed point, so runs stay repeatable). Reads prefetched for the next layer
-        are issued after this step's and go on while it computes."""
+        Waits only for what this step needs: its own reads, some of them made ahead during the layer before
+        (the cache counts those as the disk reads they are, so runs stay repeatable). Reads ahead for the
+        next layer are issued after this step's and go on while it computes."""
         plan, fetched, reads = self.start_acquire(layer, ids)
         return plan, self.finish_acquire(plan, fetched, reads)
 
@@ -239,7 +234,7 @@ class ExpertStreamer:
         """acquire's first half: the plan, the bytes at hand (host hits, prefetches handed over) and the
         reads in flight, so a backend can compute the experts at hand while the others are read. The
         caller must then call finish_acquire, before anything else of this streamer's."""
-        self._collect_background(layer)
+        self._collect_backfill()
         plan = self.cache.plan(layer, ids, self._sequences)
         self.cache.commit(plan)
         for victim in plan.host_evictions:
@@ -253,20 +248,16 @@ class ExpertStreamer:
             if item.source is Source.HOST:
                 fetched[item.expert] = self.host_slots[key]
             elif item.source is Source.DISK:
-                handed = self._unadmitted.pop(key, None)
-                if handed is not None:  # read a step ahead; the host tier would not keep it
-                    fetched[item.expert] = handed
-                    self.prefetch_stats.handed += 1
-                else:
-                    reads[item.expert] = None
+                reads[item.expert] = None
+        if self.read_ahead is not None:  # those read ahead are handed over; the other guesses are dropped
+            reads.update(self.read_ahead.take(layer, reads))
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
-            reads = {e: self._submit(layer, e) for e in reads}
+            reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
         # the copies down of the demoted experts: after the reads are issued (a drive's latency is the
         # longer wait), before the backend frees the evicted device slots
         for key in plan.demotions:
             self.host_slots[key] = self._download(key)  # type: ignore[misc]
-        self._unadmitted.clear()  # predicted for this step but not chosen
         self._issue_prefetch()  # behind this step's reads in the pool, overlapping its compute
         return plan, fetched, reads
 
@@ -304,25 +295,17 @@ class ExpertStreamer:
             self.source.drop(plan.layer, [item.expert for item in plan.items if item.source is not Source.DEVICE])
 
     # -- background results -----------------------------------------------------------------------
-    def _collect_background(self, layer: int) -> None:
-        # Reads prefetched for this layer were issued a step ago: wait for those (not for the next
-        # layer's), so what the cache holds at this point never depends on thread timing.
-        prefetched = {}
-        t = time.perf_counter()
-        for key in [k for k in self._inflight if k[0] == layer]:
-            prefetched[key] = self._inflight.pop(key).result()
-        self.background_wait += time.perf_counter() - t
-        admitted = self._admit_host(prefetched)
-        self.prefetch_stats.admitted += len(admitted)
-        self._unadmitted.update((key, data) for key, data in prefetched.items() if key not in admitted)
-        if self._backfill_thread is not None:
-            backfilled = {}
-            while not self._backfill_thread.done.empty():
-                key, result = self._backfill_thread.done.get()
-                if isinstance(result, BaseException):
-                    raise result
-                backfilled[key] = result
-            self.backfilled += len(self._admit_host(backfilled))
+    def _collect_backfill(self) -> None:
+        """Give the experts the backfill thread has read since the last step host slots."""
+        if self._backfill_thread is None:
+            return
+        backfilled = {}
+        while not self._backfill_thread.done.empty():
+            key, result = self._backfill_thread.done.get()
+            if isinstance(result, BaseException):
+                raise result
+            backfilled[key] = result
+        self.backfilled += len(self._admit_host(backfilled))
 
     def _admit_host(self, read: dict[Key, ExpertBytes]) -> set[Key]:
         """Gives experts read outside a plan host slots where the policy admits them; returns those admitted."""
@@ -342,7 +325,9 @@ class ExpertStreamer:
             out["car"] = {"substitution_rate": self.car_stats.rate, "line": self.car_stats.line()}
             out["backfilled"] = self.backfilled
         p = self.prefetch_stats
-        out["prefetch"] = {"predicted": p.predicted, "accuracy": p.accuracy, "issued": p.issued, "admitted": p.admitted, "handed": p.handed}
+        a = self.read_ahead.counts if self.read_ahead is not None else ReadAheadCounts()
+        out["prefetch"] = {"predicted": p.predicted, "accuracy": p.accuracy, "issued": a.issued, "used": a.used, "wasted": a.wasted,
+                           "skipped": a.skipped}  # fmt: skip
         return out
 
     def lines(self) -> list[str]:
@@ -351,18 +336,18 @@ class ExpertStreamer:
             lines.append(self.car_stats.line() + f"; backfilled {self.backfilled}")
         p = self.prefetch_stats
         if p.predicted:
-            lines.append(
-                f"prefetch: next-layer prediction accuracy {p.accuracy:.1%}, reads issued {p.issued}, admitted {p.admitted}, "
-                f"handed to their step {p.handed}"
-            )
+            line = f"prefetch: next-layer prediction accuracy {p.accuracy:.1%}"
+            if self.read_ahead is not None:
+                a = self.read_ahead.counts
+                line += f"; read ahead {a.issued} ({a.used} used by their step, {a.wasted} wrong), {a.skipped} guesses dropped unread"
+            lines.append(line)
         return lines
 
     def close(self) -> None:
         if self._backfill_thread is not None:
             self._backfill_thread.close()
-        for f in self._inflight.values():
-            f.cancel()
-        self._inflight.clear()
+        if self.read_ahead is not None:
+            self.read_ahead.close()
         if self.trace is not None:
             self.trace.close()
             self.trace = None

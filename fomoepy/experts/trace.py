@@ -11,7 +11,8 @@ A trace is a msgpack stream: one header map, then one record map per (step, MoE 
              "p":   T·E  f16 (optional)      every expert's probability, so CAR can be replayed
              "q":   u16 (optional)          the experts the engine predicted for this layer a layer
                                             earlier (its next-layer router on that layer's input): what
-                                            it read ahead when read_ahead, so a replay can do the same
+                                            it read ahead when read_ahead (timing only: the cache counts
+                                            those reads as disk reads, so a replay has nothing to redo)
              "sq":  int, or T i64 (optional) each row's sequence (an int: all rows one sequence): a
                                             batched step's rows learn co-use from their own sequence
              "tk":  int (optional)          the policies' logical time at this step, where it is not t (a

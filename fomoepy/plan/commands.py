@@ -115,10 +115,6 @@ class Planner:
             return a.prefetch, "given"
         if a.schedule != "engine":
             return 0.0, "FOMOE's schedule reads nothing ahead"
-        if self.trace is not None and not a.hit_rates and self.trace.header.read_ahead:
-            # the replay admits what the engine read ahead, so its hits hold them already: counting a share
-            # of the misses as read ahead on top would count them twice
-            return 0.0, "the trace's replay counts the engine's reads ahead in its hits"
         trace = self.trace if self.trace is not None and self.trace.prediction_accuracy() else load_traces([str(PREDICTION_TRACE)])[0]
         accuracy, n = trace.prediction_accuracy()  # type: ignore[misc]
         where = Path(trace.path).name
@@ -285,7 +281,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(describe(work, hw, hw_source, rates, p, cap))
-    print(f"reads a layer ahead: {100 * planner.prefetch:.0f} % of misses ({planner.prefetch_source})")
+    ahead = f"reads a layer ahead: {100 * planner.prefetch:.0f} % of misses ({planner.prefetch_source})"
+    if planner.prefetch and p.backend == "gpu" and args.schedule == "engine":
+        # what the drives make of it: the right guesses that land before their step, the wrong ones' time
+        misses = m.n_expert_used * rates.disk
+        ahead += (f"; {p.landed_ahead:.2f} of a layer's {misses:.2f} misses land before their step asks, the wrong "
+                  f"guesses take {1e3 * p.wrong_reads:.1f} ms of the drives' idle time a token")
+    print(ahead)
     if theirs is not None:
         print(f"FOMOE's schedule, same figures: {theirs.tokens_per_s:.2f} tok/s; ours {p.tokens_per_s:.2f} "
               f"= {p.tokens_per_s / theirs.tokens_per_s:.2f}x")  # fmt: skip

@@ -22,7 +22,8 @@ Two schedules combine them:
           (one latency, then bytes / (drives x bandwidth)); each miss copied up on the copy stream
           as soon as its read lands, so the fetch is max(disk, copy) plus the last read's copy, while
           the device computes the experts already resident (launched before any wait on a copy); the
-          copied experts' FFNs follow the last copy. The CPU backends compute on the host: the numpy reference reads, makes ready and
+          copied experts' FFNs follow the last copy. The next layer's guessed experts are read ahead
+          in the drives' time left after the step's own reads (ReadAheadModel). The CPU backends compute on the host: the numpy reference reads, makes ready and
           computes in turn (every term adds up); ggml computes the experts whose store bytes are in
           the host tier while the misses are read, then the misses.
   fomoe   (FOMOE's published design) dense -> router round trip -> each NVMe read in turn, full
@@ -35,9 +36,11 @@ drives' share is their bytes at their bandwidth, every drive at once, no latency
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE
 from fomoepy.plan.hardware import Hardware
 from fomoepy.plan.rates import TierRates
 from fomoepy.plan.shapes import ModelBytes
@@ -90,6 +93,8 @@ class Projection:
     efficiency: dict = field(default_factory=dict)
     prefill_flops_modelled: bool = False  # False: the hardware states no flops, prefill is bytes bound
     host_serial: float | None = None  # per token, of terms["plan"]: in series with the reads (None: all of it)
+    wrong_reads: float = 0.0  # per token, the drives' time on wrong guesses read ahead (in their idle time)
+    landed_ahead: float = 0.0  # per layer step, right guesses read ahead that land before their step asks
 
     @property
     def tokens_per_s(self) -> float:
@@ -183,17 +188,20 @@ def project(
         # the last copy up starts once the last read has landed (drive-bound) or once the link has done
         # the rest (link-bound); a demoting policy's copies down run in the link's other direction, beside
         # them: a step is no shorter than they are
-        # A read made ahead (the next layer's predicted experts, during this one) hides its drive time, at
-        # most the step before it; its copy up is still made in its own step (the engine copies nothing
-        # ahead), so the link's time stays whole
-        hidden = min(prefetch * layer["disk"], layer["dense"] + layer["experts"])
-        fetch = max(layer["disk"] - hidden + (one_copy if n_disk else 0.0), layer["copy"])
-        # the compute stream runs the slots' experts, then each miss once its copy is done (the host
-        # launches a miss when its copy is issued and the misses before it in the table, those at hand
-        # and then the reads in id order, are too): after the last copy only that expert's work is left,
-        # if each expert computes in less time than the next copy takes (true where the link is slower
-        # than the kernels read; else the layer's compute is the longer term)
-        moe = max(layer["experts"], fetch + (one_ffn if n_copy else 0.0))
+        # A read made ahead (the next layer's predicted experts, during this one) that landed before its
+        # step asked hides its drive time; one in the way delays the step's reads (read_ahead_steady, below);
+        # its copy up is still made in its own step (the engine copies nothing ahead), so the link's time
+        # stays whole
+        def moe_of(hidden: float, delay: float) -> float:
+            fetch = max(layer["disk"] - hidden + delay + (one_copy if n_disk else 0.0), layer["copy"])
+            # the compute stream runs the slots' experts, then each miss once its copy is done (the host
+            # launches a miss when its copy is issued and the misses before it in the table, those at hand
+            # and then the reads in id order, are too): after the last copy only that expert's work is
+            # left, if each expert computes in less time than the next copy takes (true where the link is
+            # slower than the kernels read; else the layer's compute is the longer term)
+            return max(layer["experts"], fetch + (one_ffn if n_copy else 0.0))
+
+        moe = moe_of(0.0, 0.0)
     elif copy_rate:  # numpy reference: read, make ready, compute, in turn
         # a read made ahead overlaps the previous step, so it hides at most that step's compute (as on a GPU)
         hidden = min(prefetch * (layer["disk"] + layer["copy"]), layer["dense"] + layer["experts"])
@@ -202,29 +210,48 @@ def project(
         at_hand = layer["experts"] * (1 - rates.disk)
         hidden = min(prefetch * layer["disk"], layer["dense"] + layer["experts"])
         moe = max(at_hand, layer["disk"] - hidden) + layer["fill"] + layer["experts"] - at_hand
-    # reading ahead at accuracy p also reads the wrong guesses: about (1 - p) of the misses once more, drive
-    # time that hides nothing; a step cannot be shorter than its drives' reads
-    wasted = (1 - prefetch) * n_disk if prefetch and schedule == "engine" and "disk" not in drop else 0.0
-    # a run's own reads ahead (rates.ahead: its counts hold their hits as host hits) take the drives' time too
-    ahead = k * rates.ahead if schedule == "engine" else 0.0
-    drive_reads = n_disk + wasted + ahead  # a step's reads of the drives, whoever waits for them
-    drive_step = drive_reads * S / (drives.bandwidth * max(1, drives.count)) if drive_reads and "disk" not in drop else 0.0
+    # a step cannot be shorter than its drives' reads of its misses (some of them made during the step
+    # before). Reading ahead at accuracy p also reads wrong guesses, about (1 - p) of the misses once more
+    # (a run counts its own: rates.ahead), but the engine feeds its guesses to the drives two at a time
+    # and drops those still queued when their layer's routing comes (fomoepy.experts.read_ahead): they
+    # take the drives' idle time in the step, never a step's own reads' time
+    per_read = S / (drives.bandwidth * max(1, drives.count))
+    drive_step = n_disk * per_read if n_disk and "disk" not in drop else 0.0
+    if schedule == "engine" and "disk" not in drop:
+        wrong = k * rates.ahead if rates.ahead else (1 - prefetch) * n_disk if prefetch else 0.0
+    else:
+        wrong = 0.0
     host, serial = layer["plan"], None
     if gpu and schedule == "engine" and hw.host.serial is not None:
-        # the engine issues a step's reads once its plan is made and makes most of its copies and launches
-        # while they are read: that host time overlaps the step's device work and waits; what comes before
-        # the reads and after the last one lands stays in series
         serial = min(hw.host.serial, host)
-        step = layer["dense"] + layer["sync"] + serial + max(host - serial, moe)
+
+    def step_of(moe: float) -> float:
+        if serial is not None:
+            # the engine issues a step's reads once its plan is made and makes most of its copies and
+            # launches while they are read: that host time overlaps the step's device work and waits; what
+            # comes before the reads and after the last one lands stays in series
+            step = layer["dense"] + layer["sync"] + serial + max(host - serial, moe)
+        else:
+            step = layer["dense"] + layer["sync"] + host + moe
+        return max(step, drive_step, layer["demote"])
+
+    right = prefetch * n_disk if schedule == "engine" and "disk" not in drop else 0.0
+    if gpu and schedule == "engine" and right + wrong > 0:
+        ahead = ReadAheadModel(n_disk, right, wrong, per_read, drives.latency, DEPTH_PER_DRIVE * max(1, drives.count))
+        step = _steady(lambda t: step_of(moe_of(*ahead.at(t)[:2])))
+        hidden_ahead, _, wrong_reads = ahead.at(step)
+        landed = hidden_ahead / per_read
     else:
-        step = layer["dense"] + layer["sync"] + host + moe
-    step = max(step, drive_step, layer["demote"])
+        step = step_of(moe)
+        wrong_reads = min(wrong * per_read, step - drive_step)  # the drives' time on guesses that were wrong
+        landed = right
     total = m.n_layer * step + head
     terms = {name: m.n_layer * t for name, t in layer.items()}
     terms["head"] = head
     compute = terms["dense"] + terms["experts"] + head
     # the drives' busy time under perfect overlap is their bytes at their bandwidth, all drives at once: a
-    # read's latency overlaps other reads then (a schedule's disk term may serialise it, FOMOE's does)
+    # read's latency overlaps other reads then (a schedule's disk term may serialise it, FOMOE's does); the
+    # misses' bytes, not the wrong guesses' (a perfect predictor reads none)
     drive_bytes = m.n_layer * drive_step
     busy = {
         "device" if gpu else "host compute": compute + (0.0 if gpu else terms["copy"] + terms["plan"] + terms["fill"]),
@@ -246,7 +273,58 @@ def project(
         efficiency=eff,
         prefill_flops_modelled=flop_rate > 0,
         host_serial=None if serial is None else m.n_layer * serial,
+        wrong_reads=m.n_layer * wrong_reads,
+        landed_ahead=landed,
     )
+
+
+@dataclass(frozen=True)
+class ReadAheadModel:
+    """A step's reads made ahead in the steady state, as the engine makes them (fomoepy.experts.read_ahead).
+
+    At a layer's routing the drives start its reads of the misses not landed ahead; then the next layer's
+    guesses (`right` + `wrong` a step, interleaved: a share f = right / (right + wrong) of any stretch of
+    them is right) until that layer's routing, one step later. Right guesses that land by then hide
+    their reads; the others are read as the step's own; wrong ones still in flight then are in the way:
+    the step's reads queue behind them, on average half of each (at most `depth` in flight). With x right
+    guesses landed a step, the guesses' window is w = t - latency - (misses - x) reads, and x = f·w, so
+    x = f·a / (1 - f) for a = w's reads at x = 0, when a > 0 (0 when a <= 0; all when f = 1)."""
+
+    misses: float  # a step's disk reads
+    right: float  # of them, guessed a step ahead
+    wrong: float  # guesses read that its layer does not choose
+    per_read: float  # seconds of the drives' time per read
+    latency: float
+    depth: int  # reads ahead in flight at most
+
+    def at(self, step: float) -> tuple[float, float, float]:
+        """(drive seconds hidden, seconds the step's reads wait behind wrong guesses, the drives' seconds on
+        wrong guesses) for a step of `step` seconds."""
+        guesses = self.right + self.wrong
+        f = self.right / guesses
+        a = (step - self.latency) / self.per_read - self.misses
+        if a <= 0:
+            landed = 0.0
+        elif f >= 1.0:
+            landed = self.right
+        else:
+            landed = min(self.right, f * a / (1 - f))
+        done = min(guesses, max(0.0, a + landed))  # guesses read in the window
+        in_the_way = (1 - f) * min(self.depth, guesses - done)
+        return landed * self.per_read, in_the_way * self.per_read / 2, (1 - f) * done * self.per_read
+
+
+def _steady(step_of: Callable[[float], float]) -> float:
+    """The step t with t = step_of(t), for a step_of that does not grow with t (a longer step lands more reads
+    ahead): bisection between step_of(large) and step_of(0)."""
+    lo, hi = step_of(1e9), step_of(0.0)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if step_of(mid) > mid:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 
 def _prefill(work: Workload, hw: Hardware, rates: TierRates, rates_of_compute: tuple, eff: dict, n: int) -> float:

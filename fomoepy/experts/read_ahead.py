@@ -1,0 +1,139 @@
+"""Reads made ahead: the next layer's predicted experts, read while this layer computes, a few at a time.
+
+A guess costs drive time when it is wrong, and a drive's time is what a streamed model is short of, so
+the guesses are fed to the drives only as they free up: at most `depth` reads made ahead are in flight
+(the next is issued as one lands), most confident guess first. A demand read therefore never queues
+behind more than `depth` of them. When the layer's own routing comes, its step takes what it chose:
+reads made ahead that it chose are handed over (in flight or landed) instead of being read again; the
+guesses it did not choose and that were never issued are dropped unread; the rest land unused.
+
+The cache never sees a read made ahead: the step counts the ones it takes as the disk reads they are,
+so what the tiers hold (and so, with cache-aware routing, what the model computes) is the same with
+reading ahead on or off. Reading ahead changes only when bytes arrive.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from fomoepy.experts.policy import Key
+
+# Reads made ahead in flight per drive: two keep a drive busy (one's bytes cross while the next one's
+# latency passes) and bound a demand read's wait behind guesses to two reads
+DEPTH_PER_DRIVE = 2
+
+
+@dataclass
+class ReadAheadCounts:
+    issued: int = 0  # guesses whose read was started
+    used: int = 0  # of those, taken by their layer's step (a disk read made early)
+    landed: int = 0  # of those used, landed before their step asked (the step waited for none of their bytes)
+    wasted: int = 0  # of those, not chosen there (drive time spent on a wrong guess)
+    in_the_way: int = 0  # of those wasted, still in flight when their layer routed (its reads queue behind them)
+    skipped: int = 0  # guesses dropped unread: their layer's routing came first
+
+
+class ReadAhead:
+    """Feeds guesses to `submit(layer, expert) -> Future` at most `depth` at a time.
+
+    The inference thread calls `queue` and `take`; a landing read's callback (on whichever thread completes
+    it) issues the next guess. All state is under one lock; `submit` is called outside it, since a store
+    may complete a read at once and so call back into this object on the same thread."""
+
+    def __init__(self, submit: Callable[[int, int], Future], depth: int):
+        if depth < 1:
+            raise ValueError(f"read-ahead depth must be >= 1, got {depth}")
+        self._submit = submit
+        self.depth = depth
+        self.counts = ReadAheadCounts()
+        self._lock = threading.Condition()
+        self._submitting: set[Key] = set()  # popped from the queue, their Future not yet filed
+        self._queued: deque[Key] = deque()  # guesses not yet issued, in the order to issue them
+        self._issued: dict[Key, Future] = {}  # issued guesses no step has taken yet
+        self._in_flight = 0  # issued reads not landed (taken or not: they hold the drive either way)
+        self._closed = False
+
+    def queue(self, layer: int, experts: Iterable[int]) -> None:
+        """Read these guesses for `layer` (most confident first) as the drives free up. Guesses for another
+        layer still queued are dropped: a read made ahead is worth it for the next step only."""
+        with self._lock:
+            self.counts.skipped += len(self._queued)
+            self._queued = deque((layer, int(e)) for e in experts)
+            for key in [k for k in self._issued if k[0] != layer]:  # guesses for a step that never came
+                del self._issued[key]
+                self.counts.wasted += 1
+        self._issue()
+
+    def take(self, layer: int, wanted: Iterable[int]) -> dict[int, Future]:
+        """The reads made ahead that `layer`'s step wants (its disk reads), by expert; every other guess for
+        the layer is dropped (unread if still queued)."""
+        wanted = set(wanted)
+        taken: dict[int, Future] = {}
+        with self._lock:
+            # a guess another thread is issuing right now is filed in a moment: wait for it, not read it twice
+            self._lock.wait_for(lambda: not any(k[0] == layer for k in self._submitting))
+            kept: deque[Key] = deque()
+            for key in self._queued:
+                if key[0] == layer:
+                    self.counts.skipped += 1
+                else:
+                    kept.append(key)
+            self._queued = kept
+            for key in [k for k in self._issued if k[0] == layer]:
+                future = self._issued.pop(key)
+                if key[1] in wanted:
+                    taken[key[1]] = future
+                    self.counts.used += 1
+                    self.counts.landed += future.done()
+                else:
+                    self.counts.wasted += 1
+                    self.counts.in_the_way += not future.done()
+        return taken
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def _issue(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or self._in_flight >= self.depth or not self._queued:
+                    return
+                key = self._queued.popleft()
+                self._in_flight += 1
+                self.counts.issued += 1
+                self._submitting.add(key)
+            future = None
+            try:
+                future = self._submit(*key)
+            except Exception:  # noqa: BLE001 - a closed store: the step's own read of it reports the error
+                pass
+            finally:
+                with self._lock:
+                    self._submitting.discard(key)
+                    if future is None:  # the store refused it (closed): nothing is in flight for it
+                        self._in_flight -= 1
+                    else:
+                        self._issued[key] = future
+                    self._lock.notify_all()
+            if future is None:
+                return
+            # added after the future is filed: a read that has already landed calls back here at once
+            future.add_done_callback(self._landed)
+
+    def _landed(self, _: Future) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        self._issue()
+
+    def close(self) -> None:
+        """Issue nothing more; reads in flight land unused (a store's close waits for them)."""
+        with self._lock:
+            self._closed = True
+            self.counts.skipped += len(self._queued)
+            self._queued.clear()
+            self._issued.clear()

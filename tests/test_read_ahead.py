@@ -1,0 +1,101 @@
+"""fomoepy.experts.read_ahead: guesses fed to the drives a few at a time, handed to their step or dropped."""
+
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from fomoepy.experts.read_ahead import ReadAhead
+
+
+class Drive:
+    """submit() hands out futures the test completes by hand."""
+
+    def __init__(self):
+        self.issued: list[tuple[int, int]] = []
+        self.futures: dict[tuple[int, int], Future] = {}
+
+    def submit(self, layer: int, expert: int) -> Future:
+        self.issued.append((layer, expert))
+        f = self.futures[(layer, expert)] = Future()
+        return f
+
+    def land(self, layer: int, expert: int) -> None:
+        self.futures[(layer, expert)].set_result(("bytes of", layer, expert))
+
+
+def test_a_landing_read_issues_the_next_guess_in_order():
+    drive = Drive()
+    ahead = ReadAhead(drive.submit, depth=2)
+    ahead.queue(4, [9, 1, 7, 3])
+    assert drive.issued == [(4, 9), (4, 1)] and ahead.in_flight == 2
+    drive.land(4, 1)  # the second lands first: one more goes out
+    assert drive.issued == [(4, 9), (4, 1), (4, 7)] and ahead.in_flight == 2
+    # a read landing on another thread (a store's reader) issues the next from there
+    t = threading.Thread(target=drive.land, args=(4, 9))
+    t.start()
+    t.join()
+    assert drive.issued[-1] == (4, 3)
+
+
+def test_take_hands_over_the_chosen_reads_and_drops_the_other_guesses():
+    drive = Drive()
+    ahead = ReadAhead(drive.submit, depth=2)
+    ahead.queue(4, [9, 1, 7, 3])
+    taken = ahead.take(4, [1, 3, 5])
+    assert taken == {1: drive.futures[(4, 1)]}  # 3 was never issued: the step reads it itself
+    drive.land(4, 9)
+    drive.land(4, 1)
+    assert drive.issued == [(4, 9), (4, 1)]  # 7 and 3 were dropped unread
+    c = ahead.counts
+    assert (c.issued, c.used, c.wasted, c.skipped) == (2, 1, 1, 2) and ahead.in_flight == 0
+
+
+def test_guesses_for_a_step_that_never_came_do_not_linger():
+    drive = Drive()
+    ahead = ReadAhead(drive.submit, depth=4)
+    ahead.queue(2, [5, 6])
+    drive.land(2, 5)
+    ahead.queue(3, [8])  # the step of layer 2 never took its guesses (e.g. it failed)
+    assert ahead.take(2, [5, 6]) == {} and ahead.counts.wasted == 2
+    assert set(ahead.take(3, [8])) == {8}
+
+
+def test_a_step_waits_for_a_guess_being_issued_rather_than_read_it_again():
+    # a reader thread is inside submit() for guess (1, 4) when the step takes layer 1: the step must get
+    # that read (filed a moment later), not miss it and read expert 4 a second time
+    inside, go_on = threading.Event(), threading.Event()
+    drive = Drive()
+
+    def slow_submit(layer, expert):
+        if (layer, expert) == (1, 4):
+            inside.set()
+            go_on.wait(5)
+        return drive.submit(layer, expert)
+
+    ahead = ReadAhead(slow_submit, depth=1)
+    ahead.queue(1, [2, 4])
+    landing = threading.Thread(target=drive.land, args=(1, 2))  # its callback issues (1, 4)
+    landing.start()
+    assert inside.wait(5)
+    taken = {}
+    taker = threading.Thread(target=lambda: taken.update(ahead.take(1, [4])))
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive()  # it waits for the guess to be filed
+    go_on.set()
+    taker.join(5)
+    landing.join(5)
+    assert set(taken) == {4} and taken[4] is drive.futures[(1, 4)]
+
+
+def test_close_issues_nothing_more_and_a_depth_below_one_is_refused():
+    drive = Drive()
+    ahead = ReadAhead(drive.submit, depth=1)
+    ahead.queue(0, [1, 2])
+    ahead.close()
+    drive.land(0, 1)
+    ahead.queue(1, [3])  # a late prediction (an engine closing mid-step)
+    assert drive.issued == [(0, 1)]
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        ReadAhead(drive.submit, depth=0)
