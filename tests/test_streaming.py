@@ -356,8 +356,8 @@ def test_reads_ahead_go_a_few_at_a_time_and_never_delay_the_next_layers_own(mode
     engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=1 << 30))
     streamer = engine.experts.streamer
     streamer.source = source = HeldStore(streamer.source, held={(1, 2), (1, 3)})
-    assert streamer.read_ahead.depth == 2 * len(store)  # two per drive: the store's two directories
-    streamer.read_ahead.depth = 2  # as for one drive
+    assert streamer.read_ahead.depth == streamer.source.threads // 2  # half the store's readers
+    streamer.read_ahead.depth = 2
     streamer.predict(1, np.array([[3, 2, 6, 4]]))
     plan0, _ = streamer.acquire(0, np.array([[5]]))
     assert source.submitted == [(0, 5), (1, 3), (1, 2)]  # its own read first, then two guesses

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE
 from fomoepy.experts.source import ExpertMatrix, LayerExperts
 from fomoepy.plan.shapes import MIXES, ModelShape
 from fomoepy.quants import row_nbytes
@@ -93,6 +94,8 @@ class TimedNullStore(NullStore):
         super().__init__(layers)
         self.bandwidth, self.latency = bandwidth, latency
         self.drives = drives
+        # its drives overlap a read's latency with another read's bytes: two in flight each keep them busy
+        self.read_ahead_depth = DEPTH_PER_DRIVE * drives
         self._free_at = [0.0] * drives  # perf_counter time at which each drive's last read lands
         self._due: list[tuple[float, int, Future, tuple]] = []  # heap: (lands, order, future, parts)
         self._order = itertools.count()

@@ -14,6 +14,7 @@ reading ahead on or off. Reading ahead changes only when bytes arrive.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -22,8 +23,11 @@ from dataclasses import dataclass
 
 from fomoepy.experts.policy import Key
 
-# Reads made ahead in flight per drive: two keep a drive busy (one's bytes cross while the next one's
-# latency passes) and bound a demand read's wait behind guesses to two reads
+log = logging.getLogger(__name__)
+
+# Reads made ahead in flight per drive, where a source does not say (its read_ahead_depth): two keep a
+# drive that serves one read at a time busy (one's bytes cross while the next one's latency passes) and
+# bound a demand read's wait behind guesses to two reads
 DEPTH_PER_DRIVE = 2
 
 
@@ -110,8 +114,8 @@ class ReadAhead:
             future = None
             try:
                 future = self._submit(*key)
-            except Exception:  # noqa: BLE001 - a closed store: the step's own read of it reports the error
-                pass
+            except RuntimeError as e:  # a closed store's pool: a guess is optional; a step's own read reports it
+                log.debug("read ahead of %s not issued: %s", key, e)
             finally:
                 with self._lock:
                     self._submitting.discard(key)

@@ -129,10 +129,11 @@ class ExpertStore:
     # --- reading ---------------------------------------------------------------------------------
 
     @property
-    def drives(self) -> int:
-        """The directories read from at once (a striped store's, or a mirror's copies given): the drives a
-        reader can keep busy, if each directory is on its own."""
-        return len(self.dirs)
+    def read_ahead_depth(self) -> int:
+        """Reads made ahead in flight at most (fomoepy.experts.read_ahead): half the reader threads, so a
+        step's own reads always find readers free. Fewer starve a real drive: the over-memory bench's 4x
+        case decoded 2.2-2.4 tok/s with 2, 2.7 with 4 and 2.6-2.8 with 16."""
+        return max(1, self.threads // 2)
 
     @property
     def n_copies(self) -> int:

@@ -96,7 +96,8 @@ class ExpertStreamer:
         self._predicted: dict[int, list[int]] = {}  # layer → its predicted experts, ascending
         self._to_prefetch: tuple[int, list[int]] | None = None  # (layer, experts, most confident first) to read ahead
         # the next layer's guesses not yet cached, fed to the drives as they free up (fomoepy.experts.read_ahead)
-        self.read_ahead = ReadAhead(self._submit, DEPTH_PER_DRIVE * getattr(source, "drives", 1)) if self._prefetching() else None
+        depth = getattr(source, "read_ahead_depth", DEPTH_PER_DRIVE)
+        self.read_ahead = ReadAhead(self._submit, depth) if self._prefetching() else None
         self.trace: TraceWriter | None = None
         if options.trace and record_trace:
             header = TraceHeader(self.n_layer, self.n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name,
