@@ -502,3 +502,19 @@ def test_the_cpu_backend_reads_predicted_experts_ahead_with_no_host_tier(model):
         engine.close()
         assert (stats["issued"] > 0 and stats["used"] > 0) == prefetch, stats
     assert outs[0] == outs[1]
+
+
+def test_a_trace_keeps_the_prediction_most_confident_first(model, tmp_path):
+    # rows [3, 2] and [6, 2] predicted: each row's first choice, then each row's second, once each
+    from fomoepy.experts.routing import Routing
+
+    path, store, _, _ = model
+    trace_path = tmp_path / "t.trace"
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=1 << 30, trace=str(trace_path)))
+    streamer = engine.experts.streamer
+    E = streamer.n_expert
+    streamer.predict(1, np.array([[3, 2], [6, 2]]))
+    streamer.choose(1, Routing(np.array([[2, 5]]), np.full((1, 2), 0.5, np.float32), np.full((1, E), 1.0 / E, np.float32)))
+    engine.close()
+    (record,) = read_trace(trace_path).records
+    assert record.predicted.tolist() == [3, 6, 2]

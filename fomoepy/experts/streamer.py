@@ -93,7 +93,7 @@ class ExpertStreamer:
         self.prefetch_stats = PrefetchStats()
         self.counter = ExpertCounter(self.n_layer, self.n_expert)
         self.tokens_seen = 0  # tokens fully processed; the running index for warmup and traces
-        self._predicted: dict[int, list[int]] = {}  # layer → its predicted experts, ascending
+        self._predicted: dict[int, list[int]] = {}  # layer → its predicted experts, most confident first
         self._to_prefetch: tuple[int, list[int]] | None = None  # (layer, experts, most confident first) to read ahead
         # the next layer's guesses not yet cached, fed to the drives as they free up (fomoepy.experts.read_ahead)
         depth = getattr(source, "read_ahead_depth", DEPTH_PER_DRIVE)
@@ -205,7 +205,7 @@ class ExpertStreamer:
             return
         # every row's first choice, then every row's second, ...: the likeliest guesses are read first
         ranked = list(dict.fromkeys(np.asarray(ids).T.ravel().tolist()))
-        self._predicted[layer] = sorted(ranked)
+        self._predicted[layer] = ranked
         if self.read_ahead is not None:
             self._to_prefetch = (layer, ranked)
 

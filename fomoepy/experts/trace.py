@@ -10,7 +10,8 @@ A trace is a msgpack stream: one header map, then one record map per (step, MoE 
              "s":   T·k  f32                 their softmax probabilities
              "p":   T·E  f16 (optional)      every expert's probability, so CAR can be replayed
              "q":   u16 (optional)          the experts the engine predicted for this layer a layer
-                                            earlier (its next-layer router on that layer's input): what
+                                            earlier (its next-layer router on that layer's input; each
+                                            row's first choice, then each row's second, ...): what
                                             it read ahead when read_ahead (timing only: the cache counts
                                             those reads as disk reads, so a replay has nothing to redo)
              "sq":  int, or T i64 (optional) each row's sequence (an int: all rows one sequence): a
