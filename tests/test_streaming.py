@@ -518,3 +518,20 @@ def test_a_trace_keeps_the_prediction_most_confident_first(model, tmp_path):
     engine.close()
     (record,) = read_trace(trace_path).records
     assert record.predicted.tolist() == [3, 6, 2]
+
+
+def test_a_read_made_ahead_that_has_landed_is_at_hand_for_its_step(model):
+    # its bytes are here when the step plans: they join the experts at hand (computed, or copied up, first),
+    # not the reads the step waits for; the cache still counts it a disk read
+    path, store, _, _ = model
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=1 << 30))
+    streamer = engine.experts.streamer
+    streamer.predict(1, np.array([[2]]))
+    streamer.release(streamer.acquire(0, np.array([[5]]))[0])
+    (guess,) = streamer.read_ahead._issued.values()
+    guess.result(timeout=10)
+    plan, fetched, reads = streamer.start_acquire(1, np.array([[2]]))
+    assert 2 in fetched and 2 not in reads and {i.source.value for i in plan.items} == {"disk"}
+    streamer.release(plan)
+    assert all(np.array_equal(a, b) for a, b in zip(fetched[2], streamer.source.read(1, 2)))
+    engine.close()

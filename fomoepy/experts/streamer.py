@@ -251,7 +251,12 @@ class ExpertStreamer:
             elif item.source is Source.DISK:
                 reads[item.expert] = None
         if self.read_ahead is not None:  # those read ahead are handed over; the other guesses are dropped
-            reads.update(self.read_ahead.take(layer, reads))
+            for e, f in self.read_ahead.take(layer, reads).items():
+                if f.done() and f.exception() is None:  # landed: its bytes are at hand, as a host hit's are
+                    fetched[e] = f.result()
+                    del reads[e]
+                else:
+                    reads[e] = f
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
