@@ -11,7 +11,14 @@ from test_plan import FOMOE_CAR_OFF
 from fomoepy.errors import FomoeError
 from fomoepy.plan.hardware import hardware_from_dict, load_hardware
 from fomoepy.plan.rates import TierRates
-from fomoepy.plan.timemodel import TERMS, project
+from fomoepy.plan.timemodel import TERMS
+from fomoepy.plan.timemodel import project as project_averaged
+
+
+def project(*args, **kw):
+    """One step's structure at the given tier shares (the tests below check it term by term); the
+    average over the steps' number of misses has tests of its own, at the end."""
+    return project_averaged(*args, vary=False, **kw)
 
 
 def test_cpu_schedule_adds_every_term(q397):
@@ -232,3 +239,26 @@ def test_a_projection_with_reads_ahead_is_its_own_steady_state(q397, fomoe_rig):
     per_layer = [(s.seconds_per_token - s.terms["head"]) / m.n_layer for s in steps]
     assert all(a >= b for a, b in zip(per_layer, per_layer[1:])) and per_layer[0] > per_layer[-1]
     assert steps[0].landed_ahead == 0.0 and all(0 < s.landed_ahead for s in steps[1:])
+
+
+def test_the_engine_schedule_is_averaged_over_the_steps_misses(q397, fomoe_rig):
+    # each of a step's k accesses a miss with the disk share, independently: where a step's time is linear
+    # in its misses (the numpy reference's schedule adds every term) the average is the step at the
+    # average number of misses (the weights sum to 1, their mean is k x the share), but for the drive's
+    # latency, which a step with no miss (probability (1 - share)^k) does not wait; where terms overlap
+    # (the GPU step: the longest wins, reads ahead land in what the drives are left), the average step is
+    # longer (Jensen), never shorter; FOMOE's schedule, and shares with nothing to vary, are as they were
+    reference = load_hardware("cpu-only-64g").with_changes(host={"make_ready": 5e9})
+    shares = TierRates(0.5, 0.3, 0.2)
+    linear = [project_averaged(q397, reference, shares, "engine", vary=v) for v in (True, False)]
+    no_miss = (1 - 0.2) ** q397.model.n_expert_used
+    saved = q397.model.n_layer * reference.drives.latency * no_miss
+    assert linear[0].seconds_per_token == pytest.approx(linear[1].seconds_per_token - saved, rel=1e-12)
+    for rates, prefetch in ((FOMOE_CAR_OFF[0], 0.0), (FOMOE_CAR_OFF[0], 0.61), (TierRates(0.3, 0.3, 0.4), 0.8)):
+        varied, at_mean = (project_averaged(q397, fomoe_rig, rates, "engine", prefetch=prefetch, vary=v) for v in (True, False))
+        assert varied.seconds_per_token >= at_mean.seconds_per_token
+        assert varied.terms == at_mean.terms  # busy time: linear in the misses
+    assert varied.seconds_per_token > at_mean.seconds_per_token
+    for rates, schedule in ((FOMOE_CAR_OFF[0], "fomoe"), (TierRates(0.7, 0.3, 0.0), "engine")):
+        assert project_averaged(q397, fomoe_rig, rates, schedule).seconds_per_token == \
+            project_averaged(q397, fomoe_rig, rates, schedule, vary=False).seconds_per_token
