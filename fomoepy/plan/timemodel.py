@@ -127,62 +127,16 @@ def project(
     devices_per_layer: int = 1,
     vary: bool = True,
 ) -> Projection:
-    """Seconds per decoded token, the engine schedule's averaged over the steps' number of misses
-    (`vary`: _over_misses; FOMOE's schedule at the average, as its published figures were fitted)."""
+    """Seconds per decoded token. `drop` zeroes named terms (to see what each one costs);
+    `prefetch` is the share of next-layer misses read ahead while a step computes (it hides at
+    most that step's compute); `devices_per_layer` splits every layer's experts over that many GPUs,
+    each computing its share and copying over its own link (the engine places whole layers: 1).
+    The engine schedule's step is averaged over how many misses a step has (`vary`, _over_misses);
+    with vary False, and for FOMOE's schedule (as its published figures were fitted), the step at the
+    average tier shares."""
     if vary and schedule == "engine" and 0.0 < rates.disk < 1.0 and "disk" not in drop:
         return _over_misses(work, hw, rates, efficiency=efficiency, prefetch=prefetch, drop=drop,
                             prefill_tokens=prefill_tokens, devices_per_layer=devices_per_layer)  # fmt: skip
-    return _project(work, hw, rates, schedule, efficiency=efficiency, prefetch=prefetch, drop=drop,
-                    prefill_tokens=prefill_tokens, devices_per_layer=devices_per_layer)  # fmt: skip
-
-
-def _over_misses(work: Workload, hw: Hardware, rates: TierRates, **kw) -> Projection:
-    """The engine schedule's token time averaged over how many of a step's k experts miss. A step's
-    time is not linear in its misses (its terms overlap: the longest wins, and reads made ahead land in
-    what the step leaves the drives), so the step at the average number of misses is shorter than the
-    average step (Jensen): each of the k accesses a miss with the disk share p, independently, n misses
-    come with probability C(k, n) p^n (1 - p)^(k - n), the other accesses split between the tiers as the
-    rates say. The wrong guesses a step reads ahead stay the average's (they follow the predictor, not
-    the step's own misses). Reported terms (busy time) are the average's: each is linear in the misses."""
-    m = work.model
-    k, p = m.n_expert_used, rates.disk
-    mean = _project(work, hw, rates, "engine", **kw)
-    prefetch = kw.get("prefetch", 0.0)
-    ahead = rates.ahead if rates.ahead or not prefetch else (1 - prefetch) * rates.disk
-    rest = 1.0 - p
-    step = wrong = landed = 0.0
-    for n in range(k + 1):
-        weight = comb(k, n) * p**n * rest ** (k - n)
-        if weight == 0.0:
-            continue
-        kept = (k - n) / (k * rest)  # the share of the other accesses left to each tier
-        rates_n = replace(rates, device=rates.device * kept, host=rates.host * kept, disk=n / k,
-                          substituted=rates.substituted * kept, ahead=ahead)  # fmt: skip
-        q = _project(work, hw, rates_n, "engine", **kw)
-        step += weight * (q.seconds_per_token - q.terms["head"])
-        wrong += weight * q.wrong_reads
-        landed += weight * q.landed_ahead
-    total = step + mean.terms["head"]
-    return replace(mean, seconds_per_token=total, waits=max(0.0, mean.waits + total - mean.seconds_per_token),
-                   wrong_reads=wrong, landed_ahead=landed)  # fmt: skip
-
-
-def _project(
-    work: Workload,
-    hw: Hardware,
-    rates: TierRates,
-    schedule: str = "engine",
-    *,
-    efficiency: dict | None = None,
-    prefetch: float = 0.0,
-    drop: frozenset[str] = frozenset(),
-    prefill_tokens: int = 512,
-    devices_per_layer: int = 1,
-) -> Projection:
-    """Seconds per decoded token at the average tier shares. `drop` zeroes named terms (to see what each one costs);
-    `prefetch` is the share of next-layer misses read ahead while a step computes (it hides at
-    most that step's compute); `devices_per_layer` splits every layer's experts over that many GPUs,
-    each computing its share and copying over its own link (the engine places whole layers: 1)."""
     if schedule not in SCHEDULES:
         raise FomoeError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
     if not 1 <= devices_per_layer <= max(1, hw.device.count):
@@ -330,6 +284,37 @@ def _project(
         wrong_reads=m.n_layer * wrong_reads,
         landed_ahead=landed,
     )
+
+
+def _over_misses(work: Workload, hw: Hardware, rates: TierRates, **kw) -> Projection:
+    """The engine schedule's token time averaged over how many of a step's k experts miss. A step's
+    time is not linear in its misses (its terms overlap: the longest wins, and reads made ahead land in
+    what the step leaves the drives), so the step at the average number of misses is shorter than the
+    average step (Jensen): each of the k accesses a miss with the disk share p, independently, n misses
+    come with probability C(k, n) p^n (1 - p)^(k - n), the other accesses split between the tiers as the
+    rates say. The wrong guesses a step reads ahead stay the average's (they follow the predictor, not
+    the step's own misses). Reported terms (busy time) are the average's: each is linear in the misses."""
+    m = work.model
+    k, p = m.n_expert_used, rates.disk
+    mean = project(work, hw, rates, "engine", vary=False, **kw)
+    prefetch = kw.get("prefetch", 0.0)
+    ahead = rates.ahead if rates.ahead or not prefetch else (1 - prefetch) * rates.disk
+    rest = 1.0 - p
+    step = wrong = landed = 0.0
+    for n in range(k + 1):
+        weight = comb(k, n) * p**n * rest ** (k - n)
+        if weight == 0.0:
+            continue
+        kept = (k - n) / (k * rest)  # the share of the other accesses left to each tier
+        rates_n = replace(rates, device=rates.device * kept, host=rates.host * kept, disk=n / k,
+                          substituted=rates.substituted * kept, ahead=ahead)  # fmt: skip
+        q = project(work, hw, rates_n, "engine", vary=False, **kw)
+        step += weight * (q.seconds_per_token - q.terms["head"])
+        wrong += weight * q.wrong_reads
+        landed += weight * q.landed_ahead
+    total = step + mean.terms["head"]
+    return replace(mean, seconds_per_token=total, waits=max(0.0, mean.waits + total - mean.seconds_per_token),
+                   wrong_reads=wrong, landed_ahead=landed)  # fmt: skip
 
 
 @dataclass(frozen=True)
