@@ -137,6 +137,11 @@ def test_car_with_sync_backfill_is_repeatable_and_reports_substitutions(model):
     b, stats_b = greedy_tokens(path, opts, tokens[:8].tolist())
     assert a == b
     assert stats_a["car"]["substitution_rate"] > 0
+    # every count but the reads made ahead, which depend on when reads land (how many guesses were issued
+    # before their layer routed); the tiers never see them, so the cache's counts are repeatable
+    timing = ("issued", "used", "landed", "wasted", "in_the_way", "skipped")
+    for stats in (stats_a, stats_b):
+        stats["prefetch"] = {c: v for c, v in stats["prefetch"].items() if c not in timing}
     assert stats_a == stats_b
 
 

@@ -332,8 +332,8 @@ class ExpertStreamer:
             out["backfilled"] = self.backfilled
         p = self.prefetch_stats
         a = self.read_ahead.counts if self.read_ahead is not None else ReadAheadCounts()
-        out["prefetch"] = {"predicted": p.predicted, "accuracy": p.accuracy, "issued": a.issued, "used": a.used, "wasted": a.wasted,
-                           "skipped": a.skipped}  # fmt: skip
+        out["prefetch"] = {"predicted": p.predicted, "accuracy": p.accuracy, "issued": a.issued, "used": a.used, "landed": a.landed,
+                           "wasted": a.wasted, "in_the_way": a.in_the_way, "skipped": a.skipped}  # fmt: skip
         return out
 
     def lines(self) -> list[str]:
