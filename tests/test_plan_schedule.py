@@ -3,12 +3,13 @@ resident compute, copies and host time with its reads, reads made ahead, copies 
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
-from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE
+import pytest
 from test_plan import FOMOE_CAR_OFF
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE
 from fomoepy.plan.hardware import hardware_from_dict, load_hardware
 from fomoepy.plan.rates import TierRates
 from fomoepy.plan.timemodel import TERMS
@@ -237,7 +238,7 @@ def test_a_projection_with_reads_ahead_is_its_own_steady_state(q397, fomoe_rig):
     m, shares = q397.model, FOMOE_CAR_OFF[0]
     steps = [project(q397, fomoe_rig, shares, "engine", prefetch=p) for p in (0.0, 0.3, 0.6, 0.9)]
     per_layer = [(s.seconds_per_token - s.terms["head"]) / m.n_layer for s in steps]
-    assert all(a >= b for a, b in zip(per_layer, per_layer[1:])) and per_layer[0] > per_layer[-1]
+    assert all(a >= b for a, b in itertools.pairwise(per_layer)) and per_layer[0] > per_layer[-1]
     assert steps[0].landed_ahead == 0.0 and all(0 < s.landed_ahead for s in steps[1:])
 
 
