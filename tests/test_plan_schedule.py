@@ -232,9 +232,9 @@ def test_the_read_ahead_steady_state_lands_what_the_drives_window_holds():
     assert ReadAheadModel(3.0, 2.0, 0.0, r, lat, 2).at(lat + 3.1 * r)[:2] == (2 * r, 0.0)
 
 
-def test_a_projection_with_reads_ahead_is_its_own_steady_state(q397, fomoe_rig):
-    # the step the projection settles on lands the reads ahead that hide its fetch: solving again from it
-    # gives it back, and a more accurate predictor never makes it slower
+def test_a_more_accurate_predictor_never_makes_a_projection_slower(q397, fomoe_rig):
+    # more of the misses guessed right, fewer wrong: more land ahead and fewer are in the way, so the
+    # step the projection settles on is never longer
     m, shares = q397.model, FOMOE_CAR_OFF[0]
     steps = [project(q397, fomoe_rig, shares, "engine", prefetch=p) for p in (0.0, 0.3, 0.6, 0.9)]
     per_layer = [(s.seconds_per_token - s.terms["head"]) / m.n_layer for s in steps]
