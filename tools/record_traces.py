@@ -9,7 +9,7 @@ context, with the exact router (CAR off). Deterministic: the same model and text
     demo-project   the demo model over this project's own Python sources: what a policy may be tuned on
 
 and, unpacked, the trace `fomoe plan` measures the engine's next-layer prediction on (its records
-carry what the engine predicted for each step a layer earlier):
+carry what the engine predicted for each step a layer earlier, most confident first):
 
     fomoepy/plan/traces/demo-predictions.trace   the demo model over the first 512 held-out tokens
 

@@ -105,6 +105,23 @@ class Trace:
                 correct += int(np.isin(r.predicted, r.ids).sum())
         return (correct / predicted, predicted) if predicted else None
 
+    def prediction_accuracy_by_rank(self) -> list[float]:
+        """The share of predictions the router then chose at each position of a record's prediction (the
+        order reads are made ahead in: most confident first, in traces that keep it); [] without any."""
+        right: list[int] = []
+        seen: list[int] = []
+        for r in self.records:
+            if r.predicted is None:
+                continue
+            chosen = set(r.ids.ravel().tolist())
+            for i, e in enumerate(r.predicted.tolist()):
+                if i == len(seen):
+                    right.append(0)
+                    seen.append(0)
+                right[i] += e in chosen
+                seen[i] += 1
+        return [c / n for c, n in zip(right, seen)]
+
 
 class TraceWriter:
     """Appends records to a new trace file; use as a context manager or call close()."""

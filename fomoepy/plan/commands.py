@@ -118,7 +118,9 @@ class Planner:
         trace = self.trace if self.trace is not None and self.trace.prediction_accuracy() else load_traces([str(PREDICTION_TRACE)])[0]
         accuracy, n = trace.prediction_accuracy()  # type: ignore[misc]
         where = Path(trace.path).name
-        return accuracy, f"the engine's next-layer prediction accuracy, measured: {n} predictions in {where}"
+        # how much the first guesses (read first) are right more often than the last
+        ranks = ", ".join(f"{100 * r:.0f}" for r in trace.prediction_accuracy_by_rank()[:10])
+        return accuracy, f"the engine's next-layer prediction accuracy, measured: {n} predictions in {where}; by rank {ranks} %"
 
     def capacity(self, hw: Hardware, vram: int | None = None, ram: int | None = None) -> Capacity:
         cap = capacity_for(self.work.model, hw)
