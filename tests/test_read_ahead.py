@@ -15,7 +15,7 @@ class Drive:
         self.issued: list[tuple[int, int]] = []
         self.futures: dict[tuple[int, int], Future] = {}
 
-    def submit(self, layer: int, expert: int) -> Future:
+    def submit(self, layer: int, expert: int, prepared=None) -> Future:
         self.issued.append((layer, expert))
         f = self.futures[(layer, expert)] = Future()
         return f
@@ -67,7 +67,7 @@ def test_a_step_waits_for_a_guess_being_issued_rather_than_read_it_again():
     inside, go_on = threading.Event(), threading.Event()
     drive = Drive()
 
-    def slow_submit(layer, expert):
+    def slow_submit(layer, expert, prepared):
         if (layer, expert) == (1, 4):
             inside.set()
             go_on.wait(5)
@@ -99,3 +99,27 @@ def test_close_issues_nothing_more_and_a_depth_below_one_is_refused():
     assert drive.issued == [(0, 1)]
     with pytest.raises(ValueError, match="depth must be >= 1"):
         ReadAhead(drive.submit, depth=0)
+
+
+def test_what_a_read_needs_is_made_on_the_queuing_thread_and_the_read_issued_on_the_landing_one():
+    # a GPU device's pinned buffers are the inference thread's alone: a guess's buffer is taken when it is
+    # queued, even when its read is issued later by a store's thread as the one before it lands
+    drive = Drive()
+    made, used = [], []
+
+    def prepare(layer, expert):
+        made.append(threading.get_ident())
+        return ("buffer for", expert)
+
+    def submit(layer, expert, prepared):
+        used.append((prepared, threading.get_ident()))
+        return drive.submit(layer, expert)
+
+    ahead = ReadAhead(submit, depth=1, prepare=prepare)
+    ahead.queue(0, [7, 8])
+    landing = threading.Thread(target=drive.land, args=(0, 7))
+    landing.start()
+    landing.join()
+    me = threading.get_ident()
+    assert made == [me, me] and used[0] == (("buffer for", 7), me)
+    assert used[1][0] == ("buffer for", 8) and used[1][1] == landing.ident

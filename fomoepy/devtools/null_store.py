@@ -119,10 +119,11 @@ class TimedNullStore(NullStore):
         return super().read(layer, expert)
 
     def submit(self, layer: int, expert: int, out: np.ndarray | None = None) -> Future:
-        # the untimed store's parts (its submit, not this class's read, which would take the time twice)
-        parts = NullStore.read(self, layer, expert) if out is None else super().submit(layer, expert, out).result()
         done: Future = Future()
+        # under the lock: reads made ahead are issued from the completing thread, beside the step's own
         with self._wake:
+            # the untimed store's parts (its submit, not this class's read, which would take the time twice)
+            parts = NullStore.read(self, layer, expert) if out is None else super().submit(layer, expert, out).result()
             heapq.heappush(self._due, (self._lands(self.layers[layer].expert_nbytes), next(self._order), done, parts))
             self._wake.notify()
         return done

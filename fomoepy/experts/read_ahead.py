@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from fomoepy.experts.policy import Key
 
@@ -42,21 +43,24 @@ class ReadAheadCounts:
 
 
 class ReadAhead:
-    """Feeds guesses to `submit(layer, expert) -> Future` at most `depth` at a time.
+    """Feeds guesses to `submit(layer, expert, prepared) -> Future` at most `depth` at a time.
 
     The inference thread calls `queue` and `take`; a landing read's callback (on whichever thread completes
-    it) issues the next guess. All state is under one lock; `submit` is called outside it, since a store
-    may complete a read at once and so call back into this object on the same thread."""
+    it) issues the next guess. What a read needs from objects only the inference thread may touch (a
+    pinned buffer from a GPU device's pool) is made when the guess is queued, by `prepare(layer, expert)`,
+    and handed to `submit` with it. All state is under one lock; `submit` is called outside it, since a
+    store may complete a read at once and so call back into this object on the same thread."""
 
-    def __init__(self, submit: Callable[[int, int], Future], depth: int):
+    def __init__(self, submit: Callable[[int, int, Any], Future], depth: int, prepare: Callable[[int, int], Any] | None = None):
         if depth < 1:
             raise ValueError(f"read-ahead depth must be >= 1, got {depth}")
         self._submit = submit
+        self._prepare = prepare
         self.depth = depth
         self.counts = ReadAheadCounts()
         self._lock = threading.Condition()
         self._submitting: set[Key] = set()  # popped from the queue, their Future not yet filed
-        self._queued: deque[Key] = deque()  # guesses not yet issued, in the order to issue them
+        self._queued: deque[tuple[Key, Any]] = deque()  # guesses not yet issued, in order, each with what it needs
         self._issued: dict[Key, Future] = {}  # issued guesses no step has taken yet
         self._in_flight = 0  # issued reads not landed (taken or not: they hold the drive either way)
         self._closed = False
@@ -64,9 +68,11 @@ class ReadAhead:
     def queue(self, layer: int, experts: Iterable[int]) -> None:
         """Read these guesses for `layer` (most confident first) as the drives free up. Guesses for another
         layer still queued are dropped: a read made ahead is worth it for the next step only."""
+        prepare = self._prepare or (lambda layer, expert: None)
+        guesses = deque(((layer, int(e)), prepare(layer, int(e))) for e in experts)  # on the calling thread
         with self._lock:
             self.counts.skipped += len(self._queued)
-            self._queued = deque((layer, int(e)) for e in experts)
+            self._queued = guesses
             for key in [k for k in self._issued if k[0] != layer]:  # guesses for a step that never came
                 del self._issued[key]
                 self.counts.wasted += 1
@@ -80,12 +86,12 @@ class ReadAhead:
         with self._lock:
             # a guess another thread is issuing right now is filed in a moment: wait for it, not read it twice
             self._lock.wait_for(lambda: not any(k[0] == layer for k in self._submitting))
-            kept: deque[Key] = deque()
-            for key in self._queued:
-                if key[0] == layer:
+            kept: deque[tuple[Key, Any]] = deque()
+            for guess in self._queued:
+                if guess[0][0] == layer:
                     self.counts.skipped += 1
                 else:
-                    kept.append(key)
+                    kept.append(guess)
             self._queued = kept
             for key in [k for k in self._issued if k[0] == layer]:
                 future = self._issued.pop(key)
@@ -107,13 +113,13 @@ class ReadAhead:
             with self._lock:
                 if self._closed or self._in_flight >= self.depth or not self._queued:
                     return
-                key = self._queued.popleft()
+                key, prepared = self._queued.popleft()
                 self._in_flight += 1
                 self.counts.issued += 1
                 self._submitting.add(key)
             future = None
             try:
-                future = self._submit(*key)
+                future = self._submit(*key, prepared)
             except RuntimeError as e:  # a closed store's pool: a guess is optional; a step's own read reports it
                 log.debug("read ahead of %s not issued: %s", key, e)
             finally:

@@ -97,7 +97,10 @@ class ExpertStreamer:
         self._to_prefetch: tuple[int, list[int]] | None = None  # (layer, experts, most confident first) to read ahead
         # the next layer's guesses not yet cached, fed to the drives as they free up (fomoepy.experts.read_ahead)
         depth = getattr(source, "read_ahead_depth", DEPTH_PER_DRIVE)
-        self.read_ahead = ReadAhead(self._submit, depth) if self._prefetching() else None
+        # a guess's read buffer is taken as it is queued, on this thread (a GPU device's pinned pool is the
+        # inference thread's alone); the read is issued later, by whichever thread saw the last one land
+        prepare = (lambda layer, expert: self._read_buffer(layer)) if self._read_buffer is not None else None
+        self.read_ahead = ReadAhead(self._submit_into, depth, prepare) if self._prefetching() else None
         self.trace: TraceWriter | None = None
         if options.trace and record_trace:
             header = TraceHeader(self.n_layer, self.n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name,
@@ -268,8 +271,11 @@ class ExpertStreamer:
         return plan, fetched, reads
 
     def _submit(self, layer: int, expert: int) -> Future:
-        if self._read_buffer is not None:
-            return self.source.submit(layer, expert, out=self._read_buffer(layer))  # type: ignore[attr-defined]
+        return self._submit_into(layer, expert, self._read_buffer(layer) if self._read_buffer is not None else None)
+
+    def _submit_into(self, layer: int, expert: int, out: np.ndarray | None) -> Future:
+        if out is not None:
+            return self.source.submit(layer, expert, out=out)  # type: ignore[attr-defined]
         return self.source.submit(layer, expert)  # type: ignore[attr-defined]
 
     def finish_acquire(self, plan: Plan, fetched: dict[int, ExpertBytes], reads: dict[int, Future | None]) -> dict[int, ExpertBytes]:
