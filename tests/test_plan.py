@@ -394,7 +394,8 @@ def test_the_engine_schedule_reads_ahead_at_the_measured_accuracy_and_prints_fom
                 ids = np.array([[t % 8, (t + 1) % 8]])
                 w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=ids[0] if layer else None)
     assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in p.trace; by rank 100, 100 %"}
+    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in p.trace; by rank 100, 100 %",
+                                                          "by_rank": [1.0, 1.0]}
 
     # the accuracy by rank: the first guess (read first) right, the second never
     path = tmp_path / "r.trace"
@@ -406,7 +407,8 @@ def test_the_engine_schedule_reads_ahead_at_the_measured_accuracy_and_prints_fom
     trace = read_trace(path)
     assert trace.prediction_accuracy() == (0.5, 8) and trace.prediction_accuracy_by_rank() == [1.0, 0.0]
     assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["prefetch"]["source"].endswith("; by rank 100, 0 %")
+    ahead = json.loads(capsys.readouterr().out)["prefetch"]
+    assert ahead["source"].endswith("; by rank 100, 0 %") and ahead["by_rank"] == [1.0, 0.0]
 
 
 def test_a_trace_replay_counts_the_demotions_of_a_demoting_policy():
@@ -429,4 +431,5 @@ def test_a_replayed_trace_that_read_ahead_projects_its_reads_ahead_at_its_accura
                 ids = np.array([[t % 8, (t + 1) % 8]])
                 w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=ids[0] if layer else None)
     assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in ahead.trace; by rank 100, 100 %"}
+    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in ahead.trace; by rank 100, 100 %",
+                                                          "by_rank": [1.0, 1.0]}

@@ -106,21 +106,23 @@ class Planner:
             raise FomoeError(f"--drop: unknown term {unknown[0]!r}; expected some of {', '.join(TERMS)}")
         self.drop = drop
         self.efficiency = _efficiency(args.efficiency)
-        self.prefetch, self.prefetch_source = self._prefetch()
+        self.prefetch, self.prefetch_source, self.prefetch_by_rank = self._prefetch()
 
-    def _prefetch(self) -> tuple[float, str]:
-        """The share of misses read a layer ahead, and where it comes from."""
+    def _prefetch(self) -> tuple[float, str, list[float]]:
+        """The share of misses read a layer ahead, where it comes from, and the measured accuracy by rank
+        (the order guesses are read in; [] where none was measured)."""
         a = self.args
         if a.prefetch is not None:
-            return a.prefetch, "given"
+            return a.prefetch, "given", []
         if a.schedule != "engine":
-            return 0.0, "FOMOE's schedule reads nothing ahead"
+            return 0.0, "FOMOE's schedule reads nothing ahead", []
         trace = self.trace if self.trace is not None and self.trace.prediction_accuracy() else load_traces([str(PREDICTION_TRACE)])[0]
         accuracy, n = trace.prediction_accuracy()  # type: ignore[misc]
         where = Path(trace.path).name
         # how much the first guesses (read first) are right more often than the last
-        ranks = ", ".join(f"{100 * r:.0f}" for r in trace.prediction_accuracy_by_rank()[:10])
-        return accuracy, f"the engine's next-layer prediction accuracy, measured: {n} predictions in {where}; by rank {ranks} %"
+        by_rank = trace.prediction_accuracy_by_rank()
+        ranks = ", ".join(f"{100 * r:.0f}" for r in by_rank[:10])
+        return accuracy, f"the engine's next-layer prediction accuracy, measured: {n} predictions in {where}; by rank {ranks} %", by_rank
 
     def capacity(self, hw: Hardware, vram: int | None = None, ram: int | None = None) -> Capacity:
         cap = capacity_for(self.work.model, hw)
@@ -274,7 +276,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "capacity": asdict(cap),
             "routing": rates.as_dict(),
             "projection": p.as_dict(),
-            "prefetch": {"share": planner.prefetch, "source": planner.prefetch_source},
+            "prefetch": {"share": planner.prefetch, "source": planner.prefetch_source, "by_rank": planner.prefetch_by_rank},
             "fomoe_schedule": theirs.as_dict() if theirs is not None else None,
             "sweep": [{"setting": s, "routing": r.as_dict(), "projection": q.as_dict()} for s, r, q in sweep],
             "what_if": [{"upgrade": n, "routing": r.as_dict(), "projection": q.as_dict(), "gain": g} for n, r, q, g in what_if],
