@@ -131,8 +131,9 @@ class ExpertStore:
     @property
     def read_ahead_depth(self) -> int:
         """Reads made ahead in flight at most (fomoepy.experts.read_ahead): half the reader threads, so a
-        step's own reads always find readers free. Fewer starve a real drive: the over-memory bench's 4x
-        case decoded 2.2-2.4 tok/s with 2, 2.7 with 4 and 2.6-2.8 with 16."""
+        step's own reads always find readers free. Fewer starve a real drive: `bench/over_memory.py`'s 4x
+        case on a 2-vCPU virtual machine's disk decoded 2.2-2.4 tok/s with 2, 2.7 with 4 and 2.6-2.8 with 16
+        (runs not recorded, alternating)."""
         return max(1, self.threads // 2)
 
     @property

@@ -26,6 +26,7 @@ record: the reader drops it and says so (`Trace.truncated`); damage before the l
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -95,19 +96,10 @@ class Trace:
     def has_probs(self) -> bool:
         return bool(self.records) and all(r.probs is not None for r in self.records)
 
-    def prediction_accuracy(self) -> tuple[float, int] | None:
-        """(share of predicted experts the router then chose, how many were predicted), over the records
-        that carry a prediction; None when none does (a trace of a run without prediction)."""
-        predicted = correct = 0
-        for r in self.records:
-            if r.predicted is not None:
-                predicted += r.predicted.size
-                correct += int(np.isin(r.predicted, r.ids).sum())
-        return (correct / predicted, predicted) if predicted else None
-
-    def prediction_accuracy_by_rank(self) -> list[float]:
-        """The share of predictions the router then chose at each position of a record's prediction (the
-        order reads are made ahead in: most confident first, in traces that keep it); [] without any."""
+    @functools.cached_property
+    def _predictions(self) -> tuple[list[int], list[int]]:
+        """Per position of a record's prediction (the order reads are made ahead in): how many predictions
+        there the router then chose, and how many there were; counted once per trace."""
         right: list[int] = []
         seen: list[int] = []
         for r in self.records:
@@ -120,6 +112,19 @@ class Trace:
                     seen.append(0)
                 right[i] += e in chosen
                 seen[i] += 1
+        return right, seen
+
+    def prediction_accuracy(self) -> tuple[float, int] | None:
+        """(share of predicted experts the router then chose, how many were predicted), over the records
+        that carry a prediction; None when none does (a trace of a run without prediction)."""
+        right, seen = self._predictions
+        predicted = sum(seen)
+        return (sum(right) / predicted, predicted) if predicted else None
+
+    def prediction_accuracy_by_rank(self) -> list[float]:
+        """The share of predictions the router then chose at each position of a record's prediction (most
+        confident first, in traces that keep the predictor's order); [] without any."""
+        right, seen = self._predictions
         return [c / n for c, n in zip(right, seen)]
 
 

@@ -117,7 +117,7 @@ class Planner:
         if a.schedule != "engine":
             return 0.0, "FOMOE's schedule reads nothing ahead", []
         trace = self.trace if self.trace is not None and self.trace.prediction_accuracy() else load_traces([str(PREDICTION_TRACE)])[0]
-        accuracy, n = trace.prediction_accuracy()  # type: ignore[misc]
+        accuracy, n = trace.prediction_accuracy()  # type: ignore[misc]  (counted once per trace)
         where = Path(trace.path).name
         # how much the first guesses (read first) are right more often than the last
         by_rank = trace.prediction_accuracy_by_rank()
