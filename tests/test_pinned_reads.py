@@ -43,7 +43,8 @@ def sim_store_engine(tmp_path, **options):
 
 def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_pinned():
     dev = sim_backend()
-    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN)  # one buffer per chunk: a take after a give reuses it
+    # one buffer per chunk, none spare: a take after a give reuses it
+    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
     buf = pool.take(10_000)
     assert buf.nbytes == 3 * ALIGN and buf.ctypes.data % ALIGN == 0
     view = buf[100:200]
@@ -62,7 +63,7 @@ def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_
 
 def test_a_buffer_is_not_reused_while_a_copy_from_it_is_still_queued(deferred):
     dev = sim_backend()
-    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN)
+    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)  # no spare: it must wait
     n = 2 * ALIGN
     first = pool.take(n)
     first[:] = 7
@@ -188,7 +189,7 @@ def test_buffers_given_back_together_wait_for_their_copies_once():
     # one fence per batch of returned buffers: the first take waits for it, the rest of the batch reuse
     # the wait (each wait is a driver call, and a decode step takes several buffers)
     dev = sim_backend()
-    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=4 * ALIGN)
+    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=4 * ALIGN, spare_bytes=0)
     held = [pool.take(ALIGN) for _ in range(4)]
     del held
     waits, real = [0], dev.rt.event_sync
@@ -205,12 +206,52 @@ def test_buffers_given_back_together_wait_for_their_copies_once():
     assert waits[0] == 1 and len({a.ctypes.data for a in again}) == 4
 
 
+def test_a_take_that_finds_only_buffers_copies_may_still_read_takes_a_new_one_while_they_are_few(deferred):
+    # a step gives back buffers that are free only about a step later: rather than wait for every copy
+    # queued (this step's copies up among them), the pool hands out a new buffer while those given back
+    # and not yet known free hold at most its spare; past it a take waits as before (its idle page-locked
+    # memory stays bounded)
+    dev = sim_backend()
+    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=ALIGN)  # one buffer's worth
+    waits, real = [0], dev.rt.event_sync
+
+    def counted(event, real=real):
+        waits[0] += 1
+        return real(event)
+
+    dev.rt.event_sync = counted
+    targets = [dev.rt.malloc(ALIGN) for _ in range(2)]
+    try:
+        a, b = pool.take(ALIGN), pool.take(ALIGN)
+        a[:], b[:] = 7, 8
+        first, second = a.ctypes.data, b.ctypes.data
+        for buf, target in zip((a, b), targets):
+            dev.rt.htod(target, buf.ctypes.data, ALIGN, dev.copy_stream)  # deferred: queued, not run
+        del a, buf
+        c = pool.take(ALIGN)  # one given back, within the spare: a new buffer, no wait
+        assert waits[0] == 0 and c.ctypes.data not in (first, second)
+        c[:] = 9
+        del b
+        again = pool.take(ALIGN)  # two given back, past the spare: it waits for the copies, then reuses
+        assert waits[0] == 1 and again.ctypes.data == first
+        again[:] = 9
+        for value, target in zip((7, 8), targets):
+            got = np.empty(ALIGN, np.uint8)
+            dev.rt.dtoh(got.ctypes.data, target, ALIGN, dev.copy_stream)
+            dev.rt.sync(dev.copy_stream)
+            assert (got == value).all(), "a copy read a buffer the pool had already handed out again"
+    finally:
+        del dev.rt.event_sync
+        for target in targets:
+            dev.rt.free(target)
+
+
 def test_a_point_marked_after_buffers_came_back_frees_them_once_passed_and_one_marked_before_does_not(deferred):
     # the device marks a point on the copy stream each time its compute stream joins the copies, and says
     # when one is passed (it waited for the compute stream): buffers given back before that point are
     # free of their copies with no driver call; a point marked before they came back proves nothing
     dev = sim_backend()
-    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN)
+    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
     waits, real = [0], dev.rt.event_sync
 
     def counted(event, real=real):
