@@ -16,7 +16,8 @@ the slot fills (ggml repacking a miss's store bytes into its slot: this backend'
 copy up is a GPU's) and the time blocked on reads.
 
 Prints median and p90 µs per step; on the GPU path also the median of its part in series with the
-step's reads (before they are issued, after the last lands: `[host] serial` in a rig file), split into
+step's reads (before they are issued, after the last lands: `[host] serial` in a rig file; the part
+before them is `[host] before_reads`), split into
 routing (the router's launches and read-back, CAR, the trace, next-layer prediction), plan (the cache
 plan and policy, host bytes, reads issued), binding calls (every driver call's time, counted) and the
 rest of Python.
@@ -151,6 +152,9 @@ def gpu_child(args: argparse.Namespace) -> dict:
     # the last one's landing to the step's return (the rest, copies and launches, runs while they are read;
     # fomoe plan's engine schedule overlaps it with them: `[host] serial`)
     serial_us = float(np.median([(s[1] + s[2].before_reads + s[2].after_landed) * 1e6 for s in split]))
+    # of it, the part before the reads are issued (the next layer's guesses go to the drives after them:
+    # `[host] before_reads`)
+    before_us = float(np.median([(s[1] + s[2].before_reads) * 1e6 for s in split]))
     plan_us = float(np.median([(s[2].plan + s[2].wait) * 1e6 for s in split]))
     binding_us = float(np.median([s[4] * 1e6 for s in split]))
     calls_per_step = float(np.median([s[3] for s in split]))
@@ -162,6 +166,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
         "steps": len(totals), "vendor": args.vendor, "policy": policy,
         "device": device_name,
         "serial_median_us": serial_us,
+        "before_reads_median_us": before_us,
         "split_median_us": {"total (instrumented)": total_split, "routing": route_us, "plan": plan_us,
                             "binding calls": binding_us, "calls per step": calls_per_step,
                             "staging copies (mean)": pack_us},
@@ -257,7 +262,7 @@ def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|",
         f"| GPU, {gpu['vendor']} binding over the null stand-in, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall, "
         f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | "
-        f"in series with the reads {gpu['serial_median_us']:.1f}; routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
+        f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
         f"{g['binding calls']:.1f} ({g['calls per step']:.0f} calls), staging copies {g['staging copies (mean)']:.1f} (mean), "
         f"rest {rest - g['binding calls']:.1f} "
         f"(instrumented total {g['total (instrumented)']:.1f}); device hits {gpu['tiers']['device_hit']:.1%}, "

@@ -28,6 +28,8 @@ class TraceRouting:
         self.ids = np.array([r.ids[0] for r in trace.records]).reshape(n_tokens + 1, n_layer, k)
         self.n_layer, self.n_expert, self.k, self.accuracy = n_layer, n_expert, k, accuracy
         self.rng = np.random.default_rng(1)
+        # predictions made and right at each rank (most confident first, the order the engine reads them in)
+        self.predicted, self.right_by_rank = 0, np.zeros(k, np.int64)
         self.weights = np.full((1, k), 1.0 / k, np.float32)
         self.probs = np.full((1, n_expert), 1.0 / n_expert, np.float32)
         self._answers: list[Routing] = []
@@ -48,5 +50,11 @@ class TraceRouting:
             wrong = self.rng.random(self.k) > self.accuracy
             others = np.setdiff1d(np.arange(self.n_expert), ids[t, il + 1])
             guess[wrong] = self.rng.choice(others, int(wrong.sum()), replace=False)
+            self.predicted += 1
+            self.right_by_rank += ~wrong
             self._answers.append(Routing(guess[None, :], self.weights, self.probs))
         self._answers.append(Routing(ids[t, il][None, :], self.weights, self.probs))
+
+    def accuracy_by_rank(self) -> list[float]:
+        """The share of predictions right at each rank, over those made so far."""
+        return (self.right_by_rank / max(1, self.predicted)).tolist()

@@ -407,8 +407,25 @@ def test_the_engine_schedule_reads_ahead_at_the_measured_accuracy_and_prints_fom
     trace = read_trace(path)
     assert trace.prediction_accuracy() == (0.5, 8) and trace.prediction_accuracy_by_rank() == [1.0, 0.0]
     assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
-    ahead = json.loads(capsys.readouterr().out)["prefetch"]
+    ranked = json.loads(capsys.readouterr().out)
+    ahead = ranked["prefetch"]
     assert ahead["source"].endswith("; by rank 100, 0 %") and ahead["by_rank"] == [1.0, 0.0]
+    # the engine reads the first guesses first: right where this predictor is, they land before the wrong
+    # ones take the drives, where a predictor as accurate at every rank lands fewer in the same window
+    path = tmp_path / "f.trace"
+    with TraceWriter(path, TraceHeader(2, 8, 2, (100, 100))) as w:
+        for t in range(4):
+            for layer in range(2):
+                ids = np.array([[t % 8, (t + 1) % 8]])
+                guess = np.array([(t + 5) % 8, (t + 1) % 8] if t % 2 else [t % 8, (t + 6) % 8])
+                w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=guess if layer else None)
+    argv = ["plan", "--shape", "qwen3.5-397b-a17b", "--hardware", "fomoe-rig", "--json"]
+    assert main(argv + ["--trace", str(path)]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert flat["prefetch"]["by_rank"] == [0.5, 0.5] and flat["prefetch"]["share"] == ahead["share"] == 0.5
+    assert main(argv + ["--trace", str(tmp_path / "r.trace")]) == 0
+    ranked = json.loads(capsys.readouterr().out)["projection"]
+    assert ranked["landed_ahead"] > flat["projection"]["landed_ahead"] and ranked["tokens_per_s"] > flat["projection"]["tokens_per_s"]
 
 
 def test_a_trace_replay_counts_the_demotions_of_a_demoting_policy():

@@ -131,7 +131,7 @@ def test_wrong_guesses_take_the_drives_idle_time_and_only_those_in_flight_delay_
     # a run's wrong guesses (rates.ahead) are read in the drives' time after the step's own reads; where
     # that window holds them all, the step is as long as without them and the drives spent k x ahead reads
     # on them; where the drives have no time left (a 1 GB/s drive), the reads of the next layer queue
-    # behind the guesses in flight, half of each on average
+    # behind the guesses in flight, the rest of each
     m = q397.model
     k, S = m.n_expert_used, m.expert_bytes
     light, plain = TierRates(0.6, 0.12, 0.28, ahead=0.01), TierRates(0.6, 0.12, 0.28)
@@ -142,8 +142,8 @@ def test_wrong_guesses_take_the_drives_idle_time_and_only_those_in_flight_delay_
     slow = fomoe_rig.with_changes(drives={"bandwidth": 1e9})
     base, p = project(q397, slow, plain, "engine"), project(q397, slow, TierRates(0.6, 0.12, 0.28, ahead=0.3), "engine")
     # the drives get to a guess only in what the last read's copy and FFN leave them: nearly every step
-    # routes with the depth's guesses in flight, half of each still to read
-    most = m.n_layer * DEPTH_PER_DRIVE * S / 1e9 / 2
+    # routes with the depth's guesses in flight, the one crossing half read, those queued behind it unread
+    most = m.n_layer * (DEPTH_PER_DRIVE - 0.5) * S / 1e9
     assert base.seconds_per_token + 0.5 * most < p.seconds_per_token <= base.seconds_per_token + most
     assert p.wrong_reads < 0.5 * m.n_layer * k * 0.3 * S / 1e9 and p.bound_resource == "drives"
     assert p.bound_seconds == pytest.approx(m.n_layer * k * 0.28 * S / 1e9, rel=1e-12)  # the misses' bytes alone
@@ -218,9 +218,17 @@ def test_the_read_ahead_steady_state_lands_what_the_drives_window_holds():
     # a long step: every guess lands, none is in the way, every wrong one took the drives' time
     hidden, delay, wrong = m.at(lat + 10 * r)
     assert (hidden, delay, wrong) == (2 * r, 0.0, pytest.approx(2 * r, rel=1e-12))
-    # no window at all: nothing lands; the depth's guesses are in flight, half of them wrong, half read
+    # no window at all: nothing lands; the depth's guesses are in flight, half of them wrong: on the one
+    # drive the first crosses (half read on average), the second waits behind it
     hidden, delay, wrong = m.at(lat + 3 * r)
-    assert hidden == 0.0 and delay == pytest.approx(0.5 * 2 * r / 2, rel=1e-12) and wrong == 0.0
+    assert hidden == 0.0 and delay == pytest.approx(0.5 * (0.5 + 1.0) * r, rel=1e-12) and wrong == 0.0
+    # on two drives both cross at once
+    two = ReadAheadModel(misses=3.0, right=2.0, wrong=2.0, per_read=r, latency=lat, depth=2, drives=2)
+    assert two.at(lat + 3 * r)[1] == pytest.approx(0.5 * (0.5 + 0.5) * r, rel=1e-12)
+    # the guesses go to the drives only once the step's own reads are issued: the host's work before them
+    # takes its time off their window
+    late = ReadAheadModel(misses=3.0, right=2.0, wrong=2.0, per_read=r, latency=lat, depth=2, start=r)
+    assert late.at(lat + 4.5 * r) == pytest.approx(m.at(lat + 3.5 * r), rel=1e-12)
     # in between: the guesses read in the window are the step less its own reads, half of them right
     t = lat + 4.5 * r
     hidden, delay, wrong = m.at(t)
@@ -230,6 +238,32 @@ def test_the_read_ahead_steady_state_lands_what_the_drives_window_holds():
     assert 0 < landed < 2.0 and delay > 0
     # with no wrong guesses, the right ones land once the step leaves the drives any time
     assert ReadAheadModel(3.0, 2.0, 0.0, r, lat, 2).at(lat + 3.1 * r)[:2] == (2 * r, 0.0)
+
+
+def test_guesses_read_most_confident_first_land_the_likelier_ones_first():
+    # the engine reads a prediction's first choices first; where those are right more often than the last,
+    # a window that holds only part of the guesses lands more right ones than the average share would
+    from fomoepy.plan.timemodel import ReadAheadModel
+
+    r, lat = 1e-3, 0.0
+    flat = ReadAheadModel(misses=4.0, right=2.0, wrong=2.0, per_read=r, latency=lat, depth=2)
+    ranked = ReadAheadModel(misses=4.0, right=2.0, wrong=2.0, per_read=r, latency=lat, depth=2, by_rank=(0.9, 0.7, 0.3, 0.1))
+    # a window of one read with none landed (a = 5 - 4): each stretch of the reading order is one read, right
+    # 0.9, 0.7, 0.3, 0.1 of the time; the window w = 1 + R(w) falls in the third: w = 1 + 1.6 + 0.3 (w - 2),
+    # w = 2 / 0.7; where every stretch is right half the time, w = 1 / (1 - 0.5) = 2 and one lands
+    hidden, delay, wrong = ranked.at(lat + 5 * r)
+    w = 2 / 0.7
+    assert hidden == pytest.approx((1.6 + 0.3 * (w - 2)) * r, rel=1e-9) and wrong == pytest.approx((w - hidden / r) * r, rel=1e-9)
+    assert flat.at(lat + 5 * r)[0] == pytest.approx(1.0 * r, rel=1e-12)
+    # in flight at the routing: the rest of the guesses (4 - w), of them the right ones left (2 - R(w)); the
+    # first crosses (half read), the rest waits whole
+    in_flight, right_left = 4 - w, 2 - hidden / r
+    assert delay == pytest.approx((in_flight - right_left) * (in_flight - 0.5) / in_flight * r, rel=1e-9)
+    # a window that holds every guess lands every right one, whatever the order
+    assert ranked.at(lat + 9 * r)[0] == flat.at(lat + 9 * r)[0] == 2 * r
+    # an accuracy by rank higher than the guesses read can hold right is flattened, never above all right
+    steep = ReadAheadModel(misses=4.0, right=3.0, wrong=1.0, per_read=r, latency=lat, depth=2, by_rank=(1.0, 0.2))
+    assert max(steep._density()) == pytest.approx(1.0) and sum(steep._density()) / 2 == pytest.approx(0.75)
 
 
 def test_a_more_accurate_predictor_never_makes_a_projection_slower(q397, fomoe_rig):
@@ -263,3 +297,20 @@ def test_the_engine_schedule_is_averaged_over_the_steps_misses(q397, fomoe_rig):
     for rates, schedule in ((FOMOE_CAR_OFF[0], "fomoe"), (TierRates(0.7, 0.3, 0.0), "engine")):
         assert project_averaged(q397, fomoe_rig, rates, schedule).seconds_per_token == \
             project_averaged(q397, fomoe_rig, rates, schedule, vary=False).seconds_per_token
+
+
+def test_the_guesses_window_opens_once_the_steps_own_reads_are_issued(q397, fomoe_rig):
+    # the engine issues the next layer's guesses after its step's reads, which come after the host's work
+    # before them ([host] before_reads, of serial): the less of it, the more of the guesses land
+    shares = TierRates(0.6, 0.12, 0.28)
+    serial = fomoe_rig.host.serial
+    landed = [project(q397, fomoe_rig.with_changes(host={"before_reads": b}), shares, "engine", prefetch=0.6).landed_ahead
+              for b in (serial, serial / 2, 0.0)]  # fmt: skip
+    assert landed[0] < landed[1] < landed[2]
+    # unstated, all of serial comes before the reads (the shorter window)
+    unstated = fomoe_rig.with_changes(host={"before_reads": None})
+    assert project(q397, unstated, shares, "engine", prefetch=0.6).landed_ahead == landed[0]
+    data = {"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "plan": "100 us", "serial": "50 us", "before_reads": "60 us"},
+            "drives": {"count": 1, "bandwidth": "1 GB/s", "latency": "1 us"}}  # fmt: skip
+    with pytest.raises(FomoeError, match=r"before_reads is a part of serial, so at most 50 us; got 60 us"):
+        hardware_from_dict(data, "rig.toml")

@@ -149,7 +149,8 @@ class Planner:
 
     def project(self, hw: Hardware, rates: TierRates):
         a = self.args
-        return project(self.work, hw, rates, a.schedule, efficiency=self.efficiency, prefetch=self.prefetch, drop=self.drop)
+        return project(self.work, hw, rates, a.schedule, efficiency=self.efficiency, prefetch=self.prefetch,
+                       by_rank=tuple(self.prefetch_by_rank), drop=self.drop)  # fmt: skip
 
     def fomoe_schedule(self, hw: Hardware, rates: TierRates):
         """FOMOE's schedule under the same figures (it reads nothing ahead), to print beside ours."""

@@ -18,6 +18,8 @@
     serial = "700 us"            # of plan, the part in series with the step's reads (before they are issued,
                                  # after the last lands); the GPU engine schedule runs the rest beside them;
                                  # optional, default all of plan
+    before_reads = "400 us"      # of serial, the part before the step's reads are issued (the next layer's
+                                 # guesses are read after them); optional, default all of serial
     flops = "1 TFLOPS"           # CPU backend: its quantised products at prompt batch sizes; optional
     fill = "2 GB/s"              # cpu backend: store bytes per second set (repacked) into its tier's slots, per
                                  # expert read from the drive; optional, default none
@@ -99,6 +101,9 @@ class Host:
     # plan) and after the last has landed (its copy, the last launches); the GPU engine makes the rest of
     # its copies and launches while they are read. None: all of it in series
     serial: float | None = None
+    # of `serial`, the seconds before the step's reads are issued: the next layer's guesses go to the drives
+    # after them (fomoepy.experts.read_ahead), so they shorten the guesses' window. None: all of `serial`
+    before_reads: float | None = None
     # store bytes/s the cpu (ggml) backend sets into its tier's slots, repacked for its kernels, per expert
     # read from the drive (its "copy up"; 0: none, it computes store bytes in place)
     fill: float = 0.0
@@ -129,14 +134,14 @@ class Hardware:
 _FIELDS = {
     "device": {"count": int, "memory": "size", "bandwidth": "rate", "link": "rate", "sync": "time", "flops": "flops"},
     "host": {"memory": "size", "bandwidth": "rate", "matvec": "rate", "make_ready": "rate", "plan": "time", "flops": "flops",
-             "serial": "time", "fill": "rate"},
+             "serial": "time", "before_reads": "time", "fill": "rate"},
     "drives": {"count": int, "bandwidth": "rate", "latency": "time"},
 }
 _DEFAULTS = {
     "device": {"count": 0, "memory": 0, "bandwidth": 0.0, "link": 0.0, "sync": 0.0, "flops": 0.0},
     # a file without `plan` gets the GPU path's measured host time per MoE layer step (bench/host_time.py,
     # the 397B shape, the default policy, on a 2-core AVX2 machine: bench/RESULTS.md)
-    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "serial": None, "fill": 0.0},
+    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "serial": None, "before_reads": None, "fill": 0.0},
     "drives": {},
 }
 
@@ -179,6 +184,9 @@ def hardware_from_dict(data: dict, source: str) -> Hardware:
     if host["serial"] is not None and host["serial"] > host["plan"]:
         raise FomoeError(f"{source}: [host] serial is a part of plan, so at most {host['plan'] * 1e6:.0f} us; "
                          f"got {host['serial'] * 1e6:.0f} us")  # fmt: skip
+    if host["before_reads"] is not None and host["before_reads"] > (host["plan"] if host["serial"] is None else host["serial"]):
+        raise FomoeError(f"{source}: [host] before_reads is a part of serial, so at most "
+                         f"{(host['plan'] if host['serial'] is None else host['serial']) * 1e6:.0f} us; got {host['before_reads'] * 1e6:.0f} us")  # fmt: skip
     return Hardware(str(data.get("name", source)), Device(**sections["device"]), Host(**host), Drives(**sections["drives"]))
 
 

@@ -122,6 +122,7 @@ def project(
     *,
     efficiency: dict | None = None,
     prefetch: float = 0.0,
+    by_rank: tuple[float, ...] = (),
     drop: frozenset[str] = frozenset(),
     prefill_tokens: int = 512,
     devices_per_layer: int = 1,
@@ -129,13 +130,14 @@ def project(
 ) -> Projection:
     """Seconds per decoded token. `drop` zeroes named terms (to see what each one costs);
     `prefetch` is the share of next-layer misses read ahead while a step computes (it hides at
-    most that step's compute); `devices_per_layer` splits every layer's experts over that many GPUs,
+    most that step's compute), `by_rank` the predictor's accuracy by position (the engine reads its most
+    confident guesses first: ReadAheadModel); `devices_per_layer` splits every layer's experts over that many GPUs,
     each computing its share and copying over its own link (the engine places whole layers: 1).
     The engine schedule's step is averaged over how many misses a step has (`vary`, _over_misses);
     with vary False, and for FOMOE's schedule (as its published figures were fitted), the step at the
     average tier shares."""
     if vary and schedule == "engine" and 0.0 < rates.disk < 1.0 and "disk" not in drop:
-        return _over_misses(work, hw, rates, efficiency=efficiency, prefetch=prefetch, drop=drop,
+        return _over_misses(work, hw, rates, efficiency=efficiency, prefetch=prefetch, by_rank=by_rank, drop=drop,
                             prefill_tokens=prefill_tokens, devices_per_layer=devices_per_layer)  # fmt: skip
     if schedule not in SCHEDULES:
         raise FomoeError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
@@ -245,7 +247,11 @@ def project(
 
     right = prefetch * n_disk if schedule == "engine" and "disk" not in drop else 0.0
     if gpu and schedule == "engine" and right + wrong > 0:
-        ahead = ReadAheadModel(n_disk, right, wrong, per_read, drives.latency, DEPTH_PER_DRIVE * max(1, drives.count))
+        # the guesses go to the drives once the step's own reads are issued: after the host's work before them
+        in_series = host if serial is None else serial
+        start = in_series if hw.host.before_reads is None else min(in_series, hw.host.before_reads)
+        ahead = ReadAheadModel(n_disk, right, wrong, per_read, drives.latency, DEPTH_PER_DRIVE * max(1, drives.count),
+                               tuple(by_rank), start, max(1, drives.count))  # fmt: skip
         step = _steady(lambda t: step_of(moe_of(*ahead.at(t)[:2])))
         hidden_ahead, _, wrong_reads = ahead.at(step)
         landed = hidden_ahead / per_read
@@ -321,13 +327,22 @@ def _over_misses(work: Workload, hw: Hardware, rates: TierRates, **kw) -> Projec
 class ReadAheadModel:
     """A step's reads made ahead in the steady state, as the engine makes them (fomoepy.experts.read_ahead).
 
-    At a layer's routing the drives start its reads of the misses not landed ahead; then the next layer's
-    guesses (`right` + `wrong` a step, interleaved: a share f = right / (right + wrong) of any stretch of
-    them is right) until that layer's routing, one step later. Right guesses that land by then hide
-    their reads; the others are read as the step's own; wrong ones still in flight then are in the way:
-    the step's reads queue behind them, on average half of each (at most `depth` in flight). With x right
-    guesses landed a step, the guesses' window is w = t - latency - (misses - x) reads, and x = f·w, so
-    x = f·a / (1 - f) for a = w's reads at x = 0, when a > 0 (0 when a <= 0; all when f = 1)."""
+    `start` after a layer's routing (the host's work before the step's reads are issued) the drives start
+    its reads of the misses not landed ahead; then the next layer's guesses (`right` + `wrong` a step) in
+    the predictor's order, most confident first, until that layer's routing, one step later. Right guesses
+    that land by then hide their reads; the others are read as the step's own; wrong ones still in flight
+    then are in the way: the step's reads queue behind them (at most `depth` in flight; on each of the
+    `drives`, one is crossing, on average half done, and the others wait whole: a drive's reads cross one
+    after another).
+
+    `by_rank` is the predictor's measured accuracy at each position of its prediction (most confident
+    first); the guesses read are spread evenly over those positions (whether a guess is resident does not
+    depend on its rank: an approximation), so the share of right ones in any stretch of the reading order
+    follows it: the first stretch is right more often than the last. Empty: every stretch alike, a share
+    f = right / (right + wrong). With R(w) the right ones among the first w guesses read, the window holds
+    w = a + R(w) reads, for a = the window's reads with none landed (t - start - latency - misses reads): each
+    right one landed is a read the step no longer makes. R grows at most one per read, so the window is
+    the one root of w - R(w) = a (found by bisection; with R = f w, w = a / (1 - f))."""
 
     misses: float  # a step's disk reads
     right: float  # of them, guessed a step ahead
@@ -335,22 +350,61 @@ class ReadAheadModel:
     per_read: float  # seconds of the drives' time per read
     latency: float
     depth: int  # reads ahead in flight at most
+    by_rank: tuple[float, ...] = ()  # the predictor's accuracy by position, most confident first
+    start: float = 0.0  # seconds from the routing to the step's reads' issue
+    drives: int = 1
+
+    def _right_among(self, w: float) -> float:
+        """R(w): the right guesses among the first w read (0 <= w <= right + wrong)."""
+        guesses = self.right + self.wrong
+        density = self._density()
+        n = len(density)
+        # stretch i of the reading order (guesses / n reads long) holds density[i] of its reads right
+        length = guesses / n
+        whole = min(n, int(w // length)) if length > 0 else n
+        got = sum(density[:whole]) * length
+        if whole < n:
+            got += density[whole] * (w - whole * length)
+        return min(self.right, got)
+
+    def _density(self) -> tuple[float, ...]:
+        """The share of right guesses in each stretch of the reading order: f times the accuracy by rank over
+        its mean, mixed toward f just enough that no stretch is more than all right."""
+        f = self.right / (self.right + self.wrong)
+        mean = sum(self.by_rank) / len(self.by_rank) if self.by_rank else 0.0
+        if mean <= 0.0:
+            return (f,)
+        shaped = [f * a / mean for a in self.by_rank]
+        top = max(shaped)
+        mix = 1.0 if top <= 1.0 else (1.0 - f) / (top - f)  # the largest mix with max(density) <= 1
+        return tuple(f + mix * (d - f) for d in shaped)
 
     def at(self, step: float) -> tuple[float, float, float]:
         """(drive seconds hidden, seconds the step's reads wait behind wrong guesses, the drives' seconds on
         wrong guesses) for a step of `step` seconds."""
         guesses = self.right + self.wrong
-        f = self.right / guesses
-        a = (step - self.latency) / self.per_read - self.misses
+        a = (step - self.start - self.latency) / self.per_read - self.misses
         if a <= 0:
-            landed = 0.0
-        elif f >= 1.0:
-            landed = self.right
-        else:
-            landed = min(self.right, f * a / (1 - f))
-        done = min(guesses, max(0.0, a + landed))  # guesses read in the window
-        in_the_way = (1 - f) * min(self.depth, guesses - done)
-        return landed * self.per_read, in_the_way * self.per_read / 2, (1 - f) * done * self.per_read
+            done = landed = 0.0
+        elif a + self.right >= guesses:  # the window outlasts every guess: all read, every right one landed
+            done, landed = guesses, self.right
+        else:  # the window's reads: the root of w - R(w) = a, which grows with w (R's slope is at most 1)
+            lo, hi = a, min(guesses, a + self.right)
+            for _ in range(60):
+                mid = 0.5 * (lo + hi)
+                if mid - self._right_among(mid) < a:
+                    lo = mid
+                else:
+                    hi = mid
+            done = hi
+            landed = self._right_among(done)
+        in_flight = min(self.depth, guesses - done)
+        if in_flight <= 0:
+            return landed * self.per_read, 0.0, (done - landed) * self.per_read
+        in_the_way = in_flight - (self._right_among(done + in_flight) - landed)
+        # of the reads in flight, those crossing are half done on average, the ones queued behind not begun
+        left = (in_flight - 0.5 * min(self.drives, in_flight)) / in_flight
+        return landed * self.per_read, in_the_way * left * self.per_read, (done - landed) * self.per_read
 
 
 def _steady(step_of: Callable[[float], float]) -> float:
