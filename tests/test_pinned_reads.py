@@ -110,6 +110,31 @@ def test_an_engine_with_a_store_copies_every_miss_straight_from_its_pinned_read(
     engine.close()
 
 
+def test_demoted_experts_bytes_survive_their_buffers_being_handed_out_again_soon(tmp_path, deferred):
+    """As above, with a pool that grows one buffer at a time and never for a wait: buffers given back are
+    handed out again as soon as a point passed frees them, among them those copies down wrote, whose bytes
+    the host sees only once it has waited for those copies (the pool then makes it)."""
+    from conftest import ORACLE, open_oracle_engine
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.experts.store_writer import prepare_store
+
+    name = "qwen3moe_q4_k_m"
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    store = tmp_path / "store"
+    prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000, ram_cache=1_200_000))
+    device = engine.experts.device
+    device.pool.chunk_bytes, device.pool.spare_bytes = 1, 0
+    state, half = engine.new_state(), len(tokens) // 2
+    got = np.concatenate([engine.eval(state, tokens[:half], all_logits=True)]
+                         + [engine.decode_token(state, int(t))[None] for t in tokens[half:]])  # fmt: skip
+    cpu = open_oracle_engine(name).logits(tokens)
+    assert device.downloads > 0
+    assert np.abs(got - cpu).max() / cpu.std() <= LOGIT_TOL
+    engine.close()
+
+
 class _HeldRead:
     """An expert store whose first read of layer 0's highest expert waits until `release` (or `patience`
     seconds), so what happens before it lands is decided by order, not time."""
@@ -244,6 +269,39 @@ def test_a_take_that_finds_only_buffers_copies_may_still_read_takes_a_new_one_wh
         del dev.rt.event_sync
         for target in targets:
             dev.rt.free(target)
+
+
+def test_a_buffer_a_copy_down_wrote_is_handed_out_again_only_once_the_host_has_waited_for_that_copy(deferred):
+    # a point on the copy streams passed proves the copy down done on the device, not that the host's view
+    # of the bytes it wrote is current (the simulated device holds them back until the host waits for the
+    # copy's own stream): a read landing in the buffer handed out again would then be overwritten
+    dev = sim_backend()
+    pool = PinnedPool(dev.rt, [dev.copy_stream, dev.down_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    done = dev.rt.event()
+    settled: list[int] = []
+
+    def settle(upto: int) -> None:
+        settled.append(upto)
+        dev.rt.record(done, dev.down_stream)
+        dev.rt.event_sync(done)
+
+    pool.settle_writes = settle
+    source = dev.rt.malloc(ALIGN)
+    dev.rt.htod(source, np.full(ALIGN, 5, np.uint8).ctypes.data, ALIGN, dev.copy_stream)
+    dev.rt.sync(dev.copy_stream)
+    try:
+        buf = pool.take(ALIGN)
+        dev.rt.dtoh(buf.ctypes.data, source, ALIGN, dev.down_stream)  # deferred: the host's view held back
+        pool.device_writes(buf.ctypes.data, 1)
+        del buf
+        pool.passed_mark(pool.mark())  # a point after it came back, passed: free of the copy streams' work
+        again = pool.take(ALIGN)
+        assert settled == [1]  # the host waited for the copy down first
+        again[:] = 9  # a read landing in the buffer
+        dev.rt.sync(dev.down_stream)  # whatever the host waits for later
+        assert (again == 9).all(), "a copy down landed over bytes the host wrote after the buffer came back"
+    finally:
+        dev.rt.free(source)
 
 
 def test_a_point_marked_after_buffers_came_back_frees_them_once_passed_and_one_marked_before_does_not(deferred):

@@ -118,6 +118,7 @@ class _DeviceSide:
         self.downloads = 0
         self.down_recorded = 0
         self.down_covered = 0
+        self.down_host_seen = 0  # the last copy down the host has waited for itself (host_sees_downloads)
         self.dirty: list[tuple[int, DeviceBuffer]] = []  # (the copy down it waits for, the slot) evicted slots
         self.joins = 0  # times `copied` was recorded after copies up (and the compute stream waited for it)
         self.joined_at = 0  # the compute stream's sync count at the last of them
@@ -155,6 +156,17 @@ class _DeviceSide:
             self.dirty = kept
         if self.down_buffers:
             self.down_buffers = {a: v for a, v in self.down_buffers.items() if v[0] > self.down_covered}
+
+    def host_sees_downloads(self, upto: int) -> None:
+        """The host waits for the copies down up to number `upto`, so that their bytes are in its memory
+        before it writes there itself (a pinned buffer handed out again): once per record of `down_done`,
+        which usually follows copies down a step old, done by now."""
+        if upto <= self.down_host_seen:
+            return
+        if upto > self.down_recorded:
+            self.record_downloads()
+        self.rt.event_sync(self.down_done)
+        self.down_host_seen = self.down_recorded
 
     def record_downloads(self) -> None:
         """`down_done` after every copy down issued so far."""
@@ -247,6 +259,8 @@ class GpuExperts:
         self.pool = PinnedPool(self.dev.rt, [self.dev.copy_stream, self.dev.down_stream]) if len(self.devs) == 1 else None
         self._downloaded: dict[int, int] = {}  # slot address -> the copy down that read it (until evicted)
         self.host_buffer = self._pinned if self.pool is not None else None
+        if self.pool is not None:
+            self.pool.settle_writes = self.sides[0].host_sees_downloads
 
     def _pinned(self, nbytes: int) -> np.ndarray:
         """A buffer of the pinned pool (one device), the pool first told which of its join marks a wait
@@ -513,6 +527,7 @@ class GpuExperts:
             side.rt.sync(side.dev.down_stream)
         else:
             side.downloads += 1
+            self.pool.device_writes(address, side.downloads)
             self._downloaded[slot] = side.downloads
             side.down_buffers[address] = (side.downloads, out)  # held (not handed out again) till covered
         self.downloads += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,13 @@ class PinnedPool:
         self.rt = rt
         self.chunk_bytes = chunk_bytes
         self.spare_bytes = spare_bytes  # given back, not yet known free: past this much a take waits
+        # Buffers a copy down wrote (address -> its number, `device_writes`): a point on the copy streams
+        # proves the copy done on the device, but the host's view of its bytes is current only once the host
+        # has waited for that copy itself (or anything after it on its stream); until then a write of the
+        # host's own (a read landing in the buffer) could be overwritten. `settle_writes(n)` makes the
+        # host wait so, for the copies down up to number n (the device's; None: no copy down writes here).
+        self.written: dict[int, int] = {}
+        self.settle_writes: Callable[[int], None] | None = None
         self.copy_streams = copy_streams
         self.free: dict[int, deque[tuple[int, _Fence | None]]] = {}  # size → (address, fence), given back
         self.fresh: dict[int, list[int]] = {}  # size → addresses never handed out
@@ -102,9 +110,16 @@ class PinnedPool:
             address, _ = queue.popleft()
         if fence is not None and self.passed > fence.mark:
             fence.done = True
+        written = self.written.pop(address, None)
+        if written is not None and self.settle_writes is not None:
+            self.settle_writes(written)
         memory = (ctypes.c_uint8 * size).from_address(address)
         memory._fomoe_return = _Return((address, size), self._given_back)
         return np.frombuffer(memory, np.uint8)
+
+    def device_writes(self, address: int, number: int) -> None:
+        """Copy down `number` writes the buffer at `address` (see `written`)."""
+        self.written[address] = number
 
     def pins(self, address: int, nbytes: int) -> bool:
         """Whether [address, address + nbytes) lies in this pool's page-locked memory (a copy may read it in
