@@ -77,7 +77,7 @@ class EmulatedRates:
 
 # -- the child: one setting's decode on the emulated device ------------------------------------------------
 def child(args: argparse.Namespace) -> dict:
-    from trace_routing import TraceRouting
+    from trace_routing import PREDICT_ACCURACY, TraceRouting, demo_accuracy_by_rank
 
     from fomoepy.devtools.null_store import TimedNullStore, shape_layers
     from fomoepy.experts.device import Phase
@@ -118,7 +118,8 @@ def child(args: argparse.Namespace) -> dict:
     n_tokens = args.warm + args.tokens
     # the device's routing makes its launches and its one read-back (the router's choice and the next
     # layer's prediction together); what it returns is the trace's choice (the null device computes nothing)
-    routing = TraceRouting(dev, n_layer, n_expert, k, n_tokens, layers[0].expert_nbytes)
+    accuracy = demo_accuracy_by_rank(k) if args.predictor == "demo" else PREDICT_ACCURACY
+    routing = TraceRouting(dev, n_layer, n_expert, k, n_tokens, layers[0].expert_nbytes, accuracy)
     h = dev.upload(np.zeros((1, e), np.float32))
     dev.rt.sync(dev.stream)  # the uploads above: setting up, not decoding
 
@@ -188,7 +189,7 @@ def run_setting(args: argparse.Namespace, rates: EmulatedRates, device_share: fl
                       {"FOMOE_STANDIN_KERNEL_BW": repr(rates.kernel), "FOMOE_STANDIN_LINK_BW": repr(rates.link)})
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--vendor", args.vendor, "--tokens", str(args.tokens),
            "--warm", str(args.warm), "--device-share", repr(device_share), "--host-share", repr(host_share),
-           "--rates", json.dumps(asdict(rates))] + (["--prefetch"] if args.prefetch else []) + (["--policy", args.policy] if args.policy else [])  # fmt: skip
+           "--rates", json.dumps(asdict(rates)), "--predictor", args.predictor] + (["--prefetch"] if args.prefetch else []) + (["--policy", args.policy] if args.policy else [])  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"bench/plan_fidelity.py --emulated: the decode failed:\n{proc.stderr[-3000:]}")
@@ -269,7 +270,7 @@ def main(args: argparse.Namespace) -> int:
             "hit_rates": shares, "host_us_per_layer": host * 1e6, "host_serial_us_per_layer": in_series * 1e6, "emulation_late": measured["late_s"] / measured["wall_s"],
             "waits_s": {"device": measured["device_wait_s"], "reads": measured["read_wait_s"]}, "wall_s": measured["wall_s"],
             "host_step_s": measured["host_step_s"], "demotions": measured["demotions"], "store": measured["store"],
-            "prediction_accuracy": measured["prediction_accuracy"],
+            "prediction_accuracy": measured["prediction_accuracy"], "by_rank": measured["by_rank"],
             "read_ahead": measured["ahead"], "read_ahead_share": ahead_share,
             # right guesses landed before their step asked, per step: measured, and as the projection has it
             "landed_ahead": landed,
@@ -290,12 +291,14 @@ def main(args: argparse.Namespace) -> int:
 def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> str:
     worst = max(abs(r["projected_tok_s"] / r["measured_tok_s"] - 1) for r in rows)
     policy_text = f"cache policy {args.policy}" if args.policy else "the engine's default cache policy"
-    ahead = f"reads ahead (prediction accuracy {rows[0]['prediction_accuracy']:.0%})" if args.prefetch else "prefetch off"
+    by_rank = ", ".join(f"{100 * a:.0f}" for a in rows[0]["by_rank"])
+    ahead = (f"reads ahead (prediction accuracy {rows[0]['prediction_accuracy']:.0%}; by rank {by_rank} %)" if args.prefetch
+             else "prefetch off")  # fmt: skip
     lines = [
         f"### plan fidelity, emulated GPU — {date.today()} — {platform.machine()}, {os.cpu_count()} cores",
         "",
         (f"`python bench/plan_fidelity.py --emulated --vendor {args.vendor} --tokens {args.tokens} --warm {args.warm} "
-         f"--rig {args.rig}{' --prefetch' if args.prefetch else ''}{' --policy ' + args.policy if args.policy else ''}` ({SHAPE} shape, {args.vendor} binding over the stand-in "
+         f"--rig {args.rig}{' --prefetch' if args.prefetch else ''}{' --predictor demo' if args.predictor == 'demo' else ''}{' --policy ' + args.policy if args.policy else ''}` ({SHAPE} shape, {args.vendor} binding over the stand-in "
          f"driver's timed null mode: {rates.describe()}; {policy_text}, {ahead}, one device)"),
         "",
         ("| setting (device + host) | device | host | disk | demoted | read ahead | host µs / layer (in series with the reads) | emulation late | "
@@ -344,6 +347,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefetch", action="store_true",
                     help="--emulated: the engine reads the next layer's predicted experts ahead (its default); off, every "
                          "miss is read when its layer asks")  # fmt: skip
+    ap.add_argument("--predictor", default="uniform", choices=["uniform", "demo"],
+                    help="--emulated --prefetch: the emulated predictor right 80 %% of the time at every rank, or at the demo "
+                         "model's measured accuracy rank by rank (most confident first: 83 %% down to 40 %%)")  # fmt: skip
     from fomoepy.experts.policy import POLICIES
 
     ap.add_argument("--policy", default=None, choices=POLICIES, help="--emulated: the cache policy (default: the engine's; a demoting one copies its device evictees down)")

@@ -4,7 +4,8 @@
 The trace is fitted to the demo model's (fomoepy.plan.routing), at the shape being measured. The device's
 `route_many` still makes its launches and its one read-back; what it returns is the trace's choice (a
 null device computes nothing): for each MoE layer step, the step's own routing and the prediction of the
-next layer's, which gets `accuracy` of that layer's experts right.
+next layer's, which gets `accuracy` of that layer's experts right (at every rank alike, or rank by rank:
+the demo model's, `demo_accuracy_by_rank`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,20 @@ from fomoepy.plan.routing import RoutingFit, fit_routing, load_traces, synthetic
 
 DEMO_TRACE = Path(__file__).resolve().parents[1] / "fomoepy" / "plan" / "traces" / "demo-qwen3moe.trace"
 PREDICT_ACCURACY = 0.8  # share of the next layer's experts a prediction gets right (the demo model: 0.63-0.85)
+DEMO_PREDICTIONS = Path(__file__).resolve().parents[1] / "fomoepy" / "plan" / "traces" / "demo-predictions.trace"
+
+
+def demo_accuracy_by_rank(k: int) -> list[float]:
+    """The demo model's measured next-layer prediction accuracy at each of k ranks (most confident first):
+    its trace's ranks spread evenly over k (rank r takes the trace's rank r x n / k)."""
+    measured = load_traces([str(DEMO_PREDICTIONS)])[0].prediction_accuracy_by_rank()
+    return [measured[r * len(measured) // k] for r in range(k)]
 
 
 class TraceRouting:
     def __init__(self, dev, n_layer: int, n_expert: int, k: int, n_tokens: int, expert_nbytes: int,
-                 accuracy: float = PREDICT_ACCURACY):  # fmt: skip
+                 accuracy: float | list[float] = PREDICT_ACCURACY):  # fmt: skip
+        """`accuracy`: one share for every rank, or one per rank (most confident first)."""
         fit = fit_routing(load_traces([str(DEMO_TRACE)]))
         trace = synthetic_trace(n_layer, n_expert, k, n_tokens + 1, RoutingFit(fit.skew, fit.reuse), expert_nbytes)
         self.ids = np.array([r.ids[0] for r in trace.records]).reshape(n_tokens + 1, n_layer, k)
@@ -47,7 +57,7 @@ class TraceRouting:
         ids = self.ids
         if il + 1 < self.n_layer:
             guess = ids[t, il + 1].copy()
-            wrong = self.rng.random(self.k) > self.accuracy
+            wrong = self.rng.random(self.k) > np.asarray(self.accuracy)
             others = np.setdiff1d(np.arange(self.n_expert), ids[t, il + 1])
             guess[wrong] = self.rng.choice(others, int(wrong.sum()), replace=False)
             self.predicted += 1
