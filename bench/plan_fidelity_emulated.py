@@ -17,7 +17,9 @@ step reads: the layer's dense weights (attention, shared expert; one launch of t
 charges bytes, not arithmetic), the router and its top-k with the read-back, the step (its prediction of
 the next layer's experts, reads, copies up, the grouped expert launches); per token the output head and
 the sampler's read-back. Routing follows a synthetic trace fitted to the demo model's (as
-bench/host_time.py).
+bench/host_time.py); the next layer's prediction gets 80 % of its experts right at every rank, or with
+--predictor demo as often as the demo model's does at each rank (most confident first), which the
+projection then takes rank by rank as `fomoe plan` takes a trace's.
 
 In the same run, from the same figures (the emulated rates; the host's own time per layer step, measured
 in this run as bench/host_time.py times it, less its waits for the device and for reads; this run's tier
