@@ -240,9 +240,6 @@ class ExpertStreamer:
         caller must then call finish_acquire, before anything else of this streamer's."""
         self._collect_backfill()
         plan = self.cache.plan(layer, ids, self._sequences)
-        self.cache.commit(plan)
-        for victim in plan.host_evictions:
-            self.host_slots.pop(victim, None)
         if self._backfill_thread is not None:
             self._backfill_thread.set_io_busy(True, self.tokens_seen)
         fetched: dict[int, ExpertBytes] = {}
@@ -263,6 +260,11 @@ class ExpertStreamer:
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
+        # the plan committed once its reads are on their way (the drives' latency is the longer wait): nothing
+        # above reads the tiers' state the commit changes, and a host hit's bytes are taken before its evictions
+        self.cache.commit(plan)
+        for victim in plan.host_evictions:
+            self.host_slots.pop(victim, None)
         # the copies down of the demoted experts: after the reads are issued (a drive's latency is the
         # longer wait), before the backend frees the evicted device slots
         for key in plan.demotions:
