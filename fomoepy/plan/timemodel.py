@@ -36,6 +36,8 @@ drives' share is their bytes at their bandwidth, every drive at once, no latency
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from math import comb
@@ -199,7 +201,7 @@ def project(
         # the rest (link-bound); a demoting policy's copies down run in the link's other direction, beside
         # them: a step is no shorter than they are
         # A read made ahead (the next layer's predicted experts, during this one) that landed before its
-        # step asked hides its drive time; one in the way delays the step's reads (read_ahead_steady, below);
+        # step asked hides its drive time; one in the way delays the step's reads (ReadAheadModel, below);
         # its copy up is still made in its own step (the engine copies nothing ahead), so the link's time
         # stays whole
         def moe_of(hidden: float, delay: float) -> float:
@@ -342,7 +344,7 @@ class ReadAheadModel:
     f = right / (right + wrong). With R(w) the right ones among the first w guesses read, the window holds
     w = a + R(w) reads, for a = the window's reads with none landed (t - start - latency - misses reads): each
     right one landed is a read the step no longer makes. R grows at most one per read, so the window is
-    the one root of w - R(w) = a (found by bisection; with R = f w, w = a / (1 - f))."""
+    the one root of w - R(w) = a (R is linear in each stretch: solved there; with R = f w, w = a / (1 - f))."""
 
     misses: float  # a step's disk reads
     right: float  # of them, guessed a step ahead
@@ -356,16 +358,34 @@ class ReadAheadModel:
 
     def _right_among(self, w: float) -> float:
         """R(w): the right guesses among the first w read (0 <= w <= right + wrong)."""
-        guesses = self.right + self.wrong
-        density = self._density()
+        density, before = self._stretches
         n = len(density)
         # stretch i of the reading order (guesses / n reads long) holds density[i] of its reads right
-        length = guesses / n
+        length = (self.right + self.wrong) / n
         whole = min(n, int(w // length)) if length > 0 else n
-        got = sum(density[:whole]) * length
+        got = before[whole] * length
         if whole < n:
             got += density[whole] * (w - whole * length)
         return min(self.right, got)
+
+    def _window(self, a: float) -> float:
+        """The smallest w with w - R(w) = a, for 0 < a < wrong: R is linear in each stretch, so w - R(w) is
+        too; the stretch where it reaches a is solved exactly (a bisection would ask R some sixty times, and
+        a projection makes this model's window some seven hundred times)."""
+        density, before = self._stretches
+        length = (self.right + self.wrong) / len(density)
+        for i, d in enumerate(density):
+            if (i + 1) * length - before[i + 1] * length >= a:  # w - R(w) at the stretch's end
+                start = i * length - before[i] * length
+                return min(self.right + self.wrong, i * length + (a - start) / (1.0 - d))  # d < 1 here: it rose past a
+        return self.right + self.wrong
+
+    @functools.cached_property
+    def _stretches(self) -> tuple[tuple[float, ...], list[float]]:
+        """The density of right guesses by stretch and its running sums (before[i]: stretches 0..i-1), made
+        once: the bisections ask R(w) thousands of times per projection."""
+        density = self._density()
+        return density, list(itertools.accumulate(density, initial=0.0))
 
     def _density(self) -> tuple[float, ...]:
         """The share of right guesses in each stretch of the reading order: f times the accuracy by rank over
@@ -388,15 +408,8 @@ class ReadAheadModel:
             done = landed = 0.0
         elif a + self.right >= guesses:  # the window outlasts every guess: all read, every right one landed
             done, landed = guesses, self.right
-        else:  # the window's reads: the root of w - R(w) = a, which grows with w (R's slope is at most 1)
-            lo, hi = a, min(guesses, a + self.right)
-            for _ in range(60):
-                mid = 0.5 * (lo + hi)
-                if mid - self._right_among(mid) < a:
-                    lo = mid
-                else:
-                    hi = mid
-            done = hi
+        else:  # the window's reads: the root of w - R(w) = a (it grows with w: R's slope is at most 1)
+            done = self._window(a)
             landed = self._right_among(done)
         in_flight = min(self.depth, guesses - done)
         if in_flight <= 0:
