@@ -256,11 +256,11 @@ class GpuExperts:
         self.direct_uploads = 0  # of those, copied straight from a pinned read buffer (no staging memcpy)
         # reads land in pinned buffers (host_buffer), so an upload is a DMA from them; on one device only:
         # page-locked memory belongs to the context that took it
-        self.pool = PinnedPool(self.dev.rt, [self.dev.copy_stream, self.dev.down_stream]) if len(self.devs) == 1 else None
+        # (a buffer a copy down wrote is handed out again once the host has waited for that copy)
+        self.pool = (PinnedPool(self.dev.rt, [self.dev.copy_stream, self.dev.down_stream], settle_writes=self.sides[0].host_sees_downloads)
+                     if len(self.devs) == 1 else None)  # fmt: skip
         self._downloaded: dict[int, int] = {}  # slot address -> the copy down that read it (until evicted)
         self.host_buffer = self._pinned if self.pool is not None else None
-        if self.pool is not None:
-            self.pool.settle_writes = self.sides[0].host_sees_downloads
 
     def _pinned(self, nbytes: int) -> np.ndarray:
         """A buffer of the pinned pool (one device), the pool first told which of its join marks a wait

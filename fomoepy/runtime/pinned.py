@@ -52,21 +52,9 @@ CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a 
 SPARE_BYTES = 4 * CHUNK_BYTES
 
 
-class _Fence:
-    """What a batch of buffers given back together waits for: the copies queued before they came back.
-    `mark`: the points marked on the copy streams by then (PinnedPool.mark); once a later point is known
-    complete, so are those copies, and a take waits for nothing. Otherwise the first take records events
-    and waits for them, once for the batch (a record and a wait are driver calls)."""
-
-    __slots__ = ("done", "mark")
-
-    def __init__(self, mark: int):
-        self.mark = mark
-        self.done = False
-
-
 class PinnedPool:
-    def __init__(self, rt: Any, copy_streams: list[Any], chunk_bytes: int = CHUNK_BYTES, spare_bytes: int = SPARE_BYTES):
+    def __init__(self, rt: Any, copy_streams: list[Any], chunk_bytes: int = CHUNK_BYTES, spare_bytes: int = SPARE_BYTES,
+                 settle_writes: Callable[[int], None] | None = None):  # fmt: skip
         self.rt = rt
         self.chunk_bytes = chunk_bytes
         self.spare_bytes = spare_bytes  # given back, not yet known free: past this much a take waits
@@ -76,9 +64,11 @@ class PinnedPool:
         # host's own (a read landing in the buffer) could be overwritten. `settle_writes(n)` makes the
         # host wait so, for the copies down up to number n (the device's; None: no copy down writes here).
         self.written: dict[int, int] = {}
-        self.settle_writes: Callable[[int], None] | None = None
+        self.settle_writes = settle_writes
         self.copy_streams = copy_streams
-        self.free: dict[int, deque[tuple[int, _Fence | None]]] = {}  # size → (address, fence), given back
+        # size → (address, the points marked when it came back), given back: free of its copies once a point
+        # marked after it is known complete (passed > its mark), then for good (points only pass)
+        self.free: dict[int, deque[tuple[int, int]]] = {}
         self.fresh: dict[int, list[int]] = {}  # size → addresses never handed out
         self.returned: deque[tuple[tuple[int, int], int]] = deque()  # ((address, size), marks then), by any thread
         self.blocks: list[int] = []  # what the driver gave, freed at close
@@ -95,21 +85,18 @@ class PinnedPool:
         self._collect()
         queue = self.free.get(size)
         fresh = self.fresh.setdefault(size, [])
-        fence = queue[0][1] if queue else None
         if fresh:  # one never handed out first: those given back age meanwhile
             address = fresh.pop()
-        elif queue and (fence.done or self.passed > fence.mark):
+        elif queue and self.passed > queue[0][1]:
             address, _ = queue.popleft()  # the longest given back: free of its copies (marked, passed)
         elif not queue or len(queue) * size <= self.spare_bytes:
             # none given back is known free of its copies (they came back after the last point marked): a
             # new chunk, while those waiting for a point are few
             self._grow(size)
             address = fresh.pop()
-        else:  # spare spent: wait for every copy queued, which frees all given back so far
+        else:  # spare spent: wait for every copy queued, which frees all given back so far, at once
             self._wait_for_copies()
             address, _ = queue.popleft()
-        if fence is not None and self.passed > fence.mark:
-            fence.done = True
         written = self.written.pop(address, None)
         if written is not None and self.settle_writes is not None:
             self.settle_writes(written)
@@ -146,7 +133,7 @@ class PinnedPool:
             self.rt.record(event, stream)
             self.rt.event_sync(event)
             self.events.append(event)
-        self.marks += 1  # a point past every fence made so far, complete
+        self.marks += 1  # a point past every buffer given back so far, complete
         self.passed = self.marks
 
     def _given_back(self, key: tuple[int, int]) -> None:
@@ -154,15 +141,10 @@ class PinnedPool:
         self.returned.append((key, self.marks))
 
     def _collect(self) -> None:
-        """Buffers given back since the last take, fenced by the points marked when each came back (one
-        fence per such number: the buffers of a batch wait once)."""
-        fences: dict[int, _Fence] = {}
+        """Buffers given back since the last take, each with the points marked when it came back."""
         while self.returned:
             (address, size), mark = self.returned.popleft()
-            fence = fences.get(mark)
-            if fence is None:
-                fence = fences[mark] = _Fence(mark)
-            self.free.setdefault(size, deque()).append((address, fence))
+            self.free.setdefault(size, deque()).append((address, mark))
 
     def _grow(self, size: int) -> None:
         """A chunk of buffers of `size`, never handed out yet."""
@@ -191,6 +173,7 @@ class PinnedPool:
         self.blocks.clear()
         self.free.clear()
         self.fresh.clear()
+        self.written.clear()
         self.addresses.clear()
         self._starts.clear()
         self._ends.clear()
