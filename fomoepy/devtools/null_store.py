@@ -93,7 +93,6 @@ class TimedNullStore(NullStore):
             raise ValueError(f"a timed null store needs bandwidth > 0, latency >= 0 and drives >= 1, got {bandwidth}, {latency}, {drives}")
         super().__init__(layers)
         self.bandwidth, self.latency = bandwidth, latency
-        self.drives = drives
         # its drives overlap a read's latency with another read's bytes: two in flight each keep them busy
         self.read_ahead_depth = DEPTH_PER_DRIVE * drives
         self._free_at = [0.0] * drives  # perf_counter time at which each drive's last read lands
