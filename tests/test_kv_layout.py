@@ -17,18 +17,23 @@ def head_major(a: np.ndarray) -> bool:
     return a.transpose(1, 0, 2).flags.c_contiguous
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_each_heads_keys_and_values_are_one_stretch_before_and_after_the_cache_grows(backend):
+def position_minor(a: np.ndarray) -> bool:
+    """[Hkv, hd, capacity] in memory: each head dim's positions one stretch (ggml's attention reads values so)."""
+    return a.transpose(1, 2, 0).flags.c_contiguous
+
+
+@pytest.mark.parametrize("backend, values", [("reference", head_major), ("cpu", position_minor)])
+def test_each_heads_keys_and_values_are_one_stretch_before_and_after_the_cache_grows(backend, values):
     engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend=backend, n_ctx=4 * KV_CHUNK))
     state = engine.new_state()
     caches = [layer for layer in state.layers if isinstance(layer, KVCache)]
-    assert caches and all(head_major(c.k) and head_major(c.v) for c in caches)
+    assert caches and all(head_major(c.k) and values(c.v) for c in caches)
     tokens = np.load(ORACLE / "qwen3moe_q6_k.tokens.npy")[:4]
     engine.eval(state, tokens)
-    before = [c.k[:4].copy() for c in caches]
+    before = [(c.k[:4].copy(), c.v[:4].copy()) for c in caches]
     state.reserve(KV_CHUNK)  # grows every cache past its first chunk
-    assert all(c.capacity == 2 * KV_CHUNK and head_major(c.k) and head_major(c.v) for c in caches)
-    assert all(np.array_equal(c.k[:4], b) for c, b in zip(caches, before))  # what it held, kept
+    assert all(c.capacity == 2 * KV_CHUNK and head_major(c.k) and values(c.v) for c in caches)
+    assert all(np.array_equal(c.k[:4], k) and np.array_equal(c.v[:4], v) for c, (k, v) in zip(caches, before))  # kept
     engine.close()
 
 

@@ -40,6 +40,9 @@ def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
     backend's graphs) → (x + attention, its FFN norm h, the router's logits of h): the ops of
     attention_mixer, its residual, the FFN norm and the router's product, in fewer calls, on all rows at
     once; each row attends over its own sequence's cache."""
+    if len(segments) == 1:  # one sequence's row: the layer's whole attention in one of the backend's calls
+        s = segments[0]
+        return ops.attention_layer(x, w, a, eps, s.state.layers[il], s.state.n_past)
     positions = [s.state.n_past for s in segments]
     q, k, v = ops.attention_inputs(x, w, a, eps, positions)  # q [B, H, hd], k [B, Hkv, hd] normed, rotated; v [B, Hkv·hd]
     out = stack(ops, [_cache_attend(ops, q[i : i + 1], k[i : i + 1], v[i : i + 1], s.state.layers[il], s.state.n_past)

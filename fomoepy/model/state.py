@@ -35,18 +35,23 @@ class KVCache:
     def grow(self, capacity: int, n_kept: int, zeros) -> None:
         """Larger arrays of `capacity` positions holding the first n_kept positions of the old ones."""
         shape = (capacity, *self.k.shape[1:])
-        k, v = kv_zeros(zeros, shape), kv_zeros(zeros, shape)
+        k, v = kv_zeros(zeros, shape), kv_zeros(zeros, shape, values=True)
         if n_kept:
             k[:n_kept] = self.k[:n_kept]
             v[:n_kept] = self.v[:n_kept]
         self.k, self.v = k, v
 
 
-def kv_zeros(zeros, shape: tuple[int, int, int]):
-    """A zeroed [capacity, Hkv, hd] KV array from a device's allocator. In numpy's memory it is laid out
-    head by head ([Hkv, capacity, hd], seen through a transposed view of the same shape), so that
-    attention reads each head's keys and values as one stretch: a decode row's attention on the bench
-    shape, caches cold, 95 µs against 150 position by position (the same products: the same bits)."""
+def kv_zeros(zeros, shape: tuple[int, int, int], values: bool = False):
+    """A zeroed [capacity, Hkv, hd] KV array (keys, or values) from a device's allocator. An allocator
+    with a layout of its own says so by a `kv(shape, values)` method (the cpu backend's: its attention
+    graphs read values position by position, fomoepy.runtime.ggml_attention). Otherwise numpy's memory
+    is laid out head by head ([Hkv, capacity, hd], seen through a transposed view of the same shape), so
+    that attention reads each head's keys and values as one stretch: a decode row's attention on the
+    bench shape, caches cold, 95 µs against 150 position by position (the same products: the same bits)."""
+    layout = getattr(zeros, "kv", None)
+    if layout is not None:
+        return layout(shape, values)
     if zeros is np.zeros:
         capacity, heads, dim = shape
         return np.zeros((heads, capacity, dim), np.float32).transpose(1, 0, 2)
@@ -85,7 +90,7 @@ class InferenceState:
             allocators.append(zeros)
             if kind == ATTENTION:
                 shape = (min(KV_CHUNK, n_ctx), a.n_head_kv, a.head_dim)
-                layers.append(KVCache(kv_zeros(zeros, shape), kv_zeros(zeros, shape)))
+                layers.append(KVCache(kv_zeros(zeros, shape), kv_zeros(zeros, shape, values=True)))
             else:
                 assert dn is not None  # the spec has DELTANET layers only with a DeltaNetSpec
                 layers.append(

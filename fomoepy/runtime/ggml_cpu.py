@@ -14,6 +14,7 @@ import numpy as np
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.cpu import CpuBackend
+from fomoepy.runtime.ggml_attention import Attention, DecodeLayer, KVMemory, causal_mask, span
 from fomoepy.runtime.ggml_dense import (
     AttentionGraphs,
     RopeSpec,
@@ -23,12 +24,17 @@ from fomoepy.runtime.ggml_dense import (
 from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
 from fomoepy.runtime.row_threads import RowThreads
 
+F32 = np.float32
 _SMALL_ELEMENTWISE = 1 << 16  # elements: 64 rows of the bench model's 1024
 # Batched row counts whose attention graphs every layer keeps (one row's are always kept): a graph's
 # intermediates take room for its rows in every layer (Qwen3-235B's shape: ~0.36 MB a row a layer, 94
 # layers), and building a layer's pair again costs ~0.2 ms when a batch's size comes back. Two: the
 # batch's size now and the one it had before a request joined or left.
 _BATCH_ROW_COUNTS = 2
+
+# a decode layer's graphs each layer keeps (one per span and cache capacity): the one in use, and the
+# one before it for a sequence served in turn with another
+_LAYER_GRAPHS = 2
 
 # 2-D tensors that are not the right-hand side of a product (used elementwise)
 _NOT_MATRICES = (".ssm_conv1d.weight",)
@@ -55,6 +61,10 @@ class GgmlBackend(CpuBackend):
         self._attention: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, {rows: the layer's AttentionGraphs})
         self._last: tuple = (None, 0, None)  # (the layer view, rows, their graphs) of the last lookup
         self._row_counts: list[int] = []  # batched row counts with graphs, the most recent last
+        self.zeros = KVMemory()  # KV caches laid out for ggml's attention
+        self._attend = Attention()
+        self._layers: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, {(span, strides): its DecodeLayer})
+        self._row_inputs: tuple = (None, None)  # ((position, span, group), (position [1] int32, its mask)) of the last row
 
     def load_weight(self, gf: GGUFFile, info: TensorInfo):
         """2-D product weights stay as their file bytes (a view of the mapped GGUF); the rest float32."""
@@ -92,6 +102,40 @@ class GgmlBackend(CpuBackend):
         more than the work), ggml's count for a prefill's. Each row is one thread's either way: same bits."""
         return 1 if x.size <= _SMALL_ELEMENTWISE else self.threads
 
+    def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int) -> np.ndarray:
+        """ggml's attention over the cache (fomoepy.runtime.ggml_attention): llama.cpp's products and
+        softmax, the nodes of a decode layer's graph, so a row gets the same bits either way."""
+        threads = self._small_threads() if q.shape[0] == 1 else self.threads
+        return self._attend(q, k_cache, v_cache, n_past, threads)
+
+    def attention_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int) -> list[np.ndarray]:
+        """One sequence's decode row x [1, D] at position n_past, its attention layer in one graph
+        (DecodeLayer): its keys and values into the cache, → x + attention, its FFN norm h, the router's
+        logits of h; the bits of attention_inputs, the cache writes, attention and attention_output."""
+        n = span(n_past + 1, cache.capacity)
+        group = a.n_head // a.n_head_kv
+        key, inputs = self._row_inputs
+        if key != (n_past, n, group):  # the step's first layer: every layer's row has this position
+            inputs = (np.array([n_past], np.int32), causal_mask(n_past, 1, group, n))
+            self._row_inputs = ((n_past, n, group), inputs)
+        q = w.attn_q
+        entry = self._layers.get(id(q))
+        if entry is None or entry[0] is not q:
+            entry = self._layers[id(q)] = (q, {})
+        graphs = entry[1]
+        shape = (n, cache.k.strides, cache.v.strides)
+        graph = graphs.get(shape)
+        if graph is None:
+            # a span's graph serves BUCKET steps; the one before it stays for a sequence served in turn
+            while len(graphs) >= _LAYER_GRAPHS:
+                graphs.pop(next(iter(graphs)))
+            graph = graphs[shape] = DecodeLayer(w, a, eps, self._small_threads(), cache.k, cache.v, n)
+        return graph(np.ascontiguousarray(x, dtype=F32), inputs[0], inputs[1], cache.k, cache.v)
+
+    def _small_threads(self) -> int:
+        """Threads for a decode row's graphs (see _graphs)."""
+        return self.threads if ggml_threads.spins() else 1
+
     def fuses_attention(self, a) -> bool:
         """Whether attention_inputs / attention_output serve this attention (not the gated kind)."""
         return not a.gated
@@ -123,7 +167,7 @@ class GgmlBackend(CpuBackend):
             # threads that spin gain from every thread (idle, -t 2: 127-132 against 122-128). Each row's
             # products are one thread's either way: the same bits.
             # A batch of B sequences: a pair built for B rows (_BATCH_ROW_COUNTS says how many such B stay).
-            graphs = entry[1][rows] = AttentionGraphs(w, a, eps, self.threads if ggml_threads.spins() else 1, rows)
+            graphs = entry[1][rows] = AttentionGraphs(w, a, eps, self._small_threads(), rows)
         self._last = (w, rows, graphs)  # the view held: `is` then means this layer's call, not a reused id
         return graphs
 

@@ -50,7 +50,7 @@ class RopeSpec:
     rope_base: float
 
 
-class _Graph:
+class Graph:
     """A graph built once: leaves whose data is numpy memory (weights fixed at build, inputs set per
     call), intermediates in the context's own memory, outputs in fresh arrays per call."""
 
@@ -66,12 +66,19 @@ class _Graph:
         self.inputs: list = []
         self.outputs: list[tuple] = []  # (tensor, shape)
 
-    def leaf(self, qtype: int, *ne: int, data: np.ndarray | None = None):
+    def leaf(self, qtype: int, *ne: int, data: np.ndarray | None = None, nb: tuple[int, ...] | None = None):
+        """A tensor over memory the graph does not own; nb: its strides in bytes (default: contiguous)."""
         ggml.ggml_set_no_alloc(self.ctx, True)
         try:
             t = ggml.ggml_new_tensor(self.ctx, qtype, len(ne), (ctypes.c_int64 * len(ne))(*ne))
         finally:
             ggml.ggml_set_no_alloc(self.ctx, False)
+        if nb is not None:
+            strides = t.contents.nb
+            for i, step in enumerate(nb):
+                strides[i] = step
+            for i in range(len(nb), 4):  # the dims past the given ones follow on
+                strides[i] = strides[i - 1] * t.contents.ne[i - 1]
         if data is not None:
             t.contents.data = data.ctypes.data
             self.keep.append(data)
@@ -84,14 +91,22 @@ class _Graph:
         v = np.ascontiguousarray(w, dtype=F32).reshape(-1)
         return self.leaf(ggml.GGML_TYPE_F32, v.size, data=v)
 
-    def input(self, *ne: int, qtype: int = ggml.GGML_TYPE_F32):
-        """An input of the given ggml shape: never viewed (a view takes its source's data pointer when
-        made, and an input's is set only per call)."""
-        t = self.leaf(qtype, *ne)
+    def input(self, *ne: int, qtype: int = ggml.GGML_TYPE_F32, nb: tuple[int, ...] | None = None):
+        """An input of the given ggml shape (and strides): never viewed (a view takes its source's data
+        pointer when made, and an input's is set only per call)."""
+        t = self.leaf(qtype, *ne, nb=nb)
         self.inputs.append(t)
         return t
 
-    def finish(self, outputs: list[tuple]) -> None:
+    def write_into(self, src, *ne: int, nb: tuple[int, ...]):
+        """A node that copies src into the caller's memory, strided by nb; the address is an input, set per
+        run (the node itself takes it: a copy's node is a view of its destination, made with the data
+        pointer its destination had then). Pass the node to finish as an effect."""
+        node = ggml.ggml_cpy(self.ctx, src, self.leaf(ggml.GGML_TYPE_F32, *ne, nb=nb))
+        self.inputs.append(node)
+        return node
+
+    def finish(self, outputs: list[tuple], effects: tuple = ()) -> None:
         """Build the graph and plan it; each output gets memory of its own, set once: a run sets only its
         inputs' pointers and copies the outputs out (a pointer set per array, through numpy's ctypes
         view, cost more than the copy of a decode row's few KB)."""
@@ -104,6 +119,10 @@ class _Graph:
         self.keep += self._results
         self._input_structs = [t.contents for t in self.inputs]  # one struct object each, not one per run
         self.gf = ggml.ggml_new_graph_custom(self.ctx, self.graph_size, False)
+        # nodes whose work is a write into the caller's memory (a KV cache row) go first: ggml runs a
+        # graph's nodes in the order they were added, each after the last, so reads added later see it
+        for t in effects:
+            ggml.ggml_build_forward_expand(self.gf, t)
         for t, _ in outputs:
             ggml.ggml_build_forward_expand(self.gf, t)
         self.plan = ggml.ggml_graph_plan(self.gf, self.threads, None)
@@ -111,13 +130,14 @@ class _Graph:
         self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         self._plan_ref = ctypes.pointer(self.plan)
 
-    def run(self, *inputs: np.ndarray, last: bool = False) -> list[np.ndarray]:
-        """The outputs for these inputs, as fresh arrays (the graph's own are overwritten by its next run);
-        last: the graph runs no more (a prefill's, built for the call): its own arrays, not copies."""
+    def run(self, *inputs: np.ndarray | int, last: bool = False) -> list[np.ndarray]:
+        """The outputs for these inputs (arrays, or addresses of memory the caller keeps alive), as fresh
+        arrays (the graph's own are overwritten by its next run); last: the graph runs no more (a
+        prefill's, built for the call): its own arrays, not copies."""
         if len(inputs) != len(self._input_structs):
             raise FomoeError(f"expected {len(self._input_structs)} inputs, got {len(inputs)}")
         for t, x in zip(self._input_structs, inputs):
-            t.data = host_address(x)  # (the buffer protocol: a fifth of x.ctypes.data's ~1 µs)
+            t.data = x if isinstance(x, int) else host_address(x)  # (the buffer protocol: a fifth of x.ctypes.data's ~1 µs)
         status = MATMUL.call(ggml.ggml_graph_compute, self.gf, self._plan_ref)
         if status != 0:
             raise FomoeError("ggml graph computation failed")
@@ -128,16 +148,44 @@ class _Graph:
             ggml.ggml_free(self.ctx)
 
 
-def _rotated(g: _Graph, x, positions, a):
+def _rotated(g: Graph, x, positions, a):
     """NEOX RoPE of x [hd, heads, T] at `positions` (an int32 input [T]): ggml's, as llama.cpp's (angles
     pos·base^(-2i/rotary_dim) in float32, the dims past rotary_dim unchanged)."""
     return ggml.ggml_rope_ext(g.ctx, x, positions, None, a.rotary_dim, ggml.GGML_ROPE_TYPE_NEOX, 0, float(a.rope_base),
                               1.0, 0.0, 1.0, 0.0, 0.0)  # fmt: skip  (no scaling: freq_scale 1, ext_factor 0, attn_factor 1)
 
 
-def _normed(g: _Graph, x, eps: float, w):
+def _normed(g: Graph, x, eps: float, w):
     """rms_norm(x) · w, w broadcast over x's rows."""
     return ggml.ggml_mul(g.ctx, ggml.ggml_rms_norm(g.ctx, x, eps), g.weight(w))
+
+
+def pre_attention_nodes(g: Graph, w, a, eps: float, x, pos, B: int):
+    """x [D, B] at positions pos [B] → q [hd, H, B], k [hd, Hkv, B] (normed and rotated), v [Hkv·hd, B]."""
+    H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+    xn = _normed(g, x, eps, w.attn_norm)
+    q = ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_q), xn)
+    k = ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_k), xn)
+    v = ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_v), xn)
+    qn = _normed(g, ggml.ggml_reshape_3d(g.ctx, q, hd, H, B), eps, w.attn_q_norm)  # each head's row normed
+    kn = _normed(g, ggml.ggml_reshape_3d(g.ctx, k, hd, Hkv, B), eps, w.attn_k_norm)
+    return _rotated(g, qn, pos, a), _rotated(g, kn, pos, a), v
+
+
+def pre_attention_bytes(w, a, B: int) -> int:
+    """Room for pre_attention_nodes' float32 intermediates, each one's norm with it."""
+    return 4 * 4 * B * (w.attn_q.n_cols + 2 * (a.n_head + 2 * a.n_head_kv) * a.head_dim)
+
+
+def post_attention_nodes(g: Graph, w, eps: float, x, attn):
+    """x [D, B], attention's output attn [H·hd, B] → x' = x + Wo·attn, h = its FFN norm, the router's logits."""
+    x2 = ggml.ggml_add(g.ctx, x, ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_output), attn))
+    h = _normed(g, x2, eps, w.ffn_norm)
+    return x2, h, ggml.ggml_mul_mat(g.ctx, g.weight(w.ffn_gate_inp), h)
+
+
+def post_attention_bytes(w, B: int) -> int:
+    return 4 * 4 * B * (3 * w.attn_q.n_cols + w.ffn_gate_inp.n_rows)
 
 
 class AttentionGraphs:
@@ -150,21 +198,13 @@ class AttentionGraphs:
     def __init__(self, w, a, eps: float, threads: int, rows: int = 1):
         H, Hkv, hd, B = a.n_head, a.n_head_kv, a.head_dim, rows
         D, E = w.attn_q.n_cols, w.ffn_gate_inp.n_rows
-        f = 4 * 4 * B * (D + 2 * (H + 2 * Hkv) * hd)  # float32 intermediates, with room for each one's norm
-        pre = self.pre = _Graph(28, f, threads)
+        pre = self.pre = Graph(28, pre_attention_bytes(w, a, B), threads)
         x, pos = pre.input(D, B), pre.input(B, qtype=ggml.GGML_TYPE_I32)
-        xn = _normed(pre, x, eps, w.attn_norm)
-        q = ggml.ggml_mul_mat(pre.ctx, pre.weight(w.attn_q), xn)
-        k = ggml.ggml_mul_mat(pre.ctx, pre.weight(w.attn_k), xn)
-        v = ggml.ggml_mul_mat(pre.ctx, pre.weight(w.attn_v), xn)
-        qn = _normed(pre, ggml.ggml_reshape_3d(pre.ctx, q, hd, H, B), eps, w.attn_q_norm)  # each head's row normed
-        kn = _normed(pre, ggml.ggml_reshape_3d(pre.ctx, k, hd, Hkv, B), eps, w.attn_k_norm)
-        pre.finish([(_rotated(pre, qn, pos, a), (B, H, hd)), (_rotated(pre, kn, pos, a), (B, Hkv, hd)), (v, (B, Hkv * hd))])
-        post = self.post = _Graph(24, 4 * 4 * B * (3 * D + E), threads)
+        q, k, v = pre_attention_nodes(pre, w, a, eps, x, pos, B)
+        pre.finish([(q, (B, H, hd)), (k, (B, Hkv, hd)), (v, (B, Hkv * hd))])
+        post = self.post = Graph(24, post_attention_bytes(w, B), threads)
         x, attn = post.input(D, B), post.input(H * hd, B)
-        x2 = ggml.ggml_add(post.ctx, x, ggml.ggml_mul_mat(post.ctx, post.weight(w.attn_output), attn))
-        h = _normed(post, x2, eps, w.ffn_norm)
-        logits = ggml.ggml_mul_mat(post.ctx, post.weight(w.ffn_gate_inp), h)
+        x2, h, logits = post_attention_nodes(post, w, eps, x, attn)
         post.finish([(x2, (B, D)), (h, (B, D)), (logits, (B, E))])
 
     def inputs(self, x: np.ndarray, positions) -> list[np.ndarray]:
@@ -185,7 +225,7 @@ def rms_norm_rows(x: np.ndarray, eps: float, threads: int) -> np.ndarray:
     cache = _cache()
     g, last = cache.get(key), False
     if g is None:
-        g = _Graph(4, 4 * rows * n + 64, threads)
+        g = Graph(4, 4 * rows * n + 64, threads)
         g.finish([(ggml.ggml_rms_norm(g.ctx, g.input(n, rows), eps), x.shape)])
         last = not _keep(cache, key, g, rows)
     out = g.run(x, last=last)[0]
@@ -206,7 +246,7 @@ def rope_neox(x: np.ndarray, positions: np.ndarray, a, threads: int) -> np.ndarr
     cache = _cache()
     g, last = cache.get(key), False
     if g is None:
-        g = _Graph(4, 4 * x.size + 64, threads)
+        g = Graph(4, 4 * x.size + 64, threads)
         g.finish([(_rotated(g, g.input(hd, heads, T), g.input(T, qtype=ggml.GGML_TYPE_I32), a), x.shape)])
         last = not _keep(cache, key, g, T)
     return g.run(x, np.ascontiguousarray(positions, dtype=np.int32), last=last)[0]
@@ -219,7 +259,7 @@ def _cache() -> dict:
     return cache
 
 
-def _keep(cache: dict, key: tuple, g: _Graph, rows: int) -> bool:
+def _keep(cache: dict, key: tuple, g: Graph, rows: int) -> bool:
     """Keep g for later calls where its shape comes back often; whether it was kept."""
     if rows <= _MAX_CACHED_ROWS:  # decode shapes come back every step; a prefill's rarely
         if len(cache) >= _MAX_GRAPHS:
