@@ -27,6 +27,9 @@ KV_CHUNK = 256  # positions a KV cache grows by: one copy per 256 tokens, at mos
 class KVCache:
     k: np.ndarray  # [capacity, Hkv, hd], capacity a multiple of KV_CHUNK (or n_ctx) >= the sequence's length
     v: np.ndarray  # [capacity, Hkv, hd]
+    # where k's and v's data begin, for a backend whose graphs take addresses (fomoepy.runtime.ggml_attention);
+    # None until one asks, and again when the arrays are replaced
+    addresses: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def capacity(self) -> int:
@@ -40,6 +43,7 @@ class KVCache:
             k[:n_kept] = self.k[:n_kept]
             v[:n_kept] = self.v[:n_kept]
         self.k, self.v = k, v
+        self.addresses = None
 
 
 def kv_zeros(zeros, shape: tuple[int, int, int], values: bool = False):

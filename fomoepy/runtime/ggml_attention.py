@@ -138,11 +138,6 @@ def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
-def cache_row_addresses(k_cache: np.ndarray, v_cache: np.ndarray, position: int) -> tuple[int, int]:
-    """Where position's keys and values begin in the caches (strided: see DecodeLayer)."""
-    return _address(k_cache) + position * k_cache.strides[0], _address(v_cache) + position * v_cache.strides[0]
-
-
 def kv_memory_layout(k_cache: np.ndarray, v_cache: np.ndarray) -> bool:
     """Whether the caches are laid out as KVMemory lays them out."""
     _, Hkv, hd = v_cache.shape
@@ -170,8 +165,17 @@ class DecodeLayer:
         attn = attention_nodes(g, ggml.ggml_reshape_3d(g.ctx, q, hd, group, Hkv), K, V, mask, hd)
         x2, h, logits = post_attention_nodes(g, w, eps, x, ggml.ggml_reshape_2d(g.ctx, attn, H * hd, 1))
         g.finish([(x2, (1, D)), (h, (1, D)), (logits, (1, E))], effects=writes)
+        self._row_steps = (k_cache.strides[0], v_cache.strides[0])
 
-    def __call__(self, x: np.ndarray, position: np.ndarray, mask: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray):
-        """x [1, D] at position ([1] int32), mask causal_mask(position, 1, group, n) → [x', h, logits]."""
-        k_at, v_at = cache_row_addresses(k_cache, v_cache, int(position[0]))
-        return self.graph.run(x, position, mask, _address(k_cache), _address(v_cache), k_at, v_at)
+    def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: tuple[int, int]):
+        """x [1, D] at `position`, inputs its ([position] int32, causal_mask(position, 1, group, n)), addresses
+        the caches' (cache_addresses) → [x', h, logits]."""
+        k, v = addresses
+        return self.graph.run(x, *inputs, k, v, k + position * self._row_steps[0], v + position * self._row_steps[1])
+
+
+def cache_addresses(cache) -> tuple[int, int]:
+    """Where a KVCache's keys and values begin, kept with it until it grows (a view's address costs ~1 µs)."""
+    if cache.addresses is None:
+        cache.addresses = (_address(cache.k), _address(cache.v))
+    return cache.addresses

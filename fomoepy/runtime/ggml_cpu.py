@@ -14,7 +14,7 @@ import numpy as np
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.cpu import CpuBackend
-from fomoepy.runtime.ggml_attention import Attention, DecodeLayer, KVMemory, causal_mask, span
+from fomoepy.runtime.ggml_attention import Attention, DecodeLayer, KVMemory, cache_addresses, causal_mask, span
 from fomoepy.runtime.ggml_dense import (
     AttentionGraphs,
     RopeSpec,
@@ -130,7 +130,7 @@ class GgmlBackend(CpuBackend):
             while len(graphs) >= _LAYER_GRAPHS:
                 graphs.pop(next(iter(graphs)))
             graph = graphs[shape] = DecodeLayer(w, a, eps, self._small_threads(), cache.k, cache.v, n)
-        return graph(np.ascontiguousarray(x, dtype=F32), inputs[0], inputs[1], cache.k, cache.v)
+        return graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache))
 
     def _small_threads(self) -> int:
         """Threads for a decode row's graphs (see _graphs)."""
