@@ -90,7 +90,7 @@ def test_a_decode_rows_one_graph_layer_is_the_op_by_op_path_across_a_span_and_a_
         engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=2, n_ctx=4 * KV_CHUNK))
         if not fused:
             engine.ops.attention_layer = None  # (never called: fuses_attention says no)
-            engine.ops.fuses_attention = lambda a: False
+            engine.ops.fuses_attention = lambda a, gating: False
         rng = np.random.default_rng(7)
         state = engine.new_state()
         engine.eval(state, rng.integers(0, engine.spec.n_vocab, KV_CHUNK - 3))

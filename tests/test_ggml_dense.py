@@ -70,9 +70,9 @@ def test_a_decode_rows_graphs_give_the_op_by_op_paths_bits(name):
     runs = []
     for fused in (True, False):
         engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=2))
-        assert engine.ops.fuses_attention(engine.spec.attention)
+        assert engine.ops.fuses_attention(engine.spec.attention, engine.spec.moe.gating)
         if not fused:
-            engine.ops.fuses_attention = lambda a: False
+            engine.ops.fuses_attention = lambda a, gating: False
         state = engine.new_state()
         engine.eval(state, tokens[:-4])
         runs.append([engine.eval(state, [t], phase=Phase.DECODE)[-1] for t in tokens[-4:]])
@@ -84,55 +84,58 @@ def test_a_decode_rows_graphs_give_the_op_by_op_paths_bits(name):
 def test_each_graph_gives_the_op_by_op_paths_bits(threads):
     # at the graphs' own outputs: a model's logits can absorb an attention difference (x + o rounds it away)
     engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=threads))
-    ops, a, eps = engine.ops, engine.spec.attention, engine.spec.rms_eps
+    ops, a, eps, k_used = engine.ops, engine.spec.attention, engine.spec.rms_eps, engine.spec.moe.n_expert_used
     H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
     rng = np.random.default_rng(threads)
     for il, position in ((0, 0), (1, 37), (1, 200)):
         w = engine.weights.layer(il)
         x = rng.standard_normal((1, engine.spec.n_embd)).astype(F32)
-        q, k, v = ops.attention_inputs(x, w, a, eps, position)
+        q, k, v = ops.attention_inputs(x, w, a, eps, position, k_used)
         xn = ops.rms_norm(x, w.attn_norm, eps)
         at = np.array([position])
         want_q = ops.rope_neox(ops.rms_norm(ops.linear(xn, w.attn_q).reshape(1, H, hd), w.attn_q_norm, eps), at, a.rotary_dim, a.rope_base)
         want_k = ops.rope_neox(ops.rms_norm(ops.linear(xn, w.attn_k).reshape(1, Hkv, hd), w.attn_k_norm, eps), at, a.rotary_dim, a.rope_base)
         assert np.array_equal(q, want_q) and np.array_equal(k, want_k) and np.array_equal(v, ops.linear(xn, w.attn_v))
         attn = rng.standard_normal((1, H * hd)).astype(F32)
-        x2, h, logits = ops.attention_output(x, attn, w, a, eps)
+        x2, h, routing = ops.attention_output(x, attn, w, a, eps, k_used)
         want_x2 = x + ops.linear(attn, w.attn_output)
         want_h = ops.rms_norm(want_x2, w.ffn_norm, eps)
-        assert np.array_equal(x2, want_x2) and np.array_equal(h, want_h) and np.array_equal(logits, ops.linear(want_h, w.ffn_gate_inp))
+        assert np.array_equal(x2, want_x2) and np.array_equal(h, want_h)
+        want = ops.route(ops.linear(want_h, w.ffn_gate_inp), "softmax", k_used)
+        assert all(np.array_equal(getattr(routing, f), getattr(want, f)) for f in ("ids", "weights", "probs"))
     engine.close()
 
 
 def test_a_batched_steps_graphs_give_each_row_the_bits_of_its_one_row_graphs():
     # a batched decode step runs the graphs built for B rows, one row of each sequence at its own position
     engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=1))
-    ops, a, eps = engine.ops, engine.spec.attention, engine.spec.rms_eps
+    ops, a, eps, k_used = engine.ops, engine.spec.attention, engine.spec.rms_eps, engine.spec.moe.n_expert_used
     w = engine.weights.layer(1)
     rng = np.random.default_rng(5)
     positions = [0, 37, 200, 5]
     x = rng.standard_normal((len(positions), engine.spec.n_embd)).astype(F32)
     attn = rng.standard_normal((len(positions), a.n_head * a.head_dim)).astype(F32)
-    q, k, v = ops.attention_inputs(x, w, a, eps, positions)
-    x2, h, logits = ops.attention_output(x, attn, w, a, eps)
-    assert q.shape == (4, a.n_head, a.head_dim) and logits.shape == (4, engine.spec.moe.n_expert)
+    q, k, v = ops.attention_inputs(x, w, a, eps, positions, k_used)
+    x2, h, routing = ops.attention_output(x, attn, w, a, eps, k_used)
+    assert q.shape == (4, a.n_head, a.head_dim) and routing.probs.shape == (4, engine.spec.moe.n_expert)
     for i, position in enumerate(positions):
-        alone = ops.attention_inputs(x[i : i + 1], w, a, eps, position), ops.attention_output(x[i : i + 1], attn[i : i + 1], w, a, eps)
-        for got, want in zip((q, k, v, x2, h, logits), (*alone[0], *alone[1])):
+        alone = ops.attention_inputs(x[i : i + 1], w, a, eps, position, k_used), ops.attention_output(x[i : i + 1], attn[i : i + 1], w, a, eps, k_used)
+        r = alone[1][2]
+        for got, want in zip((q, k, v, x2, h, routing.ids, routing.weights, routing.probs), (*alone[0], *alone[1][:2], r.ids, r.weights, r.probs)):
             assert np.array_equal(got[i : i + 1], want)
-    assert not np.array_equal(q[1], ops.attention_inputs(x[1:2], w, a, eps, 0)[0][0])  # each row at its own position
+    assert not np.array_equal(q[1], ops.attention_inputs(x[1:2], w, a, eps, 0, k_used)[0][0])  # each row at its own position
     engine.close()
 
 
 def test_every_layer_keeps_its_one_row_graphs_and_those_of_the_last_two_batch_sizes():
     # a graph's intermediates take room for its rows in every layer: sizes a batch no longer has are dropped
     engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=1))
-    ops, a, eps = engine.ops, engine.spec.attention, engine.spec.rms_eps
+    ops, a, eps, k_used = engine.ops, engine.spec.attention, engine.spec.rms_eps, engine.spec.moe.n_expert_used
     x = np.random.default_rng(6).standard_normal((5, engine.spec.n_embd)).astype(F32)
     layers = [engine.weights.layer(il) for il in range(2)]
 
     def step(B):  # what a batched step of B sequences asks of each layer
-        return [ops.attention_inputs(x[:B], w, a, eps, list(range(B))) for w in layers]
+        return [ops.attention_inputs(x[:B], w, a, eps, list(range(B)), k_used) for w in layers]
 
     first = step(1), step(3)
     step(2), step(4)
@@ -146,7 +149,7 @@ def test_every_layer_keeps_its_one_row_graphs_and_those_of_the_last_two_batch_si
 
 def test_gated_attention_keeps_the_op_by_op_path():
     engine = Engine(ORACLE / "qwen35moe_q4_k.gguf", EngineOptions(backend="cpu", threads=1))
-    assert engine.spec.attention.gated and not engine.ops.fuses_attention(engine.spec.attention)
+    assert engine.spec.attention.gated and not engine.ops.fuses_attention(engine.spec.attention, engine.spec.moe.gating)
     engine.close()
 
 
@@ -158,8 +161,11 @@ def test_a_decode_rows_graphs_run_on_one_thread_unless_the_threads_spin(monkeypa
 
     monkeypatch.setattr(ggml_threads, "spins", lambda: spins)
     engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2))
-    graphs = engine.ops._graphs(engine.weights.layer(0), engine.spec.attention, engine.spec.rms_eps)
+    graphs = engine.ops._graphs(engine.weights.layer(0), engine.spec.attention, engine.spec.rms_eps, 1, engine.spec.moe.n_expert_used)
     assert engine.ops.threads == 2 and graphs.pre.threads == graphs.post.threads == (2 if spins else 1)
+    engine.decode_token(engine.new_state(), 1)  # a lone row's layers: one graph each
+    layers = [graph for _, kept in engine.ops._layers.values() for graph in kept.values()]
+    assert len(layers) == engine.spec.n_layer and all(g.graph.threads == (2 if spins else 1) for g in layers)
     engine.close()
 
 

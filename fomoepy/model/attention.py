@@ -34,20 +34,20 @@ def attention_mixer(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
     return ops.linear(out, w.attn_output)
 
 
-def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int, segments: list[Segment]) -> tuple:
+def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int, segments: list[Segment], k: int) -> tuple:
     """Decode rows x [B, D], one of each sequence (`segments` of one row each), through a backend that
-    fuses a layer's dense work around attention (ops.attention_inputs / attention_output: the cpu
-    backend's graphs) → (x + attention, its FFN norm h, the router's logits of h): the ops of
-    attention_mixer, its residual, the FFN norm and the router's product, in fewer calls, on all rows at
-    once; each row attends over its own sequence's cache."""
+    fuses a layer's dense work around attention (ops.attention_layer for one row, ops.attention_inputs /
+    attention_output for several: the cpu backend's graphs) → (x + attention, its FFN norm h, h's routing
+    to k experts): the ops of attention_mixer, its residual, the FFN norm, the router's product and its
+    routing, in fewer calls, on all rows at once; each row attends over its own sequence's cache."""
     if len(segments) == 1:  # one sequence's row: the layer's whole attention in one of the backend's calls
         s = segments[0]
-        return ops.attention_layer(x, w, a, eps, s.state.layers[il], s.state.n_past)
+        return ops.attention_layer(x, w, a, eps, s.state.layers[il], s.state.n_past, k)
     positions = [s.state.n_past for s in segments]
-    q, k, v = ops.attention_inputs(x, w, a, eps, positions)  # q [B, H, hd], k [B, Hkv, hd] normed, rotated; v [B, Hkv·hd]
-    out = stack(ops, [_cache_attend(ops, q[i : i + 1], k[i : i + 1], v[i : i + 1], s.state.layers[il], s.state.n_past)
+    q, k_rot, v = ops.attention_inputs(x, w, a, eps, positions, k)  # q [B, H, hd], k [B, Hkv, hd] normed, rotated; v [B, Hkv·hd]
+    out = stack(ops, [_cache_attend(ops, q[i : i + 1], k_rot[i : i + 1], v[i : i + 1], s.state.layers[il], s.state.n_past)
                  for i, s in enumerate(segments)])  # fmt: skip
-    return ops.attention_output(x, out.reshape(len(segments), -1), w, a, eps)
+    return ops.attention_output(x, out.reshape(len(segments), -1), w, a, eps, k)
 
 
 def _attend(ops, w, a: AttentionSpec, eps: float, q, k, v, cache: KVCache, n_past: int) -> np.ndarray:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from fomoepy.experts.routing import Routing
 from fomoepy.model.spec import MoESpec
 
 
-def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray, router_logits: np.ndarray | None = None) -> np.ndarray:
-    """h [T, D] (already normed) → [T, D]; router_logits: ops.linear(h, w.ffn_gate_inp) where the caller
-    has it already (fomoepy.model.attention.attention_block)."""
-    if router_logits is None:
+def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray, routing: Routing | None = None) -> np.ndarray:
+    """h [T, D] (already normed) → [T, D]; routing: h's, where the caller has it already
+    (fomoepy.model.attention.attention_block)."""
+    if routing is None:
         router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
-    exact = experts.route(ops, layer, h, router_logits, m.gating, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
+        routing = experts.route(ops, layer, h, router_logits, m.gating, m.n_expert_used)
+    exact = routing  # ids, weights [T, k]; probs [T, E]
     out = experts(layer, h, exact)  # Σ_j weights[t, j] · expert_ids[t, j](h[t]); CAR may swap ids (off: exact)
     if m.shared_ff:
         shared = ops.swiglu_ffn(h, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)

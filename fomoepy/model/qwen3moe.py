@@ -11,9 +11,10 @@ def qwen3moe_layer(model, il: int, x, segments):
     ops, spec, w = model.layer_ops(il, len(segments) > 1), model.spec, model.weights.layer(il)
     eps = spec.rms_eps
     fuses = getattr(ops, "fuses_attention", None)
-    if x.shape[0] == len(segments) and fuses is not None and fuses(spec.attention):  # a row per sequence: fused calls
-        x, h, router_logits = attention_block(ops, w, spec.attention, eps, x, il, segments)
-        return x + moe_ffn(ops, w, spec.moe, model.experts, il, h, router_logits)
+    m = spec.moe
+    if x.shape[0] == len(segments) and fuses is not None and fuses(spec.attention, m.gating):  # a row per sequence: fused calls
+        x, h, routing = attention_block(ops, w, spec.attention, eps, x, il, segments, m.n_expert_used)
+        return x + moe_ffn(ops, w, m, model.experts, il, h, routing=routing)
     x = x + attention_mixer(ops, w, spec.attention, eps, ops.rms_norm(x, w.attn_norm, eps), il, segments)
-    x = x + moe_ffn(ops, w, spec.moe, model.experts, il, ops.rms_norm(x, w.ffn_norm, eps))
+    x = x + moe_ffn(ops, w, m, model.experts, il, ops.rms_norm(x, w.ffn_norm, eps))
     return x

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fomoepy.experts.routing import Routing
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.cpu import CpuBackend
@@ -20,6 +21,7 @@ from fomoepy.runtime.ggml_dense import (
     RopeSpec,
     rms_norm_rows,
     rope_neox,
+    route_softmax,
 )
 from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
 from fomoepy.runtime.row_threads import RowThreads
@@ -31,6 +33,9 @@ _SMALL_ELEMENTWISE = 1 << 16  # elements: 64 rows of the bench model's 1024
 # layers), and building a layer's pair again costs ~0.2 ms when a batch's size comes back. Two: the
 # batch's size now and the one it had before a request joined or left.
 _BATCH_ROW_COUNTS = 2
+
+# a few rows' routing runs on one thread: a softmax and a sort over E values a row, less than a wake-up
+_ONE_THREAD_ROUTES = 64
 
 # a decode layer's graphs each layer keeps (one per span and cache capacity): the one in use, and the
 # one before it for a sequence served in turn with another
@@ -108,10 +113,18 @@ class GgmlBackend(CpuBackend):
         threads = self._small_threads() if q.shape[0] == 1 else self.threads
         return self._attend(q, k_cache, v_cache, n_past, threads)
 
-    def attention_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int) -> list[np.ndarray]:
+    def route(self, logits: np.ndarray, gating: str, k: int) -> Routing:
+        """Softmax routing by ggml's ops (ggml_dense.routing_nodes, the ones the decode graphs end with), so
+        a row is routed with the same bits by every path of this backend; other gatings as the reference's."""
+        if gating != "softmax":
+            return CpuBackend.route(logits, gating, k)
+        threads = 1 if logits.shape[0] <= _ONE_THREAD_ROUTES else self.threads
+        return _routing(*route_softmax(logits, k, threads))
+
+    def attention_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int) -> tuple:
         """One sequence's decode row x [1, D] at position n_past, its attention layer in one graph
-        (DecodeLayer): its keys and values into the cache, → x + attention, its FFN norm h, the router's
-        logits of h; the bits of attention_inputs, the cache writes, attention and attention_output."""
+        (DecodeLayer): its keys and values into the cache, → x + attention, its FFN norm h, h's routing
+        to k experts; the bits of attention_inputs, the cache writes, attention and attention_output."""
         n = span(n_past + 1, cache.capacity)
         group = a.n_head // a.n_head_kv
         key, inputs = self._row_inputs
@@ -129,27 +142,31 @@ class GgmlBackend(CpuBackend):
             # a span's graph serves BUCKET steps; the one before it stays for a sequence served in turn
             while len(graphs) >= _LAYER_GRAPHS:
                 graphs.pop(next(iter(graphs)))
-            graph = graphs[shape] = DecodeLayer(w, a, eps, self._small_threads(), cache.k, cache.v, n)
-        return graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache))
+            graph = graphs[shape] = DecodeLayer(w, a, eps, self._small_threads(), cache.k, cache.v, n, k)
+        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache))
+        return x2, h, _routing(*routing)
 
     def _small_threads(self) -> int:
         """Threads for a decode row's graphs (see _graphs)."""
         return self.threads if ggml_threads.spins() else 1
 
-    def fuses_attention(self, a) -> bool:
-        """Whether attention_inputs / attention_output serve this attention (not the gated kind)."""
-        return not a.gated
+    def fuses_attention(self, a, gating: str) -> bool:
+        """Whether attention_layer / attention_inputs / attention_output serve this attention (not the gated
+        kind) and its routing (softmax)."""
+        return not a.gated and gating == "softmax"
 
-    def attention_inputs(self, x: np.ndarray, w, a, eps: float, positions) -> list[np.ndarray]:
+    def attention_inputs(self, x: np.ndarray, w, a, eps: float, positions, k: int) -> list[np.ndarray]:
         """Decode rows' attention norm, q/k/v products, q/k norms and RoPE in one graph: x [B, D], row i at
         positions[i] (one row of each sequence of a step) → q [B, H, hd], k [B, Hkv, hd], v [B, Hkv·hd]."""
-        return self._graphs(w, a, eps, x.shape[0]).inputs(x, positions)
+        return self._graphs(w, a, eps, x.shape[0], k).inputs(x, positions)
 
-    def attention_output(self, x: np.ndarray, attn: np.ndarray, w, a, eps: float) -> list[np.ndarray]:
-        """The output product, the residual, the FFN norm and the router in one graph: x', h, logits."""
-        return self._graphs(w, a, eps, x.shape[0]).output(x, attn)
+    def attention_output(self, x: np.ndarray, attn: np.ndarray, w, a, eps: float, k: int) -> tuple:
+        """The output product, the residual, the FFN norm, the router and its routing to k experts in one
+        graph: x', h, Routing."""
+        x2, h, *routing = self._graphs(w, a, eps, x.shape[0], k).output(x, attn)
+        return x2, h, _routing(*routing)
 
-    def _graphs(self, w, a, eps: float, rows: int = 1) -> AttentionGraphs:
+    def _graphs(self, w, a, eps: float, rows: int, k: int) -> AttentionGraphs:
         if w is self._last[0] and rows == self._last[1]:  # attention_output after attention_inputs, same view
             return self._last[2]
         q = w.attn_q  # a layer view is made per call; its tensors are the engine's, one object each
@@ -167,7 +184,7 @@ class GgmlBackend(CpuBackend):
             # threads that spin gain from every thread (idle, -t 2: 127-132 against 122-128). Each row's
             # products are one thread's either way: the same bits.
             # A batch of B sequences: a pair built for B rows (_BATCH_ROW_COUNTS says how many such B stay).
-            graphs = entry[1][rows] = AttentionGraphs(w, a, eps, self._small_threads(), rows)
+            graphs = entry[1][rows] = AttentionGraphs(w, a, eps, self._small_threads(), rows, k)
         self._last = (w, rows, graphs)  # the view held: `is` then means this layer's call, not a reused id
         return graphs
 
@@ -181,3 +198,7 @@ class GgmlBackend(CpuBackend):
             old = self._row_counts.pop(0)
             for _, graphs in self._attention.values():
                 graphs.pop(old, None)
+
+
+def _routing(ids: np.ndarray, weights: np.ndarray, probs: np.ndarray) -> Routing:
+    return Routing(ids.astype(np.int64), weights, probs)

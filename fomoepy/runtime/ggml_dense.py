@@ -65,6 +65,7 @@ class Graph:
         self.keep: list = []  # the weights' memory, alive as long as the graph
         self.inputs: list = []
         self.outputs: list[tuple] = []  # (tensor, shape)
+        self._owned: dict[int, np.ndarray] = {}  # address of a tensor's struct -> the numpy memory it computes into
 
     def leaf(self, qtype: int, *ne: int, data: np.ndarray | None = None, nb: tuple[int, ...] | None = None):
         """A tensor over memory the graph does not own; nb: its strides in bytes (default: contiguous)."""
@@ -106,15 +107,26 @@ class Graph:
         self.inputs.append(node)
         return node
 
+    def own(self, t, shape: tuple[int, ...]):
+        """t computes into numpy memory of its own from now on (an output that later nodes view: a view
+        takes its source's data pointer when it is made, so t's must be set before); returns t."""
+        dtype = np.int32 if t.contents.type == ggml.GGML_TYPE_I32 else F32
+        buf = np.empty(shape, dtype)
+        t.contents.data = buf.ctypes.data
+        self._owned[ctypes.addressof(t.contents)] = buf
+        return t
+
     def finish(self, outputs: list[tuple], effects: tuple = ()) -> None:
-        """Build the graph and plan it; each output gets memory of its own, set once: a run sets only its
-        inputs' pointers and copies the outputs out (a pointer set per array, through numpy's ctypes
-        view, cost more than the copy of a decode row's few KB)."""
+        """Build the graph and plan it; each output gets memory of its own (float32, or int32 for an int32
+        tensor), set once: a run sets only its inputs' pointers and copies the outputs out (a pointer set
+        per array, through numpy's ctypes view, cost more than the copy of a decode row's few KB)."""
         self.outputs = outputs
         self._results = []
         for t, shape in outputs:
-            buf = np.empty(shape, F32)
-            t.contents.data = buf.ctypes.data
+            buf = self._owned.get(ctypes.addressof(t.contents))
+            if buf is None:
+                self.own(t, shape)
+                buf = self._owned[ctypes.addressof(t.contents)]
             self._results.append(buf)
         self.keep += self._results
         self._input_structs = [t.contents for t in self.inputs]  # one struct object each, not one per run
@@ -185,7 +197,22 @@ def post_attention_nodes(g: Graph, w, eps: float, x, attn):
 
 
 def post_attention_bytes(w, B: int) -> int:
-    return 4 * 4 * B * (3 * w.attn_q.n_cols + w.ffn_gate_inp.n_rows)
+    return 4 * 4 * B * (3 * w.attn_q.n_cols + 3 * w.ffn_gate_inp.n_rows)
+
+
+def routing_nodes(g: Graph, logits, k: int, B: int):
+    """Router logits [E, B] → each row's k experts by descending probability (ids [k, B] int32), their
+    probabilities renormalised to sum 1 (weights [k, B]), and the softmax over all experts (probs [E, B]),
+    which g computes into its own memory (`own`): Qwen3's softmax routing, as llama.cpp builds it (a
+    softmax, a descending argsort's first k, their rows of the probabilities over their sum). Each op is
+    row by row: a row gets its bits whatever rows are beside it."""
+    E = int(logits.contents.ne[0])
+    probs = g.own(ggml.ggml_soft_max(g.ctx, logits), (B, E))
+    order = ggml.ggml_argsort(g.ctx, probs, ggml.GGML_SORT_ORDER_DESC)  # [E, B]
+    ids = ggml.ggml_cont(g.ctx, ggml.ggml_view_2d(g.ctx, order, k, B, order.contents.nb[1], 0))
+    top = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, ggml.ggml_reshape_3d(g.ctx, probs, 1, E, B), ids), k, B)
+    weights = ggml.ggml_div(g.ctx, top, ggml.ggml_sum_rows(g.ctx, top))
+    return ids, weights, probs
 
 
 class AttentionGraphs:
@@ -195,25 +222,50 @@ class AttentionGraphs:
     output element one dot product of its row, norms over a row or a head of it, RoPE at the row's own
     position), so a row gets the bits it gets in a graph of one row."""
 
-    def __init__(self, w, a, eps: float, threads: int, rows: int = 1):
+    def __init__(self, w, a, eps: float, threads: int, rows: int = 1, k: int = 0):
         H, Hkv, hd, B = a.n_head, a.n_head_kv, a.head_dim, rows
-        D, E = w.attn_q.n_cols, w.ffn_gate_inp.n_rows
+        D = w.attn_q.n_cols
         pre = self.pre = Graph(28, pre_attention_bytes(w, a, B), threads)
         x, pos = pre.input(D, B), pre.input(B, qtype=ggml.GGML_TYPE_I32)
-        q, k, v = pre_attention_nodes(pre, w, a, eps, x, pos, B)
-        pre.finish([(q, (B, H, hd)), (k, (B, Hkv, hd)), (v, (B, Hkv * hd))])
-        post = self.post = Graph(24, post_attention_bytes(w, B), threads)
+        q, k_rot, v = pre_attention_nodes(pre, w, a, eps, x, pos, B)
+        pre.finish([(q, (B, H, hd)), (k_rot, (B, Hkv, hd)), (v, (B, Hkv * hd))])
+        post = self.post = Graph(40, post_attention_bytes(w, B), threads)
         x, attn = post.input(D, B), post.input(H * hd, B)
         x2, h, logits = post_attention_nodes(post, w, eps, x, attn)
-        post.finish([(x2, (B, D)), (h, (B, D)), (logits, (B, E))])
+        post.finish([(x2, (B, D)), (h, (B, D))] + routed_outputs(post, logits, k, B))
 
     def inputs(self, x: np.ndarray, positions) -> list[np.ndarray]:
         """x [B, D], row i at positions[i] → q [B, H, hd], k [B, Hkv, hd] (normed and rotated), v [B, Hkv·hd]."""
         return self.pre.run(np.ascontiguousarray(x, dtype=F32), np.array(positions, np.int32).reshape(-1))
 
     def output(self, x: np.ndarray, attn: np.ndarray) -> list[np.ndarray]:
-        """x [B, D], attn [B, H·hd] → x + Wo·attn, its FFN norm [B, D], router logits [B, E]."""
+        """x [B, D], attn [B, H·hd] → x + Wo·attn, its FFN norm [B, D], and the router's logits [B, E] of
+        it (k 0) or its routing (routed_outputs)."""
         return self.post.run(np.ascontiguousarray(x, dtype=F32), np.ascontiguousarray(attn, dtype=F32))
+
+
+def routed_outputs(g: Graph, logits, k: int, B: int) -> list[tuple]:
+    """A graph's outputs for router logits [E, B]: the logits themselves (k 0), or the routing of each row
+    (routing_nodes): ids [B, k] int32, weights [B, k], probs [B, E]."""
+    E = int(logits.contents.ne[0])
+    if not k:
+        return [(logits, (B, E))]
+    ids, weights, probs = routing_nodes(g, logits, k, B)
+    return [(ids, (B, k)), (weights, (B, k)), (probs, (B, E))]
+
+
+def route_softmax(logits: np.ndarray, k: int, threads: int) -> list[np.ndarray]:
+    """routing_nodes of logits [T, E] → ids [T, k] int32, weights [T, k], probs [T, E]."""
+    logits = np.ascontiguousarray(logits, dtype=F32)
+    T, E = logits.shape
+    key = ("route", T, E, k, threads)
+    cache = _cache()
+    g, last = cache.get(key), False
+    if g is None:
+        g = Graph(12, 4 * 4 * T * (2 * E + 2 * k) + 1024, threads)
+        g.finish(routed_outputs(g, g.input(E, T), k, T))
+        last = not _keep(cache, key, g, T)
+    return g.run(logits, last=last)
 
 
 def rms_norm_rows(x: np.ndarray, eps: float, threads: int) -> np.ndarray:
