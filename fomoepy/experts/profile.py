@@ -58,22 +58,53 @@ def sorted_entries(layers: np.ndarray, experts: np.ndarray, freqs: np.ndarray) -
 
 
 class ExpertCounter:
-    """Counts the router's original choices per (layer, expert) over a run."""
+    """Counts the router's original choices per (layer, expert) over a run.
+
+    A decode step's row is kept aside and counted with the layer's next _PENDING rows in one bincount:
+    a numpy update per step (~4 µs) was a tenth of a resident decode layer's host time."""
+
+    _PENDING = 64
 
     def __init__(self, n_layer: int, n_expert: int):
         if n_expert > 1 << 16 or n_layer > 1 << 16:
             raise FomoeError(f".freq stores u16 ids, got {n_layer} layers x {n_expert} experts")
-        self.counts = np.zeros((n_layer, n_expert), dtype=np.int64)
-        self.tokens = np.zeros(n_layer, dtype=np.int64)  # tokens seen per layer
+        self._counts = np.zeros((n_layer, n_expert), dtype=np.int64)
+        self._tokens = np.zeros(n_layer, dtype=np.int64)  # tokens seen per layer
+        self._pending: list[list[np.ndarray]] = [[] for _ in range(n_layer)]  # decode rows not counted yet
+
+    @property
+    def counts(self) -> np.ndarray:
+        """[n_layer, n_expert]: how often each expert was chosen."""
+        for layer in range(len(self._pending)):
+            self._flush(layer)
+        return self._counts
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """[n_layer]: tokens seen per layer."""
+        for layer in range(len(self._pending)):
+            self._flush(layer)
+        return self._tokens
 
     def add(self, layer: int, ids: np.ndarray) -> None:
-        """ids [T, k]: the k experts each of T tokens chose in `layer`."""
+        """ids [T, k]: the k experts each of T tokens chose in `layer` (kept as they are: the caller's
+        arrays are not written afterwards)."""
         ids = np.asarray(ids)
-        if ids.ndim == 2 and ids.shape[0] == 1:  # a decode step: one token's k distinct experts
-            self.counts[layer, ids[0]] += 1
-        else:
-            self.counts[layer] += np.bincount(ids.reshape(-1), minlength=self.counts.shape[1])
-        self.tokens[layer] += ids.shape[0] if ids.ndim == 2 else 1
+        if ids.ndim == 2 and ids.shape[0] == 1:  # a decode step: one token's k experts
+            pending = self._pending[layer]
+            pending.append(ids)
+            if len(pending) >= self._PENDING:
+                self._flush(layer)
+            return
+        self._counts[layer] += np.bincount(ids.reshape(-1), minlength=self._counts.shape[1])
+        self._tokens[layer] += ids.shape[0] if ids.ndim == 2 else 1
+
+    def _flush(self, layer: int) -> None:
+        pending = self._pending[layer]
+        if pending:
+            self._counts[layer] += np.bincount(np.concatenate(pending).reshape(-1), minlength=self._counts.shape[1])
+            self._tokens[layer] += len(pending)
+            pending.clear()
 
     def profile(self) -> FreqProfile:
         n_tokens = int(self.tokens.max(initial=0))
