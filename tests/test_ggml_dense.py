@@ -156,16 +156,20 @@ def test_gated_attention_keeps_the_op_by_op_path():
 @pytest.mark.parametrize("spins", [False, True])
 def test_a_decode_rows_graphs_run_on_one_thread_unless_the_threads_spin(monkeypatch, spins):
     # small products: a second, sleeping thread's wake-up per node costs more than it saves; one that
-    # spins gains
+    # spins gains, and then a lone row's whole token is one graph
     from fomoepy.runtime import ggml_threads
 
     monkeypatch.setattr(ggml_threads, "spins", lambda: spins)
     engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2))
     graphs = engine.ops._graphs(engine.weights.layer(0), engine.spec.attention, engine.spec.rms_eps, 1, engine.spec.moe.n_expert_used)
     assert engine.ops.threads == 2 and graphs.pre.threads == graphs.post.threads == (2 if spins else 1)
-    engine.decode_token(engine.new_state(), 1)  # a lone row's layers: one graph each
+    engine.decode_token(engine.new_state(), 1)
     layers = [graph for _, kept in engine.ops._layers.values() for graph in kept.values()]
-    assert len(layers) == engine.spec.n_layer and all(g.graph.threads == (2 if spins else 1) for g in layers)
+    tokens = [graph for _, graph in engine.ops._tokens.values()]
+    if spins:  # the whole token in one graph (the experts' large products in it): every thread
+        assert len(tokens) == 1 and tokens[0].graph.threads == 2 and not layers
+    else:  # a graph a layer, the experts apart: one thread
+        assert not tokens and len(layers) == engine.spec.n_layer and all(g.graph.threads == 1 for g in layers)
     engine.close()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from fomoepy.errors import FomoeError
 from fomoepy.experts.device import StepExperts, StepTiming
 from fomoepy.experts.routing import Routing
 from fomoepy.experts.step import MoEStep
@@ -38,6 +39,24 @@ class ResidentStep(MoEStep):
             if self.timer is not None:
                 self.timer.add_step(timing)
         return out
+
+
+    def in_graph(self, layer: int) -> tuple | None:
+        """What the backend's layer graph needs to compute this step itself (the device's graph_inputs),
+        where it can: every expert is resident, so the step has nothing to plan, read or wait for, and
+        no step record is asked for (a graph has no host phases to time)."""
+        inputs = getattr(self.device, "graph_inputs", None)
+        if inputs is None or self.records is not None or self.timer is not None:
+            return None
+        return inputs(layer)
+
+    def computed(self, layer: int, exact: Routing) -> None:
+        """The step's bookkeeping once the backend's graph computed it (in_graph): the trace, usage counts
+        and CAR's (which substitutes only experts that are not resident: here none), the hits."""
+        ids, _ = self.streamer.choose(layer, exact)
+        if ids is not exact.ids and not np.array_equal(ids, exact.ids):
+            raise FomoeError(f"layer {layer}: cache-aware routing changed a step whose experts were all resident")
+        self._cache.count_resident_hits(layer, len(set(ids[0].tolist())))
 
 
 def _nothing() -> None:

@@ -62,6 +62,11 @@ class MoEStep:
         self._ahead = (layer, ahead) if ahead is not None else None
         return exact
 
+    def in_graph(self, layer: int) -> tuple | None:
+        """What a backend's layer graph would need to compute this step itself: never here (a step may
+        miss, read and evict); see ResidentStep."""
+        return None
+
     def _predicting(self, layer: int) -> bool:
         return self.phase is Phase.DECODE and self.predicts and layer + 1 < self.streamer.n_layer
 

@@ -49,6 +49,7 @@ class Transformer:
         # a step over several sequences needs products whose rows are independent (fomoepy.model.rows)
         self.batches = all(supports_rows(d) for d in self.devices)
         self._rowwise = [RowwiseOps(d) if supports_rows(d) else d for d in self.devices]
+        self._kept_layers: tuple | None = None  # (the MoE step, its layers for a one-graph pass): _graph_layers
 
     def layer_ops(self, il: int, rowwise: bool = False) -> Any:
         """The backend that owns layer il; rowwise: its products give each row the bits it gets alone."""
@@ -65,6 +66,10 @@ class Transformer:
         if tokens.size == 0:
             return np.zeros((0, self.spec.n_vocab), np.float32)
         state.reserve(len(tokens))
+        if len(tokens) == 1 and not logits_from:
+            logits = self._in_one_call(tokens, state, phase)
+            if logits is not None:
+                return logits
         x = self._layers(tokens, [Segment(state, 0, len(tokens))], phase)
         if not all_logits:
             x = x[-1:]
@@ -94,6 +99,42 @@ class Transformer:
             s.reserve(1)
         x = self._layers(tokens, [Segment(s, i, 1) for i, s in enumerate(states)], Phase.DECODE)
         return self._head(x, rowwise=True)
+
+    def _in_one_call(self, tokens: np.ndarray, state: InferenceState, phase: Phase) -> np.ndarray | None:
+        """A lone row's whole pass (every layer and the head) in one call of a backend that computes it as
+        one graph (ops.decode_token: the cpu backend's), where the model's layers are its kind (qwen3moe
+        on one device, softmax routing, no shared expert) and every layer's experts can be computed in
+        it (experts.in_graph: all resident); the MoE steps' bookkeeping follows (experts.computed).
+        None where it cannot: the layer-by-layer pass then runs."""
+        ops, spec, m = self.ops, self.spec, self.spec.moe
+        decode_token = getattr(ops, "decode_token", None)
+        if (decode_token is None or self.timer is not None or len(self.devices) != 1 or spec.arch != "qwen3moe" or m.shared_ff
+                or not ops.fuses_attention(spec.attention, m.gating)):  # fmt: skip
+            return None
+        layers = self._graph_layers()
+        if layers is None:
+            return None
+        w = self.weights
+        self.experts.begin_step(phase, [state.sequence])
+        logits, routings = decode_token(w.embedding(tokens), layers, state.layers, spec.attention, spec.rms_eps,
+                                        w["output_norm.weight"], w["output.weight"], state.n_past, m.n_expert_used)  # fmt: skip
+        for il, routing in enumerate(routings):
+            self.experts.computed(il, routing)
+        self.experts.end_step(1)
+        state.n_past += 1
+        state.tokens.append(int(tokens[0]))
+        return logits
+
+    def _graph_layers(self) -> list | None:
+        """Each layer's (weights, its experts' graph inputs: experts.in_graph), kept while the same MoE
+        step serves the model (its tier, whole, does not change; a reset makes another step), or None
+        where a layer's experts cannot be computed in the backend's graph."""
+        kept = self._kept_layers
+        if kept is None or kept[0] is not self.experts:
+            experts = [self.experts.in_graph(il) for il in range(self.spec.n_layer)]
+            layers = None if any(e is None for e in experts) else [(self.weights.layer(il), e) for il, e in enumerate(experts)]
+            kept = self._kept_layers = (self.experts, layers)
+        return kept[1]
 
     def _checked(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)

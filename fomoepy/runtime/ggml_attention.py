@@ -24,14 +24,7 @@ import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait p
 import ggml
 import numpy as np
 
-from fomoepy.runtime.ggml_dense import (
-    Graph,
-    post_attention_bytes,
-    post_attention_nodes,
-    pre_attention_bytes,
-    pre_attention_nodes,
-    routed_outputs,
-)
+from fomoepy.runtime.ggml_dense import Graph
 
 F32 = np.float32
 BUCKET = 64
@@ -95,8 +88,8 @@ def causal_mask(n_past: int, T: int, group: int, n: int) -> np.ndarray:
 
 class Attention:
     """Attention of T new queries over a cache (the standalone graph: a prefill's, a batched decode
-    step's per sequence; a lone decode row's is part of its layer's graph, DecodeLayer, with the
-    same nodes)."""
+    step's per sequence; a lone decode row's is part of its layer's graph, fomoepy.runtime.
+    ggml_decode, with the same nodes)."""
 
     def __init__(self) -> None:
         self._graphs: dict[tuple, Graph] = {}
@@ -143,38 +136,6 @@ def kv_memory_layout(k_cache: np.ndarray, v_cache: np.ndarray) -> bool:
     """Whether the caches are laid out as KVMemory lays them out."""
     _, Hkv, hd = v_cache.shape
     return k_cache.strides[2] == _F and v_cache.strides[0] == _F and v_cache.strides[1] == hd * v_cache.strides[2]
-
-
-class DecodeLayer:
-    """A lone decode row's attention layer in one graph: pre_attention_nodes, its keys and values copied
-    into the caches at its position, attention over the caches' first n positions (the nodes of
-    Attention's graphs), post_attention_nodes → x' = x + attention, h = its FFN norm, and h's router
-    logits or (k > 0) its routing.
-    Built for one pair of caches' strides (their capacity) and one span n; run with their addresses."""
-
-    def __init__(self, w, a, eps: float, threads: int, k_cache: np.ndarray, v_cache: np.ndarray, n: int, k: int = 0):
-        if not kv_memory_layout(k_cache, v_cache):
-            raise ValueError("a decode layer's graph writes into caches laid out by KVMemory")
-        H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
-        D, E, group = w.attn_q.n_cols, w.ffn_gate_inp.n_rows, H // Hkv
-        attention_bytes = _F * (2 * group * n * Hkv + H * hd + 4 * E)  # with the routing's
-        g = self.graph = Graph(64, pre_attention_bytes(w, a, 1) + post_attention_bytes(w, 1) + attention_bytes + 1024, threads)
-        x, pos, mask = g.input(D, 1), g.input(1, qtype=ggml.GGML_TYPE_I32), g.input(n, group)
-        K, V = cache_inputs(g, k_cache, v_cache, n)
-        q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, 1)
-        # the row's keys [hd, Hkv] (a head's a stretch) and values [1, Hkv·hd] (one per position stretch)
-        writes = (g.write_into(k_rot, hd, Hkv, nb=(_F, k_cache.strides[1])), g.write_into(v, 1, Hkv * hd, nb=(_F, v_cache.strides[2])))
-        attn = attention_nodes(g, ggml.ggml_reshape_3d(g.ctx, q, hd, group, Hkv), K, V, mask, hd)
-        x2, h, logits = post_attention_nodes(g, w, eps, x, ggml.ggml_reshape_2d(g.ctx, attn, H * hd, 1))
-        g.finish([(x2, (1, D)), (h, (1, D))] + routed_outputs(g, logits, k, 1), effects=writes)
-        self._row_steps = (k_cache.strides[0], v_cache.strides[0])
-
-    def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: tuple[int, int]):
-        """x [1, D] at `position`, inputs its ([position] int32, causal_mask(position, 1, group, n)), addresses
-        the caches' (cache_addresses) → [x', h] and the router's logits of h (k 0) or its routing
-        (ggml_dense.routed_outputs)."""
-        k, v = addresses
-        return self.graph.run(x, *inputs, k, v, k + position * self._row_steps[0], v + position * self._row_steps[1])
 
 
 def cache_addresses(cache) -> tuple[int, int]:

@@ -9,13 +9,16 @@ llama.cpp's logits; `--backend reference` (fomoepy.runtime.cpu) is the exact fun
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from fomoepy.experts.routing import Routing
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.cpu import CpuBackend
-from fomoepy.runtime.ggml_attention import Attention, DecodeLayer, KVMemory, cache_addresses, causal_mask, span
+from fomoepy.runtime.ggml_attention import Attention, KVMemory, cache_addresses, causal_mask, span
+from fomoepy.runtime.ggml_decode import DecodeLayer, DecodeToken
 from fomoepy.runtime.ggml_dense import (
     AttentionGraphs,
     RopeSpec,
@@ -67,8 +70,10 @@ class GgmlBackend(CpuBackend):
         self._last: tuple = (None, 0, None)  # (the layer view, rows, their graphs) of the last lookup
         self._row_counts: list[int] = []  # batched row counts with graphs, the most recent last
         self.zeros = KVMemory()  # KV caches laid out for ggml's attention
+        self._spins = ggml_threads.spins()  # (OpenMP read its policy when ggml was loaded: it stays)
         self._attend = Attention()
         self._layers: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, {(span, strides): its DecodeLayer})
+        self._tokens: dict[tuple, DecodeToken] = {}  # a lone row's whole-token graphs by span, strides and layers
         self._row_inputs: tuple = (None, None)  # ((position, span, group), (position [1] int32, its mask)) of the last row
 
     def load_weight(self, gf: GGUFFile, info: TensorInfo):
@@ -125,30 +130,72 @@ class GgmlBackend(CpuBackend):
         """One sequence's decode row x [1, D] at position n_past, its attention layer in one graph
         (DecodeLayer): its keys and values into the cache, → x + attention, its FFN norm h, h's routing
         to k experts; the bits of attention_inputs, the cache writes, attention and attention_output."""
+        x2, h, *routing = self._decode_layer(x, w, a, eps, cache, n_past, k, None)
+        return x2, h, _routing(*routing)
+
+    def decode_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int, experts: tuple) -> tuple:
+        """attention_layer and the layer's routed experts in the same graph: experts = (the slot tensors
+        gate, up, down; each expert's slot [1, E, 1] int32: GgmlExperts.graph_inputs) → the layer's
+        output x + attention + Σ_j w_j · expert_j(h), h's routing; the bits of attention_layer, then
+        GgmlExperts.compute and the residual sum."""
+        x3, *routing = self._decode_layer(x, w, a, eps, cache, n_past, k, experts)
+        return x3, _routing(*routing)
+
+    def decode_token(self, x: np.ndarray, layers: list, caches: list, a, eps: float, output_norm, output, n_past: int,
+                     k: int) -> tuple:  # fmt: skip
+        """A lone row x [1, D] at position n_past through every layer and the output head in one graph
+        (DecodeToken): layers = each layer's (weights, its experts' graph inputs: GgmlExperts.graph_inputs),
+        the same list object for every token (its graphs are kept by it); caches: each layer's KVCache,
+        into which the row's keys and values go → logits [1, V], each layer's routing; the bits of
+        decode_layer layer after layer, then the head's rms_norm and product."""
+        n, inputs = self._step_inputs(a, caches[0], n_past)
+        shape = (n, caches[0].k.strides, caches[0].v.strides, id(layers))
+        graph = self._tokens.get(shape)
+        if graph is None or graph[0] is not layers:  # (the list is kept with its graph: its id is not reused)
+            while len(self._tokens) >= _LAYER_GRAPHS:
+                self._tokens.pop(next(iter(self._tokens)))
+            graph = self._tokens[shape] = (layers, DecodeToken([(w, e[0]) for w, e in layers], caches, a, eps, output_norm, output,
+                                                               self.threads, n, k))  # fmt: skip
+        logits, ids, weights, probs = graph[1](np.ascontiguousarray(x, dtype=F32), n_past, inputs, [cache_addresses(c) for c in caches],
+                                               [e[1] for _, e in layers])  # fmt: skip
+        ids = ids.astype(np.int64)
+        return logits, [Routing(ids[il : il + 1], weights[il : il + 1], probs[il : il + 1]) for il in range(len(caches))]
+
+    def _step_inputs(self, a, cache, n_past: int) -> tuple:
+        """(span, (position [1] int32, its causal mask)) of a row at n_past: made at a step's first layer,
+        every layer's row has this position."""
         n = span(n_past + 1, cache.capacity)
         group = a.n_head // a.n_head_kv
         key, inputs = self._row_inputs
-        if key != (n_past, n, group):  # the step's first layer: every layer's row has this position
+        if key != (n_past, n, group):
             inputs = (np.array([n_past], np.int32), causal_mask(n_past, 1, group, n))
             self._row_inputs = ((n_past, n, group), inputs)
+        return n, inputs
+
+    def _decode_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int, experts: tuple | None) -> list:
+        n, inputs = self._step_inputs(a, cache, n_past)
         q = w.attn_q
         entry = self._layers.get(id(q))
         if entry is None or entry[0] is not q:
             entry = self._layers[id(q)] = (q, {})
         graphs = entry[1]
-        shape = (n, cache.k.strides, cache.v.strides)
+        tensors = None if experts is None else experts[0]
+        shape = (n, cache.k.strides, cache.v.strides, None if tensors is None else ctypes.addressof(tensors[0].contents))
         graph = graphs.get(shape)
         if graph is None:
             # a span's graph serves BUCKET steps; the one before it stays for a sequence served in turn
             while len(graphs) >= _LAYER_GRAPHS:
                 graphs.pop(next(iter(graphs)))
-            graph = graphs[shape] = DecodeLayer(w, a, eps, self._small_threads(), cache.k, cache.v, n, k)
-        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache))
-        return x2, h, _routing(*routing)
+            # with the experts, the products are large: every thread (GgmlExperts.graph_inputs offers them
+            # only where the threads spin); without, see _graphs
+            threads = self.threads if tensors is not None else self._small_threads()
+            graph = graphs[shape] = DecodeLayer(w, a, eps, threads, cache.k, cache.v, n, k, tensors)
+        table = () if experts is None else (experts[1],)
+        return graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache), *table)
 
     def _small_threads(self) -> int:
         """Threads for a decode row's graphs (see _graphs)."""
-        return self.threads if ggml_threads.spins() else 1
+        return self.threads if self._spins else 1
 
     def fuses_attention(self, a, gating: str) -> bool:
         """Whether attention_layer / attention_inputs / attention_output serve this attention (not the gated

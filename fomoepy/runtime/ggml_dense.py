@@ -107,11 +107,14 @@ class Graph:
         self.inputs.append(node)
         return node
 
-    def own(self, t, shape: tuple[int, ...]):
+    def own(self, t, shape: tuple[int, ...], into: np.ndarray | None = None):
         """t computes into numpy memory of its own from now on (an output that later nodes view: a view
-        takes its source's data pointer when it is made, so t's must be set before); returns t."""
+        takes its source's data pointer when it is made, so t's must be set before), or into `into` (a
+        contiguous array of t's size and type, kept by the caller); returns t."""
         dtype = np.int32 if t.contents.type == ggml.GGML_TYPE_I32 else F32
-        buf = np.empty(shape, dtype)
+        buf = np.empty(shape, dtype) if into is None else into
+        if buf.dtype != dtype or buf.size != int(np.prod(shape)) or not buf.flags.c_contiguous:
+            raise ValueError(f"expected a contiguous {dtype.__name__} array of shape {shape}, got {buf.dtype} {buf.shape}")
         t.contents.data = buf.ctypes.data
         self._owned[ctypes.addressof(t.contents)] = buf
         return t
@@ -167,7 +170,7 @@ def _rotated(g: Graph, x, positions, a):
                               1.0, 0.0, 1.0, 0.0, 0.0)  # fmt: skip  (no scaling: freq_scale 1, ext_factor 0, attn_factor 1)
 
 
-def _normed(g: Graph, x, eps: float, w):
+def normed(g: Graph, x, eps: float, w):
     """rms_norm(x) · w, w broadcast over x's rows."""
     return ggml.ggml_mul(g.ctx, ggml.ggml_rms_norm(g.ctx, x, eps), g.weight(w))
 
@@ -175,12 +178,12 @@ def _normed(g: Graph, x, eps: float, w):
 def pre_attention_nodes(g: Graph, w, a, eps: float, x, pos, B: int):
     """x [D, B] at positions pos [B] → q [hd, H, B], k [hd, Hkv, B] (normed and rotated), v [Hkv·hd, B]."""
     H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
-    xn = _normed(g, x, eps, w.attn_norm)
+    xn = normed(g, x, eps, w.attn_norm)
     q = ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_q), xn)
     k = ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_k), xn)
     v = ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_v), xn)
-    qn = _normed(g, ggml.ggml_reshape_3d(g.ctx, q, hd, H, B), eps, w.attn_q_norm)  # each head's row normed
-    kn = _normed(g, ggml.ggml_reshape_3d(g.ctx, k, hd, Hkv, B), eps, w.attn_k_norm)
+    qn = normed(g, ggml.ggml_reshape_3d(g.ctx, q, hd, H, B), eps, w.attn_q_norm)  # each head's row normed
+    kn = normed(g, ggml.ggml_reshape_3d(g.ctx, k, hd, Hkv, B), eps, w.attn_k_norm)
     return _rotated(g, qn, pos, a), _rotated(g, kn, pos, a), v
 
 
@@ -192,7 +195,7 @@ def pre_attention_bytes(w, a, B: int) -> int:
 def post_attention_nodes(g: Graph, w, eps: float, x, attn):
     """x [D, B], attention's output attn [H·hd, B] → x' = x + Wo·attn, h = its FFN norm, the router's logits."""
     x2 = ggml.ggml_add(g.ctx, x, ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_output), attn))
-    h = _normed(g, x2, eps, w.ffn_norm)
+    h = normed(g, x2, eps, w.ffn_norm)
     return x2, h, ggml.ggml_mul_mat(g.ctx, g.weight(w.ffn_gate_inp), h)
 
 
@@ -200,18 +203,20 @@ def post_attention_bytes(w, B: int) -> int:
     return 4 * 4 * B * (3 * w.attn_q.n_cols + 3 * w.ffn_gate_inp.n_rows)
 
 
-def routing_nodes(g: Graph, logits, k: int, B: int):
+def routing_nodes(g: Graph, logits, k: int, B: int, into: tuple | None = None):
     """Router logits [E, B] → each row's k experts by descending probability (ids [k, B] int32), their
     probabilities renormalised to sum 1 (weights [k, B]), and the softmax over all experts (probs [E, B]),
     which g computes into its own memory (`own`): Qwen3's softmax routing, as llama.cpp builds it (a
     softmax, a descending argsort's first k, their rows of the probabilities over their sum). Each op is
-    row by row: a row gets its bits whatever rows are beside it."""
+    row by row: a row gets its bits whatever rows are beside it. All three compute into g's own memory
+    (outputs later nodes may view), or into the arrays `into` = (ids, weights, probs) (Graph.own)."""
     E = int(logits.contents.ne[0])
-    probs = g.own(ggml.ggml_soft_max(g.ctx, logits), (B, E))
+    ids_into, weights_into, probs_into = into if into is not None else (None, None, None)
+    probs = g.own(ggml.ggml_soft_max(g.ctx, logits), (B, E), probs_into)
     order = ggml.ggml_argsort(g.ctx, probs, ggml.GGML_SORT_ORDER_DESC)  # [E, B]
-    ids = ggml.ggml_cont(g.ctx, ggml.ggml_view_2d(g.ctx, order, k, B, order.contents.nb[1], 0))
+    ids = g.own(ggml.ggml_cont(g.ctx, ggml.ggml_view_2d(g.ctx, order, k, B, order.contents.nb[1], 0)), (B, k), ids_into)
     top = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, ggml.ggml_reshape_3d(g.ctx, probs, 1, E, B), ids), k, B)
-    weights = ggml.ggml_div(g.ctx, top, ggml.ggml_sum_rows(g.ctx, top))
+    weights = g.own(ggml.ggml_div(g.ctx, top, ggml.ggml_sum_rows(g.ctx, top)), (B, k), weights_into)
     return ids, weights, probs
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from fomoepy.experts.device import Phase, StepExperts
 from fomoepy.experts.routing import softmax_route
 from fomoepy.experts.source import LayerExperts
+from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, mul_mat
 from fomoepy.runtime.ggml_pool import SlotPool, layout_of
 from fomoepy.runtime.ggml_slots import weighted_sum
@@ -25,7 +26,8 @@ _ONE_THREAD_ROWS = 16  # router rows computed on one thread (a decode step's, of
 
 class GgmlExperts:
     """The cpu backend's expert device: out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]), each token's
-    experts added in ascending id order.
+    experts added in the order its routing gives them (j = 0, 1, …: by descending probability, as
+    llama.cpp adds them), whichever of them were resident.
 
     tier_bytes: the tier's budget (the cache's device tier); n_staging: staging slots per layout (a
     decode step's misses all fit in n_expert_used); repack=False holds every slot plain (tests)."""
@@ -47,6 +49,7 @@ class GgmlExperts:
             n_tier = min(len(members) * n_expert, tier_bytes // store_expert_nbytes(members[0]))
             self.pools[layout] = SlotPool(layout, n_tier, n_staging, n_expert, repack)
         self.pool_of = [self.pools[layout_of(layer)] for layer in layers]
+        self._spins = ggml_threads.spins()  # (OpenMP read its policy when ggml was loaded: it stays)
 
     def expert_nbytes(self, layer: int) -> int:
         return store_expert_nbytes(self.layers[layer])
@@ -70,13 +73,27 @@ class GgmlExperts:
             return softmax_route(mul_mat(h, router, 1), k).ids
         return softmax_route(self.ops.linear(h, router), k).ids
 
+    def graph_inputs(self, layer: int) -> tuple | None:
+        """What a decode layer's graph needs to compute `layer`'s routed experts itself (the cpu backend's
+        decode_layer): its slot tensors and each expert's slot ([1, E, 1] int32), when every expert of
+        the layer is in the tier and the backend's threads spin; else None. With sleeping threads a
+        decode row's attention graphs run on one thread and its experts on all (see GgmlBackend._graphs):
+        one graph cannot do both."""
+        if not self._spins:
+            return None
+        pool = self.pool_of[layer]
+        slots = pool.slots_of(layer)
+        if slots.min() < 0:
+            return None
+        return [m.tensor for m in pool.layer.mats], slots.reshape(1, -1, 1)
+
     def compute(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> np.ndarray:
         """One product over the layer's slots when every expert of the step is in the tier (or gets a
         tier slot as its read lands). Otherwise in rounds (SlotLayer.pick_outputs; a prefill's,
         grouped_outputs): the tier's experts
         while the step's reads are in flight, then the rest, misses the tier does not keep in staging
         slots, as many rounds as they need; then the same weighted sum, in the same order, in numpy."""
-        ids, weights = _ascending(ids, weights)
+        weights = np.ascontiguousarray(weights, dtype=F32)
         pool, threads = self.pool_of[layer], self.ops.threads
         # a prefill's experts each take their tokens as the rows of one product (GEMM kernels); a decode
         # step's rows each go alone (mul_mat_id), so a row's bits are its own in a batch of sequences
@@ -138,15 +155,6 @@ class GgmlExperts:
             pool.close()
 
 
-def _ascending(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each token's picks (and their weights, as float32) in ascending expert id: the order of the sum."""
-    if ids.shape[0] == 1:  # a decode step: one row, plain indexing
-        order = np.argsort(ids[0], kind="stable")
-        return ids[:, order], weights[:, order].astype(F32, copy=False)
-    order = np.argsort(ids, axis=1, kind="stable")
-    return np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1).astype(F32, copy=False)
-
-
 def _slots(ids: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:
     """[T, k] expert ids → their slots (-1 for an expert not placed yet)."""
     lut = np.full(int(ids.max()) + 1, -1, np.int32)
@@ -176,16 +184,15 @@ def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], sl
 def per_expert_ffn(parts, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, fetched: dict, threads: int) -> np.ndarray:
     """The same sum computed expert by expert from store bytes in place (fomoepy.runtime.ggml_matmul,
     plain kernels): the independent path the slots are checked against (tests, bench/moe_layer.py)."""
-    flat_ids, flat_w, k = ids.reshape(-1), weights.reshape(-1), ids.shape[1]
+    flat_ids, k = ids.reshape(-1), ids.shape[1]
     order = np.argsort(flat_ids, kind="stable")
     bounds = np.flatnonzero(np.diff(flat_ids[order])) + 1
-    picks = {int(flat_ids[group[0]]): group for group in np.split(order, bounds)}  # ascending expert id
+    picks = {int(flat_ids[group[0]]): group for group in np.split(order, bounds)}  # each expert's picks (t·k + j)
     groups = [(picks[e] // k, *expert_matrices(fetched[e], parts)) for e in picks]
-    ys = dict(zip(picks, expert_ffn(h, groups, threads)))
-    out = np.zeros_like(h)
-    for e, group in picks.items():  # ascending expert id: a fixed order of additions
-        out[group // k] += ys[e] * flat_w[group][:, None]
-    return out
+    y = np.empty((ids.size, h.shape[1]), F32)  # each pick's expert output
+    for group, ye in zip(picks.values(), expert_ffn(h, groups, threads)):
+        y[group] = ye
+    return weighted_sum(y.reshape(*ids.shape, -1), np.asarray(weights, F32))  # picks added in their order
 
 
 def expert_matrices(raw, parts) -> tuple[QuantMatrix, ...]:

@@ -14,8 +14,8 @@ tokens that each picked k slots, in one graph:
     y    = mul_mat_id(down, silu(a) ⊙ b, slots)                   # [K, k, T]
     out  = Σ_j y[:, j, :] · weights[:, j]                          # [K, T], j = 0, 1, …, k-1 in turn
 
-The sum adds the k experts in the order given: pass each token's picks in ascending expert id and
-the result is, with plain buffers, bit for bit the per-expert path's (GgmlExperts): the same
+The sum adds the k experts in the order given, and the result is, with plain buffers, bit for bit the
+per-expert path's (GgmlExperts.per_expert_ffn, which adds them in the same order): the same
 quantization of h, the same dot products, the same silu, products and additions. Repacked weights
 run other kernels (the same integer block dot products, their float partial sums in another order).
 
@@ -292,13 +292,7 @@ class _SlotGraph:
         for t, buf in ((self.h, self._h), (self.ids, self._ids), (self.w, self._w)):
             t.contents.data = buf.ctypes.data
         ggml.ggml_set_no_alloc(ctx, False)
-        gate, up, down = (m.tensor for m in layer.mats)
-        a = ggml.ggml_mul_mat_id(ctx, gate, self.h, self.ids)  # [F, k, T]
-        b = ggml.ggml_mul_mat_id(ctx, up, self.h, self.ids)
-        act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, a), b)
-        if not weighted:
-            ggml.ggml_set_no_alloc(ctx, True)  # the output is numpy memory
-        y = ggml.ggml_mul_mat_id(ctx, down, act, self.ids)  # [K, k, T]
+        y = expert_outputs(ctx, [m.tensor for m in layer.mats], self.h, self.ids, numpy_output=not weighted)
         # On several threads every node ends at a barrier, where a waiting thread sleeps and is woken
         # (fomoepy.runtime.ggml_threads): the weighted sum's k nodes are then numpy's, the same float32
         # products and additions in the same order. On one thread they cost nothing in the graph.
@@ -307,12 +301,7 @@ class _SlotGraph:
         if not weighted or self.sum_outside:
             self.out, self.shape = y, (T, k, K)
         else:
-            yw = ggml.ggml_mul(ctx, y, self.w)
-            nb1, nb2 = yw.contents.nb[1], yw.contents.nb[2]
-            out = ggml.ggml_view_2d(ctx, yw, K, T, nb2, 0)
-            for j in range(1, k):  # expert j added after experts 0..j-1, as the per-expert path adds them
-                out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
-            self.out, self.shape = (out if k > 1 else ggml.ggml_cont(ctx, out)), (T, K)
+            self.out, self.shape = weighted_sum_nodes(ctx, y, self.w), (T, K)
         self._out = np.empty(self.shape, F32)
         self.out.contents.data = self._out.ctypes.data
         self.gf = ggml.ggml_new_graph(ctx)
@@ -334,6 +323,34 @@ class _SlotGraph:
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
+
+
+def expert_outputs(ctx, mats: list, h, slots, numpy_output: bool = False):
+    """Each pick's expert output y [K, k, T] = down · (silu(gate · h) ⊙ (up · h)) of the slot tensors
+    `mats` (gate, up, down), h [K, 1, T], slots [k, T] int32. numpy_output: y's memory is set later."""
+    gate, up, down = mats
+    a = ggml.ggml_mul_mat_id(ctx, gate, h, slots)  # [F, k, T]
+    b = ggml.ggml_mul_mat_id(ctx, up, h, slots)
+    act = ggml.ggml_mul(ctx, ggml.ggml_silu(ctx, a), b)
+    if not numpy_output:
+        return ggml.ggml_mul_mat_id(ctx, down, act, slots)
+    ggml.ggml_set_no_alloc(ctx, True)
+    try:
+        return ggml.ggml_mul_mat_id(ctx, down, act, slots)
+    finally:
+        ggml.ggml_set_no_alloc(ctx, False)
+
+
+def weighted_sum_nodes(ctx, y, w):
+    """Σ_j y[:, j, :] · w[j, :] of y [K, k, T], w [1, k, T] → [K, T]: the products, then expert j added
+    after experts 0..j-1 (weighted_sum's ops)."""
+    K, k, T = (int(n) for n in list(y.contents.ne)[:3])
+    yw = ggml.ggml_mul(ctx, y, w)
+    nb1, nb2 = yw.contents.nb[1], yw.contents.nb[2]
+    out = ggml.ggml_view_2d(ctx, yw, K, T, nb2, 0)
+    for j in range(1, k):
+        out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
+    return out if k > 1 else ggml.ggml_cont(ctx, out)
 
 
 def weighted_sum(y: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -1,0 +1,148 @@
+"""A lone decode row of the cpu backend in as few ggml graphs as its layers allow.
+
+A qwen3moe layer for one row at position p, in the ops the op-by-op path calls one at a time:
+
+    xn = rms_norm(x)·attn_norm;  q, k, v = Wq·xn, Wk·xn, Wv·xn;  q, k = rope(rms_norm(q, k per head)·norms)
+    K[p], V[p] = k, v                                  (the row's keys and values into its KV cache)
+    attn = softmax(q·Kᵀ/√hd + mask)·V                  (fomoepy.runtime.ggml_attention)
+    x' = x + Wo·attn;  h = rms_norm(x')·ffn_norm;  routing = softmax top-k of Wr·h   (ggml_dense)
+    x'' = x' + Σ_j w_j · down_j(silu(gate_j·h) ⊙ up_j·h)                      (ggml_slots)
+
+`DecodeLayer` builds it as one graph: without the experts when the step must be planned, read and
+computed by the MoE step (a capped tier), with them when every expert is in the tier (the experts'
+slots are looked up in a table given per run). `DecodeToken` chains every layer's graph and the
+output head (rms_norm·output_norm, then the output product) into one graph for the whole token: one
+call from Python a token, where the per-layer path made some twenty. The routings come back for the
+MoE step's bookkeeping (its trace, counts, CAR).
+
+Every node is one the op-by-op path also runs, on the same row, and row by row: a row gets the same bits
+from each path. A graph reads the KV caches up to a span (ggml_attention.span) and is built for one
+span and one cache capacity; a token's graph is rebuilt when the row crosses a span (every BUCKET
+steps), ~0.3 ms a layer.
+"""
+
+from __future__ import annotations
+
+import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
+
+# isort: split
+import ggml
+import numpy as np
+
+from fomoepy.runtime.ggml_attention import attention_nodes, cache_inputs, kv_memory_layout
+from fomoepy.runtime.ggml_dense import (
+    Graph,
+    normed,
+    post_attention_bytes,
+    post_attention_nodes,
+    pre_attention_bytes,
+    pre_attention_nodes,
+    routed_outputs,
+    routing_nodes,
+)
+from fomoepy.runtime.ggml_slots import expert_outputs, weighted_sum_nodes
+
+_F = 4  # bytes of a float32
+
+
+def _attention_part(g: Graph, w, a, eps: float, x, pos, mask, k_cache: np.ndarray, v_cache: np.ndarray, n: int):
+    """One layer's nodes up to the router's logits; the inputs it adds, in order: K and V (the caches'
+    first n positions) and the row's key and value destinations in them. → (writes, x', h, logits)."""
+    H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+    if not kv_memory_layout(k_cache, v_cache):
+        raise ValueError("a decode graph writes into KV caches laid out by ggml_attention.KVMemory")
+    K, V = cache_inputs(g, k_cache, v_cache, n)
+    q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, 1)
+    # the row's keys [hd, Hkv] (a head's a stretch) and values [1, Hkv·hd] (each a position stretch apart)
+    writes = (g.write_into(k_rot, hd, Hkv, nb=(_F, k_cache.strides[1])), g.write_into(v, 1, Hkv * hd, nb=(_F, v_cache.strides[2])))
+    attn = attention_nodes(g, ggml.ggml_reshape_3d(g.ctx, q, hd, H // Hkv, Hkv), K, V, mask, hd)
+    x2, h, logits = post_attention_nodes(g, w, eps, x, ggml.ggml_reshape_2d(g.ctx, attn, H * hd, 1))
+    return writes, x2, h, logits
+
+
+def _expert_part(g: Graph, x2, h, logits, k: int, experts: list, into: tuple | None = None):
+    """The routed experts of h, added to x'; adds one input, the experts' slot table [1, E, 1] int32
+    (get_rows reads row e of it). → (x'', ids, weights, probs), the routing computed into `into`'s
+    arrays where given (ggml_dense.routing_nodes)."""
+    D, E = int(h.contents.ne[0]), int(logits.contents.ne[0])
+    ids, weights, probs = routing_nodes(g, logits, k, 1, into)
+    table = g.input(1, E, 1, qtype=ggml.GGML_TYPE_I32)
+    slots = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, table, ids), k, 1)
+    y = expert_outputs(g.ctx, experts, ggml.ggml_reshape_3d(g.ctx, h, D, 1, 1), slots)  # [D, k, 1]
+    moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, 1))
+    return ggml.ggml_add(g.ctx, x2, moe), ids, weights, probs
+
+
+def _layer_bytes(w, a, n: int, k: int, experts: list | None) -> int:
+    """Room for a layer's intermediates: its dense graphs', attention's scores and weights, the routing's,
+    the experts' (a, b, silu(a)·b [F, k]; y, y·w [D, k]; k-1 partial sums [D])."""
+    H, Hkv, D, E = a.n_head, a.n_head_kv, w.attn_q.n_cols, w.ffn_gate_inp.n_rows
+    attention = _F * (2 * (H // Hkv) * n * Hkv + H * a.head_dim + 4 * E)
+    expert = 0 if experts is None else _F * k * (4 * int(experts[0].contents.ne[1]) + 3 * D)
+    return pre_attention_bytes(w, a, 1) + post_attention_bytes(w, 1) + attention + expert + 64 * (96 + 2 * k)
+
+
+def _row_inputs(g: Graph, D: int, n: int, group: int):
+    """The inputs every layer shares: the row x [D, 1], its position [1] int32, its mask [n, group]."""
+    return g.input(D, 1), g.input(1, qtype=ggml.GGML_TYPE_I32), g.input(n, group)
+
+
+class DecodeLayer:
+    """One layer of a lone decode row in one graph (see the module's docstring): → [x', h] and h's router
+    logits (k 0) or routing; with `experts` (the layer's slot tensors gate, up, down) → [x'', ids,
+    weights, probs]. Built for one pair of caches' strides and one span n; run with their addresses."""
+
+    def __init__(self, w, a, eps: float, threads: int, k_cache: np.ndarray, v_cache: np.ndarray, n: int, k: int = 0,
+                 experts: list | None = None):  # fmt: skip
+        D = w.attn_q.n_cols
+        g = self.graph = Graph(96 + 2 * k, _layer_bytes(w, a, n, k, experts) + 4096, threads)
+        x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv)
+        writes, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, k_cache, v_cache, n)
+        self._row_steps = (k_cache.strides[0], v_cache.strides[0])
+        if experts is None:
+            g.finish([(x2, (1, D)), (h, (1, D))] + routed_outputs(g, logits, k, 1), effects=writes)
+            return
+        x3, ids, weights, probs = _expert_part(g, x2, h, logits, k, experts)
+        E = w.ffn_gate_inp.n_rows
+        g.finish([(x3, (1, D)), (ids, (1, k)), (weights, (1, k)), (probs, (1, E))], effects=writes)
+
+    def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: tuple[int, int], *table: np.ndarray):
+        """x [1, D] at `position`, inputs its ([position] int32, causal_mask(position, 1, group, n)),
+        addresses the caches' (ggml_attention.cache_addresses), with experts `table` their slots."""
+        k, v = addresses
+        return self.graph.run(x, *inputs, k, v, k + position * self._row_steps[0], v + position * self._row_steps[1], *table)
+
+
+class DecodeToken:
+    """Every layer of a lone decode row and the output head in one graph: the layers' DecodeLayer nodes
+    with their experts, chained, then logits = Wout·(rms_norm(x)·output_norm). layers: each layer's
+    (weights, experts' slot tensors); caches: each layer's KVCache (they share a capacity, so their
+    strides). Run with each layer's cache addresses and slot table → logits [1, V] and every layer's
+    routing, one array each: ids [L, k] int32, weights [L, k], probs [L, E] (a call from Python costs
+    several µs after a graph has streamed the weights through the caches: few arrays, few calls)."""
+
+    def __init__(self, layers: list[tuple], caches: list, a, eps: float, output_norm, output, threads: int, n: int, k: int):
+        w0 = layers[0][0]
+        D, V, E, L = w0.attn_q.n_cols, output.n_rows, w0.ffn_gate_inp.n_rows, len(layers)
+        size = sum(_layer_bytes(w, a, n, k, experts) for w, experts in layers) + _F * 4 * (D + V) + 4096
+        g = self.graph = Graph(L * (96 + 2 * k) + 16, size, threads)
+        self.routing = (np.empty((L, k), np.int32), np.empty((L, k), np.float32), np.empty((L, E), np.float32))
+        x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv)
+        writes = []
+        for il, ((w, experts), cache) in enumerate(zip(layers, caches)):
+            written, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, cache.k, cache.v, n)
+            x, *_ = _expert_part(g, x2, h, logits, k, experts, tuple(r[il] for r in self.routing))
+            writes += written  # in layer order: a layer's attention (added after them) sees its row
+        logits = ggml.ggml_mul_mat(g.ctx, g.weight(output), normed(g, x, eps, output_norm))
+        g.finish([(logits, (1, V))], effects=tuple(writes))
+        self._row_steps = (caches[0].k.strides[0], caches[0].v.strides[0])
+
+    def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: list[tuple[int, int]], tables: list[np.ndarray]):
+        """x [1, D] at `position`, inputs its ([position] int32, its causal mask), each layer's cache
+        addresses and slot table → logits, ids, weights, probs (fresh arrays)."""
+        dk, dv = self._row_steps
+        per_layer = []
+        for (k, v), table in zip(addresses, tables):
+            per_layer += (k, v, k + position * dk, v + position * dv, table)
+        logits = self.graph.run(x, *inputs, *per_layer)[0]
+        return logits, *(r.copy() for r in self.routing)

@@ -1,0 +1,85 @@
+"""A lone decode row of the cpu backend in one graph a token (fomoepy.runtime.ggml_decode.DecodeToken),
+or one a layer with its resident experts in it (DecodeLayer), against the path that computes the
+experts in their own graph: the same logits, KV caches and expert counts, bit for bit, across a span
+and a cache growth; and which path runs when."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ORACLE
+
+from fomoepy.engine import Engine, EngineOptions
+from fomoepy.experts.device import Phase
+from fomoepy.experts.resident_step import ResidentStep
+from fomoepy.model.state import KV_CHUNK, KVCache
+from fomoepy.model.transformer import Transformer
+from fomoepy.runtime import ggml_threads
+from fomoepy.runtime.ggml_experts import GgmlExperts
+
+
+def run(monkeypatch, path: str, n_prompt: int, n_decode: int) -> tuple:
+    """Prefill n_prompt random tokens, decode n_decode → (decode logits, KV caches, expert counts)."""
+    engine = Engine(ORACLE / path, EngineOptions(backend="cpu", threads=2, n_ctx=4 * KV_CHUNK))
+    rng = np.random.default_rng(11)
+    state = engine.new_state()
+    engine.eval(state, rng.integers(0, engine.spec.n_vocab, n_prompt))
+    logits = [engine.eval(state, [t], phase=Phase.DECODE)[-1] for t in rng.integers(0, engine.spec.n_vocab, n_decode)]
+    caches = [(c.k[: state.n_past].copy(), c.v[: state.n_past].copy()) for c in state.layers if isinstance(c, KVCache)]
+    counts = engine.experts.streamer.counter.counts.copy()
+    engine.close()
+    return logits, caches, counts
+
+
+@pytest.fixture
+def spinning(monkeypatch):
+    monkeypatch.setattr(ggml_threads, "spins", lambda: True)  # (read when the backend is made)
+
+
+def test_one_graph_a_token_one_a_layer_and_the_experts_apart_give_the_same_bits(monkeypatch, spinning):
+    # from KV_CHUNK - 3: the decode steps cross the first chunk's end (the caches grow) and a span
+    calls = {"token": 0}
+    decode_token = Transformer._in_one_call
+
+    def counted(self, *args):
+        calls["token"] += 1
+        return decode_token(self, *args)
+
+    compute = GgmlExperts.compute
+
+    def prefill_only(self, layer, h, ids, weights, experts):
+        assert h.shape[0] > 1, "a decode row's experts computed apart from its token's graph"
+        return compute(self, layer, h, ids, weights, experts)
+
+    with monkeypatch.context() as m:
+        m.setattr(Transformer, "_in_one_call", counted)
+        m.setattr(GgmlExperts, "compute", prefill_only)
+        whole = run(monkeypatch, "qwen3moe_q6_k.gguf", KV_CHUNK - 3, 6)
+    assert calls["token"] == 6
+    with monkeypatch.context() as m:
+        m.setattr(Transformer, "_graph_layers", lambda self: None)  # a graph a layer, the experts in it
+        by_layer = run(monkeypatch, "qwen3moe_q6_k.gguf", KV_CHUNK - 3, 6)
+    with monkeypatch.context() as m:
+        m.setattr(ResidentStep, "in_graph", lambda self, layer: None)  # the experts in a graph of their own
+        apart = run(monkeypatch, "qwen3moe_q6_k.gguf", KV_CHUNK - 3, 6)
+    for got in (whole, by_layer):
+        assert all(np.array_equal(a, b) for a, b in zip(got[0], apart[0]))
+        assert all(np.array_equal(a, b) for pair in zip(got[1], apart[1]) for a, b in zip(*pair))
+        assert np.array_equal(got[2], apart[2]) and got[2].sum() > 0
+
+
+def test_a_token_is_one_graph_only_where_every_layers_experts_are_resident_and_no_step_is_timed(spinning):
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2))
+    assert engine.model._graph_layers() is not None
+    engine.decode_token(engine.new_state(), 1)
+    assert len(engine.ops._tokens) == 1
+    engine.close()
+    capped = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2, ram_cache=0))  # every expert read
+    assert capped.model._graph_layers() is None
+    capped.decode_token(capped.new_state(), 1)
+    assert not capped.ops._tokens and capped.model.experts.in_graph(0) is None  # its steps plan, read and evict
+    capped.close()
+    timed = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2, profile_timing=True))
+    timed.decode_token(timed.new_state(), 1)
+    assert not timed.ops._tokens and timed.model.experts.in_graph(0) is None  # a graph has no host phases to time
+    timed.close()
