@@ -4,8 +4,10 @@ llama.cpp (llama-cpp-python, the `bench` extra) on the same GGUF, in the same ru
 The model (n_embd 1024, 8 layers, 16 q / 4 kv heads of 64, 64 experts top-8, expert_ff 512, gate/up
 Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. Rows:
 - `cpu` (ggml on the quantized bytes): its default tier holds every expert in slot tensors, repacked
-  where ggml has kernels for the type (filled at load, as llama.cpp repacks at load), and each layer's
-  routed experts are one `mul_mat_id` graph over them (fomoepy.runtime.ggml_experts);
+  where ggml has kernels for the type (filled at load, as llama.cpp repacks at load); a prefill's
+  routed experts are a product per expert over its tokens, a decode token is one ggml graph (every
+  layer's attention, routing and one `mul_mat_id` over the slots, then the output head:
+  fomoepy.runtime.ggml_decode);
 - `reference cold`: the compute-ready tier is emptied after the prefill, so the first decoded token
   meets an empty tier (every first touch of an expert dequantises it);
 - `reference warm`: the same work again with the tier filled;
@@ -94,7 +96,7 @@ def main() -> int:
     tuned = cpu.devices[0].row_threads
     chosen = sorted(set(tuned.chosen.values())) if tuned is not None else []
     cpu.close()
-    name = "fomoepy cpu (ggml; experts in the tier's slots, repacked; one mul_mat_id per layer)"
+    name = "fomoepy cpu (ggml; experts in the tier's slots, repacked; a decode token one graph)"
     rows = [f"| {name} | {_median(ours, 0):.1f} | {_median(ours, 1):.1f} | {_median(ours, 2):.2f} |"]
     ref = Engine(path, EngineOptions(backend="reference", threads=threads))
     cold = timed_run(ref, prompt, args.decode, cold=True)

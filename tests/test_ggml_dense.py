@@ -171,6 +171,10 @@ def test_a_decode_rows_graphs_run_on_one_thread_unless_the_threads_spin(monkeypa
     else:  # a graph a layer, the experts apart: one thread
         assert not tokens and len(layers) == engine.spec.n_layer and all(g.graph.threads == 1 for g in layers)
     engine.close()
+    alone = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=1))  # nothing waits
+    alone.decode_token(alone.new_state(), 1)
+    assert len(alone.ops._tokens) == 1 and not alone.ops._layers
+    alone.close()
 
 
 def test_a_few_rows_are_normed_and_rotated_on_one_thread_a_prefills_on_all():
