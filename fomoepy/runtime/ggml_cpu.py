@@ -2,7 +2,10 @@
 
 Dense projections (attention, DeltaNet, router, shared expert, output head) keep their GGUF bytes
 and ggml computes from them in place (fomoepy.runtime.ggml_matmul); norms, rotary embedding,
-attention scores over the KV cache and the delta rule are the reference backend's numpy code.
+attention over the KV cache (fomoepy.runtime.ggml_attention) and softmax routing are ggml's too, as
+llama.cpp builds them; the delta rule and a few elementwise ops are the reference backend's numpy
+code. A decode row's attention layer is one graph (ggml_dense, ggml_decode), and where every expert
+is in the tier a decode token is one graph, head included (ggml_decode.DecodeToken).
 ggml rounds activations to Q8 blocks before each product as llama.cpp does, so this backend tracks
 llama.cpp's logits; `--backend reference` (fomoepy.runtime.cpu) is the exact function of the GGUF.
 """

@@ -1,4 +1,4 @@
-"""The cpu backend's norms, and a decode row's dense attention-layer work as two ggml graphs.
+"""The cpu backend's norms and routing, and decode rows' dense attention-layer work as two ggml graphs.
 
 `rms_norm_rows(x, eps)` is ggml's RMS norm of each row (no weight) and `rope_neox` ggml's NEOX RoPE:
 the cpu backend's, so that the graphs below, which use the same ops, give a row the bits the op-by-op
@@ -11,14 +11,15 @@ two graphs built once per layer, run with only the row's pointers set:
 
     before attention:  xn = rms_norm(x)·attn_norm;  q, k, v = Wq·xn, Wk·xn, Wv·xn
                        q = rope(rms_norm(q per head)·q_norm);  k = rope(rms_norm(k per head)·k_norm)
-    after attention:   x' = x + Wo·attn;  h = rms_norm(x')·ffn_norm;  logits = Wr·h
+    after attention:   x' = x + Wo·attn;  h = rms_norm(x')·ffn_norm;  routing of Wr·h (routing_nodes)
 
 A batched decode step (one row of each of B sequences) runs the same two graphs built for B rows,
-each row at its own position. The attention over the KV cache stays in numpy between the two, per
-sequence (fomoepy.model.attention), as on the op-by-op path. Every op here is the one that path
-calls (ggml's products, norm and RoPE; a product with a weight vector and a residual sum, elementwise
-float32 either way), so a row gets the same bits through the graphs, op by op, or batched beside
-other sequences' rows.
+each row at its own position, and between them each sequence's attention over its KV cache
+(fomoepy.runtime.ggml_attention), as on the op-by-op path; a lone row's layer runs the same nodes as
+one graph (fomoepy.runtime.ggml_decode). Every op here is the one that path calls (ggml's products,
+norm, RoPE and routing; a product with a weight vector and a residual sum, elementwise float32 either
+way), so a row gets the same bits through the graphs, op by op, or batched beside other sequences'
+rows.
 """
 
 from __future__ import annotations
