@@ -83,3 +83,22 @@ def test_a_token_is_one_graph_only_where_every_layers_experts_are_resident_and_n
     timed.decode_token(timed.new_state(), 1)
     assert not timed.ops._tokens and timed.model.experts.in_graph(0) is None  # a graph has no host phases to time
     timed.close()
+
+
+def test_with_no_thread_count_a_tokens_graph_runs_on_the_count_measured_faster_with_the_same_bits(spinning):
+    # no -t: the engine's RowThreads times the token's graph on 1 thread and on all, in turns, then keeps
+    # the faster (a thread count never changes a product's bits)
+    from fomoepy.runtime.row_threads import RowThreads
+
+    runs = []
+    for tuned in (False, True):
+        engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2))
+        if tuned:
+            engine.ops.row_threads = RowThreads(2, samples=2)
+        state = engine.new_state()
+        engine.eval(state, [1, 2, 3])
+        runs.append([engine.eval(state, [t], phase=Phase.DECODE)[-1] for t in range(4, 12)])
+        if tuned:
+            assert engine.ops.row_threads.chosen.get(("token",)) in (1, 2)  # measured both, then chose
+        engine.close()
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))

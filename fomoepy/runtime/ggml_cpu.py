@@ -13,6 +13,7 @@ llama.cpp's logits; `--backend reference` (fomoepy.runtime.cpu) is the exact fun
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 
 import numpy as np
 
@@ -159,8 +160,12 @@ class GgmlBackend(CpuBackend):
                 self._tokens.pop(next(iter(self._tokens)))
             graph = self._tokens[shape] = (layers, DecodeToken([(w, e[0]) for w, e in layers], caches, a, eps, output_norm, output,
                                                                self.threads, n, k))  # fmt: skip
-        logits, ids, weights, probs = graph[1](np.ascontiguousarray(x, dtype=F32), n_past, inputs, [cache_addresses(c) for c in caches],
-                                               [e[1] for _, e in layers])  # fmt: skip
+        run = partial(graph[1], np.ascontiguousarray(x, dtype=F32), n_past, inputs, [cache_addresses(c) for c in caches],
+                      [e[1] for _, e in layers])  # fmt: skip
+        # with no -t, on 1 thread or all, whichever measures faster now (fomoepy.runtime.row_threads): load
+        # that comes after the start moves it to 1
+        tuned = self.row_threads
+        logits, ids, weights, probs = run() if tuned is None else tuned.run(("token",), lambda n: run(threads=n))
         ids = ids.astype(np.int64)
         return logits, [Routing(ids[il : il + 1], weights[il : il + 1], probs[il : il + 1]) for il in range(len(caches))]
 

@@ -137,12 +137,14 @@ class DecodeToken:
         g.finish([(logits, (1, V))], effects=tuple(writes))
         self._row_steps = (caches[0].k.strides[0], caches[0].v.strides[0])
 
-    def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: list[tuple[int, int]], tables: list[np.ndarray]):
+    def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: list[tuple[int, int]], tables: list[np.ndarray],
+                 threads: int | None = None):  # fmt: skip
         """x [1, D] at `position`, inputs its ([position] int32, its causal mask), each layer's cache
-        addresses and slot table → logits, ids, weights, probs (fresh arrays)."""
+        addresses and slot table → logits, ids, weights, probs (fresh arrays); threads: another count
+        than the graph's (the same bits)."""
         dk, dv = self._row_steps
         per_layer = []
         for (k, v), table in zip(addresses, tables):
             per_layer += (k, v, k + position * dk, v + position * dv, table)
-        logits = self.graph.run(x, *inputs, *per_layer)[0]
+        logits = self.graph.run(x, *inputs, *per_layer, threads=threads)[0]
         return logits, *(r.copy() for r in self.routing)

@@ -141,20 +141,30 @@ class Graph:
             ggml.ggml_build_forward_expand(self.gf, t)
         for t, _ in outputs:
             ggml.ggml_build_forward_expand(self.gf, t)
-        self.plan = ggml.ggml_graph_plan(self.gf, self.threads, None)
-        self.work = np.empty(max(self.plan.work_size, 1), np.uint8)
-        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        self._plan_ref = ctypes.pointer(self.plan)
+        self._plans: dict[int, tuple] = {}  # thread count -> (plan, its work memory, a pointer to it)
+        self._plan_ref = self._plan(self.threads)
 
-    def run(self, *inputs: np.ndarray | int, last: bool = False) -> list[np.ndarray]:
+    def _plan(self, threads: int):
+        """A pointer to the graph's plan on `threads` threads (made once per count)."""
+        kept = self._plans.get(threads)
+        if kept is None:
+            plan = ggml.ggml_graph_plan(self.gf, threads, None)
+            work = np.empty(max(plan.work_size, 1), np.uint8)
+            plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            kept = self._plans[threads] = (plan, work, ctypes.pointer(plan))
+        return kept[2]
+
+    def run(self, *inputs: np.ndarray | int, last: bool = False, threads: int | None = None) -> list[np.ndarray]:
         """The outputs for these inputs (arrays, or addresses of memory the caller keeps alive), as fresh
         arrays (the graph's own are overwritten by its next run); last: the graph runs no more (a
-        prefill's, built for the call): its own arrays, not copies."""
+        prefill's, built for the call): its own arrays, not copies. threads: another count than the
+        graph's (every node's output elements are each one thread's: the same bits)."""
         if len(inputs) != len(self._input_structs):
             raise FomoeError(f"expected {len(self._input_structs)} inputs, got {len(inputs)}")
         for t, x in zip(self._input_structs, inputs):
             t.data = x if isinstance(x, int) else host_address(x)  # (the buffer protocol: a fifth of x.ctypes.data's ~1 µs)
-        status = MATMUL.call(ggml.ggml_graph_compute, self.gf, self._plan_ref)
+        plan = self._plan_ref if threads is None or threads == self.threads else self._plan(threads)
+        status = MATMUL.call(ggml.ggml_graph_compute, self.gf, plan)
         if status != 0:
             raise FomoeError("ggml graph computation failed")
         return list(self._results) if last else [r.copy() for r in self._results]  # inputs are the caller's, alive for the whole computation
