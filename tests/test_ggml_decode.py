@@ -102,3 +102,30 @@ def test_with_no_thread_count_a_tokens_graph_runs_on_the_count_measured_faster_w
             assert engine.ops.row_threads.chosen.get(("token",)) in (1, 2)  # measured both, then chose
         engine.close()
     assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_prefill_chunks_layer_graph_is_the_op_by_op_path_bit_for_bit(monkeypatch):
+    # chunks of one sequence through each layer's one graph (PrefillLayer) or op by op: the same logits and
+    # KV caches, with chunks that cross a span and the first chunk's end (the caches grow)
+    from fomoepy.runtime.ggml_cpu import GgmlBackend
+
+    runs = []
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            calls = []
+            if fused:
+                real = GgmlBackend.prefill_layer
+                m.setattr(GgmlBackend, "prefill_layer", lambda self, *a: calls.append(1) or real(self, *a))
+            else:
+                m.delattr(GgmlBackend, "prefill_layer")
+            engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2, n_ctx=4 * KV_CHUNK))
+            rng = np.random.default_rng(12)
+            state = engine.new_state()
+            logits = [engine.eval(state, rng.integers(0, engine.spec.n_vocab, n), all_logits=True) for n in (70, 100, 130)]
+            caches = [(c.k[: state.n_past].copy(), c.v[: state.n_past].copy()) for c in state.layers if isinstance(c, KVCache)]
+            assert state.kv_capacity == 2 * KV_CHUNK and (len(calls) == 3 * engine.spec.n_layer if fused else not calls)
+            runs.append((logits, caches))
+            engine.close()
+    (a, ka), (b, kb) = runs
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(np.array_equal(x, y) for pair in zip(ka, kb) for x, y in zip(*pair))

@@ -21,6 +21,11 @@ def qwen3moe_layer(model, il: int, x, segments):
             return x
         x, h, routing = attention_block(ops, w, spec.attention, eps, x, il, segments, m.n_expert_used)
         return x + moe_ffn(ops, w, m, model.experts, il, h, routing=routing)
+    prefill_layer = getattr(ops, "prefill_layer", None)
+    if len(segments) == 1 and prefill_layer is not None and ops.fuses_attention(spec.attention, m.gating):  # a chunk of one sequence
+        s = segments[0]
+        x, h, routing = prefill_layer(x, w, spec.attention, eps, s.state.layers[il], s.state.n_past, m.n_expert_used)
+        return x + moe_ffn(ops, w, m, model.experts, il, h, routing=routing)
     x = x + attention_mixer(ops, w, spec.attention, eps, ops.rms_norm(x, w.attn_norm, eps), il, segments)
     x = x + moe_ffn(ops, w, m, model.experts, il, ops.rms_norm(x, w.ffn_norm, eps))
     return x

@@ -22,7 +22,7 @@ from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.cpu import CpuBackend
 from fomoepy.runtime.ggml_attention import Attention, KVMemory, cache_addresses, causal_mask, span
-from fomoepy.runtime.ggml_decode import DecodeLayer, DecodeToken
+from fomoepy.runtime.ggml_decode import DecodeLayer, DecodeToken, PrefillLayer
 from fomoepy.runtime.ggml_dense import (
     AttentionGraphs,
     RopeSpec,
@@ -168,6 +168,17 @@ class GgmlBackend(CpuBackend):
         logits, ids, weights, probs = run() if tuned is None else tuned.run(("token",), lambda n: run(threads=n))
         ids = ids.astype(np.int64)
         return logits, [Routing(ids[il : il + 1], weights[il : il + 1], probs[il : il + 1]) for il in range(len(caches))]
+
+    def prefill_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int) -> tuple:
+        """T rows x [T, D] of one sequence at positions n_past.. through a layer's attention in one graph
+        (PrefillLayer): their keys and values into the cache → x + attention, its FFN norm h, h's
+        routing to k experts."""
+        T = x.shape[0]
+        n = span(n_past + T, cache.capacity)
+        graph = PrefillLayer(w, a, eps, self.threads, cache.k, cache.v, n, T, k)
+        mask = causal_mask(n_past, T, a.n_head // a.n_head_kv, n)
+        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, mask, cache_addresses(cache))
+        return x2, h, _routing(*routing)
 
     def _step_inputs(self, a, cache, n_past: int) -> tuple:
         """(span, (position [1] int32, its causal mask)) of a row at n_past: made at a step's first layer,

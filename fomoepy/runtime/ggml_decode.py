@@ -113,6 +113,45 @@ class DecodeLayer:
         return self.graph.run(x, *inputs, k, v, k + position * self._row_steps[0], v + position * self._row_steps[1], *table)
 
 
+class PrefillLayer:
+    """T rows of one sequence at positions n_past.. (a prefill chunk) through a layer's attention in one
+    graph, built for the call: the nodes of DecodeLayer for T rows (its keys and values written into
+    the caches at their positions, each query masked to its own and earlier ones) → x', h, h's routing
+    [T, ...]. The op-by-op path's ops, in one call where it made a dozen."""
+
+    def __init__(self, w, a, eps: float, threads: int, k_cache: np.ndarray, v_cache: np.ndarray, n: int, T: int, k: int):
+        H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+        group, D, E = H // Hkv, w.attn_q.n_cols, w.ffn_gate_inp.n_rows
+        if not kv_memory_layout(k_cache, v_cache):
+            raise ValueError("a prefill graph writes into KV caches laid out by ggml_attention.KVMemory")
+        rows = group * T
+        size = (pre_attention_bytes(w, a, T) + post_attention_bytes(w, T) + _F * (2 * rows * n * Hkv + 4 * H * hd * T + 4 * T * (E + k))
+                + 4096)  # fmt: skip
+        g = self.graph = Graph(128, size, threads)
+        x, pos, mask = g.input(D, T), g.input(T, qtype=ggml.GGML_TYPE_I32), g.input(n, rows)
+        K, V = cache_inputs(g, k_cache, v_cache, n)
+        q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, T)  # [hd, H, T], [hd, Hkv, T], [Hkv·hd, T]
+        # the rows' keys [hd, Hkv, T] (position p's at p·hd, a head a capacity apart) and values, as
+        # [T, Hkv·hd] (position p's at p, a head dim a capacity apart): a copy takes its source's
+        # elements in order, so the values go transposed
+        writes = (g.write_into(k_rot, hd, Hkv, T, nb=(_F, k_cache.strides[1], k_cache.strides[0])),
+                  g.write_into(ggml.ggml_transpose(g.ctx, v), T, Hkv * hd, nb=(_F, v_cache.strides[2])))  # fmt: skip
+        # each kv head's query rows token-major, [hd, group·T, Hkv], as Attention lays them
+        q3 = ggml.ggml_reshape_3d(g.ctx, ggml.ggml_cont(g.ctx, ggml.ggml_permute(g.ctx, ggml.ggml_reshape_4d(g.ctx, q, hd, group, Hkv, T), 0, 1, 3, 2)),
+                                  hd, rows, Hkv)  # fmt: skip
+        attn = attention_nodes(g, q3, K, V, mask, hd)  # [hd, group·T, Hkv]
+        back = ggml.ggml_cont(g.ctx, ggml.ggml_permute(g.ctx, ggml.ggml_reshape_4d(g.ctx, attn, hd, group, T, Hkv), 0, 1, 3, 2))  # [hd, group, Hkv, T]
+        x2, h, logits = post_attention_nodes(g, w, eps, x, ggml.ggml_reshape_2d(g.ctx, back, H * hd, T))
+        g.finish([(x2, (T, D)), (h, (T, D))] + routed_outputs(g, logits, k, T), effects=writes)
+        self._row_steps = (k_cache.strides[0], v_cache.strides[0])
+
+    def __call__(self, x: np.ndarray, n_past: int, mask: np.ndarray, addresses: tuple[int, int]) -> list[np.ndarray]:
+        k, v = addresses
+        T = x.shape[0]
+        positions = np.arange(n_past, n_past + T, dtype=np.int32)
+        return self.graph.run(x, positions, mask, k, v, k + n_past * self._row_steps[0], v + n_past * self._row_steps[1], last=True)
+
+
 class DecodeToken:
     """Every layer of a lone decode row and the output head in one graph: the layers' DecodeLayer nodes
     with their experts, chained, then logits = Wout·(rms_norm(x)·output_norm). layers: each layer's
