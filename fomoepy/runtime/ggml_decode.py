@@ -82,6 +82,12 @@ def _layer_bytes(w, a, n: int, k: int, experts: list | None) -> int:
     return pre_attention_bytes(w, a, 1) + post_attention_bytes(w, 1) + attention + expert + 64 * (96 + 2 * k)
 
 
+def _room(nbytes: int) -> int:
+    """A context's memory for intermediates counted at nbytes: a quarter more, and 4 KiB, for alignment
+    and anything the count misses (a context that runs out aborts the process)."""
+    return nbytes + nbytes // 4 + 4096
+
+
 def _row_inputs(g: Graph, D: int, n: int, group: int):
     """The inputs every layer shares: the row x [D, 1], its position [1] int32, its mask [n, group]."""
     return g.input(D, 1), g.input(1, qtype=ggml.GGML_TYPE_I32), g.input(n, group)
@@ -95,7 +101,7 @@ class DecodeLayer:
     def __init__(self, w, a, eps: float, threads: int, k_cache: np.ndarray, v_cache: np.ndarray, n: int, k: int = 0,
                  experts: list | None = None):  # fmt: skip
         D = w.attn_q.n_cols
-        g = self.graph = Graph(96 + 2 * k, _layer_bytes(w, a, n, k, experts) + 4096, threads)
+        g = self.graph = Graph(96 + 2 * k, _room(_layer_bytes(w, a, n, k, experts)), threads)
         x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv)
         writes, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, k_cache, v_cache, n)
         self._row_steps = (k_cache.strides[0], v_cache.strides[0])
@@ -127,7 +133,7 @@ class PrefillLayer:
         rows = group * T
         size = (pre_attention_bytes(w, a, T) + post_attention_bytes(w, T) + _F * (2 * rows * n * Hkv + 4 * H * hd * T + 4 * T * (E + k))
                 + 4096)  # fmt: skip
-        g = self.graph = Graph(128, size, threads)
+        g = self.graph = Graph(128, _room(size), threads)
         x, pos, mask = g.input(D, T), g.input(T, qtype=ggml.GGML_TYPE_I32), g.input(n, rows)
         K, V = cache_inputs(g, k_cache, v_cache, n)
         q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, T)  # [hd, H, T], [hd, Hkv, T], [Hkv·hd, T]
@@ -164,7 +170,7 @@ class DecodeToken:
         w0 = layers[0][0]
         D, V, E, L = w0.attn_q.n_cols, output.n_rows, w0.ffn_gate_inp.n_rows, len(layers)
         size = sum(_layer_bytes(w, a, n, k, experts) for w, experts in layers) + _F * 4 * (D + V) + 4096
-        g = self.graph = Graph(L * (96 + 2 * k) + 16, size, threads)
+        g = self.graph = Graph(L * (96 + 2 * k) + 16, _room(size), threads)
         self.routing = (np.empty((L, k), np.int32), np.empty((L, k), np.float32), np.empty((L, E), np.float32))
         x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv)
         writes = []
