@@ -129,3 +129,15 @@ def test_a_prefill_chunks_layer_graph_is_the_op_by_op_path_bit_for_bit(monkeypat
     (a, ka), (b, kb) = runs
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert all(np.array_equal(x, y) for pair in zip(ka, kb) for x, y in zip(*pair))
+
+
+def test_a_step_record_asked_for_after_load_turns_the_one_graph_token_off(spinning):
+    # host_time and other benches ask the MoE step for its records once the engine is up: every step must
+    # then run as a step, with its phases timed
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2))
+    state = engine.new_state()
+    engine.decode_token(state, 1)
+    engine.experts.records = []
+    engine.decode_token(state, 2)
+    assert len(engine.experts.records) == engine.spec.n_layer
+    engine.close()

@@ -24,6 +24,7 @@ class ResidentStep(MoEStep):
     def __init__(self, streamer, device, timer: Any = None):
         super().__init__(streamer, device, predicts=False, timer=timer)
         self._cache = streamer.cache
+        self._graph_inputs: dict[int, tuple | None] = {}  # layer -> the device's graph_inputs, asked once
 
     def __call__(self, layer: int, h: Any, exact: Routing) -> Any:
         t0 = time.perf_counter()
@@ -44,11 +45,15 @@ class ResidentStep(MoEStep):
     def in_graph(self, layer: int) -> tuple | None:
         """What the backend's layer graph needs to compute this step itself (the device's graph_inputs),
         where it can: every expert is resident, so the step has nothing to plan, read or wait for, and
-        no step record is asked for (a graph has no host phases to time)."""
-        inputs = getattr(self.device, "graph_inputs", None)
-        if inputs is None or self.records is not None or self.timer is not None:
+        no step record is asked for now (a graph has no host phases to time). The inputs are asked once
+        per layer: the tier, whole, does not change."""
+        if self.records is not None or self.timer is not None:
             return None
-        return inputs(layer)
+        kept = self._graph_inputs.get(layer, _UNASKED)
+        if kept is _UNASKED:
+            inputs = getattr(self.device, "graph_inputs", None)
+            kept = self._graph_inputs[layer] = None if inputs is None else inputs(layer)
+        return kept
 
     def computed(self, layer: int, exact: Routing) -> None:
         """The step's bookkeeping once the backend's graph computed it (in_graph): the trace, usage counts
@@ -57,6 +62,9 @@ class ResidentStep(MoEStep):
         if ids is not exact.ids and not np.array_equal(ids, exact.ids):
             raise FomoeError(f"layer {layer}: cache-aware routing changed a step whose experts were all resident")
         self._cache.count_resident_hits(layer, len(set(ids[0].tolist())))
+
+
+_UNASKED = object()
 
 
 def _nothing() -> None:

@@ -13,9 +13,8 @@ def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray, routing: Rou
     (fomoepy.model.attention.attention_block)."""
     if routing is None:
         router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
-        routing = experts.route(ops, layer, h, router_logits, m.gating, m.n_expert_used)
-    exact = routing  # ids, weights [T, k]; probs [T, E]
-    out = experts(layer, h, exact)  # Σ_j weights[t, j] · expert_ids[t, j](h[t]); CAR may swap ids (off: exact)
+        routing = experts.route(ops, layer, h, router_logits, m.gating, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
+    out = experts(layer, h, routing)  # Σ_j weights[t, j] · expert_ids[t, j](h[t]); CAR may swap ids (off: the router's)
     if m.shared_ff:
         shared = ops.swiglu_ffn(h, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)
         if m.shared_gate:

@@ -22,7 +22,7 @@ def qwen3moe_layer(model, il: int, x, segments):
         x, h, routing = attention_block(ops, w, spec.attention, eps, x, il, segments, m.n_expert_used)
         return x + moe_ffn(ops, w, m, model.experts, il, h, routing=routing)
     prefill_layer = getattr(ops, "prefill_layer", None)
-    if len(segments) == 1 and prefill_layer is not None and ops.fuses_attention(spec.attention, m.gating):  # a chunk of one sequence
+    if len(segments) == 1 and prefill_layer is not None and fuses(spec.attention, m.gating):  # a chunk of one sequence
         s = segments[0]
         x, h, routing = prefill_layer(x, w, spec.attention, eps, s.state.layers[il], s.state.n_past, m.n_expert_used)
         return x + moe_ffn(ops, w, m, model.experts, il, h, routing=routing)

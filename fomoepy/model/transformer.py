@@ -112,7 +112,7 @@ class Transformer:
                 or not ops.fuses_attention(spec.attention, m.gating)):  # fmt: skip
             return None
         layers = self._graph_layers()
-        if layers is None:
+        if layers is None or self.experts.in_graph(0) is None:  # (a step record may have been asked for since)
             return None
         w = self.weights
         self.experts.begin_step(phase, [state.sequence])
@@ -126,9 +126,10 @@ class Transformer:
         return logits
 
     def _graph_layers(self) -> list | None:
-        """Each layer's (weights, its experts' graph inputs: experts.in_graph), kept while the same MoE
-        step serves the model (its tier, whole, does not change; a reset makes another step), or None
-        where a layer's experts cannot be computed in the backend's graph."""
+        """Each layer's (weights, its experts' graph inputs: experts.in_graph), one list kept while the same
+        MoE step serves the model (its tier, whole, does not change; a reset makes another step; the
+        backend keeps its graphs by the list), or None where a layer's experts cannot be computed in the
+        backend's graph."""
         kept = self._kept_layers
         if kept is None or kept[0] is not self.experts:
             experts = [self.experts.in_graph(il) for il in range(self.spec.n_layer)]
