@@ -123,7 +123,7 @@ def test_the_next_layers_prediction_routes_as_the_backends_own_product_on_any_th
             assert np.array_equal(GgmlExperts.route(device, layer, h, k), want)
 
 
-@pytest.mark.parametrize("T, phase", [(1, Phase.DECODE), (5, Phase.DECODE), (5, Phase.PREFILL)])
+@pytest.mark.parametrize("T, phase", [(1, Phase.DECODE), (5, Phase.DECODE), (5, Phase.PREFILL), (128, Phase.PREFILL)])  # 128: products per expert
 def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T, phase):
     """A step's experts through the device's compute: all resident (the one-graph product), none resident
     (every expert set into staging slots, in rounds when they outnumber them), some resident and
@@ -172,13 +172,14 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
     engine.close()
 
 
-def test_a_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_each_row_alone(stored):
-    # GEMM kernels for a prefill's rows; mul_mat_id's one-row kernels for a decode step, whose rows may
-    # be several sequences' (a row's bits must not depend on the rows beside it)
+def test_a_long_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_each_row_alone(stored):
+    # GEMM kernels for a long prefill's rows; mul_mat_id's one-row kernels for a short one and for a decode
+    # step, whose rows may be several sequences' (a row's bits must not depend on the rows beside it)
+    from fomoepy.runtime.ggml_experts import _GROUPED_FROM
     from fomoepy.runtime.ggml_slots import SlotLayer
 
     path, _, tokens, _ = stored
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, n_ctx=2 * _GROUPED_FROM))
     calls = []
     real = SlotLayer.ffn_grouped
 
@@ -189,11 +190,12 @@ def test_a_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_each_row
     SlotLayer.ffn_grouped = grouped
     try:
         state = engine.new_state()
-        engine.eval(state, tokens[:6])
-        assert calls == [6] * len(engine.source.layers)
+        engine.eval(state, np.resize(tokens, _GROUPED_FROM))
+        assert calls == [_GROUPED_FROM] * len(engine.source.layers)
+        engine.eval(state, tokens[:6])  # a short chunk
         engine.eval(state, tokens[6:7], phase=Phase.DECODE)
         engine.model.forward_batch(tokens[7:9], [state, engine.new_state()])
-        assert calls == [6] * len(engine.source.layers)
+        assert calls == [_GROUPED_FROM] * len(engine.source.layers)
     finally:
         SlotLayer.ffn_grouped = real
     engine.close()
