@@ -1,7 +1,7 @@
-"""A lone decode row of the cpu backend in one graph a token (fomoepy.runtime.ggml_decode.DecodeToken),
-or one a layer with its resident experts in it (DecodeLayer), against the path that computes the
-experts in their own graph: the same logits, KV caches and expert counts, bit for bit, across a span
-and a cache growth; and which path runs when."""
+"""A lone decode row of the cpu backend in one graph a token (fomoepy.runtime.ggml_decode.DecodeToken)
+against the path that computes each layer's attention half in one graph (LayerGraph) and its experts
+in another: the same logits, KV caches and expert counts, bit for bit, across a span and a cache
+growth; a prefill chunk's layer graph against the op-by-op path; and which path runs when."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def spinning(monkeypatch):
     monkeypatch.setattr(ggml_threads, "spins", lambda: True)  # (read when the backend is made)
 
 
-def test_one_graph_a_token_one_a_layer_and_the_experts_apart_give_the_same_bits(monkeypatch, spinning):
+def test_one_graph_a_token_and_the_experts_apart_give_the_same_bits(monkeypatch, spinning):
     # from KV_CHUNK - 3: the decode steps cross the first chunk's end (the caches grow) and a span
     calls = {"token": 0}
     decode_token = Transformer._in_one_call
@@ -57,15 +57,11 @@ def test_one_graph_a_token_one_a_layer_and_the_experts_apart_give_the_same_bits(
         whole = run(monkeypatch, "qwen3moe_q6_k.gguf", KV_CHUNK - 3, 6)
     assert calls["token"] == 6
     with monkeypatch.context() as m:
-        m.setattr(Transformer, "_graph_layers", lambda self: None)  # a graph a layer, the experts in it
-        by_layer = run(monkeypatch, "qwen3moe_q6_k.gguf", KV_CHUNK - 3, 6)
-    with monkeypatch.context() as m:
         m.setattr(ResidentStep, "in_graph", lambda self, layer: None)  # the experts in a graph of their own
         apart = run(monkeypatch, "qwen3moe_q6_k.gguf", KV_CHUNK - 3, 6)
-    for got in (whole, by_layer):
-        assert all(np.array_equal(a, b) for a, b in zip(got[0], apart[0]))
-        assert all(np.array_equal(a, b) for pair in zip(got[1], apart[1]) for a, b in zip(*pair))
-        assert np.array_equal(got[2], apart[2]) and got[2].sum() > 0
+    assert all(np.array_equal(a, b) for a, b in zip(whole[0], apart[0]))
+    assert all(np.array_equal(a, b) for pair in zip(whole[1], apart[1]) for a, b in zip(*pair))
+    assert np.array_equal(whole[2], apart[2]) and whole[2].sum() > 0
 
 
 def test_a_token_is_one_graph_only_where_every_layers_experts_are_resident_and_no_step_is_timed(spinning):
@@ -105,17 +101,17 @@ def test_with_no_thread_count_a_tokens_graph_runs_on_the_count_measured_faster_w
 
 
 def test_a_prefill_chunks_layer_graph_is_the_op_by_op_path_bit_for_bit(monkeypatch):
-    # chunks of one sequence through each layer's one graph (PrefillLayer) or op by op: the same logits and
+    # chunks of one sequence through each layer's one graph (LayerGraph) or op by op: the same logits and
     # KV caches, with chunks that cross a span and the first chunk's end (the caches grow)
     from fomoepy.runtime.ggml_cpu import GgmlBackend
 
+    real = GgmlBackend.prefill_layer
     runs = []
     for fused in (True, False):
         with monkeypatch.context() as m:
-            calls = []
+            calls: list[int] = []
             if fused:
-                real = GgmlBackend.prefill_layer
-                m.setattr(GgmlBackend, "prefill_layer", lambda self, *a: calls.append(1) or real(self, *a))
+                m.setattr(GgmlBackend, "prefill_layer", lambda self, *a, calls=calls: calls.append(1) or real(self, *a))
             else:
                 m.delattr(GgmlBackend, "prefill_layer")
             engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2, n_ctx=4 * KV_CHUNK))

@@ -14,7 +14,6 @@ from sim_backend import sim_backend
 from fomoepy.runtime.pinned import ALIGN, PinnedPool, host_address
 from fomoepy.runtime.sim.shim import configure
 
-
 # max |gpu - cpu| / std(cpu logits): the ladder's GPU tolerance against the exact logits (test_gpu_model.py)
 LOGIT_TOL = 1e-3
 

@@ -41,9 +41,8 @@ class ResidentStep(MoEStep):
                 self.timer.add_step(timing)
         return out
 
-
     def in_graph(self, layer: int) -> tuple | None:
-        """What the backend's layer graph needs to compute this step itself (the device's graph_inputs),
+        """What the backend's decode graph needs to compute this step itself (the device's graph_inputs),
         where it can: every expert is resident, so the step has nothing to plan, read or wait for, and
         no step record is asked for now (a graph has no host phases to time). The inputs are asked once
         per layer: the tier, whole, does not change."""

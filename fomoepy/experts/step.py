@@ -63,7 +63,7 @@ class MoEStep:
         return exact
 
     def in_graph(self, layer: int) -> tuple | None:
-        """What a backend's layer graph would need to compute this step itself: never here (a step may
+        """What a backend's decode graph would need to compute this step itself: never here (a step may
         miss, read and evict); see ResidentStep."""
         return None
 

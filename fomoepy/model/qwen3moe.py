@@ -13,12 +13,6 @@ def qwen3moe_layer(model, il: int, x, segments):
     fuses = getattr(ops, "fuses_attention", None)
     m = spec.moe
     if x.shape[0] == len(segments) and fuses is not None and fuses(spec.attention, m.gating):  # a row per sequence: fused calls
-        experts = model.experts.in_graph(il) if len(segments) == 1 else None
-        if experts is not None:  # a lone row whose experts are all resident: the whole layer in one call
-            s = segments[0]
-            x, routing = ops.decode_layer(x, w, spec.attention, eps, s.state.layers[il], s.state.n_past, m.n_expert_used, experts)
-            model.experts.computed(il, routing)
-            return x
         x, h, routing = attention_block(ops, w, spec.attention, eps, x, il, segments, m.n_expert_used)
         return x + moe_ffn(ops, w, m, model.experts, il, h, routing=routing)
     prefill_layer = getattr(ops, "prefill_layer", None)

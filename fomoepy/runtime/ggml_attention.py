@@ -134,7 +134,7 @@ def _address(a: np.ndarray) -> int:
 
 def kv_memory_layout(k_cache: np.ndarray, v_cache: np.ndarray) -> bool:
     """Whether the caches are laid out as KVMemory lays them out."""
-    _, Hkv, hd = v_cache.shape
+    hd = v_cache.shape[2]
     return k_cache.strides[2] == _F and v_cache.strides[0] == _F and v_cache.strides[1] == hd * v_cache.strides[2]
 
 

@@ -4,15 +4,14 @@ Dense projections (attention, DeltaNet, router, shared expert, output head) keep
 and ggml computes from them in place (fomoepy.runtime.ggml_matmul); norms, rotary embedding,
 attention over the KV cache (fomoepy.runtime.ggml_attention) and softmax routing are ggml's too, as
 llama.cpp builds them; the delta rule and a few elementwise ops are the reference backend's numpy
-code. A decode row's attention layer is one graph (ggml_dense, ggml_decode), and where every expert
-is in the tier a decode token is one graph, head included (ggml_decode.DecodeToken).
+code. A decode row's or a prefill chunk's attention layer is one graph (ggml_decode.LayerGraph), and
+where every expert is in the tier a decode token is one graph, head included (ggml_decode.DecodeToken).
 ggml rounds activations to Q8 blocks before each product as llama.cpp does, so this backend tracks
 llama.cpp's logits; `--backend reference` (fomoepy.runtime.cpu) is the exact function of the GGUF.
 """
 
 from __future__ import annotations
 
-import ctypes
 from functools import partial
 
 import numpy as np
@@ -21,8 +20,14 @@ from fomoepy.experts.routing import Routing
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
 from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.cpu import CpuBackend
-from fomoepy.runtime.ggml_attention import Attention, KVMemory, cache_addresses, causal_mask, span
-from fomoepy.runtime.ggml_decode import DecodeLayer, DecodeToken, PrefillLayer
+from fomoepy.runtime.ggml_attention import (
+    Attention,
+    KVMemory,
+    cache_addresses,
+    causal_mask,
+    span,
+)
+from fomoepy.runtime.ggml_decode import DecodeToken, LayerGraph
 from fomoepy.runtime.ggml_dense import (
     AttentionGraphs,
     RopeSpec,
@@ -76,7 +81,7 @@ class GgmlBackend(CpuBackend):
         self.zeros = KVMemory()  # KV caches laid out for ggml's attention
         self._spins = ggml_threads.spins()  # (OpenMP read its policy when ggml was loaded: it stays)
         self._attend = Attention()
-        self._layers: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, {(span, strides): its DecodeLayer})
+        self._layers: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, {(span, strides): its LayerGraph})
         self._tokens: dict[tuple, DecodeToken] = {}  # a lone row's whole-token graphs by span, strides and layers
         self._row_inputs: tuple = (None, None)  # ((position, span, group), (position [1] int32, its mask)) of the last row
 
@@ -132,18 +137,20 @@ class GgmlBackend(CpuBackend):
 
     def attention_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int) -> tuple:
         """One sequence's decode row x [1, D] at position n_past, its attention layer in one graph
-        (DecodeLayer): its keys and values into the cache, → x + attention, its FFN norm h, h's routing
-        to k experts; the bits of attention_inputs, the cache writes, attention and attention_output."""
-        x2, h, *routing = self._decode_layer(x, w, a, eps, cache, n_past, k, None)
+        (LayerGraph, kept for the steps of a span): its keys and values into the cache, → x + attention,
+        its FFN norm h, h's routing to k experts; the bits of attention_inputs, the cache writes,
+        attention and attention_output."""
+        n, inputs = self._step_inputs(a, cache, n_past)
+        graphs = _of_layer(self._layers, w)
+        key = (n, cache.k.strides, cache.v.strides)
+        graph = graphs.get(key)
+        if graph is None:
+            # a span's graph serves BUCKET steps; the one before it stays for a sequence served in turn
+            while len(graphs) >= _LAYER_GRAPHS:
+                graphs.pop(next(iter(graphs)))
+            graph = graphs[key] = LayerGraph(w, a, eps, self._small_threads(), cache.k, cache.v, n, 1, k)
+        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache))
         return x2, h, _routing(*routing)
-
-    def decode_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int, experts: tuple) -> tuple:
-        """attention_layer and the layer's routed experts in the same graph: experts = (the slot tensors
-        gate, up, down; each expert's slot [1, E, 1] int32: GgmlExperts.graph_inputs) → the layer's
-        output x + attention + Σ_j w_j · expert_j(h), h's routing; the bits of attention_layer, then
-        GgmlExperts.compute and the residual sum."""
-        x3, *routing = self._decode_layer(x, w, a, eps, cache, n_past, k, experts)
-        return x3, _routing(*routing)
 
     def decode_token(self, x: np.ndarray, layers: list, caches: list, a, eps: float, output_norm, output, n_past: int,
                      k: int) -> tuple:  # fmt: skip
@@ -151,7 +158,7 @@ class GgmlBackend(CpuBackend):
         (DecodeToken): layers = each layer's (weights, its experts' graph inputs: GgmlExperts.graph_inputs),
         the same list object for every token (its graphs are kept by it); caches: each layer's KVCache,
         into which the row's keys and values go → logits [1, V], each layer's routing; the bits of
-        decode_layer layer after layer, then the head's rms_norm and product."""
+        attention_layer and GgmlExperts.compute layer after layer, then the head's rms_norm and product."""
         n, inputs = self._step_inputs(a, caches[0], n_past)
         shape = (n, caches[0].k.strides, caches[0].v.strides, id(layers))
         graph = self._tokens.get(shape)
@@ -171,13 +178,13 @@ class GgmlBackend(CpuBackend):
 
     def prefill_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int) -> tuple:
         """T rows x [T, D] of one sequence at positions n_past.. through a layer's attention in one graph
-        (PrefillLayer): their keys and values into the cache → x + attention, its FFN norm h, h's
-        routing to k experts."""
+        (LayerGraph, built for the call): their keys and values into the cache → x + attention, its FFN
+        norm h, h's routing to k experts."""
         T = x.shape[0]
         n = span(n_past + T, cache.capacity)
-        graph = PrefillLayer(w, a, eps, self.threads, cache.k, cache.v, n, T, k)
-        mask = causal_mask(n_past, T, a.n_head // a.n_head_kv, n)
-        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, mask, cache_addresses(cache))
+        graph = LayerGraph(w, a, eps, self.threads, cache.k, cache.v, n, T, k)
+        inputs = (np.arange(n_past, n_past + T, dtype=np.int32), causal_mask(n_past, T, a.n_head // a.n_head_kv, n))
+        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache), last=True)
         return x2, h, _routing(*routing)
 
     def _step_inputs(self, a, cache, n_past: int) -> tuple:
@@ -190,27 +197,6 @@ class GgmlBackend(CpuBackend):
             inputs = (np.array([n_past], np.int32), causal_mask(n_past, 1, group, n))
             self._row_inputs = ((n_past, n, group), inputs)
         return n, inputs
-
-    def _decode_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int, experts: tuple | None) -> list:
-        n, inputs = self._step_inputs(a, cache, n_past)
-        q = w.attn_q
-        entry = self._layers.get(id(q))
-        if entry is None or entry[0] is not q:
-            entry = self._layers[id(q)] = (q, {})
-        graphs = entry[1]
-        tensors = None if experts is None else experts[0]
-        shape = (n, cache.k.strides, cache.v.strides, None if tensors is None else ctypes.addressof(tensors[0].contents))
-        graph = graphs.get(shape)
-        if graph is None:
-            # a span's graph serves BUCKET steps; the one before it stays for a sequence served in turn
-            while len(graphs) >= _LAYER_GRAPHS:
-                graphs.pop(next(iter(graphs)))
-            # with the experts, the products are large: every thread (GgmlExperts.graph_inputs offers them
-            # only where the threads spin); without, see _graphs
-            threads = self.threads if tensors is not None else self._small_threads()
-            graph = graphs[shape] = DecodeLayer(w, a, eps, threads, cache.k, cache.v, n, k, tensors)
-        table = () if experts is None else (experts[1],)
-        return graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache), *table)
 
     def _small_threads(self) -> int:
         """Threads for a decode row's graphs (see _graphs)."""
@@ -235,13 +221,10 @@ class GgmlBackend(CpuBackend):
     def _graphs(self, w, a, eps: float, rows: int, k: int) -> AttentionGraphs:
         if w is self._last[0] and rows == self._last[1]:  # attention_output after attention_inputs, same view
             return self._last[2]
-        q = w.attn_q  # a layer view is made per call; its tensors are the engine's, one object each
-        entry = self._attention.get(id(q))
-        if entry is None or entry[0] is not q:  # the weight is kept with its graphs: its id is not reused
-            entry = self._attention[id(q)] = (q, {})
+        kept = _of_layer(self._attention, w)
         if rows > 1 and (not self._row_counts or self._row_counts[-1] != rows):
             self._batch_rows(rows)
-        graphs = entry[1].get(rows)
+        graphs = kept.get(rows)
         if graphs is None:
             # these graphs' products are small (~3 MB of weights a layer, ~80 µs): a second thread that
             # sleeps while it waits (fomoepy.runtime.ggml_threads) costs a wake-up per node that takes more
@@ -250,7 +233,7 @@ class GgmlBackend(CpuBackend):
             # threads that spin gain from every thread (idle, -t 2: 127-132 against 122-128). Each row's
             # products are one thread's either way: the same bits.
             # A batch of B sequences: a pair built for B rows (_BATCH_ROW_COUNTS says how many such B stay).
-            graphs = entry[1][rows] = AttentionGraphs(w, a, eps, self._small_threads(), rows, k)
+            graphs = kept[rows] = AttentionGraphs(w, a, eps, self._small_threads(), rows, k)
         self._last = (w, rows, graphs)  # the view held: `is` then means this layer's call, not a reused id
         return graphs
 
@@ -268,3 +251,14 @@ class GgmlBackend(CpuBackend):
 
 def _routing(ids: np.ndarray, weights: np.ndarray, probs: np.ndarray) -> Routing:
     return Routing(ids.astype(np.int64), weights, probs)
+
+
+def _of_layer(store: dict, w) -> dict:
+    """The graphs `store` keeps for w's layer, by the layer's attn_q (a layer view is made per call; its
+    tensors are the engine's, one object each): the weight is kept with its graphs, so its id is not
+    reused while they are."""
+    q = w.attn_q
+    entry = store.get(id(q))
+    if entry is None or entry[0] is not q:
+        entry = store[id(q)] = (q, {})
+    return entry[1]

@@ -1,23 +1,25 @@
-"""A lone decode row of the cpu backend in as few ggml graphs as its layers allow.
+"""A qwen3moe layer's attention half, and a lone decode row's whole token, as single ggml graphs of the
+cpu backend.
 
-A qwen3moe layer for one row at position p, in the ops the op-by-op path calls one at a time:
+A qwen3moe layer for T rows of one sequence at positions p.., in the ops the op-by-op path calls one
+at a time:
 
     xn = rms_norm(x)·attn_norm;  q, k, v = Wq·xn, Wk·xn, Wv·xn;  q, k = rope(rms_norm(q, k per head)·norms)
-    K[p], V[p] = k, v                                  (the row's keys and values into its KV cache)
-    attn = softmax(q·Kᵀ/√hd + mask)·V                  (fomoepy.runtime.ggml_attention)
+    K[p..], V[p..] = k, v                              (the rows' keys and values into the KV cache)
+    attn = softmax(q·Kᵀ/√hd + causal mask)·V           (fomoepy.runtime.ggml_attention)
     x' = x + Wo·attn;  h = rms_norm(x')·ffn_norm;  routing = softmax top-k of Wr·h   (ggml_dense)
     x'' = x' + Σ_j w_j · down_j(silu(gate_j·h) ⊙ up_j·h)                      (ggml_slots)
 
-`DecodeLayer` builds it as one graph: without the experts when the step must be planned, read and
-computed by the MoE step (a capped tier), with them when every expert is in the tier (the experts'
-slots are looked up in a table given per run). `DecodeToken` chains every layer's graph and the
-output head (rms_norm·output_norm, then the output product) into one graph for the whole token: one
-call from Python a token, where the per-layer path made some twenty. The routings come back for the
-MoE step's bookkeeping (its trace, counts, CAR).
+`LayerGraph` builds the first four lines as one graph, for a decode row (kept: one graph serves a
+span of steps) or a prefill chunk (built for the call); the MoE step then plans, reads and computes the
+experts. `DecodeToken` chains every layer, experts included (their slots looked up in a table given
+per run), and the output head (rms_norm·output_norm, then the output product) into one graph for a
+whole decode token, where every expert is in the tier: one call from Python a token, where the layer
+path made some twenty. The routings come back for the MoE step's bookkeeping (its trace, counts, CAR).
 
-Every node is one the op-by-op path also runs, on the same row, and row by row: a row gets the same bits
-from each path. A graph reads the KV caches up to a span (ggml_attention.span) and is built for one
-span and one cache capacity; a token's graph is rebuilt when the row crosses a span (every BUCKET
+Every node is one the op-by-op path also runs, on the same rows, and row by row: a row gets the same
+bits from each path. A graph reads the KV caches up to a span (ggml_attention.span) and is built for
+one span and one cache capacity; a decode graph is rebuilt when the row crosses a span (every BUCKET
 steps), ~0.3 ms a layer.
 """
 
@@ -29,7 +31,11 @@ import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait p
 import ggml
 import numpy as np
 
-from fomoepy.runtime.ggml_attention import attention_nodes, cache_inputs, kv_memory_layout
+from fomoepy.runtime.ggml_attention import (
+    attention_nodes,
+    cache_inputs,
+    kv_memory_layout,
+)
 from fomoepy.runtime.ggml_dense import (
     Graph,
     normed,
@@ -37,7 +43,6 @@ from fomoepy.runtime.ggml_dense import (
     post_attention_nodes,
     pre_attention_bytes,
     pre_attention_nodes,
-    routed_outputs,
     routing_nodes,
 )
 from fomoepy.runtime.ggml_slots import expert_outputs, weighted_sum_nodes
@@ -45,41 +50,53 @@ from fomoepy.runtime.ggml_slots import expert_outputs, weighted_sum_nodes
 _F = 4  # bytes of a float32
 
 
-def _attention_part(g: Graph, w, a, eps: float, x, pos, mask, k_cache: np.ndarray, v_cache: np.ndarray, n: int):
-    """One layer's nodes up to the router's logits; the inputs it adds, in order: K and V (the caches'
-    first n positions) and the row's key and value destinations in them. → (writes, x', h, logits)."""
+def _attention_part(g: Graph, w, a, eps: float, x, pos, mask, k_cache: np.ndarray, v_cache: np.ndarray, n: int, T: int):
+    """One layer's nodes for T rows up to the router's logits; the inputs it adds, in order: K and V (the
+    caches' first n positions) and the rows' key and value destinations in them. → (writes, x', h, logits)."""
     H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+    group = H // Hkv
     if not kv_memory_layout(k_cache, v_cache):
-        raise ValueError("a decode graph writes into KV caches laid out by ggml_attention.KVMemory")
+        raise ValueError("a layer's graph writes into KV caches laid out by ggml_attention.KVMemory")
     K, V = cache_inputs(g, k_cache, v_cache, n)
-    q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, 1)
-    # the row's keys [hd, Hkv] (a head's a stretch) and values [1, Hkv·hd] (each a position stretch apart)
-    writes = (g.write_into(k_rot, hd, Hkv, nb=(_F, k_cache.strides[1])), g.write_into(v, 1, Hkv * hd, nb=(_F, v_cache.strides[2])))
-    attn = attention_nodes(g, ggml.ggml_reshape_3d(g.ctx, q, hd, H // Hkv, Hkv), K, V, mask, hd)
-    x2, h, logits = post_attention_nodes(g, w, eps, x, ggml.ggml_reshape_2d(g.ctx, attn, H * hd, 1))
+    q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, T)  # [hd, H, T], [hd, Hkv, T], [Hkv·hd, T]
+    # the rows' keys [hd, Hkv, T] (position p's at p·hd, a head a capacity apart) and values, as
+    # [T, Hkv·hd] (position p's at p, a head dim a capacity apart): a copy takes its source's elements
+    # in order, so T rows' values go transposed (one row's are in order as they are: no copy node for a
+    # decode step, and the same bits either way)
+    values = v if T == 1 else ggml.ggml_transpose(g.ctx, v)
+    writes = (g.write_into(k_rot, hd, Hkv, T, nb=(_F, k_cache.strides[1], k_cache.strides[0])),
+              g.write_into(values, T, Hkv * hd, nb=(_F, v_cache.strides[2])))  # fmt: skip
+    # each kv head's query rows token-major, [hd, group·T, Hkv], as Attention lays them (a row's are so)
+    q4 = ggml.ggml_reshape_4d(g.ctx, q, hd, group, Hkv, T)
+    q3 = ggml.ggml_reshape_3d(g.ctx, q4 if T == 1 else ggml.ggml_cont(g.ctx, ggml.ggml_permute(g.ctx, q4, 0, 1, 3, 2)), hd, group * T, Hkv)
+    attn = attention_nodes(g, q3, K, V, mask, hd)  # [hd, group·T, Hkv]
+    if T > 1:  # back to [hd, group, Hkv, T]: each row's heads together
+        attn = ggml.ggml_cont(g.ctx, ggml.ggml_permute(g.ctx, ggml.ggml_reshape_4d(g.ctx, attn, hd, group, T, Hkv), 0, 1, 3, 2))
+    x2, h, logits = post_attention_nodes(g, w, eps, x, ggml.ggml_reshape_2d(g.ctx, attn, H * hd, T))
     return writes, x2, h, logits
 
 
-def _expert_part(g: Graph, x2, h, logits, k: int, experts: list, into: tuple | None = None):
-    """The routed experts of h, added to x'; adds one input, the experts' slot table [1, E, 1] int32
-    (get_rows reads row e of it). → (x'', ids, weights, probs), the routing computed into `into`'s
-    arrays where given (ggml_dense.routing_nodes)."""
+def _expert_part(g: Graph, x2, h, logits, k: int, experts: list, into: tuple):
+    """A row's routed experts of h, added to x'; adds one input, the experts' slot table [1, E, 1] int32
+    (get_rows reads row e of it). → x'', the routing computed into `into`'s arrays (ids, weights, probs:
+    ggml_dense.routing_nodes)."""
     D, E = int(h.contents.ne[0]), int(logits.contents.ne[0])
-    ids, weights, probs = routing_nodes(g, logits, k, 1, into)
+    ids, weights, _ = routing_nodes(g, logits, k, 1, into)
     table = g.input(1, E, 1, qtype=ggml.GGML_TYPE_I32)
     slots = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, table, ids), k, 1)
     y = expert_outputs(g.ctx, experts, ggml.ggml_reshape_3d(g.ctx, h, D, 1, 1), slots)  # [D, k, 1]
     moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, 1))
-    return ggml.ggml_add(g.ctx, x2, moe), ids, weights, probs
+    return ggml.ggml_add(g.ctx, x2, moe)
 
 
-def _layer_bytes(w, a, n: int, k: int, experts: list | None) -> int:
-    """Room for a layer's intermediates: its dense graphs', attention's scores and weights, the routing's,
-    the experts' (a, b, silu(a)·b [F, k]; y, y·w [D, k]; k-1 partial sums [D])."""
-    H, Hkv, D, E = a.n_head, a.n_head_kv, w.attn_q.n_cols, w.ffn_gate_inp.n_rows
-    attention = _F * (2 * (H // Hkv) * n * Hkv + H * a.head_dim + 4 * E)
+def _layer_bytes(w, a, n: int, T: int, k: int, experts: list | None = None) -> int:
+    """Room for a layer's intermediates for T rows: its dense nodes', attention's (the queries and output
+    reordered, the scores and their weights), the routing's, and a row's experts' (a, b, silu(a)·b [F, k];
+    y, y·w [D, k]; k-1 partial sums [D])."""
+    H, Hkv, hd, D, E = a.n_head, a.n_head_kv, a.head_dim, w.attn_q.n_cols, w.ffn_gate_inp.n_rows
+    attention = _F * (2 * (H // Hkv) * T * n * Hkv + 4 * H * hd * T + 4 * T * (E + k))
     expert = 0 if experts is None else _F * k * (4 * int(experts[0].contents.ne[1]) + 3 * D)
-    return pre_attention_bytes(w, a, 1) + post_attention_bytes(w, 1) + attention + expert + 64 * (96 + 2 * k)
+    return pre_attention_bytes(w, a, T) + post_attention_bytes(w, T) + attention + expert + 64 * (128 + 2 * k)
 
 
 def _room(nbytes: int) -> int:
@@ -88,95 +105,52 @@ def _room(nbytes: int) -> int:
     return nbytes + nbytes // 4 + 4096
 
 
-def _row_inputs(g: Graph, D: int, n: int, group: int):
-    """The inputs every layer shares: the row x [D, 1], its position [1] int32, its mask [n, group]."""
-    return g.input(D, 1), g.input(1, qtype=ggml.GGML_TYPE_I32), g.input(n, group)
+def _row_inputs(g: Graph, D: int, n: int, group: int, T: int):
+    """The inputs every layer shares: the rows x [D, T], their positions [T] int32, their mask [n, group·T]."""
+    return g.input(D, T), g.input(T, qtype=ggml.GGML_TYPE_I32), g.input(n, group * T)
 
 
-class DecodeLayer:
-    """One layer of a lone decode row in one graph (see the module's docstring): → [x', h] and h's router
-    logits (k 0) or routing; with `experts` (the layer's slot tensors gate, up, down) → [x'', ids,
-    weights, probs]. Built for one pair of caches' strides and one span n; run with their addresses."""
-
-    def __init__(self, w, a, eps: float, threads: int, k_cache: np.ndarray, v_cache: np.ndarray, n: int, k: int = 0,
-                 experts: list | None = None):  # fmt: skip
-        D = w.attn_q.n_cols
-        g = self.graph = Graph(96 + 2 * k, _room(_layer_bytes(w, a, n, k, experts)), threads)
-        x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv)
-        writes, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, k_cache, v_cache, n)
-        self._row_steps = (k_cache.strides[0], v_cache.strides[0])
-        if experts is None:
-            g.finish([(x2, (1, D)), (h, (1, D))] + routed_outputs(g, logits, k, 1), effects=writes)
-            return
-        x3, ids, weights, probs = _expert_part(g, x2, h, logits, k, experts)
-        E = w.ffn_gate_inp.n_rows
-        g.finish([(x3, (1, D)), (ids, (1, k)), (weights, (1, k)), (probs, (1, E))], effects=writes)
-
-    def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: tuple[int, int], *table: np.ndarray):
-        """x [1, D] at `position`, inputs its ([position] int32, causal_mask(position, 1, group, n)),
-        addresses the caches' (ggml_attention.cache_addresses), with experts `table` their slots."""
-        k, v = addresses
-        return self.graph.run(x, *inputs, k, v, k + position * self._row_steps[0], v + position * self._row_steps[1], *table)
-
-
-class PrefillLayer:
-    """T rows of one sequence at positions n_past.. (a prefill chunk) through a layer's attention in one
-    graph, built for the call: the nodes of DecodeLayer for T rows (its keys and values written into
-    the caches at their positions, each query masked to its own and earlier ones) → x', h, h's routing
-    [T, ...]. The op-by-op path's ops, in one call where it made a dozen."""
+class LayerGraph:
+    """T rows of one sequence (a decode row, or a prefill chunk) through a layer's attention half in one
+    graph (see the module's docstring) → x', h, h's routing to k experts (ids [T, k] int32, weights
+    [T, k], probs [T, E]). Built for one pair of caches' strides and one span n; run with their
+    addresses."""
 
     def __init__(self, w, a, eps: float, threads: int, k_cache: np.ndarray, v_cache: np.ndarray, n: int, T: int, k: int):
-        H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
-        group, D, E = H // Hkv, w.attn_q.n_cols, w.ffn_gate_inp.n_rows
-        if not kv_memory_layout(k_cache, v_cache):
-            raise ValueError("a prefill graph writes into KV caches laid out by ggml_attention.KVMemory")
-        rows = group * T
-        size = (pre_attention_bytes(w, a, T) + post_attention_bytes(w, T) + _F * (2 * rows * n * Hkv + 4 * H * hd * T + 4 * T * (E + k))
-                + 4096)  # fmt: skip
-        g = self.graph = Graph(128, _room(size), threads)
-        x, pos, mask = g.input(D, T), g.input(T, qtype=ggml.GGML_TYPE_I32), g.input(n, rows)
-        K, V = cache_inputs(g, k_cache, v_cache, n)
-        q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, T)  # [hd, H, T], [hd, Hkv, T], [Hkv·hd, T]
-        # the rows' keys [hd, Hkv, T] (position p's at p·hd, a head a capacity apart) and values, as
-        # [T, Hkv·hd] (position p's at p, a head dim a capacity apart): a copy takes its source's
-        # elements in order, so the values go transposed
-        writes = (g.write_into(k_rot, hd, Hkv, T, nb=(_F, k_cache.strides[1], k_cache.strides[0])),
-                  g.write_into(ggml.ggml_transpose(g.ctx, v), T, Hkv * hd, nb=(_F, v_cache.strides[2])))  # fmt: skip
-        # each kv head's query rows token-major, [hd, group·T, Hkv], as Attention lays them
-        q3 = ggml.ggml_reshape_3d(g.ctx, ggml.ggml_cont(g.ctx, ggml.ggml_permute(g.ctx, ggml.ggml_reshape_4d(g.ctx, q, hd, group, Hkv, T), 0, 1, 3, 2)),
-                                  hd, rows, Hkv)  # fmt: skip
-        attn = attention_nodes(g, q3, K, V, mask, hd)  # [hd, group·T, Hkv]
-        back = ggml.ggml_cont(g.ctx, ggml.ggml_permute(g.ctx, ggml.ggml_reshape_4d(g.ctx, attn, hd, group, T, Hkv), 0, 1, 3, 2))  # [hd, group, Hkv, T]
-        x2, h, logits = post_attention_nodes(g, w, eps, x, ggml.ggml_reshape_2d(g.ctx, back, H * hd, T))
-        g.finish([(x2, (T, D)), (h, (T, D))] + routed_outputs(g, logits, k, T), effects=writes)
+        D = w.attn_q.n_cols
+        g = self.graph = Graph(128 + 2 * k, _room(_layer_bytes(w, a, n, T, k)), threads)
+        x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv, T)
+        writes, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, k_cache, v_cache, n, T)
+        ids, weights, probs = routing_nodes(g, logits, k, T)
+        g.finish([(x2, (T, D)), (h, (T, D)), (ids, (T, k)), (weights, (T, k)), (probs, (T, w.ffn_gate_inp.n_rows))], effects=writes)
         self._row_steps = (k_cache.strides[0], v_cache.strides[0])
 
-    def __call__(self, x: np.ndarray, n_past: int, mask: np.ndarray, addresses: tuple[int, int]) -> list[np.ndarray]:
+    def __call__(self, x: np.ndarray, n_past: int, inputs: tuple, addresses: tuple[int, int], last: bool = False) -> list[np.ndarray]:
+        """x [T, D] at positions n_past.., inputs their ([T] int32 positions, causal_mask(n_past, T, group, n)),
+        addresses the caches' (ggml_attention.cache_addresses); last: the graph runs no more."""
         k, v = addresses
-        T = x.shape[0]
-        positions = np.arange(n_past, n_past + T, dtype=np.int32)
-        return self.graph.run(x, positions, mask, k, v, k + n_past * self._row_steps[0], v + n_past * self._row_steps[1], last=True)
+        return self.graph.run(x, *inputs, k, v, k + n_past * self._row_steps[0], v + n_past * self._row_steps[1], last=last)
 
 
 class DecodeToken:
-    """Every layer of a lone decode row and the output head in one graph: the layers' DecodeLayer nodes
-    with their experts, chained, then logits = Wout·(rms_norm(x)·output_norm). layers: each layer's
-    (weights, experts' slot tensors); caches: each layer's KVCache (they share a capacity, so their
-    strides). Run with each layer's cache addresses and slot table → logits [1, V] and every layer's
-    routing, one array each: ids [L, k] int32, weights [L, k], probs [L, E] (a call from Python costs
-    several µs after a graph has streamed the weights through the caches: few arrays, few calls)."""
+    """Every layer of a lone decode row and the output head in one graph: the layers' LayerGraph nodes and
+    their experts, chained, then logits = Wout·(rms_norm(x)·output_norm). layers: each layer's (weights,
+    experts' slot tensors); caches: each layer's KVCache (they share a capacity, so their strides). Run
+    with each layer's cache addresses and slot table → logits [1, V] and every layer's routing, one array
+    each: ids [L, k] int32, weights [L, k], probs [L, E] (a call from Python costs several µs after a
+    graph has streamed the weights through the caches: few arrays, few calls)."""
 
     def __init__(self, layers: list[tuple], caches: list, a, eps: float, output_norm, output, threads: int, n: int, k: int):
         w0 = layers[0][0]
         D, V, E, L = w0.attn_q.n_cols, output.n_rows, w0.ffn_gate_inp.n_rows, len(layers)
-        size = sum(_layer_bytes(w, a, n, k, experts) for w, experts in layers) + _F * 4 * (D + V) + 4096
-        g = self.graph = Graph(L * (96 + 2 * k) + 16, _room(size), threads)
+        size = sum(_layer_bytes(w, a, n, 1, k, experts) for w, experts in layers) + _F * 4 * (D + V)
+        g = self.graph = Graph(L * (128 + 2 * k) + 16, _room(size), threads)
         self.routing = (np.empty((L, k), np.int32), np.empty((L, k), np.float32), np.empty((L, E), np.float32))
-        x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv)
+        x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv, 1)
         writes = []
         for il, ((w, experts), cache) in enumerate(zip(layers, caches)):
-            written, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, cache.k, cache.v, n)
-            x, *_ = _expert_part(g, x2, h, logits, k, experts, tuple(r[il] for r in self.routing))
+            written, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, cache.k, cache.v, n, 1)
+            x = _expert_part(g, x2, h, logits, k, experts, tuple(r[il] for r in self.routing))
             writes += written  # in layer order: a layer's attention (added after them) sees its row
         logits = ggml.ggml_mul_mat(g.ctx, g.weight(output), normed(g, x, eps, output_norm))
         g.finish([(logits, (1, V))], effects=tuple(writes))

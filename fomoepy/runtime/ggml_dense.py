@@ -238,7 +238,7 @@ class AttentionGraphs:
     output element one dot product of its row, norms over a row or a head of it, RoPE at the row's own
     position), so a row gets the bits it gets in a graph of one row."""
 
-    def __init__(self, w, a, eps: float, threads: int, rows: int = 1, k: int = 0):
+    def __init__(self, w, a, eps: float, threads: int, rows: int, k: int):
         H, Hkv, hd, B = a.n_head, a.n_head_kv, a.head_dim, rows
         D = w.attn_q.n_cols
         pre = self.pre = Graph(28, pre_attention_bytes(w, a, B), threads)
@@ -255,17 +255,14 @@ class AttentionGraphs:
         return self.pre.run(np.ascontiguousarray(x, dtype=F32), np.array(positions, np.int32).reshape(-1))
 
     def output(self, x: np.ndarray, attn: np.ndarray) -> list[np.ndarray]:
-        """x [B, D], attn [B, H·hd] → x + Wo·attn, its FFN norm [B, D], and the router's logits [B, E] of
-        it (k 0) or its routing (routed_outputs)."""
+        """x [B, D], attn [B, H·hd] → x + Wo·attn, its FFN norm [B, D], and its routing (routed_outputs)."""
         return self.post.run(np.ascontiguousarray(x, dtype=F32), np.ascontiguousarray(attn, dtype=F32))
 
 
 def routed_outputs(g: Graph, logits, k: int, B: int) -> list[tuple]:
-    """A graph's outputs for router logits [E, B]: the logits themselves (k 0), or the routing of each row
-    (routing_nodes): ids [B, k] int32, weights [B, k], probs [B, E]."""
+    """A graph's outputs for router logits [E, B]: each row's routing (routing_nodes), ids [B, k] int32,
+    weights [B, k], probs [B, E]."""
     E = int(logits.contents.ne[0])
-    if not k:
-        return [(logits, (B, E))]
     ids, weights, probs = routing_nodes(g, logits, k, B)
     return [(ids, (B, k)), (weights, (B, k)), (probs, (B, E))]
 

@@ -80,8 +80,8 @@ class GgmlExperts:
         return softmax_route(self.ops.linear(h, router), k).ids
 
     def graph_inputs(self, layer: int) -> tuple | None:
-        """What a decode layer's graph needs to compute `layer`'s routed experts itself (the cpu backend's
-        decode_layer): its slot tensors and each expert's slot ([1, E, 1] int32), when every expert of
+        """What a decode token's graph needs to compute `layer`'s routed experts itself (the cpu backend's
+        decode_token): its slot tensors and each expert's slot ([1, E, 1] int32), when every expert of
         the layer is in the tier and the backend's threads spin (or there is one); else None. With
         several threads that sleep while they wait, a decode row's attention graphs run on one thread and
         its experts on all (see GgmlBackend._graphs): one graph cannot do both."""
