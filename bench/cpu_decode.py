@@ -5,7 +5,7 @@ The model (n_embd 1024, 8 layers, 16 q / 4 kv heads of 64, 64 experts top-8, exp
 Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. Rows:
 - `cpu` (ggml on the quantized bytes): its default tier holds every expert in slot tensors, repacked
   where ggml has kernels for the type (filled at load, as llama.cpp repacks at load); a prefill's
-  routed experts (128 tokens or more) are a product per expert over its tokens, a decode token is one ggml graph (every
+  routed experts (from 128 tokens on 1 thread, 512 on more) are a product per expert over its tokens, a decode token is one ggml graph (every
   layer's attention, routing and one `mul_mat_id` over the slots, then the output head:
   fomoepy.runtime.ggml_decode);
 - `reference cold`: the compute-ready tier is emptied after the prefill, so the first decoded token

@@ -23,11 +23,18 @@ from fomoepy.runtime.ggml_slots import weighted_sum
 F32 = np.float32
 _ONE_THREAD_ROWS = 16  # router rows computed on one thread (a decode step's, of up to 16 sequences)
 # Prefill tokens from which a layer's experts run a product per expert over its tokens rather than one
-# mul_mat_id over every pick. Measured on the bench model's layer (64 experts top-8, this 2-vCPU EPYC,
-# medians of 6, ms a layer, per expert against mul_mat_id): 4 tokens 2.9 / 2.1 at 1 thread, 3.3 / 2.1 at
-# 2; 32 tokens 16.1 / 13.8, 14.3 / 10.5; 64 tokens 29.5 / 26.9, 21.6 / 17.7; 128 tokens 49.3 / 52.8,
-# 33.7 / 33.7; 512 tokens 183 / 248, 122 / 133.
-_GROUPED_FROM = 128
+# mul_mat_id over every pick, by thread count. `python bench/moe_layer.py --threads N --tokens
+# 64,128,256,512 --record` (the bench model's layer, this 2-vCPU EPYC, ms a layer, mul_mat_id against
+# per expert): 1 thread 26.6 / 29.1, 51.8 / 48.8, 125.1 / 89.5, 248.6 / 186.8; 2 threads 14.6 / 27.2,
+# 32.5 / 46.1, 68.5 / 72.8, 122.4 / 121.1. (The per-expert products split each small product over the
+# threads; mul_mat_id splits the whole layer's.)
+_GROUPED_FROM = {1: 128}
+_GROUPED_FROM_MANY_THREADS = 512
+
+
+def grouped_from(threads: int) -> int:
+    """Prefill tokens from which a layer's experts are a product per expert, on `threads` threads."""
+    return _GROUPED_FROM.get(threads, _GROUPED_FROM_MANY_THREADS)
 
 
 class GgmlExperts:
@@ -103,8 +110,8 @@ class GgmlExperts:
         pool, threads = self.pool_of[layer], self.ops.threads
         # a long prefill's experts each take their tokens as the rows of one product (GEMM kernels); a
         # decode step's rows each go alone (mul_mat_id), so a row's bits are its own in a batch of
-        # sequences, and so do a short prefill's, where that is faster (_GROUPED_FROM)
-        grouped = experts.phase is Phase.PREFILL and ids.shape[0] >= _GROUPED_FROM
+        # sequences, and so do a short prefill's, where that is faster (grouped_from)
+        grouped = experts.phase is Phase.PREFILL and ids.shape[0] >= grouped_from(threads)
         slots = pool.slots_of(layer)[ids]  # [T, k]
         if slots.min() >= 0:  # every expert in the tier: one product (a decode step's usual case)
             experts.landed()
