@@ -383,6 +383,31 @@ def test_reads_ahead_go_a_few_at_a_time_and_never_delay_the_next_layers_own(mode
     engine.close()
 
 
+def test_a_steps_reads_are_issued_before_its_plan_is_made(model):
+    # The drives' latency is the longer wait: the experts neither tier holds are read before the plan's
+    # eviction walks and commit run (they then run while the reads are in flight). The plan still counts
+    # exactly those as its disk reads, and a host hit is not read.
+    path, store, _, _ = model
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=1 << 30, prefetch=False))
+    streamer = engine.experts.streamer
+    streamer.source = source = HeldStore(streamer.source, held=())
+    events = []
+    real_submit, real_plan = source.submit, streamer.cache.plan
+    source.submit = lambda layer, expert, *a, **kw: events.append(("read", expert)) or real_submit(layer, expert)
+    streamer.cache.plan = lambda *a, **kw: events.append(("plan",)) or real_plan(*a, **kw)
+    plan, _ = streamer.acquire(0, np.array([[5, 1]]))
+    streamer.release(plan)
+    assert events == [("read", 1), ("read", 5), ("plan",)]
+    assert [(i.expert, i.source.value) for i in plan.items] == [(1, "disk"), (5, "disk")]
+    events.clear()
+    plan, _ = streamer.acquire(0, np.array([[5, 2]]))  # 5 is now a host hit: only 2 is read
+    streamer.release(plan)
+    assert events == [("read", 2), ("plan",)]
+    assert [(i.expert, i.source.value) for i in plan.items] == [(2, "disk"), (5, "host")]
+    source.pool.shutdown(wait=True)
+    engine.close()
+
+
 class ComputeGatedStore(PooledStore):
     """Reads finish only once an expert FFN has been computed since they were issued (or after
     `patience` seconds): a step that waits for its reads before computing anything makes them wait

@@ -237,20 +237,20 @@ class ExpertStreamer:
     def start_acquire(self, layer: int, ids: np.ndarray) -> tuple[Plan, dict[int, ExpertBytes], dict[int, Future | None]]:
         """acquire's first half: the plan, the bytes at hand (host hits, prefetches handed over) and the
         reads in flight, so a backend can compute the experts at hand while the others are read. The
-        caller must then call finish_acquire, before anything else of this streamer's."""
+        caller must then call finish_acquire, before anything else of this streamer's.
+
+        The step's reads go out first, before its plan: they are the experts neither tier holds, which the
+        tiers' state already says (the plan's disk items are exactly those), so the drives' latency starts
+        before the plan's eviction walks and the commit, which then run while the reads are in flight."""
         self._collect_backfill()
-        plan = self.cache.plan(layer, ids, self._sequences)
         if self._backfill_thread is not None:
             self._backfill_thread.set_io_busy(True, self.tokens_seen)
+        experts = sorted(set(np.asarray(ids).ravel().tolist()))
+        valid = not experts or (experts[0] >= 0 and experts[-1] < self.cache.n_expert)
+        # (invalid ids: nothing is read; the plan below says what is wrong)
+        reads: dict[int, Future | None] = dict.fromkeys(self.cache.uncached(layer, experts)) if valid else {}
         fetched: dict[int, ExpertBytes] = {}
-        reads: dict[int, Future | None] = {}
-        for item in plan.items:
-            key = (layer, item.expert)
-            if item.source is Source.HOST:
-                fetched[item.expert] = self.host_slots[key]
-            elif item.source is Source.DISK:
-                reads[item.expert] = None
-        if self.read_ahead is not None:  # those read ahead are handed over; the other guesses are dropped
+        if self.read_ahead is not None and valid:  # those read ahead are handed over; the other guesses are dropped
             for e, f in self.read_ahead.take(layer, reads).items():
                 if f.done() and f.exception() is None:  # landed: its bytes are at hand, as a host hit's are
                     fetched[e] = f.result()
@@ -260,6 +260,13 @@ class ExpertStreamer:
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
+        plan = self.cache.plan(layer, ids, self._sequences)
+        disk = [item.expert for item in plan.items if item.source is Source.DISK]
+        if disk != sorted([*reads, *fetched]):  # (fetched: so far, the reads made ahead that landed)
+            raise RuntimeError(f"layer {layer}: the plan reads {disk}, but {sorted([*reads, *fetched])} were read")
+        for item in plan.items:
+            if item.source is Source.HOST:
+                fetched[item.expert] = self.host_slots[(layer, item.expert)]
         # the plan committed once its reads are on their way (the drives' latency is the longer wait): nothing
         # above reads the tiers' state the commit changes, and a host hit's bytes are taken before its evictions
         self.cache.commit(plan)

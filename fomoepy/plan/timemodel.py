@@ -239,7 +239,7 @@ def project(
 
     def step_of(moe: float) -> float:
         if serial is not None:
-            # the engine issues a step's reads once its plan is made and makes most of its copies and
+            # the engine issues a step's reads as soon as it is routed (before its plan) and makes most of its copies and
             # launches while they are read: that host time overlaps the step's device work and waits; what
             # comes before the reads and after the last one lands stays in series
             step = layer["dense"] + layer["sync"] + serial + max(host - serial, moe)
