@@ -132,7 +132,7 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
     from concurrent.futures import Future
 
     from fomoepy.experts.device import StepExperts
-    from fomoepy.runtime.ggml_experts import GgmlExperts, expert_matrices
+    from fomoepy.runtime.ggml_experts import GgmlExperts, expert_matrices, grouped_from
 
     path, *_ = stored
     engine = Engine(path, EngineOptions(backend="cpu", threads=1))
@@ -160,12 +160,24 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
         at_hand: dict = {}
         split = StepExperts(None, phase, at_hand, late, lambda at_hand=at_hand: at_hand.update(every))
         assert np.array_equal(some.compute(layer, h, ids, weights, split), got)
+        # each expert's rows as the step computes them: a long prefill's as one product per expert (ggml's
+        # several-row kernels may sum in another order than a row alone), else each row alone
+        grouped = phase is Phase.PREFILL and T >= grouped_from(1)
+        chosen = sorted({int(e) for e in ids.ravel()})
+        rows = {e: np.flatnonzero((ids == e).any(axis=1)) if grouped else None for e in chosen}
+        outs = {}
+        if grouped:
+            ys = fresh_expert_ffn(h, [(rows[e], *expert_matrices(every[e], parts)) for e in chosen], 1)
+            outs = {e: dict(zip(rows[e].tolist(), y)) for e, y in zip(chosen, ys)}
         want = np.zeros_like(h)
         for t in range(T):
             for j in range(k):  # in the routing's order
                 e = int(ids[t, j])
-                y = fresh_expert_ffn(h[t : t + 1], [(np.zeros(1, np.int64), *expert_matrices(every[e], parts))], 1)[0]
-                want[t] += y[0] * weights[t, j]
+                if grouped:
+                    y = outs[e][t]
+                else:
+                    y = fresh_expert_ffn(h[t : t + 1], [(np.zeros(1, np.int64), *expert_matrices(every[e], parts))], 1)[0][0]
+                want[t] += y * weights[t, j]
         assert np.array_equal(plain.compute(layer, h, ids, weights, StepExperts(None, phase, dict(every), {}, lambda: None)), want)
     for device in (none, some, plain):
         device.close()
