@@ -59,6 +59,13 @@ class _C:
     buffer_get_type = _fn(_base, "ggml_backend_buffer_get_type", _P, _P)
     dev_supports_op = _fn(_base, "ggml_backend_dev_supports_op", ctypes.c_bool, _P, _P)
     tensor_set = _fn(_base, "ggml_backend_tensor_set", None, _P, _P, _SIZE, _SIZE)
+    version = _fn(_base, "ggml_version", ctypes.c_char_p)
+
+
+def library_version() -> str:
+    """The ggml library's own version (ggml-python's 0.15.3, or llama.cpp's under its bindings:
+    tools/build_ggml.sh): benchmarks name the one they ran on."""
+    return _C.version().decode()
 
 
 @functools.cache
