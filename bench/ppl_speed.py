@@ -4,7 +4,12 @@ Both rows run the real ppl loop (`PplRun`) on the same backend, model, text and 
 differs: B = ctx evaluates each chunk in one call, B = 1 feeds it one token at a time (decode steps).
 One chunk is evaluated first, untimed, so both rows find the expert tier warm (`--backend reference`:
 compute-ready float32 experts; `cpu`, the default: ggml on the quantized bytes). The PPLs of
-the two rows agree to float32 rounding (the same function, summed in another order).
+the two rows are the same function evaluated two ways: on `reference`, summed in another order (the
+logits within float32 rounding); on `cpu` over llama.cpp's ggml (tools/build_ggml.sh), a chunk's
+products are ggml's GEMM kernels, which round the activations to Q8 as llama.cpp's prompt products do,
+and a token's are its one-row kernels, as llama.cpp's decode steps: the logits differ at that rounding's
+level, as llama.cpp's own do (on the bench model, whose random routers have many near ties, about 1 % of
+the largest logit at the median, llama.cpp's prefill against its own decode 1.6 %), and so do the PPLs.
 
 "in ggml's products" is the share of each row's evaluation time spent inside ggml's graph
 computations (fomoepy.timing.MATMUL: every product of the cpu backend, dense and routed); the rest
