@@ -31,6 +31,7 @@ from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer, load_weights
 from fomoepy.options import EngineOptions
 from fomoepy.runtime.backends import make_expert_device, open_backends
+from fomoepy.runtime.heap import return_freed_memory
 from fomoepy.sampling import SamplingParams
 from fomoepy.scheduler import Placement
 from fomoepy.timing import LayerTimer
@@ -45,6 +46,10 @@ class Engine:
         if self.n_ctx < 1:
             raise FomoeError(f"context size must be >= 1, got {self.n_ctx}")
         self.placement = Placement.parse(options.placement, self.spec.n_layer, options.devices)
+        if options.store or options.ram_cache is not None:
+            # the model's memory is bounded: what a prefill frees goes back to the OS, not into the page
+            # cache's share (fomoepy.runtime.heap)
+            return_freed_memory()
         self.devices = open_backends(options, self.spec)
         self.ops = self.devices[0]
         if options.store:
