@@ -6,9 +6,9 @@ process. A prefill's temporaries (graph contexts, activations: megabytes each) t
 it: on the bench model's 9 layers about 60 MB more than with the threshold held. Where the experts
 stream from a store because the model does not fit, that memory comes out of the page cache that holds
 the mapped dense weights and the store's reads: `bench/over_memory.py` at twice a 320 MiB cap decoded at
-5.5 tok/s reading 123 MiB a token, and at 13.0 reading 61 with the threshold held (not recorded, the same
-run's figures otherwise). Holding it at glibc's starting 128 KiB maps each large block on its own and
-unmaps it when it is freed.
+5.52 tok/s reading 123 MiB a token, and at 13.45 reading 61 with the threshold held (bench/RESULTS.md,
+both recorded). Holding it at glibc's starting 128 KiB maps each large block on its own and unmaps it
+when it is freed.
 
 Not done for a model held in memory: re-faulting a prefill's temporaries page by page cost a 128-token
 prompt about a fifth of its speed at 2 threads (decode unchanged).
