@@ -27,7 +27,9 @@ _ONE_THREAD_ROWS = 16  # router rows computed on one thread (a decode step's, of
 # 64,128,256,512 --record` (the bench model's layer, this 2-vCPU EPYC, ms a layer, mul_mat_id against
 # per expert): 1 thread 26.6 / 29.1, 51.8 / 48.8, 125.1 / 89.5, 248.6 / 186.8; 2 threads 14.6 / 27.2,
 # 32.5 / 46.1, 68.5 / 72.8, 122.4 / 121.1. (The per-expert products split each small product over the
-# threads; mul_mat_id splits the whole layer's.)
+# threads; mul_mat_id splits the whole layer's.) On llama.cpp's ggml (tools/build_ggml.sh), recorded
+# the same way: 1 thread 25.9 / 27.4 at 64, 45.3 / 41.4 at 128, 102.2 / 67.0 at 256; 2 threads 24.2 /
+# 40.3 at 128, 50.7 / 58.3 at 256, 99.6 / 98.6 at 512: the same thresholds.
 _GROUPED_FROM = {1: 128}
 _GROUPED_FROM_MANY_THREADS = 512
 
