@@ -112,8 +112,6 @@ def main() -> int:
                     f"{_median(peers, 2):.2f} |")  # fmt: skip
     rounds = "; ".join(f"fomoepy {a[1]:.1f}" + ("" if isinstance(b, str) else f", llama.cpp {b[1]:.1f}") for a, b in zip(ours, peers))
     one, five, _ = os.getloadavg()
-    from fomoepy.runtime import ggml_buffers  # (after the engine: ggml's threads are chosen before it loads)
-
     header = (
         f"### cpu_decode — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
         f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode} --rounds {args.rounds}"
@@ -122,7 +120,7 @@ def main() -> int:
            + (f", a decode row's products on {' or '.join(map(str, chosen))} as measured" if chosen else "")
            + f"; llama.cpp and the reference engine on {threads}" if args.default_threads else f"`; threads {threads} for every run")
         + f"; cpu model load {load_s:.1f} s (the tier filled: every expert set into its slot, "
-        f"repacked); ggml {ggml_buffers.library_version()}; OpenMP wait policy: fomoepy {ggml_threads.in_force()}, llama.cpp "
+        f"repacked); ggml {ggml_version()}; OpenMP wait policy: fomoepy {ggml_threads.in_force()}, llama.cpp "
         f"{llama_peer.peer_env().get('OMP_WAIT_POLICY', 'default')}; {load_line()}, {one:.2f} (1 min) / {five:.2f} (5 min) at the end\n\n"
         f"Decode tok/s by round: {rounds}. CPU ms per decoded token: the process's CPU time (every thread's, spinning "
         "included) over the decoded tokens, less sensitive to other work than the wall-clock rates.\n\n"
@@ -130,6 +128,13 @@ def main() -> int:
     )
     report = header + "\n".join(rows) + "\n"
     return publish(report, args.record)
+
+
+def ggml_version() -> str:
+    """The ggml library the cpu backend ran on (imported once an engine has chosen ggml's threads)."""
+    from fomoepy.runtime import ggml_buffers
+
+    return ggml_buffers.library_version()
 
 
 def _median(runs: list, i: int) -> float:
