@@ -264,15 +264,9 @@ class SlotLayer:
                 ggml.ggml_build_forward_expand(gf, picks)
             else:
                 picks.contents.data = ys.ctypes.data
-                weighted = ggml.ggml_mul(ctx, ggml.ggml_reshape_3d(ctx, picks, K, k, T), _wrap(ctx, ggml.GGML_TYPE_F32, (1, k, T), weights))
-                weighted.contents.data = ys.ctypes.data  # in place of the picks, as weighted_sum's product
-                total = ggml.ggml_view_2d(ctx, weighted, K, T, weighted.contents.nb[2], 0)
-                for j in range(1, k):
-                    total = ggml.ggml_add(ctx, total, ggml.ggml_view_2d(ctx, weighted, K, T, weighted.contents.nb[2], j * weighted.contents.nb[1]))
-                    total.contents.data = (out if j == k - 1 else summed[j - 1]).ctypes.data
-                if k == 1:
-                    total = ggml.ggml_cont(ctx, total)
-                    total.contents.data = out.ctypes.data
+                # the products in place of the picks, as weighted_sum's
+                total = weighted_sum_nodes(ctx, ggml.ggml_reshape_3d(ctx, picks, K, k, T), _wrap(ctx, ggml.GGML_TYPE_F32, (1, k, T), weights),
+                                           into=(ys, summed, out))  # fmt: skip
                 ggml.ggml_build_forward_expand(gf, total)
             _compute(gf, threads)
         finally:
@@ -364,16 +358,26 @@ def expert_outputs(ctx, mats: list, h, slots, numpy_output: bool = False):
         ggml.ggml_set_no_alloc(ctx, False)
 
 
-def weighted_sum_nodes(ctx, y, w):
+def weighted_sum_nodes(ctx, y, w, into: tuple | None = None):
     """Σ_j y[:, j, :] · w[j, :] of y [K, k, T], w [1, k, T] → [K, T]: the products, then expert j added
-    after experts 0..j-1 (weighted_sum's ops)."""
+    after experts 0..j-1 (weighted_sum's ops). into: for a context that allocates nothing, the numpy
+    memory its nodes compute into: (the products, as many floats as y; k-1 partial sums [k-1, T, K], the
+    last of them unused; the result [T, K])."""
     K, k, T = (int(n) for n in list(y.contents.ne)[:3])
-    yw = ggml.ggml_mul(ctx, y, w)
+    products, partial, result = into if into is not None else (None, None, None)
+
+    def placed(t, memory):
+        if memory is not None:
+            t.contents.data = memory.ctypes.data
+        return t
+
+    yw = placed(ggml.ggml_mul(ctx, y, w), products)
     nb1, nb2 = yw.contents.nb[1], yw.contents.nb[2]
     out = ggml.ggml_view_2d(ctx, yw, K, T, nb2, 0)
     for j in range(1, k):
-        out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1))
-    return out if k > 1 else ggml.ggml_cont(ctx, out)
+        out = placed(ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, yw, K, T, nb2, j * nb1)),
+                     result if j == k - 1 else None if partial is None else partial[j - 1])  # fmt: skip
+    return out if k > 1 else placed(ggml.ggml_cont(ctx, out), result)
 
 
 def weighted_sum(y: np.ndarray, w: np.ndarray) -> np.ndarray:
