@@ -271,13 +271,12 @@ def route_softmax(logits: np.ndarray, k: int, threads: int) -> list[np.ndarray]:
     """routing_nodes of logits [T, E] → ids [T, k] int32, weights [T, k], probs [T, E]."""
     logits = np.ascontiguousarray(logits, dtype=F32)
     T, E = logits.shape
-    key = ("route", T, E, k, threads)
-    cache = _cache()
-    g, last = cache.get(key), False
-    if g is None:
+    def build() -> Graph:
         g = Graph(12, 4 * 4 * T * (2 * E + 2 * k) + 1024, threads)
         g.finish(routed_outputs(g, g.input(E, T), k, T))
-        last = not _keep(cache, key, g, T)
+        return g
+
+    g, last = _graph_for(("route", T, E, k, threads), T, build)
     return g.run(logits, last=last)
 
 
@@ -286,13 +285,12 @@ def rms_norm_rows(x: np.ndarray, eps: float, threads: int) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=F32)
     n = x.shape[-1]
     rows = x.size // n if n else 0
-    key = ("norm", rows, n, float(eps), threads)
-    cache = _cache()
-    g, last = cache.get(key), False
-    if g is None:
+    def build() -> Graph:
         g = Graph(4, 4 * rows * n + 64, threads)
         g.finish([(ggml.ggml_rms_norm(g.ctx, g.input(n, rows), eps), x.shape)])
-        last = not _keep(cache, key, g, rows)
+        return g
+
+    g, last = _graph_for(("norm", rows, n, float(eps), threads), rows, build)
     out = g.run(x, last=last)[0]
     return out.reshape(x.shape)
 
@@ -307,29 +305,30 @@ def rope_neox(x: np.ndarray, positions: np.ndarray, a, threads: int) -> np.ndarr
     position, whatever the rows beside it."""
     x = np.ascontiguousarray(x, dtype=F32)
     T, heads, hd = x.shape
-    key = ("rope", T, heads, hd, a.rotary_dim, float(a.rope_base), threads)
-    cache = _cache()
-    g, last = cache.get(key), False
-    if g is None:
+    def build() -> Graph:
         g = Graph(4, 4 * x.size + 64, threads)
         g.finish([(_rotated(g, g.input(hd, heads, T), g.input(T, qtype=ggml.GGML_TYPE_I32), a), x.shape)])
-        last = not _keep(cache, key, g, T)
+        return g
+
+    g, last = _graph_for(("rope", T, heads, hd, a.rotary_dim, float(a.rope_base), threads), T, build)
     return g.run(x, np.ascontiguousarray(positions, dtype=np.int32), last=last)[0]
 
 
-def _cache() -> dict:
+def _graph_for(key: tuple, rows: int, build) -> tuple[Graph, bool]:
+    """This thread's graph for `key`, built by build() the first time; kept for later calls where its
+    shape comes back often (decode shapes every step, a prefill's rarely). → (graph, last: it was not
+    kept, so its run may hand out its own arrays)."""
     cache = getattr(_graphs, "cache", None)
     if cache is None:
         cache = _graphs.cache = {}
-    return cache
-
-
-def _keep(cache: dict, key: tuple, g: Graph, rows: int) -> bool:
-    """Keep g for later calls where its shape comes back often; whether it was kept."""
-    if rows <= _MAX_CACHED_ROWS:  # decode shapes come back every step; a prefill's rarely
-        if len(cache) >= _MAX_GRAPHS:
-            cache.pop(next(iter(cache)))
-        cache[key] = g
-        return True
-    return False
+    g = cache.get(key)
+    if g is not None:
+        return g, False
+    g = build()
+    if rows > _MAX_CACHED_ROWS:
+        return g, True
+    if len(cache) >= _MAX_GRAPHS:
+        cache.pop(next(iter(cache)))
+    cache[key] = g
+    return g, False
 
