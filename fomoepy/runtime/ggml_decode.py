@@ -43,6 +43,7 @@ from fomoepy.runtime.ggml_dense import (
     post_attention_nodes,
     pre_attention_bytes,
     pre_attention_nodes,
+    routed_outputs,
     routing_nodes,
 )
 from fomoepy.runtime.ggml_slots import expert_outputs, weighted_sum_nodes
@@ -121,8 +122,7 @@ class LayerGraph:
         g = self.graph = Graph(128 + 2 * k, _room(_layer_bytes(w, a, n, T, k)), threads)
         x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv, T)
         writes, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, k_cache, v_cache, n, T)
-        ids, weights, probs = routing_nodes(g, logits, k, T)
-        g.finish([(x2, (T, D)), (h, (T, D)), (ids, (T, k)), (weights, (T, k)), (probs, (T, w.ffn_gate_inp.n_rows))], effects=writes)
+        g.finish([(x2, (T, D)), (h, (T, D))] + routed_outputs(g, logits, k, T), effects=writes)
         self._row_steps = (k_cache.strides[0], v_cache.strides[0])
 
     def __call__(self, x: np.ndarray, n_past: int, inputs: tuple, addresses: tuple[int, int], last: bool = False) -> list[np.ndarray]:
