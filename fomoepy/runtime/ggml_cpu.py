@@ -144,11 +144,8 @@ class GgmlBackend(CpuBackend):
         graphs = _of_layer(self._layers, w)
         key = (n, cache.k.strides, cache.v.strides)
         graph = graphs.get(key)
-        if graph is None:
-            # a span's graph serves BUCKET steps; the one before it stays for a sequence served in turn
-            while len(graphs) >= _LAYER_GRAPHS:
-                graphs.pop(next(iter(graphs)))
-            graph = graphs[key] = LayerGraph(w, a, eps, self._small_threads(), cache.k, cache.v, n, 1, k)
+        if graph is None:  # a span's graph serves BUCKET steps; the one before it stays for a sequence served in turn
+            graph = _kept(graphs, key, LayerGraph(w, a, eps, self._small_threads(), cache.k, cache.v, n, 1, k))
         x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache))
         return x2, h, _routing(*routing)
 
@@ -163,10 +160,8 @@ class GgmlBackend(CpuBackend):
         shape = (n, caches[0].k.strides, caches[0].v.strides, id(layers))
         graph = self._tokens.get(shape)
         if graph is None or graph[0] is not layers:  # (the list is kept with its graph: its id is not reused)
-            while len(self._tokens) >= _LAYER_GRAPHS:
-                self._tokens.pop(next(iter(self._tokens)))
-            graph = self._tokens[shape] = (layers, DecodeToken([(w, e[0]) for w, e in layers], caches, a, eps, output_norm, output,
-                                                               self.threads, n, k))  # fmt: skip
+            graph = _kept(self._tokens, shape, (layers, DecodeToken([(w, e[0]) for w, e in layers], caches, a, eps, output_norm, output,
+                                                                    self.threads, n, k)))  # fmt: skip
         run = partial(graph[1], np.ascontiguousarray(x, dtype=F32), n_past, inputs, [cache_addresses(c) for c in caches],
                       [e[1] for _, e in layers])  # fmt: skip
         # with no -t, on 1 thread or all, whichever measures faster now (fomoepy.runtime.row_threads): load
@@ -251,6 +246,15 @@ class GgmlBackend(CpuBackend):
 
 def _routing(ids: np.ndarray, weights: np.ndarray, probs: np.ndarray) -> Routing:
     return Routing(ids.astype(np.int64), weights, probs)
+
+
+def _kept(store: dict, key, value):
+    """value, stored under key in a store of at most _LAYER_GRAPHS entries (the oldest goes first)."""
+    store.pop(key, None)
+    while len(store) >= _LAYER_GRAPHS:
+        store.pop(next(iter(store)))
+    store[key] = value
+    return value
 
 
 def _of_layer(store: dict, w) -> dict:
