@@ -184,62 +184,55 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
     engine.close()
 
 
-def test_a_long_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_each_row_alone(stored):
-    # GEMM kernels for a long prefill's rows; mul_mat_id's one-row kernels for a short one and for a decode
-    # step, whose rows may be several sequences' (a row's bits must not depend on the rows beside it)
-    from fomoepy.runtime.ggml_experts import grouped_from
+@pytest.fixture
+def grouped_rows(monkeypatch) -> list[int]:
+    """The row count of every grouped expert product (SlotLayer.ffn_grouped: a product per expert over
+    its tokens) the test's engines run, in order."""
     from fomoepy.runtime.ggml_slots import SlotLayer
 
-    path, _, tokens, _ = stored
-    long = grouped_from(1)
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1, n_ctx=2 * long))
-    calls = []
+    calls: list[int] = []
     real = SlotLayer.ffn_grouped
 
     def grouped(self, *args):
         calls.append(args[0].shape[0])
         return real(self, *args)
 
-    SlotLayer.ffn_grouped = grouped
-    try:
-        state = engine.new_state()
-        engine.eval(state, np.resize(tokens, long))
-        assert calls == [long] * len(engine.source.layers)
-        engine.eval(state, tokens[:6])  # a short chunk
-        engine.eval(state, tokens[6:7], phase=Phase.DECODE)
-        engine.model.forward_batch(tokens[7:9], [state, engine.new_state()])
-        assert calls == [long] * len(engine.source.layers)
-    finally:
-        SlotLayer.ffn_grouped = real
+    monkeypatch.setattr(SlotLayer, "ffn_grouped", grouped)
+    return calls
+
+
+def test_a_long_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_each_row_alone(stored, grouped_rows):
+    # GEMM kernels for a long prefill's rows; mul_mat_id's one-row kernels for a short one and for a decode
+    # step, whose rows may be several sequences' (a row's bits must not depend on the rows beside it)
+    from fomoepy.runtime.ggml_experts import grouped_from
+
+    path, _, tokens, _ = stored
+    long = grouped_from(1)
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, n_ctx=2 * long))
+    state = engine.new_state()
+    engine.eval(state, np.resize(tokens, long))
+    assert grouped_rows == [long] * len(engine.source.layers)
+    engine.eval(state, tokens[:6])  # a short chunk
+    engine.eval(state, tokens[6:7], phase=Phase.DECODE)
+    engine.model.forward_batch(tokens[7:9], [state, engine.new_state()])
+    assert grouped_rows == [long] * len(engine.source.layers)
     engine.close()
 
 
 
-def test_on_several_threads_a_prefill_groups_its_experts_only_from_the_longer_length_measured_for_them(stored):
+def test_on_several_threads_a_prefill_groups_its_experts_only_from_the_longer_length_measured_for_them(stored, grouped_rows):
     # several threads split one mul_mat_id over the whole layer, where a product per expert splits each
     # small product: mul_mat_id stays faster to longer prefills (bench/moe_layer.py)
     from fomoepy.runtime.ggml_experts import grouped_from
-    from fomoepy.runtime.ggml_slots import SlotLayer
 
     path, _, tokens, _ = stored
     many = grouped_from(2)
     assert many > grouped_from(1)
     engine = Engine(path, EngineOptions(backend="cpu", threads=2, n_ctx=2 * many))
-    calls = []
-    real = SlotLayer.ffn_grouped
-
-    def grouped(self, *args):
-        calls.append(args[0].shape[0])
-        return real(self, *args)
-
-    SlotLayer.ffn_grouped = grouped
-    try:
-        engine.eval(engine.new_state(), np.resize(tokens, grouped_from(1)))  # long enough for one thread only
-        assert not calls
-        engine.eval(engine.new_state(), np.resize(tokens, many))
-        assert calls == [many] * len(engine.source.layers)
-    finally:
-        SlotLayer.ffn_grouped = real
+    engine.eval(engine.new_state(), np.resize(tokens, grouped_from(1)))  # long enough for one thread only
+    assert not grouped_rows
+    engine.eval(engine.new_state(), np.resize(tokens, many))
+    assert grouped_rows == [many] * len(engine.source.layers)
     engine.close()
 
 ORACLE_MODELS = ["qwen3moe_f32", "qwen3moe_q8_0", "qwen3moe_q6_k", "qwen3moe_q4_k_m", "qwen35moe_f32", "qwen35moe_q4_k"]
