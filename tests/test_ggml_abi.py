@@ -17,7 +17,7 @@ from float32_bounds import U
 from fomoepy.runtime import ggml_threads
 
 ggml_threads.choose(1, lambda: 1)
-import ggml
+import ggml  # noqa: E402  (after the thread policy: the OpenMP runtime reads it once)
 
 
 @pytest.fixture
