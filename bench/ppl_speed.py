@@ -9,7 +9,8 @@ logits within float32 rounding); on `cpu` over llama.cpp's ggml (tools/build_ggm
 products are ggml's GEMM kernels, which round the activations to Q8 as llama.cpp's prompt products do,
 and a token's are its one-row kernels, as llama.cpp's decode steps: the logits differ at that rounding's
 level, as llama.cpp's own do (on the bench model, whose random routers have many near ties, about 1 % of
-the largest logit at the median, llama.cpp's prefill against its own decode 1.6 %), and so do the PPLs.
+the largest logit at the median, llama.cpp's prefill against its own decode 1.6 %: a comparison run by
+hand, not a recorded bench), and so do the PPLs.
 
 "in ggml's products" is the share of each row's evaluation time spent inside ggml's graph
 computations (fomoepy.timing.MATMUL: every product of the cpu backend, dense and routed); the rest

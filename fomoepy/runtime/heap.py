@@ -3,7 +3,8 @@
 glibc's malloc serves a large block from its heap once a block that large has been freed (its mmap
 threshold rises to the largest block freed, up to 32 MiB), and a freed heap block stays with the
 process. A prefill's temporaries (graph contexts, activations: megabytes each) then stay resident after
-it: on the bench model's 9 layers about 60 MB more than with the threshold held. Where the experts
+it: on the bench model's 9 layers about 60 MB more than with the threshold held (RssAnon after a 16-token
+prefill and 16 decode steps, measured by hand). Where the experts
 stream from a store because the model does not fit, that memory comes out of the page cache that holds
 the mapped dense weights and the store's reads: `bench/over_memory.py` at twice a 320 MiB cap decoded at
 5.52 tok/s reading 123 MiB a token, and at 13.45 reading 61 with the threshold held (bench/RESULTS.md,
@@ -11,7 +12,7 @@ both recorded). Holding it at glibc's starting 128 KiB maps each large block on 
 when it is freed.
 
 Not done for a model held in memory: re-faulting a prefill's temporaries page by page cost a 128-token
-prompt about a fifth of its speed at 2 threads (decode unchanged).
+prompt about a fifth of its speed at 2 threads (decode unchanged; an A/B by hand, not recorded).
 """
 
 from __future__ import annotations
