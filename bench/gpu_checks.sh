@@ -2,7 +2,7 @@
 # The checks that need a real NVIDIA GPU, in one run: the kernels and the whole model against the CPU
 # (the `gpu`-marked tests), compute-sanitizer's race, sync and memory checks over the ops, the expert
 # kernels' bandwidth, and a decode with the per-layer timing split. Logs go to DIR; RESULTS.md gets the
-# bandwidth table from bench/gpu_kernels.py --record, and DIR a copy of it.
+# bandwidth table from bench/gpu_kernels.py --record and host_time.py --real-gpu --record, and DIR a copy of it.
 #
 #     bash bench/gpu_checks.sh DIR
 set -uo pipefail
@@ -14,6 +14,7 @@ step() { echo; echo "=== $1 ($(date +%T))"; }
 
 step "device and bindings"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+grep -m1 "model name" /proc/cpuinfo; nproc
 python3 - <<'EOF'
 import importlib.metadata as m
 for p in ("cuda-bindings", "cuda-python", "nvidia-cuda-nvrtc", "numpy", "gguf"):
@@ -24,7 +25,7 @@ for p in ("cuda-bindings", "cuda-python", "nvidia-cuda-nvrtc", "numpy", "gguf"):
 EOF
 
 step "gpu-marked tests: every op and the oracle models against the CPU backend"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_ops.py tests/test_gpu_model.py 2>&1 | tee "$out/pytest_gpu.log" | tail -25
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_ops.py tests/test_gpu_model.py 2>&1 | tee "$out/pytest_gpu.log" | tail -25
 
 sanitize() {  # tool, seconds: compute-sanitizer over the reductions, the router and the products
     step "compute-sanitizer --tool $1"
@@ -34,17 +35,18 @@ sanitize() {  # tool, seconds: compute-sanitizer over the reductions, the router
         | tee "$out/sanitizer_$1.log" | tail -12
     echo "exit: ${PIPESTATUS[0]}"
 }
-command -v compute-sanitizer >/dev/null && sanitize racecheck 70 || echo "compute-sanitizer: not on this machine"
+
+step "host time per MoE layer step through the real driver, 397B shape (wall time: includes device waits)"
+timeout 110 python3 bench/host_time.py --real-gpu --vendor cuda --tokens 16 --warm 16 --record 2>&1 | tee "$out/host_time_real.log" | tail -12
 
 step "expert and dense kernel bandwidth"
-timeout 80 python3 bench/gpu_kernels.py --vendor cuda --reps 50 --record 2>&1 | tee "$out/gpu_kernels.log" | tail -15
-cp bench/RESULTS.md "$out/RESULTS.md"
+timeout 60 python3 bench/gpu_kernels.py --vendor cuda --reps 50 --record 2>&1 | tee "$out/gpu_kernels.log" | tail -15
 
 step "decode on the device, demo model, per-layer timing split"
-timeout 50 python3 -m fomoepy.cli generate -p "import os" -n 64 --backend cuda --seed 0 --temp 0 --profile-timing 2>&1 | tee "$out/generate_cuda.log" | tail -14
+timeout 40 python3 -m fomoepy.cli generate -p "import os" -n 64 --backend cuda --seed 0 --temp 0 --profile-timing 2>&1 | tee "$out/generate_cuda.log" | tail -14
 
 step "the MoE step with an expert store: reads land in pinned memory, copied up with no staging; same text"
-timeout 120 python3 - <<'EOF' 2>&1 | tee "$out/store_step.log" | tail -6
+timeout 75 python3 - <<'EOF' 2>&1 | tee "$out/store_step.log" | tail -6
 from fomoepy.data import demo_model_path, ensure_demo_store
 from fomoepy.engine import Engine, EngineOptions
 model = demo_model_path()
@@ -62,8 +64,8 @@ for backend in ("cuda", "reference"):
 print("greedy tokens equal:", texts["cuda"] == texts["reference"])
 EOF
 
-step "host time per MoE layer step through the real driver, 397B shape (wall time: includes device waits)"
-timeout 150 python3 bench/host_time.py --real-gpu --vendor cuda --tokens 24 --warm 24 2>&1 | tee "$out/host_time_real.json" | tail -3
 
-command -v compute-sanitizer >/dev/null && sanitize memcheck 45
+command -v compute-sanitizer >/dev/null && sanitize racecheck 75 || echo "compute-sanitizer: not on this machine"
+command -v compute-sanitizer >/dev/null && sanitize memcheck 50
+cp bench/RESULTS.md "$out/RESULTS.md"
 step "done"

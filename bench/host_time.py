@@ -274,6 +274,41 @@ def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cpu_model() -> str:
+    """The host processor's name (a host-time figure holds for it alone)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def report_real(gpu: dict, args: argparse.Namespace) -> str:
+    """The GPU path on a real device: wall time includes the waits for the device at each read-back;
+    the thread's CPU time is the host's own work (a spinning wait counts in it too)."""
+    g = gpu["split_median_us"]
+    lines = [
+        f"### host_time on a real GPU — {date.today()} — {gpu['device']}, host {cpu_model()}, "
+        f"{os.cpu_count()} cores",
+        "",
+        f"`python bench/host_time.py --real-gpu --vendor {gpu['vendor']} --tokens {args.tokens} --warm {args.warm} --record`: "
+        "µs per MoE layer step, the null store's reads (no disk), the device's work and the driver real",
+        "",
+        "| path | shape | median µs | p90 µs | steps | split (medians, µs) |",
+        "|---|---|---|---|---|---|",
+        f"| GPU, {gpu['vendor']} binding, real driver, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall, "
+        f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | "
+        f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); "
+        f"routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls {g['binding calls']:.1f} "
+        f"({g['calls per step']:.0f} calls), staging copies {g['staging copies (mean)']:.1f} (mean); "
+        f"uploads {gpu['uploads_per_step']:.2f} a step ({gpu['direct_uploads']} direct from pinned reads); "
+        f"device hits {gpu['tiers']['device_hit']:.1%}, host {gpu['tiers']['host_hit']:.1%} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object: {gpu: {...}, cpu: {...}}")
@@ -295,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.real_gpu:
             result["driver"] = "real"
         print(json.dumps(result))
+        if args.real_gpu and args.record:
+            from results import record
+
+            record(report_real(result, args))
         return 0
     gpu = gpu_path(args)
     cpu = cpu_path(args)
