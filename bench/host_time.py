@@ -88,7 +88,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
     n_tokens = args.warm + args.tokens
     routing = TraceRouting(dev, n_layer, n_expert, k, n_tokens, layers[0].expert_nbytes)
 
-    calls = {"n": 0, "s": 0.0, "pack": 0.0}
+    calls = {"n": 0, "s": 0.0, "pack": 0.0, "wait": 0.0}
+    by_name: dict[str, list] = {}  # driver function -> [calls, seconds], over the instrumented run
     real_call = DriverShim.call
     real_pack = GpuExperts._pack
 
@@ -104,8 +105,14 @@ def gpu_child(args: argparse.Namespace) -> dict:
         try:
             return real_call(self, name, *a)
         finally:
-            calls["s"] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            calls["s"] += dt
             calls["n"] += 1
+            if "Synchronize" in name:  # the host waiting for the device: on a real one, not host work
+                calls["wait"] += dt
+            entry = by_name.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += dt
 
     h = dev.upload(np.zeros((1, shape.n_embd), np.float32))
     router_w = routers[0]
@@ -119,7 +126,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
                 step.begin_step(Phase.DECODE)
                 for il in range(n_layer):
                     routing.queue(t, il)
-                    c0, s0, p0 = calls["n"], calls["s"], calls["pack"]
+                    c0, s0, p0, w0 = calls["n"], calls["s"], calls["pack"], calls["wait"]
                     cpu0 = time.thread_time()
                     t0 = time.perf_counter()
                     exact = step.route(dev, il, h, dev.linear(h, router_w), "softmax", k)  # the model's router, as moe.py runs it
@@ -128,7 +135,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
                     t2 = time.perf_counter()
                     cpu = time.thread_time() - cpu0
                     rec = step.records[-1] if step.records else None
-                    samples.append((t2 - t0, t1 - t0, rec, calls["n"] - c0, calls["s"] - s0, calls["pack"] - p0, cpu))
+                    samples.append((t2 - t0, t1 - t0, rec, calls["n"] - c0, calls["s"] - s0, calls["pack"] - p0, cpu, calls["wait"] - w0))
                 step.end_step(1)
         finally:
             DriverShim.call = real_call  # type: ignore[method-assign]
@@ -159,6 +166,12 @@ def gpu_child(args: argparse.Namespace) -> dict:
     binding_us = float(np.median([s[4] * 1e6 for s in split]))
     calls_per_step = float(np.median([s[3] for s in split]))
     pack_us = float(np.mean([s[5] * 1e6 for s in split]))
+    # the step less its waits for the device (event and stream synchronisations): on a real device the
+    # host's own time; on the null stand-in the waits cost a call each
+    unwaited = [(s[0] - s[7]) * 1e6 for s in split]
+    unwaited_median, unwaited_p90 = percentiles(unwaited)
+    calls_by_name = {name: {"per_step": c / n, "mean_us": sec / c * 1e6}
+                     for name, (c, sec) in sorted(by_name.items(), key=lambda kv: -kv[1][1])}  # fmt: skip
     total_split = float(np.median([s[0] * 1e6 for s in split]))
     stats = cache.stats.summary()
     return {
@@ -171,6 +184,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
                             "binding calls": binding_us, "calls per step": calls_per_step,
                             "staging copies (mean)": pack_us},
         "tiers": {"device_hit": stats["device"]["hit_rate"], "host_hit": stats["host"]["hit_rate"]},
+        "less_waits_median_us": unwaited_median, "less_waits_p90_us": unwaited_p90,
+        "waits_median_us": float(np.median([s[7] * 1e6 for s in split])), "calls_by_name": calls_by_name,
         "reads_per_step": reads / n, "uploads_per_step": uploads / n, "direct_uploads": device.direct_uploads,
     }  # fmt: skip
 
@@ -300,11 +315,17 @@ def report_real(gpu: dict, args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|",
         f"| GPU, {gpu['vendor']} binding, real driver, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall, "
         f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | "
+        f"less the waits for the device (instrumented) {gpu['less_waits_median_us']:.1f} median, {gpu['less_waits_p90_us']:.1f} p90 "
+        f"(waits {gpu['waits_median_us']:.1f}); "
         f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); "
         f"routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls {g['binding calls']:.1f} "
         f"({g['calls per step']:.0f} calls), staging copies {g['staging copies (mean)']:.1f} (mean); "
         f"uploads {gpu['uploads_per_step']:.2f} a step ({gpu['direct_uploads']} direct from pinned reads); "
         f"device hits {gpu['tiers']['device_hit']:.1%}, host {gpu['tiers']['host_hit']:.1%} |",
+        "",
+        "| driver call | per step | mean µs |",
+        "|---|---|---|",
+        *(f"| {name} | {c['per_step']:.2f} | {c['mean_us']:.1f} |" for name, c in gpu["calls_by_name"].items()),
     ]
     return "\n".join(lines) + "\n"
 
