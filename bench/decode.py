@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
-from results import publish
+from results import processor, publish
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
@@ -132,6 +131,8 @@ def main() -> int:
     host_all = sum(layer.expert_nbytes for layer in layers) * n_expert
     disk_bw = disk_bandwidth(model, store)
     h2d_bw = host_to_device_bandwidth(probe) if has_device_tier else float("inf")
+    rt = getattr(probe.ops, "rt", None)
+    device = f", {rt.device_name}" if rt is not None else ""
     probe.close()
 
     # every expert seeded into the device tier at start-up: the resident-compute part of the bound
@@ -185,7 +186,7 @@ def main() -> int:
         llama = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else f"failed: {proc.stderr.strip()[:200]}"
 
     report = (
-        f"### decode — {date.today()} — {args.backend} backend, {platform.machine()}, {os.cpu_count()} cores\n\n"
+        f"### decode — {date.today()} — {args.backend} backend{device}, host {processor()}, {os.cpu_count()} cores\n\n"
         f"`python bench/decode.py --shape {args.shape} --vram-frac {args.vram_frac} --ram-frac {args.ram_frac} "
         f"--tokens {args.tokens}`\n\n"
         f"| measure | value |\n|---|---|\n"

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import platform
 import sys
 import time
 from datetime import date
 
 import numpy as np
-from results import publish
+from results import processor, publish
 
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.kernels import KERNEL_SIGNATURES
@@ -42,16 +41,6 @@ def per_call_us(fn, calls: int, batches: int, settle) -> float:
             fn()
         samples.append((time.perf_counter() - t0) / calls * 1e6)
     return float(np.median(samples))
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def driver_library(dev: GpuBackend) -> ctypes.CDLL:
@@ -141,7 +130,7 @@ def measure(vendor: str, calls: int, batches: int) -> dict:
 
 def report(r: dict) -> str:
     lines = [
-        f"### driver_calls — {date.today()} — {r['device']} ({r['vendor']}), host {cpu_model()}",
+        f"### driver_calls — {date.today()} — {r['device']} ({r['vendor']}), host {processor()}",
         "",
         f"`python bench/driver_calls.py --vendor {r['vendor']} --calls {r['calls']} --batches {r['batches']}`: "
         f"host µs per call (median of batches); an empty Python call costs {r['python call']:.2f} µs here",

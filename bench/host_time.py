@@ -289,23 +289,14 @@ def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu_model() -> str:
-    """The host processor's name (a host-time figure holds for it alone)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def report_real(gpu: dict, args: argparse.Namespace) -> str:
     """The GPU path on a real device: wall time includes the waits for the device at each read-back;
     the thread's CPU time is the host's own work (a spinning wait counts in it too)."""
+    from results import processor
+
     g = gpu["split_median_us"]
     lines = [
-        f"### host_time on a real GPU — {date.today()} — {gpu['device']}, host {cpu_model()}, "
+        f"### host_time on a real GPU — {date.today()} — {gpu['device']}, host {processor()}, "
         f"{os.cpu_count()} cores",
         "",
         f"`python bench/host_time.py --real-gpu --vendor {gpu['vendor']} --tokens {args.tokens} --warm {args.warm} --record`: "

@@ -15,6 +15,19 @@ RESULTS = Path(__file__).parent / "RESULTS.md"
 LOAD_AT_START = os.getloadavg()  # 1, 5 and 15 minute load averages when the script started
 
 
+def processor() -> str:
+    """The host processor's name: a host-time or CPU-speed figure holds for it alone."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def load_line() -> str:
     one, five, _ = LOAD_AT_START
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) at start on {os.cpu_count()} cores"
