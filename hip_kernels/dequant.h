@@ -12,9 +12,7 @@
 struct FmtF32 {
     static constexpr int BLOCK = 1, BYTES = 4;
     static DEVINL void load8(const u8* row, int g, float* w) {
-        const float* p = (const float*)row + 8 * g;
-#pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = p[i];
+        ld_f32x8((const float*)row + 8 * g, w);
     }
     static DEVINL float load1(const u8* row, int k) { return ((const float*)row)[k]; }
 };
@@ -22,9 +20,10 @@ struct FmtF32 {
 struct FmtF16 {
     static constexpr int BLOCK = 1, BYTES = 2;
     static DEVINL void load8(const u8* row, int g, float* w) {
-        const u16* p = (const u16*)row + 8 * g;
+        u16 h[8];
+        ld_u16x8((const u16*)row + 8 * g, h);
 #pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = f16_to_f32(p[i]);
+        for (int i = 0; i < 8; i++) w[i] = f16_to_f32(h[i]);
     }
     static DEVINL float load1(const u8* row, int k) { return f16_to_f32(((const u16*)row)[k]); }
 };
@@ -32,9 +31,10 @@ struct FmtF16 {
 struct FmtBF16 {
     static constexpr int BLOCK = 1, BYTES = 2;
     static DEVINL void load8(const u8* row, int g, float* w) {
-        const u16* p = (const u16*)row + 8 * g;
+        u16 h[8];
+        ld_u16x8((const u16*)row + 8 * g, h);
 #pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = bf16_to_f32(p[i]);
+        for (int i = 0; i < 8; i++) w[i] = bf16_to_f32(h[i]);
     }
     static DEVINL float load1(const u8* row, int k) { return bf16_to_f32(((const u16*)row)[k]); }
 };
@@ -45,9 +45,9 @@ struct FmtQ8_0 {
     static DEVINL void load8(const u8* row, int g, float* w) {
         const u8* b = row + (g >> 2) * BYTES;
         const float d = f16_to_f32(ld_u16(b));
-        const i8* q = (const i8*)(b + 2 + 8 * (g & 3));
+        const u64 q = ld_bytes8(b + 2 + 8 * (g & 3));
 #pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = __fmul_rn((float)q[i], d);
+        for (int i = 0; i < 8; i++) w[i] = __fmul_rn((float)(i8)byte_of(q, i), d);
     }
 };
 
@@ -59,10 +59,10 @@ struct FmtQ4_0 {
         const u8* b = row + (g >> 2) * BYTES;
         const float d = f16_to_f32(ld_u16(b));
         const int j = g & 3;
-        const u8* q = b + 2 + 8 * (j & 1);
+        const u64 q = ld_bytes8(b + 2 + 8 * (j & 1));
         const int shift = 4 * (j >> 1);
 #pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = __fmul_rn(d, (float)(((q[i] >> shift) & 0xF) - 8));
+        for (int i = 0; i < 8; i++) w[i] = __fmul_rn(d, (float)((int)((byte_of(q, i) >> shift) & 0xF) - 8));
     }
 };
 
@@ -77,10 +77,10 @@ struct FmtMXFP4 {
         const u32 e = b[0];
         const float d = __uint_as_float(e < 2 ? (0x00200000u << e) : ((e - 1u) << 23));
         const int j = g & 3;
-        const u8* q = b + 1 + 8 * (j & 1);
+        const u64 q = ld_bytes8(b + 1 + 8 * (j & 1));
         const int shift = 4 * (j >> 1);
 #pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = __fmul_rn(d, kMxfp4Values[(q[i] >> shift) & 0xF]);
+        for (int i = 0; i < 8; i++) w[i] = __fmul_rn(d, kMxfp4Values[(byte_of(q, i) >> shift) & 0xF]);
     }
 };
 
@@ -106,10 +106,10 @@ struct FmtQ4_K {
         kq_scale_min(b + 4, j, sc, m);
         const float ds = __fmul_rn(f16_to_f32(ld_u16(b)), (float)sc);
         const float dm = __fmul_rn(f16_to_f32(ld_u16(b + 2)), (float)m);
-        const u8* q = b + 16 + (j >> 1) * 32 + o;
+        const u64 q = ld_bytes8(b + 16 + (j >> 1) * 32 + o);
         const int shift = 4 * (j & 1);
 #pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = __fsub_rn(__fmul_rn(ds, (float)((q[i] >> shift) & 0xF)), dm);
+        for (int i = 0; i < 8; i++) w[i] = __fsub_rn(__fmul_rn(ds, (float)((byte_of(q, i) >> shift) & 0xF)), dm);
     }
 };
 
@@ -124,12 +124,12 @@ struct FmtQ5_K {
         kq_scale_min(b + 4, j, sc, m);
         const float ds = __fmul_rn(f16_to_f32(ld_u16(b)), (float)sc);
         const float dm = __fmul_rn(f16_to_f32(ld_u16(b + 2)), (float)m);
-        const u8* qh = b + 16 + o;
-        const u8* q = b + 48 + (j >> 1) * 32 + o;
+        const u64 qh = ld_bytes8(b + 16 + o);
+        const u64 q = ld_bytes8(b + 48 + (j >> 1) * 32 + o);
         const int shift = 4 * (j & 1);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const int v = ((q[i] >> shift) & 0xF) | (((qh[i] >> j) & 1) << 4);
+            const int v = (int)(((byte_of(q, i) >> shift) & 0xF) | (((byte_of(qh, i) >> j) & 1) << 4));
             w[i] = __fsub_rn(__fmul_rn(ds, (float)v), dm);
         }
     }
@@ -144,12 +144,12 @@ struct FmtQ6_K {
         const u8* b = row + (g >> 5) * BYTES;
         const int e = (g & 31) * 8, h = e >> 7, r = e & 127;
         const float d = __fmul_rn(f16_to_f32(ld_u16(b + 208)), (float)((const i8*)b)[192 + (e >> 4)]);
-        const u8* ql = b + h * 64 + (r & 63);
-        const u8* qh = b + 128 + h * 32 + (r & 31);
+        const u64 ql = ld_bytes8(b + h * 64 + (r & 63));
+        const u64 qh = ld_bytes8(b + 128 + h * 32 + (r & 31));
         const int ls = 4 * (r >> 6), hs = 2 * (r >> 5);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const int v = (((ql[i] >> ls) & 0xF) | (((qh[i] >> hs) & 3) << 4)) - 32;
+            const int v = (int)(((byte_of(ql, i) >> ls) & 0xF) | (((byte_of(qh, i) >> hs) & 3) << 4)) - 32;
             w[i] = __fmul_rn(d, (float)v);
         }
     }
@@ -183,7 +183,8 @@ DEVINL void row_dot(const u8* row, const float* const* xs, int n_t, int K, float
 #pragma unroll
         for (int t = 0; t < TT; t++) {
             if (t < n_t) {
-                const float* x = xs[t] + 8 * g;
+                float x[8];
+                ld_f32x8(xs[t] + 8 * g, x);
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[t] += w[i] * x[i];
             }
