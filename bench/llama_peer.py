@@ -5,6 +5,7 @@ builds of one library with the same symbol names: loaded into one process, llama
 in the other build's code and crash. The benchmarks call `run` and get what the child printed.
 
     python bench/llama_peer.py MODEL THREADS N_DECODE [--no-repack] < prompt-token-ids.json
+    python bench/llama_peer.py MODEL THREADS N_DECODE --batched < [prompt-token-ids, ...].json
 """
 
 from __future__ import annotations
@@ -92,10 +93,74 @@ def measure(path: str, prompt: list[int], n_decode: int, threads: int, no_repack
             "decode_cpu_ms": decode_cpu_s / n_decode * 1e3}  # fmt: skip
 
 
+def run_batched(path: Path, prompts: list[np.ndarray], n_decode: int, threads: int) -> dict | str:
+    """llama.cpp decoding len(prompts) sequences together (one llama_decode a step, a token of each), in
+    a child: {"decode": aggregate tok/s, "tokens": each sequence's greedy tokens}, or why it did not run."""
+    child = subprocess.run(
+        [sys.executable, __file__, str(path), str(threads), str(n_decode), "--batched"],
+        input=json.dumps([[int(t) for t in p] for p in prompts]), capture_output=True, text=True, check=False, env=peer_env(),
+    )  # fmt: skip
+    if child.returncode != 0:
+        last = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+        return f"not run ({last})"
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def measure_batched(path: str, prompts: list[list[int]], n_decode: int, threads: int) -> dict:
+    """Each prompt prefilled as its own sequence, then n_decode steps that each decode one token of every
+    sequence in one batch (greedy), as llama.cpp's server batches its slots; only the steps are timed."""
+    import ctypes
+
+    import llama_cpp.llama_cpp as api
+
+    api.llama_backend_init()
+    model = api.llama_model_load_from_file(path.encode(), api.llama_model_default_params())
+    n_seq, longest = len(prompts), max(len(p) for p in prompts)
+    params = api.llama_context_default_params()
+    params.n_ctx = n_seq * (longest + n_decode + 8)  # each sequence's share is n_ctx / n_seq_max
+    params.n_batch = params.n_ubatch = max(longest, n_seq)
+    params.n_seq_max = n_seq
+    params.n_threads = params.n_threads_batch = threads
+    ctx = api.llama_init_from_model(model, params)
+    n_vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(model))
+    batch = api.llama_batch_init(max(longest, n_seq), 0, 1)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, wants) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, wants
+            batch.seq_id[i][0] = seq
+        if api.llama_decode(ctx, batch) != 0:
+            raise SystemExit("llama_decode failed")
+
+    def argmax_of(row: int) -> int:
+        scores = api.llama_get_logits_ith(ctx, row)
+        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(scores, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))))
+
+    nxt, out = [], [[] for _ in prompts]
+    for s, prompt in enumerate(prompts):
+        decode([(t, i, s, i == len(prompt) - 1) for i, t in enumerate(prompt)])
+        nxt.append(argmax_of(len(prompt) - 1))
+    t0 = time.perf_counter()
+    for step in range(n_decode):
+        decode([(nxt[s], len(prompts[s]) + step, s, True) for s in range(n_seq)])
+        for s in range(n_seq):
+            out[s].append(nxt[s])
+            nxt[s] = argmax_of(s)
+    seconds = time.perf_counter() - t0
+    api.llama_batch_free(batch)
+    api.llama_free(ctx)
+    api.llama_model_free(model)
+    return {"decode": n_seq * n_decode / seconds, "tokens": out}
+
+
 if __name__ == "__main__":
     try:
         import llama_cpp  # noqa: F401
     except ImportError as e:
         sys.exit(f"{e}; pip install -e '.[bench]'")
     model, n_threads, decode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    print(json.dumps(measure(model, json.load(sys.stdin), decode, n_threads, "--no-repack" in sys.argv[4:])))
+    if "--batched" in sys.argv[4:]:
+        print(json.dumps(measure_batched(model, json.load(sys.stdin), decode, n_threads)))
+    else:
+        print(json.dumps(measure(model, json.load(sys.stdin), decode, n_threads, "--no-repack" in sys.argv[4:])))
