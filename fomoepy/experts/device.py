@@ -92,6 +92,8 @@ class StepExperts:
             if not left:
                 self._all_in()
             yield futures.pop(f), f.result()
+        if not futures:  # every read had landed: as_completed would still make and install its waiter
+            return
         t = time.perf_counter()
         try:
             for f in as_completed(futures):
