@@ -36,7 +36,9 @@ def run_script(tmp_path: Path, python3: str, ci: bool) -> tuple[int, str, list[s
 # a python3 whose library check prints the installed version (it reads its script from stdin) and
 # whose pip fails, as offline
 OFFLINE = 'if [ "$1" = - ]; then cat >/dev/null; echo 0.15.3; else echo "ERROR: no network" >&2; exit 1; fi'
-BUILT = 'if [ "$1" = - ]; then cat >/dev/null; echo 0.25.3; else exit 1; fi'
+BUILT = 'if [ "$1" = - ]; then cat >/dev/null; echo 0.25.3+llamafile; else exit 1; fi'
+# llama.cpp's ggml built without llamafile (this script's build until the ninth stop), and offline
+BUILT_WITHOUT_LLAMAFILE = 'if [ "$1" = - ]; then cat >/dev/null; echo 0.25.3; else echo "ERROR: no network" >&2; exit 1; fi'
 
 
 def test_a_failed_download_keeps_the_installed_ggml_and_says_so(tmp_path):
@@ -56,3 +58,9 @@ def test_an_installed_build_is_not_built_again(tmp_path):
     status, out, ran = run_script(tmp_path, BUILT, ci=True)
     assert status == 0 and "already" in out, out
     assert ran == ["-"], ran  # only the version check
+
+
+def test_a_build_without_llamafile_is_built_again(tmp_path):
+    status, out, ran = run_script(tmp_path, BUILT_WITHOUT_LLAMAFILE, ci=False)
+    assert status == 0 and "kept ggml-python's own ggml (0.25.3): could not download" in out, out
+    assert any(line.startswith("-m pip download") for line in ran), ran

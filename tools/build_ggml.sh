@@ -8,9 +8,12 @@
 # kernels. On the bench model a 128-token prefill is about a sixth faster (bench/ggml_builds.py,
 # bench/cpu_decode.py); decode is unchanged. Every function and struct fomoepy reaches through the
 # bindings has the same C interface in both (tests/test_ggml_version.py checks the ones that changed
-# elsewhere in the header do not matter here). llamafile's kernels stay off, as in ggml-python's own
-# build: they sum a several-row product in another order than a row alone, and a batched decode step
-# gives each row its lone run's bits (tests/test_batch.py).
+# elsewhere in the header do not matter here). llamafile's kernels are on, as in llama.cpp's own build:
+# its GEMMs take a prompt's products of F32, F16, BF16, Q8_0 and Q4_0 weights (the dense Q8_0 ones of a
+# Q8_0/K-quant model), about a sixth of a 128-token prefill on the bench model (bench/cpu_decode.py).
+# They sum a several-row product in another order than a row alone, so a batched decode step multiplies
+# each sequence's row apart (fomoepy.runtime.ggml_dense.product, ggml_matmul.rows_apart) and keeps its
+# lone run's bits (tests/test_batch.py).
 #
 # Offline or on failure it keeps ggml-python's own build and says so in one line (exit 0), except
 # under CI=true, where the tests must run on the ggml the benchmarks were recorded with.
@@ -25,14 +28,16 @@ installed() {
     "$PY" - <<'EOF'
 import ctypes, os
 import ggml
-lib = ctypes.CDLL(os.path.join(os.path.dirname(ggml.__file__), "lib", "libggml-base.so"))
+d = os.path.join(os.path.dirname(ggml.__file__), "lib")
+lib = ctypes.CDLL(os.path.join(d, "libggml-base.so"))
 lib.ggml_version.restype = ctypes.c_char_p
-print(lib.ggml_version().decode())
+cpu = ctypes.CDLL(os.path.join(d, "libggml-cpu.so"))
+print(lib.ggml_version().decode() + ("+llamafile" if getattr(cpu, "ggml_cpu_has_llamafile", lambda: 0)() else ""))
 EOF
 }
 
-if [ "$(installed 2>/dev/null || true)" = "$GGML" ]; then
-    echo "ggml: $GGML already under ggml-python's bindings"
+if [ "$(installed 2>/dev/null || true)" = "$GGML+llamafile" ]; then
+    echo "ggml: $GGML (llamafile on) already under ggml-python's bindings"
     exit 0
 fi
 
@@ -60,10 +65,10 @@ rm -rf "$src/vendor/ggml"
 mv "$work/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp/ggml" "$src/vendor/ggml"
 grep -q "GGML_VERSION_MINOR $(echo "$GGML" | cut -d. -f2))" "$src/vendor/ggml/CMakeLists.txt" \
     || fail "llama-cpp-python $LLAMA_CPP_PYTHON does not carry ggml $GGML"
-CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_LLAMAFILE=OFF" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_LLAMAFILE=ON" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$work/wheel" "$src" >>"$log" 2>&1 \
     || fail "the build failed ($(tail -n 1 "$log"))"
 "$PY" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$work"/wheel/*.whl >>"$log" 2>&1 \
     || fail "could not install the build ($(tail -n 1 "$log"))"
-[ "$(installed)" = "$GGML" ] || fail "the installed library is not ggml $GGML"
-echo "ggml: $GGML under ggml-python $GGML_PYTHON's bindings, built in $(( $(date +%s) - start )) s"
+[ "$(installed)" = "$GGML+llamafile" ] || fail "the installed library is not ggml $GGML with llamafile ($(installed))"
+echo "ggml: $GGML (llamafile on) under ggml-python $GGML_PYTHON's bindings, built in $(( $(date +%s) - start )) s"

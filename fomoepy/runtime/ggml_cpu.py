@@ -35,7 +35,7 @@ from fomoepy.runtime.ggml_dense import (
     rope_neox,
     route_softmax,
 )
-from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat
+from fomoepy.runtime.ggml_matmul import QuantMatrix, mul_mat, rows_apart
 from fomoepy.runtime.row_threads import RowThreads
 
 F32 = np.float32
@@ -99,12 +99,12 @@ class GgmlBackend(CpuBackend):
         return x @ w.T
 
     def linear_rows(self, x: np.ndarray, w) -> np.ndarray:
-        """linear for rows of several sequences. ggml computes each output element as one dot product of
-        the row's own Q8 activations with a weight row, by one thread, so a row's bits do not depend on
-        the rows beside it (checked on this build in tests/test_batch.py); the few float32 weights
+        """linear for rows of several sequences: each row a one-row product of its own (ggml's products
+        of several rows may take llamafile's GEMMs, which sum in another order than a row alone), so a
+        row's bits do not depend on the rows beside it (tests/test_batch.py); the few float32 weights
         multiplied here go through numpy's row-by-row products as on the reference backend."""
         if isinstance(w, QuantMatrix):
-            return mul_mat(x, w, self.threads)
+            return rows_apart(x, w, self.threads)
         return CpuBackend.linear_rows(x, w)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -14,12 +14,13 @@ two graphs built once per layer, run with only the row's pointers set:
     after attention:   x' = x + Wo·attn;  h = rms_norm(x')·ffn_norm;  routing of Wr·h (routing_nodes)
 
 A batched decode step (one row of each of B sequences) runs the same two graphs built for B rows,
-each row at its own position, and between them each sequence's attention over its KV cache
-(fomoepy.runtime.ggml_attention), as on the op-by-op path; a lone row's layer runs the same nodes as
-one graph (fomoepy.runtime.ggml_decode). Every op here is the one that path calls (ggml's products,
-norm, RoPE and routing; a product with a weight vector and a residual sum, elementwise float32 either
-way), so a row gets the same bits through the graphs, op by op, or batched beside other sequences'
-rows.
+each row at its own position, its products with weights taken row by row (`product`: ggml's products
+of several rows may take llamafile's GEMMs, which sum in another order than one row's), and between
+them each sequence's attention over its KV cache (fomoepy.runtime.ggml_attention), as on the op-by-op
+path; a lone row's layer runs the same nodes as one graph (fomoepy.runtime.ggml_decode). Every op here
+is the one that path calls (ggml's products, norm, RoPE and routing; a product with a weight vector and
+a residual sum, elementwise float32 either way), so a row gets the same bits through the graphs, op by
+op, or batched beside other sequences' rows.
 """
 
 from __future__ import annotations
@@ -186,32 +187,66 @@ def normed(g: Graph, x, eps: float, w):
     return ggml.ggml_mul(g.ctx, ggml.ggml_rms_norm(g.ctx, x, eps), g.weight(w))
 
 
-def pre_attention_nodes(g: Graph, w, a, eps: float, x, pos, B: int):
-    """x [D, B] at positions pos [B] → q [hd, H, B], k [hd, Hkv, B] (normed and rotated), v [Hkv·hd, B]."""
+def product(g: Graph, w, x, B: int, apart: bool):
+    """w · x for x [K, B] → [N, B]. apart: each column a one-row product of its own, the columns then
+    joined: ggml takes another kernel for a product of several rows than for one (llamafile's GEMMs, from
+    two rows on, sum in another order than its one-row dot products), so the rows of several sequences
+    are multiplied apart to get the bits each gets alone; a prefill's rows (one sequence) are not."""
+    if not apart or B == 1:
+        return ggml.ggml_mul_mat(g.ctx, g.weight(w), x)
+    # the columns are views of a copy of x: a view takes its source's data address when it is made,
+    # and an input's is set only when the graph runs
+    x = ggml.ggml_cont(g.ctx, x)
+    W, nb1 = g.weight(w), x.contents.nb[1]
+    K = int(x.contents.ne[0])
+    out = None
+    for i in range(B):
+        column = ggml.ggml_mul_mat(g.ctx, W, ggml.ggml_view_2d(g.ctx, x, K, 1, nb1, i * nb1))
+        out = column if out is None else ggml.ggml_concat(g.ctx, out, column, 1)
+    return out
+
+
+def apart_bytes(w, B: int) -> int:
+    """Room for product(w, ..., apart=True)'s intermediates: the copy of x, B columns of w's n_rows
+    outputs and the joins of 2 .. B of them."""
+    return 4 * (w.n_cols * B + w.n_rows * (B + B * (B + 1) // 2)) if B > 1 else 0
+
+
+def apart_tensors(B: int) -> int:
+    """Tensors product(..., apart=True) adds: the copy, and a view, a product and a join a row."""
+    return 3 * B + 1 if B > 1 else 0
+
+
+def pre_attention_nodes(g: Graph, w, a, eps: float, x, pos, B: int, apart: bool = False):
+    """x [D, B] at positions pos [B] → q [hd, H, B], k [hd, Hkv, B] (normed and rotated), v [Hkv·hd, B];
+    apart: the rows belong to several sequences (`product`)."""
     H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
     xn = normed(g, x, eps, w.attn_norm)
-    q = ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_q), xn)
-    k = ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_k), xn)
-    v = ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_v), xn)
+    q = product(g, w.attn_q, xn, B, apart)
+    k = product(g, w.attn_k, xn, B, apart)
+    v = product(g, w.attn_v, xn, B, apart)
     qn = normed(g, ggml.ggml_reshape_3d(g.ctx, q, hd, H, B), eps, w.attn_q_norm)  # each head's row normed
     kn = normed(g, ggml.ggml_reshape_3d(g.ctx, k, hd, Hkv, B), eps, w.attn_k_norm)
     return _rotated(g, qn, pos, a), _rotated(g, kn, pos, a), v
 
 
-def pre_attention_bytes(w, a, B: int) -> int:
+def pre_attention_bytes(w, a, B: int, apart: bool = False) -> int:
     """Room for pre_attention_nodes' float32 intermediates, each one's norm with it."""
-    return 4 * 4 * B * (w.attn_q.n_cols + 2 * (a.n_head + 2 * a.n_head_kv) * a.head_dim)
+    extra = sum(apart_bytes(m, B) for m in (w.attn_q, w.attn_k, w.attn_v)) if apart else 0
+    return 4 * 4 * B * (w.attn_q.n_cols + 2 * (a.n_head + 2 * a.n_head_kv) * a.head_dim) + extra
 
 
-def post_attention_nodes(g: Graph, w, eps: float, x, attn):
-    """x [D, B], attention's output attn [H·hd, B] → x' = x + Wo·attn, h = its FFN norm, the router's logits."""
-    x2 = ggml.ggml_add(g.ctx, x, ggml.ggml_mul_mat(g.ctx, g.weight(w.attn_output), attn))
+def post_attention_nodes(g: Graph, w, eps: float, x, attn, B: int = 1, apart: bool = False):
+    """x [D, B], attention's output attn [H·hd, B] → x' = x + Wo·attn, h = its FFN norm, the router's
+    logits; apart: the rows belong to several sequences (`product`)."""
+    x2 = ggml.ggml_add(g.ctx, x, product(g, w.attn_output, attn, B, apart))
     h = normed(g, x2, eps, w.ffn_norm)
-    return x2, h, ggml.ggml_mul_mat(g.ctx, g.weight(w.ffn_gate_inp), h)
+    return x2, h, product(g, w.ffn_gate_inp, h, B, apart)
 
 
-def post_attention_bytes(w, B: int) -> int:
-    return 4 * 4 * B * (3 * w.attn_q.n_cols + 3 * w.ffn_gate_inp.n_rows)
+def post_attention_bytes(w, B: int, apart: bool = False) -> int:
+    extra = sum(apart_bytes(m, B) for m in (w.attn_output, w.ffn_gate_inp)) if apart else 0
+    return 4 * 4 * B * (3 * w.attn_q.n_cols + 3 * w.ffn_gate_inp.n_rows) + extra
 
 
 def routing_nodes(g: Graph, logits, k: int, B: int, into: tuple | None = None):
@@ -241,13 +276,14 @@ class AttentionGraphs:
     def __init__(self, w, a, eps: float, threads: int, rows: int, k: int):
         H, Hkv, hd, B = a.n_head, a.n_head_kv, a.head_dim, rows
         D = w.attn_q.n_cols
-        pre = self.pre = Graph(28, pre_attention_bytes(w, a, B), threads)
+        # the rows are one of each of B sequences: their products with weights are taken apart (`product`)
+        pre = self.pre = Graph(28 + 3 * apart_tensors(B), pre_attention_bytes(w, a, B, apart=True), threads)
         x, pos = pre.input(D, B), pre.input(B, qtype=ggml.GGML_TYPE_I32)
-        q, k_rot, v = pre_attention_nodes(pre, w, a, eps, x, pos, B)
+        q, k_rot, v = pre_attention_nodes(pre, w, a, eps, x, pos, B, apart=True)
         pre.finish([(q, (B, H, hd)), (k_rot, (B, Hkv, hd)), (v, (B, Hkv * hd))])
-        post = self.post = Graph(40, post_attention_bytes(w, B), threads)
+        post = self.post = Graph(40 + 2 * apart_tensors(B), post_attention_bytes(w, B, apart=True), threads)
         x, attn = post.input(D, B), post.input(H * hd, B)
-        x2, h, logits = post_attention_nodes(post, w, eps, x, attn)
+        x2, h, logits = post_attention_nodes(post, w, eps, x, attn, B, apart=True)
         post.finish([(x2, (B, D)), (h, (B, D))] + routed_outputs(post, logits, k, B))
 
     def inputs(self, x: np.ndarray, positions) -> list[np.ndarray]:

@@ -14,7 +14,9 @@ building and Python), 639 µs with the cached graph (70 µs); a 512×1024 Q4_K m
 26.0 µs, of which ggml computes 19.9. Prefill builds a graph per call, which its many rows amortise.
 
 Every output element is one dot product computed by one thread, in a fixed order: the result does
-not depend on the thread count or on which other experts share the graph.
+not depend on the thread count or on which other experts share the graph. It may depend on how many
+rows the product has: from two rows on, llamafile's GEMMs (ggml's for F32, F16, BF16, Q8_0, Q4_0, ...)
+sum in another order than a row alone, so the rows of several sequences go through `rows_apart`.
 """
 
 from __future__ import annotations
@@ -127,6 +129,30 @@ def mul_mat(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
     if T == 1:  # a decode step: a graph built once per weight type and shape, its pointers set per call
         return _decode_graph(("mul_mat", w.qtype, w.n_rows, w.n_cols), lambda: _build_mul_mat(w), threads).run([w], x)[0]
     return fresh_mul_mat(x, w, threads)
+
+
+def rows_apart(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
+    """x [B, K] · wᵀ → [B, N], each row a one-row product of its own (all in one graph): the bits each
+    row gets alone. ggml takes another kernel for a product of several rows than for one (llamafile's
+    GEMMs, from two rows on, sum in another order), so the rows of several sequences are not one product."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    B = x.shape[0]
+    if B == 1:
+        return mul_mat(x, w, threads)
+    g = _Graph(2 * B + 1)
+    try:
+        W = g.weight(w)
+        out = np.empty((B, w.n_rows), F32)
+        g.keep.append(out)
+        rows = []
+        for i in range(B):
+            y = ggml.ggml_mul_mat(g.ctx, W, g.wrap(ggml.GGML_TYPE_F32, w.n_cols, 1, x[i]))
+            y.contents.data = ctypes.c_void_p(out[i].ctypes.data)
+            rows.append(y)
+        g.compute(rows, threads)
+    finally:
+        g.free()
+    return out
 
 
 def fresh_mul_mat(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
