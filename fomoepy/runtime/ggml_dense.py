@@ -36,7 +36,7 @@ import ggml
 import numpy as np
 
 from fomoepy.errors import FomoeError
-from fomoepy.runtime.ggml_matmul import QuantMatrix
+from fomoepy.runtime.ggml_matmul import QuantMatrix, rows_differ_together
 from fomoepy.runtime.pinned import host_address
 from fomoepy.timing import MATMUL
 
@@ -192,7 +192,7 @@ def product(g: Graph, w, x, B: int, apart: bool):
     joined: ggml takes another kernel for a product of several rows than for one (llamafile's GEMMs, from
     two rows on, sum in another order than its one-row dot products), so the rows of several sequences
     are multiplied apart to get the bits each gets alone; a prefill's rows (one sequence) are not."""
-    if not apart or B == 1:
+    if not apart or B == 1 or not rows_differ_together(getattr(w, "qtype", ggml.GGML_TYPE_F32)):
         return ggml.ggml_mul_mat(g.ctx, g.weight(w), x)
     # the columns are views of a copy of x: a view takes its source's data address when it is made,
     # and an input's is set only when the graph runs

@@ -38,6 +38,9 @@ from fomoepy.timing import MATMUL
 F32 = np.float32
 # GGUF types ggml computes from (fomoepy.quants supports exactly these)
 SUPPORTED_TYPES = {0, 1, 2, 8, 12, 13, 14, 30, 39}
+# the weight types whose products of several rows llamafile's GEMMs take (F32, F16, Q4_0, Q8_0, BF16),
+# where this ggml is built with them: such a product's rows need not get their one-row products' bits
+_GEMM_TYPES = frozenset({0, 1, 2, 8, 30}) if ggml.ggml_cpu_has_llamafile() else frozenset()
 _TENSOR_OVERHEAD = ggml.ggml_tensor_overhead()
 _GRAPH_OVERHEAD = ggml.ggml_graph_overhead()
 
@@ -131,13 +134,20 @@ def mul_mat(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
     return fresh_mul_mat(x, w, threads)
 
 
+def rows_differ_together(qtype: int) -> bool:
+    """Whether ggml may compute a product of several rows with `qtype` weights otherwise than each row
+    alone (the K-quants' several-row kernels give each row its one-row bits; llamafile's GEMMs need not)."""
+    return int(qtype) in _GEMM_TYPES
+
+
 def rows_apart(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
     """x [B, K] · wᵀ → [B, N], each row a one-row product of its own (all in one graph): the bits each
     row gets alone. ggml takes another kernel for a product of several rows than for one (llamafile's
-    GEMMs, from two rows on, sum in another order), so the rows of several sequences are not one product."""
+    GEMMs, from two rows on, sum in another order), so the rows of several sequences are not one product
+    where the weights' type is one it takes (rows_differ_together)."""
     x = np.ascontiguousarray(x, dtype=F32)
     B = x.shape[0]
-    if B == 1:
+    if B == 1 or not rows_differ_together(w.qtype):
         return mul_mat(x, w, threads)
     g = _Graph(2 * B + 1)
     try:

@@ -1,0 +1,30 @@
+"""A product over the rows of several sequences gives each row the bits it gets alone, for every weight
+type the cpu backend computes from (fomoepy.runtime.ggml_matmul.rows_apart): the rows of a type whose
+several-row products ggml takes to llamafile's GEMMs are multiplied apart; the others' several-row
+kernels give each row its one-row bits, which is why one product serves them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fomoepy import quants
+from fomoepy.runtime.ggml_matmul import SUPPORTED_TYPES, QuantMatrix, mul_mat, rows_apart, rows_differ_together
+
+N, K, B = 96, 512, 5  # K a multiple of every block; B rows, as a batched step of five sequences
+
+
+def weight(rng: np.random.Generator, qtype: int) -> QuantMatrix:
+    raw = quants.quantize((rng.standard_normal((N, K)) * 0.05).astype(np.float32), quants.GGMLQuantizationType(qtype))
+    return QuantMatrix.of(np.frombuffer(raw.tobytes(), np.uint8), qtype, (N, K))
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES))
+def test_each_row_of_a_batched_product_is_its_lone_product(qtype):
+    rng = np.random.default_rng(qtype)
+    w, x = weight(rng, qtype), rng.standard_normal((B, K)).astype(np.float32)
+    got = rows_apart(x, w, threads=2)
+    for i in range(B):
+        assert np.array_equal(got[i], mul_mat(x[i : i + 1], w, threads=1)[0]), f"row {i}"
+    if not rows_differ_together(qtype):  # one product of the rows is what rows_apart takes for them
+        assert np.array_equal(mul_mat(x, w, threads=2), got)
