@@ -60,7 +60,8 @@ def assumptions(p: Projection) -> str:
     eff = ", ".join(f"{k} {v:.3g}" for k, v in p.efficiency.items())
     why = (
         f"kernel efficiency ({eff}) of device bandwidth; the default {GPU_EFFICIENCY} is fitted to FOMOE's "
-        "published 8.8 tok/s (CAR 0.35) on RDNA4, not measured on our kernels"
+        "published 8.8 tok/s (CAR 0.35) on RDNA4, not measured on our kernels, which reached 0.18 (Q4_K "
+        "experts) and 0.21 (Q4_K dense) of an H100's copy bandwidth (bench/gpu_kernels.py; --efficiency)"
         if p.backend == "gpu"
         else f"compute at the host matvec rate x ({eff})"
     )
