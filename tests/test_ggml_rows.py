@@ -1,15 +1,20 @@
 """A product over the rows of several sequences gives each row the bits it gets alone, for every weight
 type the cpu backend computes from (fomoepy.runtime.ggml_matmul.rows_apart): the rows of a type whose
-several-row products ggml takes to llamafile's GEMMs are multiplied apart; the others' several-row
-kernels give each row its one-row bits, which is why one product serves them."""
+several-row products sum otherwise (llamafile's float GEMMs) are multiplied apart; the others' several-row
+kernels give each row its one-row bits (the K-quants', and llamafile's Q8_0 and Q4_0 GEMMs where its probe
+on this CPU says so), which is why one product serves them: checked here on another shape than the probe's."""
 
 from __future__ import annotations
 
+import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
+
+# isort: split
+import ggml
 import numpy as np
 import pytest
 
 from fomoepy import quants
-from fomoepy.runtime.ggml_matmul import SUPPORTED_TYPES, QuantMatrix, mul_mat, rows_apart, rows_differ_together
+from fomoepy.runtime.ggml_matmul import SUPPORTED_TYPES, QuantMatrix, _keeps_rows, mul_mat, rows_apart, rows_differ_together
 
 N, K, B = 96, 512, 5  # K a multiple of every block; B rows, as a batched step of five sequences
 
@@ -28,3 +33,10 @@ def test_each_row_of_a_batched_product_is_its_lone_product(qtype):
         assert np.array_equal(got[i], mul_mat(x[i : i + 1], w, threads=1)[0]), f"row {i}"
     if not rows_differ_together(qtype):  # one product of the rows is what rows_apart takes for them
         assert np.array_equal(mul_mat(x, w, threads=2), got)
+
+
+@pytest.mark.skipif(not ggml.ggml_cpu_has_llamafile(), reason="ggml built without llamafile: no several-row GEMM to tell apart")
+def test_the_probe_tells_a_gemm_that_sums_otherwise_from_one_that_keeps_rows():
+    # llamafile's F32 GEMM sums a row in another order than the one-row product: the probe must see it
+    # (a probe that always answered "keeps rows" would let the integer types through unchecked)
+    assert not _keeps_rows(0)

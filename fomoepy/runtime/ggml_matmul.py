@@ -38,9 +38,15 @@ from fomoepy.timing import MATMUL
 F32 = np.float32
 # GGUF types ggml computes from (fomoepy.quants supports exactly these)
 SUPPORTED_TYPES = {0, 1, 2, 8, 12, 13, 14, 30, 39}
-# the weight types whose products of several rows llamafile's GEMMs take (F32, F16, Q4_0, Q8_0, BF16),
-# where this ggml is built with them: such a product's rows need not get their one-row products' bits
-_GEMM_TYPES = frozenset({0, 1, 2, 8, 30}) if ggml.ggml_cpu_has_llamafile() else frozenset()
+# The weight types whose products of several rows llamafile's GEMMs take, where this ggml is built with
+# them. Its float GEMMs (F32, F16, BF16) sum a row's products in another order than ggml's one-row dot
+# product; its Q8_0 and Q4_0 GEMMs do, per output element, what ggml's one-row dot product does on x86
+# with AVX2 (the same blocks' integer dot products in the same lanes, scaled and fused-added in block
+# order, the lanes summed alike), so a product of several rows keeps each row's bits there: whether it
+# does on this CPU is asked of ggml itself, once (`_keeps_rows`).
+_LLAMAFILE = bool(ggml.ggml_cpu_has_llamafile())
+_FLOAT_GEMM_TYPES = frozenset({0, 1, 30})
+_INTEGER_GEMM_TYPES = frozenset({2, 8})
 _TENSOR_OVERHEAD = ggml.ggml_tensor_overhead()
 _GRAPH_OVERHEAD = ggml.ggml_graph_overhead()
 
@@ -137,7 +143,26 @@ def mul_mat(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
 def rows_differ_together(qtype: int) -> bool:
     """Whether ggml may compute a product of several rows with `qtype` weights otherwise than each row
     alone (the K-quants' several-row kernels give each row its one-row bits; llamafile's GEMMs need not)."""
-    return int(qtype) in _GEMM_TYPES
+    qtype = int(qtype)
+    if not _LLAMAFILE or qtype not in _FLOAT_GEMM_TYPES | _INTEGER_GEMM_TYPES:
+        return False
+    return qtype in _FLOAT_GEMM_TYPES or not _keeps_rows(qtype)
+
+
+@functools.cache
+def _keeps_rows(qtype: int) -> bool:
+    """Whether a product of several rows with `qtype` weights gives each row its one-row bits on this CPU:
+    a [3, 256] · [64, 256]ᵀ product against its rows alone (llamafile's GEMM from two rows on, ggml's dot
+    product for one), on fixed data whose every product is non-zero."""
+    from fomoepy import quants
+
+    rng = np.random.default_rng(qtype)
+    w = (rng.standard_normal((64, 256)) * 0.05).astype(F32)
+    raw = np.frombuffer(quants.quantize(w, quants.GGMLQuantizationType(qtype)).tobytes(), np.uint8)
+    m = QuantMatrix.of(raw, qtype, (64, 256))
+    x = rng.standard_normal((3, 256)).astype(F32)
+    together = fresh_mul_mat(x, m, 1)
+    return all(np.array_equal(together[i], fresh_mul_mat(x[i : i + 1], m, 1)[0]) for i in range(3))
 
 
 def rows_apart(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
