@@ -188,33 +188,28 @@ def normed(g: Graph, x, eps: float, w):
 
 
 def product(g: Graph, w, x, B: int, apart: bool):
-    """w · x for x [K, B] → [N, B]. apart: each column a one-row product of its own, the columns then
-    joined: ggml takes another kernel for a product of several rows than for one (llamafile's GEMMs, from
-    two rows on, sum in another order than its one-row dot products), so the rows of several sequences
-    are multiplied apart to get the bits each gets alone; a prefill's rows (one sequence) are not."""
+    """w · x for x [K, B] → [N, B]. apart: each column a one-row product of its own: ggml takes another
+    kernel for a product of several rows than for one (llamafile's GEMMs, from two rows on, may sum in
+    another order than its one-row dot products), so the rows of several sequences are multiplied as B
+    products of one row each (x as [K, 1, B], w broadcast over the B) to get the bits each gets alone; a
+    prefill's rows (one sequence) are not."""
     if not apart or B == 1 or not rows_differ_together(getattr(w, "qtype", ggml.GGML_TYPE_F32)):
         return ggml.ggml_mul_mat(g.ctx, g.weight(w), x)
-    # the columns are views of a copy of x: a view takes its source's data address when it is made,
-    # and an input's is set only when the graph runs
-    x = ggml.ggml_cont(g.ctx, x)
-    W, nb1 = g.weight(w), x.contents.nb[1]
-    K = int(x.contents.ne[0])
-    out = None
-    for i in range(B):
-        column = ggml.ggml_mul_mat(g.ctx, W, ggml.ggml_view_2d(g.ctx, x, K, 1, nb1, i * nb1))
-        out = column if out is None else ggml.ggml_concat(g.ctx, out, column, 1)
-    return out
+    # the copy: a reshape is a view, which takes its source's data address when it is made, and an
+    # input's is set only when the graph runs
+    rows = ggml.ggml_reshape_3d(g.ctx, ggml.ggml_cont(g.ctx, x), int(x.contents.ne[0]), 1, B)
+    y = ggml.ggml_mul_mat(g.ctx, g.weight(w), rows)  # [N, 1, B]
+    # a node of its own, not a view of y: a graph's output gets memory of its own (Graph.own), which a
+    # view would not compute into
+    return ggml.ggml_cont(g.ctx, ggml.ggml_reshape_2d(g.ctx, y, int(y.contents.ne[0]), B))
 
 
 def apart_bytes(w, B: int) -> int:
-    """Room for product(w, ..., apart=True)'s intermediates: the copy of x, B columns of w's n_rows
-    outputs and the joins of 2 .. B of them."""
-    return 4 * (w.n_cols * B + w.n_rows * (B + B * (B + 1) // 2)) if B > 1 else 0
+    """Room for product(w, ..., apart=True)'s intermediates: the copy of x, the product and its copy."""
+    return 4 * B * (w.n_cols + 2 * w.n_rows) if B > 1 else 0
 
 
-def apart_tensors(B: int) -> int:
-    """Tensors product(..., apart=True) adds: the copy, and a view, a product and a join a row."""
-    return 3 * B + 1 if B > 1 else 0
+APART_TENSORS = 5  # the tensors product(..., apart=True) adds: two copies, two reshapes, the product
 
 
 def pre_attention_nodes(g: Graph, w, a, eps: float, x, pos, B: int, apart: bool = False):
@@ -277,11 +272,11 @@ class AttentionGraphs:
         H, Hkv, hd, B = a.n_head, a.n_head_kv, a.head_dim, rows
         D = w.attn_q.n_cols
         # the rows are one of each of B sequences: their products with weights are taken apart (`product`)
-        pre = self.pre = Graph(28 + 3 * apart_tensors(B), pre_attention_bytes(w, a, B, apart=True), threads)
+        pre = self.pre = Graph(28 + 3 * APART_TENSORS, pre_attention_bytes(w, a, B, apart=True), threads)
         x, pos = pre.input(D, B), pre.input(B, qtype=ggml.GGML_TYPE_I32)
         q, k_rot, v = pre_attention_nodes(pre, w, a, eps, x, pos, B, apart=True)
         pre.finish([(q, (B, H, hd)), (k_rot, (B, Hkv, hd)), (v, (B, Hkv * hd))])
-        post = self.post = Graph(40 + 2 * apart_tensors(B), post_attention_bytes(w, B, apart=True), threads)
+        post = self.post = Graph(40 + 2 * APART_TENSORS, post_attention_bytes(w, B, apart=True), threads)
         x, attn = post.input(D, B), post.input(H * hd, B)
         x2, h, logits = post_attention_nodes(post, w, eps, x, attn, B, apart=True)
         post.finish([(x2, (B, D)), (h, (B, D))] + routed_outputs(post, logits, k, B))

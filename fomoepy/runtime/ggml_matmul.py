@@ -166,25 +166,22 @@ def _keeps_rows(qtype: int) -> bool:
 
 
 def rows_apart(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
-    """x [B, K] · wᵀ → [B, N], each row a one-row product of its own (all in one graph): the bits each
-    row gets alone. ggml takes another kernel for a product of several rows than for one (llamafile's
-    GEMMs, from two rows on, sum in another order), so the rows of several sequences are not one product
-    where the weights' type is one it takes (rows_differ_together)."""
+    """x [B, K] · wᵀ → [B, N], each row a one-row product of its own: the bits each row gets alone. ggml
+    takes another kernel for a product of several rows than for one (llamafile's GEMMs, from two rows on,
+    may sum in another order), so where the weights' type is one it takes (rows_differ_together) the rows
+    of several sequences are B products of one row each: x as [K, 1, B], w broadcast over the B."""
     x = np.ascontiguousarray(x, dtype=F32)
     B = x.shape[0]
     if B == 1 or not rows_differ_together(w.qtype):
         return mul_mat(x, w, threads)
-    g = _Graph(2 * B + 1)
+    g = _Graph(3)
     try:
-        W = g.weight(w)
-        out = np.empty((B, w.n_rows), F32)
-        g.keep.append(out)
-        rows = []
-        for i in range(B):
-            y = ggml.ggml_mul_mat(g.ctx, W, g.wrap(ggml.GGML_TYPE_F32, w.n_cols, 1, x[i]))
-            y.contents.data = ctypes.c_void_p(out[i].ctypes.data)
-            rows.append(y)
-        g.compute(rows, threads)
+        rows = ggml.ggml_new_tensor_3d(g.ctx, ggml.GGML_TYPE_F32, w.n_cols, 1, B)
+        rows.contents.data = ctypes.c_void_p(x.ctypes.data)
+        g.keep.append(x)
+        y = ggml.ggml_mul_mat(g.ctx, g.weight(w), rows)  # [N, 1, B]: row i's N outputs, then row i+1's
+        out = g.result(y, B, w.n_rows)
+        g.compute([y], threads)
     finally:
         g.free()
     return out
