@@ -98,8 +98,8 @@ class _Graph:
             raise FomoeError(f"ggml could not allocate a {size}-byte context")
         self.keep: list[np.ndarray] = []  # numpy memory the tensors point at, alive until compute
 
-    def wrap(self, qtype: int, ne0: int, ne1: int, buf: np.ndarray):
-        t = ggml.ggml_new_tensor_2d(self.ctx, qtype, ne0, ne1)
+    def wrap(self, qtype: int, ne0: int, ne1: int, buf: np.ndarray, ne2: int = 1):
+        t = ggml.ggml_new_tensor_2d(self.ctx, qtype, ne0, ne1) if ne2 == 1 else ggml.ggml_new_tensor_3d(self.ctx, qtype, ne0, ne1, ne2)
         t.contents.data = ctypes.c_void_p(buf.ctypes.data)
         self.keep.append(buf)
         return t
@@ -176,10 +176,7 @@ def rows_apart(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
         return mul_mat(x, w, threads)
     g = _Graph(3)
     try:
-        rows = ggml.ggml_new_tensor_3d(g.ctx, ggml.GGML_TYPE_F32, w.n_cols, 1, B)
-        rows.contents.data = ctypes.c_void_p(x.ctypes.data)
-        g.keep.append(x)
-        y = ggml.ggml_mul_mat(g.ctx, g.weight(w), rows)  # [N, 1, B]: row i's N outputs, then row i+1's
+        y = ggml.ggml_mul_mat(g.ctx, g.weight(w), g.wrap(ggml.GGML_TYPE_F32, w.n_cols, 1, x, B))  # [N, 1, B]: row i's N outputs, then row i+1's
         out = g.result(y, B, w.n_rows)
         g.compute([y], threads)
     finally:
