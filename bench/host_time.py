@@ -265,6 +265,12 @@ def cpu_path(args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
+def gpu_cells(gpu: dict, driver: str) -> str:
+    """The GPU path's row up to its split: the path, the shape, median and p90 (wall and CPU), steps."""
+    return (f"| GPU, {gpu['vendor']} {driver}, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall, "
+            f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | ")  # fmt: skip
+
+
 def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
     g, c = gpu["split_median_us"], cpu["split_median_us"]
     rest = g["total (instrumented)"] - g["routing"] - g["plan"]
@@ -275,9 +281,7 @@ def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
         "",
         "| path | shape | median µs | p90 µs | steps | split (medians, µs) |",
         "|---|---|---|---|---|---|",
-        f"| GPU, {gpu['vendor']} binding over the null stand-in, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall, "
-        f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | "
-        f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
+        gpu_cells(gpu, "binding over the null stand-in") + f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
         f"{g['binding calls']:.1f} ({g['calls per step']:.0f} calls), staging copies {g['staging copies (mean)']:.1f} (mean), "
         f"rest {rest - g['binding calls']:.1f} "
         f"(instrumented total {g['total (instrumented)']:.1f}); device hits {gpu['tiers']['device_hit']:.1%}, "
@@ -304,9 +308,7 @@ def report_real(gpu: dict, args: argparse.Namespace) -> str:
         "",
         "| path | shape | median µs | p90 µs | steps | split (medians, µs) |",
         "|---|---|---|---|---|---|",
-        f"| GPU, {gpu['vendor']} binding, real driver, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall, "
-        f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | "
-        f"less the waits for the device (instrumented) {gpu['less_waits_median_us']:.1f} median, {gpu['less_waits_p90_us']:.1f} p90 "
+        gpu_cells(gpu, "binding, real driver") + f"less the waits for the device (instrumented) {gpu['less_waits_median_us']:.1f} median, {gpu['less_waits_p90_us']:.1f} p90 "
         f"(waits {gpu['waits_median_us']:.1f}); "
         f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); "
         f"routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls {g['binding calls']:.1f} "
