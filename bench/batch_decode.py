@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, engine.spec.n_vocab - 3, size=args.prompt) for _ in range(max(sizes))]
     alone_ours = [ours(engine, [p], args.decode)[1][0] for p in prompts]  # each sequence decoded alone
-    alone_peer = [None] * len(prompts)
+    alone_peer = [llama_peer.run_batched(path, [p], args.decode, threads) for p in prompts]
+    alone_peer = [r["tokens"][0] if isinstance(r, dict) else None for r in alone_peer]
     rows, base = [], {}
     for b in sizes:
         mine, peer, same_ours, same_peer = [], [], True, True
@@ -79,9 +80,6 @@ def main(argv: list[str] | None = None) -> int:
                 peer.append(result)
                 continue
             peer.append(result["decode"])
-            if b == 1:
-                alone_peer = [llama_peer.run_batched(path, [p], args.decode, threads) for p in prompts]
-                alone_peer = [r["tokens"][0] if isinstance(r, dict) else None for r in alone_peer]
             same_peer &= result["tokens"] == alone_peer[:b]
         ours_rate = float(np.median(mine))
         failed = [p for p in peer if isinstance(p, str)]

@@ -28,14 +28,9 @@ def command(path: Path, n_decode: int, threads: int, no_repack: bool = False) ->
 def run(path: Path, prompt: np.ndarray, n_decode: int, threads: int, cpu: bool = False) -> tuple[float, ...] | str:
     """(prefill tok/s, decode tok/s) of llama.cpp on `path`, or why it did not run; cpu: and the CPU
     milliseconds its process spent per decoded token (every thread's, spinning included)."""
-    child = subprocess.run(
-        command(path, n_decode, threads),
-        input=json.dumps([int(t) for t in prompt]), capture_output=True, text=True, check=False, env=peer_env(),
-    )  # fmt: skip
-    if child.returncode != 0:
-        last = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
-        return f"not run ({last})"
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = _child(command(path, n_decode, threads), [int(t) for t in prompt])
+    if isinstance(result, str):
+        return result
     if cpu:
         return result["prefill"], result["decode"], result["decode_cpu_ms"]
     return result["prefill"], result["decode"]
@@ -96,10 +91,13 @@ def measure(path: str, prompt: list[int], n_decode: int, threads: int, no_repack
 def run_batched(path: Path, prompts: list[np.ndarray], n_decode: int, threads: int) -> dict | str:
     """llama.cpp decoding len(prompts) sequences together (one llama_decode a step, a token of each), in
     a child: {"decode": aggregate tok/s, "tokens": each sequence's greedy tokens}, or why it did not run."""
-    child = subprocess.run(
-        [sys.executable, __file__, str(path), str(threads), str(n_decode), "--batched"],
-        input=json.dumps([[int(t) for t in p] for p in prompts]), capture_output=True, text=True, check=False, env=peer_env(),
-    )  # fmt: skip
+    return _child([sys.executable, __file__, str(path), str(threads), str(n_decode), "--batched"],
+                  [[int(t) for t in p] for p in prompts])  # fmt: skip
+
+
+def _child(cmd: list[str], stdin) -> dict | str:
+    """What the child printed last (JSON), stdin sent to it as JSON; or, where it failed, why, in a line."""
+    child = subprocess.run(cmd, input=json.dumps(stdin), capture_output=True, text=True, check=False, env=peer_env())
     if child.returncode != 0:
         last = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
         return f"not run ({last})"
