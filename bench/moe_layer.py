@@ -1,7 +1,7 @@
 """One MoE layer's routed experts on the ggml CPU backend: the per-expert graph of the earlier path
 (ggml_experts.per_expert_ffn: gate, up, down of each picked expert as separate products in one graph) against one
 `mul_mat_id` product over the layer's slots (fomoepy.runtime.ggml_slots.SlotLayer), plain and repacked,
-and, for many tokens, one product per used slot over the repacked slots (SlotLayer.ffn_grouped).
+and, for many tokens, one product per used slot over either (SlotLayer.ffn_grouped).
 
 Shapes of the bench model (bench/cpu_decode.py): n_embd 1024, expert_ff 512, 64 experts top-8, gate/up
 Q4_K, down Q6_K; random weights and routing (each token's 8 experts distinct, in ascending id). All
@@ -57,7 +57,8 @@ def main() -> int:
         yield "per-expert graphs (earlier path)", lambda: per_expert_ffn(parts, h, ids, w, raw, args.threads)
         for name, layer in layers.items():
             yield name, lambda layer=layer: layer.ffn(h, ids, w, args.threads)
-        if T > 1:  # each slot's tokens as the rows of one product: repacked GEMM kernels
+        if T > 1:  # each slot's tokens as the rows of one product (GEMM kernels)
+            yield "per-slot products, plain", lambda: layers["mul_mat_id, plain"].ffn_grouped(h, ids, w, args.threads)
             yield "per-slot products, repacked", lambda: layers["mul_mat_id, repacked"].ffn_grouped(h, ids, w, args.threads)
 
     admit = {name: [] for name in layers}  # seconds to set one expert's bytes into a slot (a miss's copy)

@@ -70,7 +70,7 @@ class Engine:
         layers = self.source.layers
         host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or o.backfills)
         moe = self.spec.moe
-        slots = (moe.n_expert, 0, moe.n_expert_used)
+        slots = (moe.n_expert, 0, moe.n_expert_used, False)
         if is_ggml_cpu(self.ops):
             if o.vram_cache:  # --backend auto fell back to the cpu backend (an explicit cpu is refused by the options)
                 raise FomoeError("--vram-cache must be 0 on the cpu backend, which --backend auto chose: no GPU could start")
@@ -79,7 +79,7 @@ class Engine:
             store_unit = [layer.expert_nbytes for layer in layers]
             device_bytes = o.ram_cache if o.ram_cache is not None else default_device_bytes(store_unit, self.spec)
             host = 0
-            slots = (moe.n_expert, device_bytes, moe.n_expert_used)
+            slots = (moe.n_expert, device_bytes, moe.n_expert_used, o.repack_experts)
         # exclusive tiers need a host tier to demote into; the reference device then keeps store bytes too
         demotes = policy_demotes(o.cache_policy) and host > 0
         device = make_expert_device(self.ops, layers, self.weights.routers(), self.devices, self.placement.device_of_layer, demotes,

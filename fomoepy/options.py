@@ -10,6 +10,7 @@ reads it off the options object it is given rather than from a copy. For example
     --ram-cache    options -> engine (ExpertCache's sizes) -> experts/cache
     --vram-cache   options (refused on the cpu backend, here, before anything loads) -> engine -> experts/cache
     --cache-policy options -> engine (make_policy for each tier; whether evictions demote) -> experts/policy
+    --repack-experts options -> engine -> runtime/backends (GgmlExperts: its slot tensors' buffer type)
 
 The flag names are a contract: other programs pass them.
 """
@@ -47,6 +48,7 @@ class EngineOptions:
     freq_profile: str | None = None
     trace: str | None = None
     prefill_chunk: int = 64  # prompt tokens per prefill step (a running stream's gap is one such step)
+    repack_experts: bool = False  # cpu backend: expert slots in ggml's repacked form (llama.cpp's default)
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str):
@@ -99,6 +101,7 @@ class EngineOptions:
             freq_profile=args.freq_profile,
             trace=args.trace,
             prefill_chunk=args.prefill_chunk,
+            repack_experts=args.repack_experts,
         )
 
     @property
@@ -145,6 +148,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--freq-profile", metavar="F", default=None, help=".freq profile that seeds VRAM, then DRAM")
     g.add_argument("--trace", metavar="FILE", default=None, help="record every routing decision (for fomoe simulate)")
     g.add_argument("--no-prefetch", action="store_true", help="do not predict and prefetch the next layer's experts")
+    g.add_argument("--repack-experts", action="store_true",
+                   help="cpu backend: hold the expert slots in ggml's repacked form, as llama.cpp does unless --no-repack "
+                        "(off by default: every expert a step streams through is then repacked first)")  # fmt: skip
     g = p.add_argument_group("cache-aware routing (off by default: the exact model)")
     CarConfig.add_arguments(g)
     g.add_argument("--backfill", default="thread", choices=list(BACKFILL_MODES),

@@ -3,6 +3,7 @@ llama.cpp's on every oracle model, streamed == resident bit for bit, and the --v
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -123,25 +124,27 @@ def test_the_next_layers_prediction_routes_as_the_backends_own_product_on_any_th
             assert np.array_equal(GgmlExperts.route(device, layer, h, k), want)
 
 
-@pytest.mark.parametrize("T, phase", [(1, Phase.DECODE), (5, Phase.DECODE), (5, Phase.PREFILL), (128, Phase.PREFILL)])  # 128: products per expert
-def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T, phase):
+@pytest.mark.parametrize("repack", [False, True])
+@pytest.mark.parametrize("T, phase", [(1, Phase.DECODE), (5, Phase.DECODE), (5, Phase.PREFILL), (256, Phase.PREFILL)])  # 256: products per expert
+def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T, phase, repack):
     """A step's experts through the device's compute: all resident (the one-graph product), none resident
     (every expert set into staging slots, in rounds when they outnumber them), some resident and
-    computed while the others are still being read, equal bit for bit; and with plain (unrepacked) slots,
-    a sum of freshly built one-expert graphs in the routing's order."""
+    computed while the others are still being read, equal bit for bit, with plain slots and with
+    repacked ones (--repack-experts); and with plain slots, a sum of freshly built one-expert graphs in
+    the routing's order."""
     from concurrent.futures import Future
 
     from fomoepy.experts.device import StepExperts
     from fomoepy.runtime.ggml_experts import GgmlExperts, expert_matrices, grouped_from
 
     path, *_ = stored
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts=repack))
     resident, layer, spec = engine.experts.device, 0, engine.spec
     layers, n_expert, k = resident.layers, spec.moe.n_expert, spec.moe.n_expert_used
     parts, unit = layers[layer].parts, layers[layer].expert_nbytes
     assert len(resident.pool_of[layer]) == n_expert * len(layers)  # the whole model fits: seeded at load
-    none = GgmlExperts(layers, engine.ops, None, n_expert, 0, 2)  # 2 staging slots: rounds
-    some = GgmlExperts(layers, engine.ops, None, n_expert, 3 * unit, k)
+    none = GgmlExperts(layers, engine.ops, None, n_expert, 0, 2, repack)  # 2 staging slots: rounds
+    some = GgmlExperts(layers, engine.ops, None, n_expert, 3 * unit, k, repack)
     plain = GgmlExperts(layers, engine.ops, None, n_expert, 0, n_expert, repack=False)
     rng = np.random.default_rng(5 + T)
     every = {e: engine.source.read(layer, e) for e in range(n_expert)}
@@ -160,8 +163,8 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
         at_hand: dict = {}
         split = StepExperts(None, phase, at_hand, late, lambda at_hand=at_hand: at_hand.update(every))
         assert np.array_equal(some.compute(layer, h, ids, weights, split), got)
-        # each expert's rows as the step computes them: a long prefill's as one product per expert (ggml's
-        # several-row kernels may sum in another order than a row alone), else each row alone
+        # each expert's rows as the plain device computes them: a long prefill's as one product per expert
+        # (ggml's several-row kernels may sum in another order than a row alone), else each row alone
         grouped = phase is Phase.PREFILL and T >= grouped_from(1)
         chosen = sorted({int(e) for e in ids.ravel()})
         rows = {e: np.flatnonzero((ids == e).any(axis=1)) if grouped else None for e in chosen}
@@ -201,15 +204,18 @@ def grouped_rows(monkeypatch) -> list[int]:
     return calls
 
 
-def test_a_long_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_each_row_alone(stored, grouped_rows):
+@pytest.mark.parametrize("repack", [False, True])
+def test_a_long_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_each_row_alone(stored, grouped_rows, repack):
     # GEMM kernels for a long prefill's rows; mul_mat_id's one-row kernels for a short one and for a decode
     # step, whose rows may be several sequences' (a row's bits must not depend on the rows beside it)
     from fomoepy.runtime.ggml_experts import grouped_from
 
     path, _, tokens, _ = stored
-    long = grouped_from(1)
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1, n_ctx=2 * long))
+    long = grouped_from(1, repack)
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, n_ctx=3 * long, repack_experts=repack))
     state = engine.new_state()
+    engine.eval(state, np.resize(tokens, long - 1))  # one token short
+    assert not grouped_rows
     engine.eval(state, np.resize(tokens, long))
     assert grouped_rows == [long] * len(engine.source.layers)
     engine.eval(state, tokens[:6])  # a short chunk
@@ -219,20 +225,25 @@ def test_a_long_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_eac
     engine.close()
 
 
+MEASURED_TOKENS = 1024  # the longest prefill bench/moe_layer.py measured
 
-def test_on_several_threads_a_prefill_groups_its_experts_only_from_the_longer_length_measured_for_them(stored, grouped_rows):
+
+@pytest.mark.parametrize("repack", [False, True])
+def test_on_several_threads_a_prefill_groups_its_experts_only_from_the_longer_length_measured_for_them(stored, grouped_rows, repack):
     # several threads split one mul_mat_id over the whole layer, where a product per expert splits each
-    # small product: mul_mat_id stays faster to longer prefills (bench/moe_layer.py)
+    # small product: mul_mat_id stays faster to longer prefills, over plain slots to every length
+    # measured (bench/moe_layer.py)
     from fomoepy.runtime.ggml_experts import grouped_from
 
     path, _, tokens, _ = stored
-    many = grouped_from(2)
-    assert many > grouped_from(1)
-    engine = Engine(path, EngineOptions(backend="cpu", threads=2, n_ctx=2 * many))
-    engine.eval(engine.new_state(), np.resize(tokens, grouped_from(1)))  # long enough for one thread only
+    one, many = grouped_from(1, repack), grouped_from(2, repack)
+    assert many is None or many > one
+    longest = many or MEASURED_TOKENS
+    engine = Engine(path, EngineOptions(backend="cpu", threads=2, n_ctx=2 * longest, repack_experts=repack))
+    engine.eval(engine.new_state(), np.resize(tokens, one))  # long enough for one thread only
     assert not grouped_rows
-    engine.eval(engine.new_state(), np.resize(tokens, many))
-    assert grouped_rows == [many] * len(engine.source.layers)
+    engine.eval(engine.new_state(), np.resize(tokens, longest))
+    assert grouped_rows == ([many] * len(engine.source.layers) if many else [])
     engine.close()
 
 ORACLE_MODELS = ["qwen3moe_f32", "qwen3moe_q8_0", "qwen3moe_q6_k", "qwen3moe_q4_k_m", "qwen35moe_f32", "qwen35moe_q4_k"]
@@ -260,22 +271,24 @@ def stored(request, tmp_path_factory):
     store = tmp_path_factory.mktemp("store") / "s"
     prepare_store(path, [store], progress=False)
     tokens = np.load(ORACLE / f"{request.param}.tokens.npy")
-    resident = Engine(path, EngineOptions(backend="cpu", threads=2)).logits(tokens)
+    resident = {repack: Engine(path, EngineOptions(backend="cpu", threads=2, repack_experts=repack)).logits(tokens)
+                for repack in (False, True)}  # fmt: skip
     return path, str(store), tokens, resident
 
 
-@pytest.mark.parametrize("ram_experts", [0, 1, 5, None])
-def test_cpu_backend_streamed_equals_resident_bit_for_bit(stored, ram_experts):
+@pytest.mark.parametrize("ram_experts, repack", [(0, False), (1, False), (5, False), (None, False), (0, True), (5, True)])
+def test_cpu_backend_streamed_equals_resident_bit_for_bit(stored, ram_experts, repack):
     path, store, tokens, resident = stored
     probe = Engine(path, EngineOptions(backend="cpu"))
     unit = probe.source.layers[0].expert_nbytes
-    opts = EngineOptions(backend="cpu", threads=1, store=(store,), ram_cache=None if ram_experts is None else ram_experts * unit)
+    opts = EngineOptions(backend="cpu", threads=1, store=(store,), ram_cache=None if ram_experts is None else ram_experts * unit,
+                         repack_experts=repack)  # fmt: skip
     engine = Engine(path, opts)
-    assert np.array_equal(engine.logits(tokens), resident)
+    assert np.array_equal(engine.logits(tokens), resident[repack])
     # prefill half, then token by token through the same small tier, against the resident engine
     # making the same calls (a prefill and a decode step may add in other orders)
     split = len(tokens) // 2
-    ref = Engine(path, EngineOptions(backend="cpu", threads=2))
+    ref = Engine(path, EngineOptions(backend="cpu", threads=2, repack_experts=repack))
     state, ref_state = engine.new_state(), ref.new_state()
     assert np.array_equal(engine.model.forward(tokens[:split], state), ref.model.forward(tokens[:split], ref_state))
     for i in range(split, len(tokens)):
@@ -306,3 +319,29 @@ def test_profile_timing_splits_a_layer_step_into_products_read_waits_and_host(st
     assert 0 < matmul < total and 0 < wait < total and host == pytest.approx(total - matmul - wait)
     assert timer.report()[-1].startswith(f"per layer step: {total * 1e6:.0f} µs = ggml products {matmul * 1e6:.0f}")
     engine.close()
+
+
+def test_expert_slots_are_plain_unless_repack_experts_asks_and_the_flag_reaches_them():
+    """The cpu backend's slots hold store bytes as they are by default (a streamed miss costs a memcpy,
+    not a repack); --repack-experts holds them in ggml's repacked form where it has kernels for them."""
+    from fomoepy.options import EngineOptions as Options
+    from fomoepy.options import add_engine_options
+
+    path = ORACLE / "qwen3moe_q4_k_m.gguf"
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert Options.from_args(parser.parse_args(["--repack-experts"])).repack_experts
+    assert not Options.from_args(parser.parse_args([])).repack_experts
+    from fomoepy.runtime.ggml_buffers import repacks
+
+    forms, kernels = {}, []
+    for repack in (False, True):
+        engine = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts=repack))
+        mats = [m for pool in engine.experts.device.pools.values() for m in pool.layer.mats]
+        forms[repack] = [m.repacked for m in mats]
+        kernels = [repacks(m.qtype, m.n_cols, m.n_rows) for m in mats]  # whether ggml has kernels for each here
+        engine.close()
+    assert not any(forms[False])
+    if not any(kernels):
+        pytest.skip("this CPU's ggml has no repacked kernels for the model's expert matrices")
+    assert forms[True] == kernels

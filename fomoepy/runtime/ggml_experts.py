@@ -3,9 +3,14 @@ layer one mul_mat_id product over them, a prefill one product per expert over it
 (fomoepy.runtime.ggml_pool, fomoepy.runtime.ggml_slots).
 
 The tier (the cache's device tier: on this backend it is host memory, sized by --ram-cache) holds
-experts repacked where ggml has kernels for their type, as llama.cpp holds its weights. A step's
-experts the tier does not hold are set into staging slots of the same pool for the step, so they go
-through the same kernels: which experts were resident changes the time a step takes, never its bits.
+experts in their store form, as llama.cpp's --no-repack does; with --repack-experts, repacked where
+ggml has kernels for their type, as llama.cpp holds its weights by default. Plain is the default
+because repacking costs more than it gains here: ggml repacks a Q4_K matrix at ~1.3 GB/s (a bench-model
+expert ~0.45 ms) for every expert a step streams through its staging slots, more than the expert's
+product takes, while a decode step's products run as fast on plain slots and a prefill's faster (ggml's
+repacked mul_mat_id runs a GEMV per row). A step's experts the tier does not hold are set into staging
+slots of the same pool for the step, so they go through the same kernels: which experts were resident
+changes the time a step takes, never its bits.
 """
 
 from __future__ import annotations
@@ -23,20 +28,24 @@ from fomoepy.runtime.ggml_slots import weighted_sum
 F32 = np.float32
 _ONE_THREAD_ROWS = 16  # router rows computed on one thread (a decode step's, of up to 16 sequences)
 # Prefill tokens from which a layer's experts run a product per expert over its tokens rather than one
-# mul_mat_id over every pick, by thread count. `python bench/moe_layer.py --threads N --tokens
-# 64,128,256,512 --record` (the bench model's layer, this 2-vCPU EPYC, ms a layer, mul_mat_id against
-# per expert): 1 thread 26.6 / 29.1, 51.8 / 48.8, 125.1 / 89.5, 248.6 / 186.8; 2 threads 14.6 / 27.2,
-# 32.5 / 46.1, 68.5 / 72.8, 122.4 / 121.1. (The per-expert products split each small product over the
-# threads; mul_mat_id splits the whole layer's.) On llama.cpp's ggml (tools/build_ggml.sh), recorded
-# the same way: 1 thread 25.9 / 27.4 at 64, 45.3 / 41.4 at 128, 102.2 / 67.0 at 256; 2 threads 24.2 /
-# 40.3 at 128, 50.7 / 58.3 at 256, 99.6 / 98.6 at 512: the same thresholds.
-_GROUPED_FROM = {1: 128}
-_GROUPED_FROM_MANY_THREADS = 512
+# mul_mat_id over every pick, by slot form and thread count (None: never). `python bench/moe_layer.py
+# --threads N --tokens 1,64,128,256,512 --record` (the bench model's layer on llama.cpp's ggml with
+# llamafile, tools/build_ggml.sh; this 2-vCPU EPYC; ms a layer, mul_mat_id against per slot):
+#   plain, 1 thread:     28.4 / 30.5 at 64, 39.1 / 42.6 at 128, 50.2 / 53.5 at 192, 78.7 / 64.7 at 256;
+#   plain, 2 threads:    14.6 / 28.6 at 64, 19.1 / 35.9 at 128, 36.4 / 50.7 at 256, 60.2 / 98.3 at 512,
+#                        116.2 / 155.0 at 1024 (one product splits the whole layer over the threads,
+#                        a product per slot each small product);
+#   repacked, 1 thread:  25.7 / 27.8 at 64, 46.0 / 41.2 at 128, 105.0 / 69.0 at 256;
+#   repacked, 2 threads: 22.7 / 34.3 at 128, 48.3 / 50.8 at 256, 91.5 / 110.5 at 512 (the eighth stop's
+#                        record: 99.6 / 98.6 at 512).
+_GROUPED_FROM = {(False, 1): 256, (True, 1): 128}
+_GROUPED_FROM_MANY_THREADS = {False: None, True: 512}
 
 
-def grouped_from(threads: int) -> int:
-    """Prefill tokens from which a layer's experts are a product per expert, on `threads` threads."""
-    return _GROUPED_FROM.get(threads, _GROUPED_FROM_MANY_THREADS)
+def grouped_from(threads: int, repacked: bool = False) -> int | None:
+    """Prefill tokens from which a layer's experts are a product per expert, on `threads` threads over
+    plain or repacked slots; None: never (one mul_mat_id is faster at every length measured)."""
+    return _GROUPED_FROM.get((repacked, threads), _GROUPED_FROM_MANY_THREADS[repacked])
 
 
 class GgmlExperts:
@@ -45,12 +54,13 @@ class GgmlExperts:
     llama.cpp adds them), whichever of them were resident.
 
     tier_bytes: the tier's budget (the cache's device tier); n_staging: staging slots per layout (a
-    decode step's misses all fit in n_expert_used); repack=False holds every slot plain (tests)."""
+    decode step's misses all fit in n_expert_used); repack: every slot in ggml's repacked form where it
+    has kernels for the type (--repack-experts), else plain."""
 
-    can_download = False  # a repacked slot cannot give its store bytes back
+    can_download = False  # this backend's one tier has no tier below it to demote into
 
     def __init__(self, layers: tuple[LayerExperts, ...], ops, routers=None, n_expert: int = 0, tier_bytes: int = 0,
-                 n_staging: int = 8, repack: bool = True):  # fmt: skip
+                 n_staging: int = 8, repack: bool = False):  # fmt: skip
         self.layers = layers
         self.ops = ops
         self.routers = routers  # every layer's router, to predict the next layer's experts
@@ -64,6 +74,7 @@ class GgmlExperts:
             n_tier = min(len(members) * n_expert, tier_bytes // store_expert_nbytes(members[0]))
             self.pools[layout] = SlotPool(layout, n_tier, n_staging, n_expert, repack)
         self.pool_of = [self.pools[layout_of(layer)] for layer in layers]
+        self.repack = repack
         self._spins = ggml_threads.spins()  # (OpenMP read its policy when ggml was loaded: it stays)
 
     def expert_nbytes(self, layer: int) -> int:
@@ -113,7 +124,8 @@ class GgmlExperts:
         # a long prefill's experts each take their tokens as the rows of one product (GEMM kernels); a
         # decode step's rows each go alone (mul_mat_id), so a row's bits are its own in a batch of
         # sequences, and so do a short prefill's, where that is faster (grouped_from)
-        grouped = experts.phase is Phase.PREFILL and ids.shape[0] >= grouped_from(threads)
+        group_from = grouped_from(threads, self.repack)
+        grouped = experts.phase is Phase.PREFILL and group_from is not None and ids.shape[0] >= group_from
         slots = pool.slots_of(layer)[ids]  # [T, k]
         if slots.min() >= 0:  # every expert in the tier: one product (a decode step's usual case)
             experts.landed()

@@ -9,9 +9,9 @@ a layer's step is one mul_mat_id over it, whichever slots its experts sit in:
                                           fewest slots the tier has held at once
     slots [n_tier, n_tier + n_staging)    a step's misses the tier does not keep, set for that step
 
-Every slot of a pool is held alike (repacked where ggml has kernels for the type), so a miss set
-into a staging slot is computed by the same kernels as when it is a tier slot: streamed logits are
-the resident ones, bit for bit. Which experts the tier holds is the cache's decision; this only
+Every slot of a pool is held alike (all plain, or all repacked where ggml has kernels for the type),
+so a miss set into a staging slot is computed by the same kernels as when it is a tier slot: streamed
+logits are the resident ones, bit for bit. Which experts the tier holds is the cache's decision; this only
 places them.
 """
 
@@ -37,7 +37,7 @@ def layout_of(layer) -> Layout:
 class SlotPool:
     """`n_tier` tier slots and `n_staging` staging slots of one expert layout."""
 
-    def __init__(self, layout: Layout, n_tier: int, n_staging: int, n_expert: int, repack: bool = True):
+    def __init__(self, layout: Layout, n_tier: int, n_staging: int, n_expert: int, repack: bool = False):
         if n_tier < 0 or n_staging < 1:
             raise FomoeError(f"expected >= 0 tier slots and >= 1 staging slot, got {n_tier} and {n_staging}")
         self.layer = SlotLayer(layout, n_tier + n_staging, repack)
