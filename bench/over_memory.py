@@ -1,8 +1,10 @@
 """Decode a model larger than the memory it is given: fomoepy and llama.cpp, each in its own memory
 cgroup under the same cap, after the page cache is dropped, in one run.
 
-- fomoepy: the cpu backend (ggml) with the model's expert store and `--ram-cache`; the dense weights
-  come from the mapped GGUF.
+- fomoepy: the cpu backend (ggml) with the model's expert store, its tier sized as a user's run sizes
+  it (the engine's default: half of what the cap leaves once the mapped dense weights have their
+  pages; fomoepy.runtime.available_memory), or by `--ram-cache`; the dense weights come from the
+  mapped GGUF.
 - llama.cpp (llama-cpp-python, the `bench` extra): the mapped GGUF with `--no-repack`, so its weights
   stay in the file's pages, which the kernel may drop and reread under the cap.
 
@@ -11,7 +13,7 @@ The cap charges the page cache too, so what a run reads back after eviction show
 beside them (random 1 MiB reads of the GGUF, two threads). Needs root, for the cgroup and for dropping
 the page cache; prints why not otherwise.
 
-    python bench/over_memory.py [--cap 320M] [--ram-cache 128M] [--ratios 2,4] [--layers 8] [--routing demo]
+    python bench/over_memory.py [--cap 320M] [--ram-cache auto] [--ratios 2,4] [--layers 8] [--routing demo]
                                 [--decode 16] [--threads 2] [--record]
 
 Models: the bench model's shape (bench/cpu_decode.py: Q4_K_M mix, 64 experts top-8) with as many layers
@@ -106,7 +108,7 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
-def fomoepy_child(model: str, store: str, ram_cache: int, threads: int, n_decode: int) -> dict:
+def fomoepy_child(model: str, store: str, ram_cache: int | None, threads: int, n_decode: int) -> dict:
     """Runs in the capped process: greedy decode through the engine, as llama_peer does."""
     from fomoepy.engine import Engine, EngineOptions
 
@@ -122,7 +124,7 @@ def fomoepy_child(model: str, store: str, ram_cache: int, threads: int, n_decode
     decode_s = time.perf_counter() - t1
     counts = engine.experts.streamer.counter.counts  # the router's own choices, whatever the cache did
     return {"prefill": len(prompt) / prefill_s, "decode": n_decode / decode_s, "read_bytes": llama_peer.read_bytes(),
-            "expert_counts": counts.tolist()}  # fmt: skip
+            "expert_counts": counts.tolist(), "tier_bytes": engine.experts.streamer.cache.device.capacity}  # fmt: skip
 
 
 def layers_for_ratio(ratio: float, cap: int) -> int:
@@ -228,6 +230,8 @@ def row(model: str, name: str, child: subprocess.CompletedProcess, peak: int | N
         return f"| {model} | {name} | {why} | | | {peak_mb} |", None
     r = json.loads(child.stdout.strip().splitlines()[-1])
     per_token = r["read_bytes"] / (PROMPT_TOKENS + n_decode) / 2**20
+    if "tier_bytes" in r:  # fomoepy's: the tier its run had
+        name += f" ({r['tier_bytes'] / 2**20:.0f} MiB)"
     return f"| {model} | {name} | {r['prefill']:.1f} | {r['decode']:.2f} | {per_token:.1f} | {peak_mb} |", r
 
 
@@ -249,7 +253,7 @@ def calibrated_skew(target: np.ndarray, n_used: int) -> tuple[tuple[float, ...],
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cap", default="320M", help="memory cap of each run, page cache included")
-    ap.add_argument("--ram-cache", default="128M", help="fomoepy's host tier")
+    ap.add_argument("--ram-cache", default="auto", help="fomoepy's tier (the cpu backend's one tier); auto: the engine's default")
     ap.add_argument("--ratios", default="2,4", help="models at least these multiples of the cap ('none': only --layers)")
     ap.add_argument("--layers", default="8", help="layer counts of further models (8: the bench model's size)")
     ap.add_argument("--routing", choices=("demo", "uniform"), default="demo", help="router skew: the demo model's, or none")
@@ -260,10 +264,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         model, store, ram, threads, n = args.child
-        print(json.dumps(fomoepy_child(model, store, int(ram), int(threads), int(n))))
+        print(json.dumps(fomoepy_child(model, store, None if ram == "auto" else int(ram), int(threads), int(n))))
         return 0
 
-    cap, ram_cache = parse_size(args.cap), parse_size(args.ram_cache)
+    cap, ram_cache = parse_size(args.cap), "auto" if args.ram_cache == "auto" else parse_size(args.ram_cache)
     try:
         limiter = MemoryCap(cap)
         drop_page_cache()
@@ -294,7 +298,8 @@ def main() -> int:
     for model, store in models:
         size = f"{model.name}, {model.stat().st_size / 2**20:.0f} MiB = {model.stat().st_size / cap:.1f}x the cap"
         cmd = [sys.executable, __file__, "--child", str(model), str(store), str(ram_cache), str(args.threads), str(args.decode)]
-        line, child = row(size, "fomoepy cpu, store + --ram-cache " + args.ram_cache, *limiter.run(cmd, prompt), args.decode)
+        tier = "tier automatic" if ram_cache == "auto" else "--ram-cache " + args.ram_cache
+        line, child = row(size, f"fomoepy cpu, store + {tier}", *limiter.run(cmd, prompt), args.decode)
         rows.append(line)
         if child is not None:
             curve = router_skew.mean_curve(np.array(child["expert_counts"]))

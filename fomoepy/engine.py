@@ -30,6 +30,7 @@ from fomoepy.model.state import InferenceState, kv_nbytes, kv_positions
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer, load_weights
 from fomoepy.options import EngineOptions
+from fomoepy.runtime.available_memory import available_memory_bytes
 from fomoepy.runtime.backends import make_expert_device, open_backends
 from fomoepy.runtime.heap import return_freed_memory
 from fomoepy.sampling import SamplingParams
@@ -76,8 +77,9 @@ class Engine:
                 raise FomoeError("--vram-cache must be 0 on the cpu backend, which --backend auto chose: no GPU could start")
             # the one tier is ggml's slot tensors in host memory, computed from in place (the cache's device
             # tier), sized by --ram-cache; by default every expert where that fits in half the free memory
+            # left once the dense weights (computed from in place, mapped: not yet paged in) are
             store_unit = [layer.expert_nbytes for layer in layers]
-            device_bytes = o.ram_cache if o.ram_cache is not None else default_device_bytes(store_unit, self.spec)
+            device_bytes = o.ram_cache if o.ram_cache is not None else default_device_bytes(store_unit, self.spec, self._dense_bytes())
             host = 0
             slots = (moe.n_expert, device_bytes, moe.n_expert_used, o.repack_experts)
         # exclusive tiers need a host tier to demote into; the reference device then keeps store bytes too
@@ -113,6 +115,11 @@ class Engine:
                 drop(layer.layer, experts)
         return step
 
+    def _dense_bytes(self) -> int:
+        """The GGUF's bytes of every tensor but the routed experts'."""
+        expert_tensors = {p.tensor for layer in self.source.layers for p in layer.parts}
+        return sum(t.nbytes for name, t in self.file.tensors.items() if name not in expert_tensors)
+
     def _default_device_bytes(self, unit: list[int]) -> int:
         mem_info = getattr(getattr(self.ops, "rt", None), "mem_info", None)
         if mem_info is None:
@@ -120,8 +127,7 @@ class Engine:
         # GPU: what is free now, less the resident weights still to load (their file bytes, twice
         # for dequantised copies), the KV cache of the whole context, and 1 GiB of workspace
         free, _ = mem_info()
-        expert_tensors = {p.tensor for layer in self.source.layers for p in layer.parts}
-        dense = sum(t.nbytes for name, t in self.file.tensors.items() if name not in expert_tensors)
+        dense = self._dense_bytes()
         a = self.spec.attention
         kv = 2 * self.n_ctx * a.n_head_kv * a.head_dim * 4 * self.spec.layer_kinds.count("attention")
         return max(0, min(sum(unit) * self.spec.moe.n_expert, free - 2 * dense - kv - (1 << 30)))
@@ -246,10 +252,12 @@ def is_ggml_cpu(ops) -> bool:
     return ops.experts_kind == "ggml"
 
 
-def default_device_bytes(unit: list[int], spec: ModelSpec) -> int:
-    """Reference backend's device tier: every expert compute-ready if that fits in half the available memory."""
+def default_device_bytes(unit: list[int], spec: ModelSpec, paged_in: int = 0) -> int:
+    """A device tier in host memory (the reference backend's, the cpu backend's one tier): every expert
+    if that fits in half the available memory (fomoepy.runtime.available_memory: a memory cgroup's limit
+    counts) once `paged_in` bytes, the mapped weights every token reads, have taken theirs."""
     wanted = sum(unit) * spec.moe.n_expert
-    return min(wanted, available_memory_bytes() // 2)
+    return min(wanted, max(0, available_memory_bytes() - paged_in) // 2)
 
 
 def default_host_bytes(layers: tuple[LayerExperts, ...], spec: ModelSpec, wanted_tier: bool) -> int:
@@ -259,17 +267,6 @@ def default_host_bytes(layers: tuple[LayerExperts, ...], spec: ModelSpec, wanted
         return 0
     wanted = sum(layer.expert_nbytes for layer in layers) * spec.moe.n_expert
     return min(wanted, available_memory_bytes() // 4)
-
-
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
 
 
 def open_engine(args: argparse.Namespace):

@@ -209,16 +209,16 @@ def test_generation_refuses_bad_input_with_one_clear_error(engine):
 
 
 def test_the_default_kv_budget_holds_one_full_context_at_least_and_the_batch_at_most(monkeypatch):
-    from fomoepy import engine as engine_module
+    from fomoepy.runtime import available_memory
     from fomoepy.serve.worker import default_kv_budget
 
     e = Engine(ORACLE / "qwen3moe_q4_k_m.gguf")
     full = e.kv_nbytes(e.n_ctx)
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(available_memory, "available_memory_bytes", lambda: 1 << 40)
     assert default_kv_budget(e, 8) == 8 * full
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 4 * 3 * full)
+    monkeypatch.setattr(available_memory, "available_memory_bytes", lambda: 4 * 3 * full)
     assert default_kv_budget(e, 8) == 3 * full  # a quarter of what is available
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 0)
+    monkeypatch.setattr(available_memory, "available_memory_bytes", lambda: 0)
     assert default_kv_budget(e, 8) == full  # one request with the whole context always fits
 
 

@@ -399,7 +399,7 @@ class InferenceWorker:
 def default_kv_budget(engine, max_batch: int) -> int:
     """max_batch full contexts, within a quarter of the memory available now (the host tier's default
     takes another quarter), but always one full context: what one request could always use."""
-    from fomoepy.engine import available_memory_bytes
+    from fomoepy.runtime.available_memory import available_memory_bytes
 
     full = engine.kv_nbytes(engine.n_ctx)
     return max(full, min(max_batch * full, available_memory_bytes() // 4))
