@@ -4,8 +4,9 @@ llama.cpp (llama-cpp-python, the `bench` extra) on the same GGUF, in the same ru
 The model (n_embd 1024, 8 layers, 16 q / 4 kv heads of 64, 64 experts top-8, expert_ff 512, gate/up
 Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. Rows:
 - `cpu` (ggml on the quantized bytes): its default tier holds every expert in slot tensors, repacked
-  where ggml has kernels for the type (filled at load, as llama.cpp repacks at load); a prefill's
-  routed experts (from 128 tokens on 1 thread, 512 on more) are a product per expert over its tokens, a decode token is one ggml graph (every
+  where ggml has kernels for the type (filled at load, as llama.cpp repacks at load; the row says which
+  form the run's slots had); a long prefill's routed experts (ggml_experts.grouped_from) are a product
+  per expert over its tokens, a decode token is one ggml graph (every
   layer's attention, routing and one `mul_mat_id` over the slots, then the output head:
   fomoepy.runtime.ggml_decode);
 - `reference cold`: the compute-ready tier is emptied after the prefill, so the first decoded token
@@ -95,8 +96,9 @@ def main() -> int:
     ours_threads = cpu.devices[0].threads
     tuned = cpu.devices[0].row_threads
     chosen = sorted(set(tuned.chosen.values())) if tuned is not None else []
+    form = "repacked" if any(m.repacked for pool in cpu.experts.device.pools.values() for m in pool.layer.mats) else "plain"
     cpu.close()
-    name = "fomoepy cpu (ggml; experts in the tier's slots, repacked; a decode token one graph)"
+    name = f"fomoepy cpu (ggml; experts in the tier's slots, {form}; a decode token one graph)"
     rows = [f"| {name} | {_median(ours, 0):.1f} | {_median(ours, 1):.1f} | {_median(ours, 2):.2f} |"]
     ref = Engine(path, EngineOptions(backend="reference", threads=threads))
     cold = timed_run(ref, prompt, args.decode, cold=True)
@@ -120,7 +122,7 @@ def main() -> int:
            + (f", a decode row's products on {' or '.join(map(str, chosen))} as measured" if chosen else "")
            + f"; llama.cpp and the reference engine on {threads}" if args.default_threads else f"`; threads {threads} for every run")
         + f"; cpu model load {load_s:.1f} s (the tier filled: every expert set into its slot, "
-        f"repacked); ggml {ggml_version()}; OpenMP wait policy: fomoepy {ggml_threads.in_force()}, llama.cpp "
+        f"{form}); ggml {ggml_version()}; OpenMP wait policy: fomoepy {ggml_threads.in_force()}, llama.cpp "
         f"{llama_peer.peer_env().get('OMP_WAIT_POLICY', 'default')}; {load_line()}, {one:.2f} (1 min) / {five:.2f} (5 min) at the end\n\n"
         f"Decode tok/s by round: {rounds}. CPU ms per decoded token: the process's CPU time (every thread's, spinning "
         "included) over the decoded tokens, less sensitive to other work than the wall-clock rates.\n\n"

@@ -81,7 +81,12 @@ class Engine:
             store_unit = [layer.expert_nbytes for layer in layers]
             device_bytes = o.ram_cache if o.ram_cache is not None else default_device_bytes(store_unit, self.spec, self._dense_bytes())
             host = 0
-            slots = (moe.n_expert, device_bytes, moe.n_expert_used, o.repack_experts)
+            # repacked slots compute a decode row faster (bench/moe_layer.py), but each expert set into one is
+            # repacked first (~0.36 ms a bench-model expert, three plain sets): worth it once, at load, for a
+            # tier that holds every expert; not for every miss of one that streams
+            holds_all = device_bytes >= sum(store_unit) * moe.n_expert
+            repack = {"on": True, "off": False}.get(o.repack_experts, holds_all)
+            slots = (moe.n_expert, device_bytes, moe.n_expert_used, repack)
         # exclusive tiers need a host tier to demote into; the reference device then keeps store bytes too
         demotes = policy_demotes(o.cache_policy) and host > 0
         device = make_expert_device(self.ops, layers, self.weights.routers(), self.devices, self.placement.device_of_layer, demotes,

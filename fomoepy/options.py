@@ -10,7 +10,7 @@ reads it off the options object it is given rather than from a copy. For example
     --ram-cache    options -> engine (ExpertCache's sizes) -> experts/cache
     --vram-cache   options (refused on the cpu backend, here, before anything loads) -> engine -> experts/cache
     --cache-policy options -> engine (make_policy for each tier; whether evictions demote) -> experts/policy
-    --repack-experts options -> engine -> runtime/backends (GgmlExperts: its slot tensors' buffer type)
+    --repack-experts options -> engine (auto: whether the tier holds the whole model) -> runtime/backends (GgmlExperts)
 
 The flag names are a contract: other programs pass them.
 """
@@ -26,7 +26,8 @@ from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
 from fomoepy.runtime.names import BACKEND_NAMES
 from fomoepy.scheduler import PLACEMENTS
 
-BACKFILL_MODES = ("off", "thread", "sync")  # reload CAR's substituted originals: never, in a thread, N per token
+BACKFILL_MODES = ("off", "thread", "sync")
+REPACK_MODES = ("auto", "on", "off")  # --repack-experts  # reload CAR's substituted originals: never, in a thread, N per token
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class EngineOptions:
     freq_profile: str | None = None
     trace: str | None = None
     prefill_chunk: int = 64  # prompt tokens per prefill step (a running stream's gap is one such step)
-    repack_experts: bool = False  # cpu backend: expert slots in ggml's repacked form (llama.cpp's default)
+    repack_experts: str = "auto"  # cpu backend: expert slots in ggml's repacked form: on, off, auto (when the tier holds every expert)
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str):
@@ -70,6 +71,8 @@ class EngineOptions:
         for flag, size in (("vram-cache", self.vram_cache), ("ram-cache", self.ram_cache)):
             if size is not None and size < 0:
                 bad(flag, f"must be >= 0, got {size}")
+        if self.repack_experts not in REPACK_MODES:
+            bad("repack-experts", f"must be one of {', '.join(REPACK_MODES)}, got {self.repack_experts!r}")
         if self.cache_policy not in POLICIES:
             bad("cache-policy", f"{self.cache_policy!r} is unknown (known: {', '.join(POLICIES)})")
         if self.backfill not in BACKFILL_MODES:
@@ -148,9 +151,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--freq-profile", metavar="F", default=None, help=".freq profile that seeds VRAM, then DRAM")
     g.add_argument("--trace", metavar="FILE", default=None, help="record every routing decision (for fomoe simulate)")
     g.add_argument("--no-prefetch", action="store_true", help="do not predict and prefetch the next layer's experts")
-    g.add_argument("--repack-experts", action="store_true",
-                   help="cpu backend: hold the expert slots in ggml's repacked form, as llama.cpp does unless --no-repack "
-                        "(off by default: every expert a step streams through is then repacked first)")  # fmt: skip
+    g.add_argument("--repack-experts", default="auto", choices=list(REPACK_MODES),
+                   help="cpu backend: hold the expert slots in ggml's repacked form, as llama.cpp does unless --no-repack: "
+                        "on, off, or auto (default: on when the tier holds every expert, filled at load; off when it "
+                        "streams, where every expert a step streams through would be repacked first)")  # fmt: skip
     g = p.add_argument_group("cache-aware routing (off by default: the exact model)")
     CarConfig.add_arguments(g)
     g.add_argument("--backfill", default="thread", choices=list(BACKFILL_MODES),

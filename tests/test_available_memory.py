@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from conftest import ORACLE
 
 from fomoepy.runtime import available_memory
-from fomoepy.runtime.available_memory import FALLBACK, NO_LIMIT, available_memory_bytes, cgroup_headroom
+from fomoepy.runtime.available_memory import (
+    FALLBACK,
+    NO_LIMIT,
+    available_memory_bytes,
+    cgroup_headroom,
+)
 
 GIB = 1 << 30
 

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as QT
 
 from fomoepy import quants
 from fomoepy.engine import Engine, EngineOptions
+from fomoepy.errors import FomoeError
 from fomoepy.experts.device import Phase
 from fomoepy.experts.store_writer import prepare_store
 from fomoepy.runtime.ggml_matmul import (
@@ -124,6 +125,9 @@ def test_the_next_layers_prediction_routes_as_the_backends_own_product_on_any_th
             assert np.array_equal(GgmlExperts.route(device, layer, h, k), want)
 
 
+ON_OFF = {False: "off", True: "on"}
+
+
 @pytest.mark.parametrize("repack", [False, True])
 @pytest.mark.parametrize("T, phase", [(1, Phase.DECODE), (5, Phase.DECODE), (5, Phase.PREFILL), (256, Phase.PREFILL)])  # 256: products per expert
 def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T, phase, repack):
@@ -138,7 +142,7 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
     from fomoepy.runtime.ggml_experts import GgmlExperts, expert_matrices, grouped_from
 
     path, *_ = stored
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts=repack))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts=ON_OFF[repack]))
     resident, layer, spec = engine.experts.device, 0, engine.spec
     layers, n_expert, k = resident.layers, spec.moe.n_expert, spec.moe.n_expert_used
     parts, unit = layers[layer].parts, layers[layer].expert_nbytes
@@ -212,7 +216,7 @@ def test_a_long_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_eac
 
     path, _, tokens, _ = stored
     long = grouped_from(1, repack)
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1, n_ctx=3 * long, repack_experts=repack))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, n_ctx=3 * long, repack_experts=ON_OFF[repack]))
     state = engine.new_state()
     engine.eval(state, np.resize(tokens, long - 1))  # one token short
     assert not grouped_rows
@@ -239,7 +243,7 @@ def test_on_several_threads_a_prefill_groups_its_experts_only_from_the_longer_le
     one, many = grouped_from(1, repack), grouped_from(2, repack)
     assert many is None or many > one
     longest = many or MEASURED_TOKENS
-    engine = Engine(path, EngineOptions(backend="cpu", threads=2, n_ctx=2 * longest, repack_experts=repack))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=2, n_ctx=2 * longest, repack_experts=ON_OFF[repack]))
     engine.eval(engine.new_state(), np.resize(tokens, one))  # long enough for one thread only
     assert not grouped_rows
     engine.eval(engine.new_state(), np.resize(tokens, longest))
@@ -272,11 +276,11 @@ def stored(request, tmp_path_factory):
     prepare_store(path, [store], progress=False)
     tokens = np.load(ORACLE / f"{request.param}.tokens.npy")
     resident = {repack: Engine(path, EngineOptions(backend="cpu", threads=2, repack_experts=repack)).logits(tokens)
-                for repack in (False, True)}  # fmt: skip
+                for repack in ("off", "on")}  # fmt: skip
     return path, str(store), tokens, resident
 
 
-@pytest.mark.parametrize("ram_experts, repack", [(0, False), (1, False), (5, False), (None, False), (0, True), (5, True)])
+@pytest.mark.parametrize("ram_experts, repack", [(0, "off"), (1, "off"), (5, "off"), (None, "off"), (0, "on"), (5, "on")])
 def test_cpu_backend_streamed_equals_resident_bit_for_bit(stored, ram_experts, repack):
     path, store, tokens, resident = stored
     probe = Engine(path, EngineOptions(backend="cpu"))
@@ -321,27 +325,32 @@ def test_profile_timing_splits_a_layer_step_into_products_read_waits_and_host(st
     engine.close()
 
 
-def test_expert_slots_are_plain_unless_repack_experts_asks_and_the_flag_reaches_them():
-    """The cpu backend's slots hold store bytes as they are by default (a streamed miss costs a memcpy,
-    not a repack); --repack-experts holds them in ggml's repacked form where it has kernels for them."""
+def test_expert_slots_are_repacked_when_the_tier_holds_every_expert_plain_when_it_streams_or_as_asked(tmp_path):
+    """auto: a tier that holds the whole model (filled at load) repacked where ggml has kernels for the
+    matrices, one that streams plain (a streamed miss costs a memcpy, not a repack); on and off as asked."""
     from fomoepy.options import EngineOptions as Options
     from fomoepy.options import add_engine_options
+    from fomoepy.runtime.ggml_buffers import repacks
 
     path = ORACLE / "qwen3moe_q4_k_m.gguf"
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
-    assert Options.from_args(parser.parse_args(["--repack-experts"])).repack_experts
-    assert not Options.from_args(parser.parse_args([])).repack_experts
-    from fomoepy.runtime.ggml_buffers import repacks
-
+    assert Options.from_args(parser.parse_args(["--repack-experts", "on"])).repack_experts == "on"
+    assert Options.from_args(parser.parse_args([])).repack_experts == "auto"
+    with pytest.raises(FomoeError, match="--repack-experts must be one of"):
+        Options(repack_experts="yes")
+    store = tmp_path / "s"
+    prepare_store(path, [store], progress=False)
+    streams = {"store": (str(store),), "ram_cache": 2 * Engine(path, EngineOptions(backend="cpu")).source.layers[0].expert_nbytes}
     forms, kernels = {}, []
-    for repack in (False, True):
-        engine = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts=repack))
+    for name, opts in [("whole auto", {}), ("whole off", {"repack_experts": "off"}), ("streams auto", streams),
+                       ("streams on", {**streams, "repack_experts": "on"})]:  # fmt: skip
+        engine = Engine(path, EngineOptions(backend="cpu", threads=1, **opts))
         mats = [m for pool in engine.experts.device.pools.values() for m in pool.layer.mats]
-        forms[repack] = [m.repacked for m in mats]
+        forms[name] = [m.repacked for m in mats]
         kernels = [repacks(m.qtype, m.n_cols, m.n_rows) for m in mats]  # whether ggml has kernels for each here
         engine.close()
-    assert not any(forms[False])
+    assert not any(forms["whole off"]) and not any(forms["streams auto"])
     if not any(kernels):
         pytest.skip("this CPU's ggml has no repacked kernels for the model's expert matrices")
-    assert forms[True] == kernels
+    assert forms["whole auto"] == kernels and forms["streams on"] == kernels

@@ -430,11 +430,12 @@ class ComputeGatedStore(PooledStore):
 
 def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_read(model):
     # ggml backend, one token: of the experts chosen, those in the tier go through their FFN before this
-    # step's reads finish; then the read ones. The logits are the resident engine's, bit for bit.
+    # step's reads finish; then the read ones. The logits are the resident engine's, bit for bit (with
+    # its slots in the same form: --repack-experts auto repacks a whole tier's, not a streaming one's).
     import fomoepy.runtime.ggml_experts as ge
 
     path, store, tokens, _ = model
-    resident = Engine(path, EngineOptions(backend="cpu", threads=1))
+    resident = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts="off"))
     resident_state = resident.new_state()
     resident.eval(resident_state, tokens[:5])
     want = resident.eval(resident_state, tokens[5:6], phase=Phase.DECODE)[-1]
@@ -468,7 +469,7 @@ def test_a_cpu_decode_step_that_fails_among_the_experts_at_hand_leaves_the_cache
     import fomoepy.runtime.ggml_experts as ge
 
     path, store, tokens, _ = model
-    fresh = Engine(path, EngineOptions(backend="cpu", threads=1))
+    fresh = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts="off"))  # a streaming tier's form
     want = fresh.logits(tokens[:6])[-1]
     fresh.close()
     engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=short_of_whole(path), prefetch=False))

@@ -3,14 +3,15 @@ layer one mul_mat_id product over them, a prefill one product per expert over it
 (fomoepy.runtime.ggml_pool, fomoepy.runtime.ggml_slots).
 
 The tier (the cache's device tier: on this backend it is host memory, sized by --ram-cache) holds
-experts in their store form, as llama.cpp's --no-repack does; with --repack-experts, repacked where
-ggml has kernels for their type, as llama.cpp holds its weights by default. Plain is the default
-because repacking costs more than it gains here: ggml repacks a Q4_K matrix at ~1.3 GB/s (a bench-model
-expert ~0.45 ms) for every expert a step streams through its staging slots, more than the expert's
-product takes, while a decode step's products run as fast on plain slots and a prefill's faster (ggml's
-repacked mul_mat_id runs a GEMV per row). A step's experts the tier does not hold are set into staging
-slots of the same pool for the step, so they go through the same kernels: which experts were resident
-changes the time a step takes, never its bits.
+experts repacked where ggml has kernels for their type, as llama.cpp holds its weights, when it holds
+every expert (filled once, at load); a tier that streams holds them in their store form, as llama.cpp's
+--no-repack does (--repack-experts on|off overrides). ggml repacks a Q4_K matrix at ~1.3 GB/s (a
+bench-model expert ~0.36 ms, three plain sets), more than the expert's product takes, so repacking every
+expert a step streams through cost more than the repacked kernels save: a decode row's products run
+~10 % faster repacked, a prefill's no faster (ggml's repacked mul_mat_id runs a GEMV per row;
+`bench/moe_layer.py`). A step's experts the tier does not hold are set into staging slots of the same
+pool for the step, so they go through the same kernels: which experts were resident changes the time a
+step takes, never its bits (at one slot form).
 """
 
 from __future__ import annotations
