@@ -21,7 +21,7 @@
     before_reads = "400 us"      # of serial, the part before the step's reads are issued (the next layer's
                                  # guesses are read after them); optional, default all of serial
     flops = "1 TFLOPS"           # CPU backend: its quantised products at prompt batch sizes; optional
-    fill = "2 GB/s"              # cpu backend: store bytes per second set (repacked) into its tier's slots, per
+    fill = "2 GB/s"              # cpu backend: store bytes per second set into its tier's slots (in their form), per
                                  # expert read from the drive; optional, default none
     [drives]
     count = 2
@@ -104,7 +104,7 @@ class Host:
     # of `serial`, the seconds before the step's reads are issued: the next layer's guesses go to the drives
     # after them (fomoepy.experts.read_ahead), so they shorten the guesses' window. None: all of `serial`
     before_reads: float | None = None
-    # store bytes/s the cpu (ggml) backend sets into its tier's slots, repacked for its kernels, per expert
+    # store bytes/s the cpu (ggml) backend sets into its tier's slots (in their form: plain or repacked), per expert
     # read from the drive (its "copy up"; 0: none, it computes store bytes in place)
     fill: float = 0.0
 

@@ -125,9 +125,9 @@ def host_step_seconds(model: str, store: str | None = None, threads: int | None 
 
 
 def slot_fill_rate(engine, experts: int = 8) -> float:
-    """Store bytes/s the cpu backend's `engine` sets into a slot of its tier (repacked where ggml has
-    kernels for the type: its making ready of a miss), over layer 0's first `experts` experts read from
-    its source first (the median of their times)."""
+    """Store bytes/s the cpu backend's `engine` sets into a slot of its tier (in the form its slots hold:
+    a memcpy when plain, ggml's repacking when repacked; its making ready of a miss), over layer 0's
+    first `experts` experts read from its source first (the median of their times)."""
     pool, source = engine.experts.device.pool_of[0], engine.source
     parts = [source.read(0, e) for e in range(min(experts, engine.spec.moe.n_expert))]
     nbytes = source.layers[0].expert_nbytes
