@@ -189,7 +189,7 @@ def test_a_demoting_policys_copies_down_run_beside_the_copies_up(q397, fomoe_rig
 
 def test_the_cpu_backend_sets_each_miss_into_a_tier_slot_once_the_reads_have_landed(q397):
     # ggml computes the experts at hand while the misses are read, then sets each miss into a slot of
-    # its tier, repacked (GgmlExperts._install_admitted / stage), then computes them: k x disk share x S /
+    # its tier (in the tier's form: GgmlExperts._install_admitted / stage), then computes them: k x disk share x S /
     # host.fill more per layer, in series; a file without `fill` has none (store bytes computed in place)
     cpu = load_hardware("cpu-only-64g")
     shares = TierRates(0.0, 0.6, 0.4)
