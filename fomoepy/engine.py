@@ -77,7 +77,7 @@ class Engine:
                 raise FomoeError("--vram-cache must be 0 on the cpu backend, which --backend auto chose: no GPU could start")
             # the one tier is ggml's slot tensors in host memory, computed from in place (the cache's device
             # tier), sized by --ram-cache; by default every expert where that fits in half the free memory
-            # left once the dense weights (computed from in place, mapped: not yet paged in) are
+            # the dense weights leave (computed from in place, mapped: their pages are not taken yet)
             store_unit = [layer.expert_nbytes for layer in layers]
             device_bytes = o.ram_cache if o.ram_cache is not None else default_device_bytes(store_unit, self.spec, self._dense_bytes())
             host = 0

@@ -26,8 +26,8 @@ from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
 from fomoepy.runtime.names import BACKEND_NAMES
 from fomoepy.scheduler import PLACEMENTS
 
-BACKFILL_MODES = ("off", "thread", "sync")
-REPACK_MODES = ("auto", "on", "off")  # --repack-experts  # reload CAR's substituted originals: never, in a thread, N per token
+BACKFILL_MODES = ("off", "thread", "sync")  # reload CAR's substituted originals: never, in a thread, N per token
+REPACK_MODES = ("auto", "on", "off")  # --repack-experts: the cpu backend's slot form
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ the process runs in, which MemAvailable knows nothing of.
 A systemd unit's MemoryMax=, a container's --memory or a `systemd-run -p MemoryMax=` caps the cgroup:
 past its limit the kernel reclaims the cgroup's own pages, the mapped model's first, while the host's
 MemAvailable may still show gigabytes free. A tier sized from MemAvailable alone then pushes out the
-weights every token reads (measured under a 320 MiB cap at 4x the cap: 1.8 tok/s with a 128 MiB tier,
-4.8 with 64 MiB; `bench/over_memory.py`).
+weights every token reads (by hand, under `bench/over_memory.py`'s 320 MiB cap, a model 4x the cap:
+1.8 tok/s with a 128 MiB tier, 4.8 with 64 MiB).
 
     available_memory_bytes()   min(MemAvailable, the tightest limit − working set of this process's
                                memory cgroup and its ancestors, v2 or v1)

@@ -8,7 +8,7 @@ every expert (filled once, at load); a tier that streams holds them in their sto
 --no-repack does (--repack-experts on|off overrides). ggml repacks a Q4_K matrix at ~1.3 GB/s (a
 bench-model expert ~0.36 ms, three plain sets), more than the expert's product takes, so repacking every
 expert a step streams through cost more than the repacked kernels save: a decode row's products run
-~10 % faster repacked, a prefill's no faster (ggml's repacked mul_mat_id runs a GEMV per row;
+10-16 % faster repacked, a prefill's no faster (ggml's repacked mul_mat_id runs a GEMV per row;
 `bench/moe_layer.py`). A step's experts the tier does not hold are set into staging slots of the same
 pool for the step, so they go through the same kernels: which experts were resident changes the time a
 step takes, never its bits (at one slot form).
@@ -30,15 +30,14 @@ F32 = np.float32
 _ONE_THREAD_ROWS = 16  # router rows computed on one thread (a decode step's, of up to 16 sequences)
 # Prefill tokens from which a layer's experts run a product per expert over its tokens rather than one
 # mul_mat_id over every pick, by slot form and thread count (None: never). `python bench/moe_layer.py
-# --threads N --tokens 1,64,128,256,512 --record` (the bench model's layer on llama.cpp's ggml with
-# llamafile, tools/build_ggml.sh; this 2-vCPU EPYC; ms a layer, mul_mat_id against per slot):
-#   plain, 1 thread:     28.4 / 30.5 at 64, 39.1 / 42.6 at 128, 50.2 / 53.5 at 192, 78.7 / 64.7 at 256;
-#   plain, 2 threads:    14.6 / 28.6 at 64, 19.1 / 35.9 at 128, 36.4 / 50.7 at 256, 60.2 / 98.3 at 512,
-#                        116.2 / 155.0 at 1024 (one product splits the whole layer over the threads,
-#                        a product per slot each small product);
-#   repacked, 1 thread:  25.7 / 27.8 at 64, 46.0 / 41.2 at 128, 105.0 / 69.0 at 256;
-#   repacked, 2 threads: 22.7 / 34.3 at 128, 48.3 / 50.8 at 256, 91.5 / 110.5 at 512 (the eighth stop's
-#                        record: 99.6 / 98.6 at 512).
+# --threads 1 --tokens 1,64,128,256 --record` and `--threads 2 --tokens 1,128,512,1024 --record` (the
+# bench model's layer on llama.cpp's ggml with llamafile, tools/build_ggml.sh; this 2-vCPU EPYC; ms a
+# layer, one mul_mat_id against a product per slot):
+#   plain, 1 thread:     39.9 / 42.6 at 128, 81.6 / 65.9 at 256 (by hand: 50.2 / 53.5 at 192);
+#   plain, 2 threads:    22.1 / 38.3 at 128, 68.0 / 85.1 at 512, 119.9 / 162.7 at 1024 (one product splits
+#                        the whole layer over the threads, a product per slot each small product);
+#   repacked, 1 thread:  46.4 / 41.4 at 128, 107.1 / 69.3 at 256;
+#   repacked, 2 threads: 23.6 / 35.9 at 128, 90.9 / 91.6 at 512 (the eighth stop's record: 99.6 / 98.6).
 _GROUPED_FROM = {(False, 1): 256, (True, 1): 128}
 _GROUPED_FROM_MANY_THREADS = {False: None, True: 512}
 
