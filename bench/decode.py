@@ -195,7 +195,7 @@ def main() -> int:
         f"| tiers | {summary} |\n"
         f"| bytes per token | host→device {host_bytes / 1e6:.2f} MB, disk→host {disk_bytes / 1e6:.2f} MB |\n"
         f"| bandwidth (measured) | disk {disk_bw / 1e9:.2f} GB/s, host→device "
-        + (f"{h2d_bw / 1e9:.2f} GB/s" if has_device_tier else "none (a miss is repacked into its slot: host time, not in the bound)") + " |\n"
+        + (f"{h2d_bw / 1e9:.2f} GB/s" if has_device_tier else "none (a miss is set into its slot: host time, not in the bound)") + " |\n"
         f"| bound | {bound * 1e3:.1f} ms/token; achieved / bound = {bound / t_token:.2f} |\n"
         f"| host µs per MoE layer step (total, router, plan, experts, attn+dense) | {timing.split(None, 2)[2]} |\n"
         f"| {split.split(':')[0]} | {split.split(':', 1)[1].strip()} |\n"

@@ -12,8 +12,8 @@ does, then routes by the trace. A step is timed from the router launch to the st
 
 cpu backend, on the bench model (bench/decode.py's; its one tier, ggml slot tensors sized by --ram-cache, at
 25 % of the experts), through the engine: the same step records, less the time inside ggml's products,
-the slot fills (ggml repacking a miss's store bytes into its slot: this backend's making ready, as a
-copy up is a GPU's) and the time blocked on reads.
+the slot fills (a miss's store bytes set into its slot, repacked where the slots are: this backend's
+making ready, as a copy up is a GPU's) and the time blocked on reads.
 
 Prints median and p90 µs per step; on the GPU path also the median of its part in series with the
 step's reads (before they are issued, after the last lands: `[host] serial` in a rig file; the part
@@ -224,7 +224,7 @@ def cpu_path(args: argparse.Namespace) -> dict:
     repack = [0.0]
     real_compute, real_set = step.device.compute, ggml_buffers.set_tensor
 
-    def set_tensor(*a):  # a miss set into its slot: ggml repacks the store bytes, the cpu's "copy up"
+    def set_tensor(*a):  # a miss set into its slot (ggml repacks it there if the slots are repacked), the cpu's "copy up"
         t = time.perf_counter()
         try:
             return real_set(*a)
@@ -288,7 +288,7 @@ def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
         f"host {gpu['tiers']['host_hit']:.1%} |",
         f"| cpu backend, tier 25 % | {cpu['shape']} | {cpu['median_us']:.1f} | {cpu['p90_us']:.1f} | {cpu['steps']} | "
         f"routing {c['routing']:.1f}, plan {c['plan']:.1f}; not host: ggml products {c['products']:.1f}, slot fills "
-        f"(repacking misses) {c['slot fills']:.1f}, reads {c['wait']:.1f}; tier hits {cpu['tiers']['device_hit']:.1%} |",
+        f"(setting misses into slots) {c['slot fills']:.1f}, reads {c['wait']:.1f}; tier hits {cpu['tiers']['device_hit']:.1%} |",
     ]
     return "\n".join(lines) + "\n"
 

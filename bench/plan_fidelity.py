@@ -5,8 +5,8 @@ threads and prints measured and projected tok/s side by side. The settings give 
 each backend: on `reference`, all experts resident in its device tier, then device + host 25 % + 25 %,
 10 % + 25 %, 5 % + 10 % of all experts; on `cpu` (ggml, which has no device tier) the host tier
 holds all but one expert, 50 %, 35 %, 15 % (a tier of every expert runs a decode token as one ggml
-graph, with no MoE step a layer and its slots repacked, so its host time says nothing of the others'). Everything the projection uses is taken in the same run, just before
-the decode of each setting:
+graph, with no MoE step a layer and its slots repacked, so its host time says nothing of the others').
+Everything the projection uses is taken in the same run, just before the decode of each setting:
 
     compute rate   the backend's own expert FFN on k experts, bytes/s of the bytes it reads (reference:
                    compute-ready float32 through CpuExperts; cpu: store bytes through ggml's expert_ffn)
@@ -14,7 +14,7 @@ the decode of each setting:
                    (reference: float32 matvecs; cpu: ggml on the file's bytes): its rate / compute rate
     make ready     reference: store bytes/s turned into compute-ready experts (its "copy up"), through
                    its own make_ready on bytes read from the store; cpu: none
-    slot fills     cpu: store bytes/s set into a slot of its tier, repacked (a miss's making ready there),
+    slot fills     cpu: store bytes/s set into a slot of its tier, in the slots' form (a miss's making ready),
                    through its own pool on experts read from the store (fomoepy.plan.measure.slot_fill_rate)
     disk           O_DIRECT reads of the store: bandwidth (many in flight), latency (one at a time)
     tier shares    the run's own hit counts (prefetch and backfill off, so every miss is a
