@@ -72,6 +72,7 @@ class Engine:
         host = o.ram_cache if o.ram_cache is not None else default_host_bytes(layers, self.spec, bool(o.store) or o.backfills)
         moe = self.spec.moe
         slots = (moe.n_expert, 0, moe.n_expert_used, False)
+        whole = False  # a cpu tier that holds the whole model
         if is_ggml_cpu(self.ops):
             if o.vram_cache:  # --backend auto fell back to the cpu backend (an explicit cpu is refused by the options)
                 raise FomoeError("--vram-cache must be 0 on the cpu backend, which --backend auto chose: no GPU could start")
@@ -84,8 +85,8 @@ class Engine:
             # repacked slots compute a decode row faster (bench/moe_layer.py), but each expert set into one is
             # repacked first (~0.36 ms a bench-model expert, three plain sets): worth it once, at load, for a
             # tier that holds every expert; not for every miss of one that streams
-            holds_all = device_bytes >= sum(store_unit) * moe.n_expert
-            repack = {"on": True, "off": False}.get(o.repack_experts, holds_all)
+            whole = device_bytes >= sum(store_unit) * moe.n_expert
+            repack = {"on": True, "off": False}.get(o.repack_experts, whole)
             slots = (moe.n_expert, device_bytes, moe.n_expert_used, repack)
         # exclusive tiers need a host tier to demote into; the reference device then keeps store bytes too
         demotes = policy_demotes(o.cache_policy) and host > 0
@@ -94,9 +95,6 @@ class Engine:
         device_unit = [device.expert_nbytes(layer.layer) for layer in layers]
         if not is_ggml_cpu(self.ops):
             device_bytes = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
-        # a cpu tier that holds the whole model is filled at load and never misses: its steps skip the
-        # cache's plans (fomoepy.experts.resident_step)
-        whole = is_ggml_cpu(self.ops) and device_bytes >= sum(device_unit) * moe.n_expert
         # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
         cache = make_cache(
             self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device_bytes, host,
@@ -106,7 +104,7 @@ class Engine:
         streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace,
                                   download=device.download if device.can_download else None,
                                   buffers=getattr(device, "host_buffer", None))  # fmt: skip
-        if not whole:
+        if not whole:  # a whole tier is filled at load and never misses: its steps skip the cache's plans (ResidentStep)
             return MoEStep(streamer, device, predicts=self.weights.routers() is not None, timer=self.timer)
         step = ResidentStep(streamer, device, timer=self.timer)
         # filled at load (after a profile's seeds, if any), as llama.cpp repacks its weights at load
