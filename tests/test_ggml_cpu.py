@@ -220,7 +220,7 @@ def test_a_long_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_eac
     state = engine.new_state()
     engine.eval(state, np.resize(tokens, long - 1))  # one token short
     assert not grouped_rows
-    engine.eval(state, np.resize(tokens, long))
+    engine.eval(state, np.resize(tokens, long), all_logits=True)  # every row read: every layer's experts take them all
     assert grouped_rows == [long] * len(engine.source.layers)
     engine.eval(state, tokens[:6])  # a short chunk
     engine.eval(state, tokens[6:7], phase=Phase.DECODE)
@@ -246,7 +246,7 @@ def test_on_several_threads_a_prefill_groups_its_experts_only_from_the_longer_le
     engine = Engine(path, EngineOptions(backend="cpu", threads=2, n_ctx=2 * longest, repack_experts=ON_OFF[repack]))
     engine.eval(engine.new_state(), np.resize(tokens, one))  # long enough for one thread only
     assert not grouped_rows
-    engine.eval(engine.new_state(), np.resize(tokens, longest))
+    engine.eval(engine.new_state(), np.resize(tokens, longest), all_logits=True)
     assert grouped_rows == ([many] * len(engine.source.layers) if many else [])
     engine.close()
 

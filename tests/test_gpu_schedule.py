@@ -289,10 +289,10 @@ def test_a_prefetched_read_is_issued_before_the_layers_expert_kernels_and_in_fli
     layer = [-1]  # the step under way
     real_choose, real_submit, real_sync = streamer.choose, source.submit, dev.rt.sync
 
-    def choose(il, exact):
+    def choose(il, exact, rows=None):
         layer[0] = il
         events.append(("step", il))
-        return real_choose(il, exact)
+        return real_choose(il, exact, rows)
 
     def submit(il, expert, out=None):
         if il > layer[0]:  # a read for a later layer: a prefetch; held

@@ -26,9 +26,11 @@ class ResidentStep(MoEStep):
         self._cache = streamer.cache
         self._graph_inputs: dict[int, tuple | None] = {}  # layer -> the device's graph_inputs, asked once
 
-    def __call__(self, layer: int, h: Any, exact: Routing) -> Any:
+    def __call__(self, layer: int, h: Any, exact: Routing, rows: slice | None = None) -> Any:
         t0 = time.perf_counter()
-        ids, weights = self.streamer.choose(layer, exact)
+        ids, weights = self.streamer.choose(layer, exact, rows)
+        if rows is not None:  # (MoEStep.__call__)
+            h = h[rows]
         # a decode row's picks as a set of ints, not np.unique (~8 µs of a ~40 µs step's Python)
         self._cache.count_resident_hits(layer, len(set(ids[0].tolist())) if ids.shape[0] == 1 else len(np.unique(ids)))
         t1 = time.perf_counter()

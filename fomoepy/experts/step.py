@@ -70,11 +70,14 @@ class MoEStep:
     def _predicting(self, layer: int) -> bool:
         return self.phase is Phase.DECODE and self.predicts and layer + 1 < self.streamer.n_layer
 
-    def __call__(self, layer: int, h: Any, exact: Routing) -> Any:
-        """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]."""
+    def __call__(self, layer: int, h: Any, exact: Routing, rows: slice | None = None) -> Any:
+        """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]; of the
+        rows `rows` only where given (every row is routed, counted and traced; those are computed)."""
         s, device = self.streamer, self.device
         t0 = time.perf_counter()
-        ids, weights = s.choose(layer, exact)
+        ids, weights = s.choose(layer, exact, rows)
+        if rows is not None:
+            h = h[rows]
         if self._predicting(layer):
             ahead, self._ahead = self._ahead, None
             s.predict(layer + 1, ahead[1] if ahead is not None and ahead[0] == layer else device.route(layer + 1, h, exact.ids.shape[1]))

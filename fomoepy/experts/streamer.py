@@ -114,6 +114,7 @@ class ExpertStreamer:
             self._backfill_queue = BackfillQueue(BACKFILL_MAX_AGE)
         self.backfilled = 0
         self._sequences: list[int] | None = None  # each row's sequence in this step
+        self._chosen_sequences: list[int] | None = None  # those of the rows the last `choose` kept
         self._first_token = 0
 
     @property
@@ -148,7 +149,7 @@ class ExpertStreamer:
         """A step starts; `sequences`: each of its rows' sequence (None: one sequence), for the policies'
         co-use per sequence and the trace."""
         self._first_token = self.tokens_seen
-        self._sequences = sequences
+        self._sequences = self._chosen_sequences = sequences
 
     def end_step(self, n_tokens: int, ticks: int | None = None) -> None:
         """A step of n_tokens rows is done. `ticks`: how far the policies' logical time moves (default
@@ -165,9 +166,17 @@ class ExpertStreamer:
                 self.backfilled += len(self._admit_host({key: self.source.read(*key)}))
 
     # -- per MoE layer -----------------------------------------------------------------------------
-    def choose(self, layer: int, exact: Routing) -> tuple[np.ndarray, np.ndarray]:
-        """The experts to compute: the exact selection, or CAR's substitutions when it is on."""
+    def choose(self, layer: int, exact: Routing, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The experts to compute: the exact selection, or CAR's substitutions when it is on; of the rows
+        `rows` only where given (the last layer's rows that are read). Usage counts (profiles) take the
+        router's choice of every row; the trace, CAR and the plan take the rows computed."""
         self.counter.add(layer, exact.ids)
+        first, sequences = self._first_token, self._sequences
+        if rows is not None:
+            exact = Routing(exact.ids[rows], exact.weights[rows], exact.probs[rows])
+            first += rows.start
+            sequences = None if sequences is None else sequences[rows]
+        self._chosen_sequences = sequences  # the plan's rows (start_acquire)
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             # sets of ten ints, not numpy's isin: a step's host time is counted in microseconds
@@ -177,14 +186,14 @@ class ExpertStreamer:
         if self.trace is not None:
             top_scores = np.take_along_axis(exact.probs, exact.ids, axis=-1)
             now = self.cache.now
-            self.trace.write(self._first_token, layer, exact.ids, top_scores, exact.probs, predicted, self._sequences,
-                             now if now != self._first_token else None)  # fmt: skip
+            self.trace.write(first, layer, exact.ids, top_scores, exact.probs, predicted, sequences,
+                             now if now != first else None)  # fmt: skip
         if not self.options.car.enabled:
             return exact.ids, exact.weights
         cached = self.cache.cached_mask(layer, "device") | self.cache.cached_mask(layer, "host")
         result = cache_aware_route(
             exact.ids, exact.weights, exact.probs, cached, self.options.car,
-            layer=layer, n_layer=self.n_layer, first_token=self._first_token,
+            layer=layer, n_layer=self.n_layer, first_token=first,
         )  # fmt: skip
         self.car_stats.record(layer, result)
         if result.substitutions:
@@ -260,7 +269,7 @@ class ExpertStreamer:
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
-        plan = self.cache.plan(layer, ids, self._sequences)
+        plan = self.cache.plan(layer, ids, self._chosen_sequences)
         disk = [item.expert for item in plan.items if item.source is Source.DISK]
         if disk != sorted([*reads, *fetched]):  # (fetched: so far, the reads made ahead that landed)
             raise RuntimeError(f"layer {layer}: the plan reads {disk}, but {sorted([*reads, *fetched])} were read")

@@ -9,8 +9,9 @@ from fomoepy.model.moe import moe_ffn
 from fomoepy.model.spec import ATTENTION
 
 
-def qwen35moe_layer(model, il: int, x, segments):
-    """x [N, D]: the rows of one or more sequences (`segments`, fomoepy.model.rows)."""
+def qwen35moe_layer(model, il: int, x, segments, rows: slice | None = None):
+    """x [N, D]: the rows of one or more sequences (`segments`, fomoepy.model.rows) → [N, D], or the
+    rows `rows` only: the mixer takes every row, the MoE half those (moe_ffn)."""
     ops, spec, w = model.layer_ops(il, len(segments) > 1), model.spec, model.weights.layer(il)
     eps = spec.rms_eps
     xn = ops.rms_norm(x, w.attn_norm, eps)
@@ -18,5 +19,5 @@ def qwen35moe_layer(model, il: int, x, segments):
         x = x + attention_mixer(ops, w, spec.attention, eps, xn, il, segments)
     else:
         x = x + deltanet_mixer(ops, w, spec.deltanet, eps, xn, il, segments)
-    x = x + moe_ffn(ops, w, spec.moe, model.experts, il, ops.rms_norm(x, w.post_attention_norm, eps))
-    return x
+    h = ops.rms_norm(x, w.post_attention_norm, eps)
+    return (x if rows is None else x[rows]) + moe_ffn(ops, w, spec.moe, model.experts, il, h, rows=rows)

@@ -70,13 +70,12 @@ class Transformer:
             logits = self._in_one_call(tokens, state, phase)
             if logits is not None:
                 return logits
-        x = self._layers(tokens, [Segment(state, 0, len(tokens))], phase)
-        if not all_logits:
-            x = x[-1:]
-        elif logits_from:
-            x = x[logits_from:]
-            if not len(x):
-                return np.zeros((0, self.spec.n_vocab), np.float32)
+        n = len(tokens)
+        if all_logits and logits_from >= n:  # no row is read: the pass still runs, for the state
+            self._layers(tokens, [Segment(state, 0, n)], phase, read=slice(n - 1, n))
+            return np.zeros((0, self.spec.n_vocab), np.float32)
+        read = slice(logits_from if all_logits else n - 1, n)
+        x = self._layers(tokens, [Segment(state, 0, n)], phase, read=read if read.start else None)
         return self._head(x, rowwise=False)
 
     def forward_batch(self, tokens: np.ndarray, states: list[InferenceState]) -> np.ndarray:
@@ -147,7 +146,11 @@ class Transformer:
             raise ValueError(f"token id {int(bad[0])} outside the vocabulary [0, {self.spec.n_vocab})")
         return tokens
 
-    def _layers(self, tokens: np.ndarray, segments: list[Segment], phase: Phase) -> Any:
+    def _layers(self, tokens: np.ndarray, segments: list[Segment], phase: Phase, read: slice | None = None) -> Any:
+        """The hidden state after the last layer: [N, D], or of the rows `read` only. The last layer's mixer
+        runs on every row (its KV cache or DeltaNet state takes them all); its MoE half, on the rows read
+        (as llama.cpp drops the rows it outputs no logits for), the router on every row (usage counts,
+        the trace and a profile count every token's choice)."""
         x = self.weights.embedding(tokens)  # [N, D], on the device that owns the embedding (the head's)
         rows = [s.state.sequence for s in segments for _ in range(s.n)]  # each row's sequence
         self.experts.begin_step(phase, rows)
@@ -156,11 +159,12 @@ class Transformer:
             owner = self.layer_ops(il)
             if owner is not here:  # the hidden state moves to the device that owns this layer
                 x, here = relay(x, here, owner), owner
+            rows = read if il == self.spec.n_layer - 1 else None
             if self.timer is None:
-                x = self.layer_fn(self, il, x, segments)
+                x = self.layer_fn(self, il, x, segments, rows)
             else:
                 with self.timer.layer(il):
-                    x = self.layer_fn(self, il, x, segments)
+                    x = self.layer_fn(self, il, x, segments, rows)
         self.experts.end_step(len(tokens))
         for s in segments:
             s.state.n_past += s.n
