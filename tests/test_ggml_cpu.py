@@ -229,6 +229,24 @@ def test_a_long_prefill_runs_each_experts_tokens_as_one_product_and_a_decode_eac
     engine.close()
 
 
+def test_a_prefill_groups_its_experts_from_the_length_measured_for_the_form_its_slots_have(grouped_rows):
+    # F32 experts have no repacked kernels: asked for repacked slots (--repack-experts on) they stay plain,
+    # and a prefill takes plain slots' length, not the repacked one's
+    from fomoepy.runtime.ggml_experts import grouped_from
+
+    name = "qwen3moe_f32"
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    plain, repacked = grouped_from(1, False), grouped_from(1, True)
+    assert repacked < plain
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=1, n_ctx=2 * plain, repack_experts="on"))
+    assert not any(any(pool.layer.repacked) for pool in engine.experts.device.pools.values())
+    engine.eval(engine.new_state(), np.resize(tokens, repacked), all_logits=True)
+    assert not grouped_rows
+    engine.eval(engine.new_state(), np.resize(tokens, plain), all_logits=True)
+    assert grouped_rows == [plain] * engine.spec.n_layer
+    engine.close()
+
+
 MEASURED_TOKENS = 1024  # the longest prefill bench/moe_layer.py measured
 
 

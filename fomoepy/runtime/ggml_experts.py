@@ -74,7 +74,6 @@ class GgmlExperts:
             n_tier = min(len(members) * n_expert, tier_bytes // store_expert_nbytes(members[0]))
             self.pools[layout] = SlotPool(layout, n_tier, n_staging, n_expert, repack)
         self.pool_of = [self.pools[layout_of(layer)] for layer in layers]
-        self.repack = repack
         self._spins = ggml_threads.spins()  # (OpenMP read its policy when ggml was loaded: it stays)
 
     def expert_nbytes(self, layer: int) -> int:
@@ -124,7 +123,7 @@ class GgmlExperts:
         # a long prefill's experts each take their tokens as the rows of one product (GEMM kernels); a
         # decode step's rows each go alone (mul_mat_id), so a row's bits are its own in a batch of
         # sequences, and so do a short prefill's, where that is faster (grouped_from)
-        group_from = grouped_from(threads, self.repack)
+        group_from = grouped_from(threads, any(pool.layer.repacked))  # the form the slots have (--repack-experts asks)
         grouped = experts.phase is Phase.PREFILL and group_from is not None and ids.shape[0] >= group_from
         slots = pool.slots_of(layer)[ids]  # [T, k]
         if slots.min() >= 0:  # every expert in the tier: one product (a decode step's usual case)
