@@ -19,10 +19,14 @@ def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray, routing: Rou
     # Σ_j weights[t, j] · expert_ids[t, j](h[t]); CAR may swap ids (off: the router's)
     out = experts(layer, h, routing) if rows is None else experts(layer, h, routing, rows)
     if m.shared_ff:
-        if rows is not None:
-            h = h[rows]
+        h = kept_rows(h, rows)
         shared = ops.swiglu_ffn(h, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)
         if m.shared_gate:
             shared = shared * ops.sigmoid(ops.linear(h, w.ffn_gate_inp_shexp[None, :]))  # [T, 1]
         out = out + shared
     return out
+
+
+def kept_rows(x, rows: slice | None):
+    """x's rows `rows` (None: all of them)."""
+    return x if rows is None else x[rows]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fomoepy.model.attention import attention_mixer
 from fomoepy.model.deltanet import deltanet_mixer
-from fomoepy.model.moe import moe_ffn
+from fomoepy.model.moe import kept_rows, moe_ffn
 from fomoepy.model.spec import ATTENTION
 
 
@@ -20,4 +20,4 @@ def qwen35moe_layer(model, il: int, x, segments, rows: slice | None = None):
     else:
         x = x + deltanet_mixer(ops, w, spec.deltanet, eps, xn, il, segments)
     h = ops.rms_norm(x, w.post_attention_norm, eps)
-    return (x if rows is None else x[rows]) + moe_ffn(ops, w, spec.moe, model.experts, il, h, rows=rows)
+    return kept_rows(x, rows) + moe_ffn(ops, w, spec.moe, model.experts, il, h, rows=rows)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fomoepy.model.attention import attention_block, attention_mixer
-from fomoepy.model.moe import moe_ffn
+from fomoepy.model.moe import kept_rows, moe_ffn
 
 
 def qwen3moe_layer(model, il: int, x, segments, rows: slice | None = None):
@@ -15,16 +15,12 @@ def qwen3moe_layer(model, il: int, x, segments, rows: slice | None = None):
     m = spec.moe
     if x.shape[0] == len(segments) and fuses is not None and fuses(spec.attention, m.gating):  # a row per sequence: fused calls
         x, h, routing = attention_block(ops, w, spec.attention, eps, x, il, segments, m.n_expert_used)
-        return _kept(x, rows) + moe_ffn(ops, w, m, model.experts, il, h, routing=routing, rows=rows)
+        return kept_rows(x, rows) + moe_ffn(ops, w, m, model.experts, il, h, routing=routing, rows=rows)
     prefill_layer = getattr(ops, "prefill_layer", None)
     if len(segments) == 1 and prefill_layer is not None and fuses(spec.attention, m.gating):  # a chunk of one sequence
         s = segments[0]
         x, h, routing = prefill_layer(x, w, spec.attention, eps, s.state.layers[il], s.state.n_past, m.n_expert_used)
-        return _kept(x, rows) + moe_ffn(ops, w, m, model.experts, il, h, routing=routing, rows=rows)
+        return kept_rows(x, rows) + moe_ffn(ops, w, m, model.experts, il, h, routing=routing, rows=rows)
     x = x + attention_mixer(ops, w, spec.attention, eps, ops.rms_norm(x, w.attn_norm, eps), il, segments)
     h = ops.rms_norm(x, w.ffn_norm, eps)
-    return _kept(x, rows) + moe_ffn(ops, w, m, model.experts, il, h, rows=rows)
-
-
-def _kept(x, rows: slice | None):
-    return x if rows is None else x[rows]
+    return kept_rows(x, rows) + moe_ffn(ops, w, m, model.experts, il, h, rows=rows)

@@ -159,12 +159,12 @@ class Transformer:
             owner = self.layer_ops(il)
             if owner is not here:  # the hidden state moves to the device that owns this layer
                 x, here = relay(x, here, owner), owner
-            rows = read if il == self.spec.n_layer - 1 else None
+            kept = read if il == self.spec.n_layer - 1 else None
             if self.timer is None:
-                x = self.layer_fn(self, il, x, segments, rows)
+                x = self.layer_fn(self, il, x, segments, kept)
             else:
                 with self.timer.layer(il):
-                    x = self.layer_fn(self, il, x, segments, rows)
+                    x = self.layer_fn(self, il, x, segments, kept)
         self.experts.end_step(len(tokens))
         for s in segments:
             s.state.n_past += s.n
