@@ -276,6 +276,16 @@ def test_a_more_accurate_predictor_never_makes_a_projection_slower(q397, fomoe_r
     assert steps[0].landed_ahead == 0.0 and all(0 < s.landed_ahead for s in steps[1:])
 
 
+def test_one_tier_holding_every_access_the_disk_does_not_projects_at_every_number_of_misses(q397):
+    # 1 - 0.535 is a hair under 0.465 in floats: the step with no miss gave that tier a share a hair past 1,
+    # which was refused (`fomoe plan --hit-rates 0,46.5,53.5` failed on a cpu rig)
+    assert 0.465 / (1 - 0.535) > 1.0
+    hw = load_hardware("cpu-only-64g")
+    varied = project_averaged(q397, hw, TierRates(0.0, 0.465, 0.535), "engine")
+    at_mean = project_averaged(q397, hw, TierRates(0.0, 0.465, 0.535), "engine", vary=False)
+    assert varied.seconds_per_token >= at_mean.seconds_per_token > 0
+
+
 def test_the_engine_schedule_is_averaged_over_the_steps_misses(q397, fomoe_rig):
     # each of a step's k accesses a miss with the disk share, independently: where a step's time is linear
     # in its misses (the numpy reference's schedule adds every term) the average is the step at the

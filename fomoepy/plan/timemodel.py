@@ -314,8 +314,9 @@ def _over_misses(work: Workload, hw: Hardware, rates: TierRates, **kw) -> Projec
         if weight == 0.0:
             continue
         kept = (k - n) / (k * rest)  # the share of the other accesses left to each tier
-        rates_n = replace(rates, device=rates.device * kept, host=rates.host * kept, disk=n / k,
-                          substituted=rates.substituted * kept, ahead=ahead)  # fmt: skip
+        # (min: a tier holding all the rest, times kept at n = 0, may round a hair past 1)
+        rates_n = replace(rates, device=min(1.0, rates.device * kept), host=min(1.0, rates.host * kept), disk=n / k,
+                          substituted=min(1.0, rates.substituted * kept), ahead=ahead)  # fmt: skip
         q = project(work, hw, rates_n, "engine", vary=False, **kw)
         step += weight * (q.seconds_per_token - q.terms["head"])
         wrong += weight * q.wrong_reads
