@@ -12,6 +12,12 @@ level, as llama.cpp's own do (on the bench model, whose random routers have many
 the largest logit at the median, llama.cpp's prefill against its own decode 1.6 %: a comparison run by
 hand, not a recorded bench), and so do the PPLs.
 
+Beside them, llama.cpp (llama-cpp-python, the `bench` extra) on the same file and threads in the same
+run: the text's first chunk as one prompt, then as many tokens decoded one at a time. Its prompt/token
+ratio is the peer's own gain from many rows over one on this CPU (an upper bound of its batched
+perplexity's: its prompt computes the last row's logits only, ours every scored row's), against which
+the batched pass's ratio is to be read.
+
 "in ggml's products" is the share of each row's evaluation time spent inside ggml's graph
 computations (fomoepy.timing.MATMUL: every product of the cpu backend, dense and routed); the rest
 is host work (Python, numpy attention and glue; all of it on `--backend reference`, whose products
@@ -36,6 +42,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+import llama_peer
+import numpy as np
 from results import load_line, publish
 
 from fomoepy.devtools.make_test_model import make_model
@@ -93,6 +101,17 @@ def main() -> int:
         f"| batched prefill (`--batch {args.ctx}`) | 1 | {batched[0]:.1f} | {100 * batched[2]:.0f}% | {batched[1]:.4f} |",
         f"| token by token (`--batch 1`) | {args.ctx} | {stepped[0]:.1f} | {100 * stepped[2]:.0f}% | {stepped[1]:.4f} |",
     ]
+    # the peer's own gain from many rows over one on this CPU: llama.cpp on the same file and threads, the
+    # text's first chunk as one prompt, then as many tokens decoded one at a time
+    threads = engine.model.ops.threads
+    text = Path(args.text).read_text(encoding="utf-8")
+    chunk = np.asarray(engine.tokenizer.encode(text, add_special=False, parse_special=False)[: args.ctx])
+    peer = llama_peer.run(model, chunk, args.ctx, threads)
+    if isinstance(peer, str):
+        rows.append(f"| llama.cpp | {peer} | | | |")
+    else:
+        rows += [f"| llama.cpp, same file and threads: the chunk as one prompt | 1 | {peer[0]:.1f} | | |",
+                 f"| llama.cpp: as many tokens decoded one at a time | {args.ctx} | {peer[1]:.1f} | | |"]  # fmt: skip
     header = (
         f"### ppl_speed — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
         f"`python bench/ppl_speed.py --ctx {args.ctx} --chunks {args.chunks} --backend {args.backend}"
@@ -103,7 +122,11 @@ def main() -> int:
         f"experts warm, {load_line()}\n\n"
         "| evaluation | eval calls per chunk | tok/s | in ggml's products | PPL |\n|---|---|---|---|---|\n"
     )
-    footer = f"\nbatched / token by token: {batched[0] / stepped[0]:.1f}x\n"
+    footer = f"\nbatched / token by token: {batched[0] / stepped[0]:.1f}x"
+    if not isinstance(peer, str):
+        # its prompt computes the last row's logits only, ours every scored row's: its ratio is the larger
+        footer += f"; llama.cpp's prompt / its tokens one at a time, same CPU and threads: {peer[0] / peer[1]:.1f}x"
+    footer += "\n"
     report = header + "\n".join(rows) + "\n" + footer
     return publish(report, args.record)
 
