@@ -96,7 +96,7 @@ def main() -> int:
     ours_threads = cpu.devices[0].threads
     tuned = cpu.devices[0].row_threads
     chosen = sorted(set(tuned.chosen.values())) if tuned is not None else []
-    form = "repacked" if any(m.repacked for pool in cpu.experts.device.pools.values() for m in pool.layer.mats) else "plain"
+    form = "repacked" if any(any(pool.layer.repacked) for pool in cpu.experts.device.pools.values()) else "plain"
     cpu.close()
     name = f"fomoepy cpu (ggml; experts in the tier's slots, {form}; a decode token one graph)"
     rows = [f"| {name} | {_median(ours, 0):.1f} | {_median(ours, 1):.1f} | {_median(ours, 2):.2f} |"]

@@ -82,7 +82,7 @@ class MoEStep:
             ahead, self._ahead = self._ahead, None
             s.predict(layer + 1, ahead[1] if ahead is not None and ahead[0] == layer else device.route(layer + 1, h, exact.ids.shape[1]))
         t1 = time.perf_counter()
-        plan, fetched, reads = s.start_acquire(layer, ids)
+        plan, fetched, reads = s.start_acquire(layer, ids, rows)
         for victim in plan.device_evictions:
             device.evict(victim)
         experts = StepExperts(plan, self.phase, fetched, reads, lambda: s.finish_acquire(plan, fetched, reads))

@@ -114,7 +114,6 @@ class ExpertStreamer:
             self._backfill_queue = BackfillQueue(BACKFILL_MAX_AGE)
         self.backfilled = 0
         self._sequences: list[int] | None = None  # each row's sequence in this step
-        self._chosen_sequences: list[int] | None = None  # those of the rows the last `choose` kept
         self._first_token = 0
 
     @property
@@ -149,7 +148,7 @@ class ExpertStreamer:
         """A step starts; `sequences`: each of its rows' sequence (None: one sequence), for the policies'
         co-use per sequence and the trace."""
         self._first_token = self.tokens_seen
-        self._sequences = self._chosen_sequences = sequences
+        self._sequences = sequences
 
     def end_step(self, n_tokens: int, ticks: int | None = None) -> None:
         """A step of n_tokens rows is done. `ticks`: how far the policies' logical time moves (default
@@ -171,12 +170,10 @@ class ExpertStreamer:
         `rows` only where given (the last layer's rows that are read). Usage counts (profiles) take the
         router's choice of every row; the trace, CAR and the plan take the rows computed."""
         self.counter.add(layer, exact.ids)
-        first, sequences = self._first_token, self._sequences
+        first, sequences = self._first_token, self._sequences_of(rows)
         if rows is not None:
             exact = Routing(exact.ids[rows], exact.weights[rows], exact.probs[rows])
             first += rows.start
-            sequences = None if sequences is None else sequences[rows]
-        self._chosen_sequences = sequences  # the plan's rows (start_acquire)
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             # sets of ten ints, not numpy's isin: a step's host time is counted in microseconds
@@ -199,6 +196,10 @@ class ExpertStreamer:
         if result.substitutions:
             self._request_backfill(layer, exact, result.substitutions)
         return result.ids, result.weights
+
+    def _sequences_of(self, rows: slice | None) -> list[int] | None:
+        """The sequence of each of the step's rows `rows` (None: all of them; None back: one sequence)."""
+        return self._sequences if rows is None or self._sequences is None else self._sequences[rows]
 
     def _request_backfill(self, layer: int, exact: Routing, pairs: list[tuple[int, int]]) -> None:
         score = exact.probs.max(axis=0)  # an original's priority: its best probability in the batch
@@ -243,10 +244,11 @@ class ExpertStreamer:
         plan, fetched, reads = self.start_acquire(layer, ids)
         return plan, self.finish_acquire(plan, fetched, reads)
 
-    def start_acquire(self, layer: int, ids: np.ndarray) -> tuple[Plan, dict[int, ExpertBytes], dict[int, Future | None]]:
+    def start_acquire(self, layer: int, ids: np.ndarray, rows: slice | None = None) -> tuple[Plan, dict[int, ExpertBytes], dict[int, Future | None]]:
         """acquire's first half: the plan, the bytes at hand (host hits, prefetches handed over) and the
         reads in flight, so a backend can compute the experts at hand while the others are read. The
-        caller must then call finish_acquire, before anything else of this streamer's.
+        caller must then call finish_acquire, before anything else of this streamer's. rows: the step's
+        rows `ids` are (choose's), where not all of them.
 
         The step's reads go out first, before its plan: they are the experts neither tier holds, which the
         tiers' state already says (the plan's disk items are exactly those), so the drives' latency starts
@@ -269,7 +271,7 @@ class ExpertStreamer:
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
-        plan = self.cache.plan(layer, ids, self._chosen_sequences)
+        plan = self.cache.plan(layer, ids, self._sequences_of(rows))
         disk = [item.expert for item in plan.items if item.source is Source.DISK]
         if disk != sorted([*reads, *fetched]):  # (fetched: so far, the reads made ahead that landed)
             raise RuntimeError(f"layer {layer}: the plan reads {disk}, but {sorted([*reads, *fetched])} were read")
