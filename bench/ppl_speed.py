@@ -44,25 +44,15 @@ from pathlib import Path
 
 import llama_peer
 import numpy as np
+from cpu_decode import ensure_model
 from results import load_line, publish
 
-from fomoepy.devtools.make_test_model import make_model
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.eval.ppl_run import PplRequest, PplRun
 from fomoepy.timing import MATMUL
 
 HERE = Path(__file__).parent
-MODEL = HERE / "models" / "bench-qwen3moe.gguf"
 TEXT = HERE.parent / "tests" / "fixtures" / "oracle" / "ppl.txt"
-
-
-def ensure_model() -> Path:
-    if not MODEL.exists():
-        MODEL.parent.mkdir(parents=True, exist_ok=True)
-        t = time.perf_counter()
-        make_model(MODEL, preset="bench-qwen3moe")
-        print(f"wrote {MODEL} ({MODEL.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    return MODEL
 
 
 def timed_ppl(engine: Engine, model: str, text: str, ctx: int, chunks: int, batch: int) -> tuple[float, float, float]:
