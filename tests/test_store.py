@@ -334,7 +334,12 @@ def test_prepare_killed_midway_resumes_to_the_same_store(tmp_path):
     env = {**os.environ, WRITE_DELAY_ENV: "0.05"}  # 8 records per file: ~0.4 s per file
     proc = subprocess.Popen([sys.executable, str(PREPARE_TOOL), str(Q4KM), *map(str, dirs), "--quiet"], env=env)
     deadline = time.monotonic() + 60
-    while not any(d.is_dir() and any(d.glob("*.experts")) for d in dirs):
+    # killed once a file is complete and the next is being written: between the two (a rename, then an
+    # open) no .partial exists, and a kill there would leave nothing mid-way to resume
+    def written(pattern: str) -> bool:
+        return any(d.is_dir() and any(d.glob(pattern)) for d in dirs)
+
+    while not (written("*.experts") and written("*.partial")):
         assert proc.poll() is None, "prepare ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.01)
