@@ -38,6 +38,25 @@ def test_a_landing_read_issues_the_next_guess_in_order():
     assert drive.issued[-1] == (4, 3)
 
 
+def test_reads_that_land_as_they_are_issued_free_the_drive_at_once():
+    """A store that completes a read on the issuing thread (a null store, a cached read): each frees its
+    place, so every guess goes out, one after another, and none stays counted in flight."""
+
+    def at_once(layer: int, expert: int, prepared=None) -> Future:
+        issued.append((layer, expert))
+        f: Future = Future()
+        f.set_result(("bytes of", layer, expert))
+        return f
+
+    issued: list[tuple[int, int]] = []
+    ahead = ReadAhead(at_once, depth=2)
+    ahead.queue(4, [9, 1, 7, 3])
+    assert issued == [(4, 9), (4, 1), (4, 7), (4, 3)] and ahead.in_flight == 0
+    ahead.queue(5, [2, 6, 8])  # the depth is whole again for the next layer's guesses
+    assert issued[4:] == [(5, 2), (5, 6), (5, 8)] and ahead.in_flight == 0
+    assert sorted(ahead.take(5, [6, 8])) == [6, 8]
+
+
 def test_take_hands_over_the_chosen_reads_and_drops_the_other_guesses():
     drive = Drive()
     ahead = ReadAhead(drive.submit, depth=2)

@@ -58,7 +58,10 @@ class ReadAhead:
         self._prepare = prepare
         self.depth = depth
         self.counts = ReadAheadCounts()
-        self._lock = threading.Condition()
+        # a plain lock for the state (a Condition's own `with` is Python code, and a step takes it a few
+        # times per guess), and a condition over it for the one wait (`take`)
+        self._lock = threading.Lock()
+        self._filed = threading.Condition(self._lock)
         self._submitting: set[Key] = set()  # popped from the queue, their Future not yet filed
         self._queued: deque[tuple[Key, Any]] = deque()  # guesses not yet issued, in order, each with what it needs
         self._issued: dict[Key, Future] = {}  # issued guesses no step has taken yet
@@ -85,7 +88,7 @@ class ReadAhead:
         taken: dict[int, Future] = {}
         with self._lock:
             # a guess another thread is issuing right now is filed in a moment: wait for it, not read it twice
-            self._lock.wait_for(lambda: not any(k[0] == layer for k in self._submitting))
+            self._filed.wait_for(lambda: not any(k[0] == layer for k in self._submitting))
             kept: deque[tuple[Key, Any]] = deque()
             for guess in self._queued:
                 if guess[0][0] == layer:
@@ -117,7 +120,7 @@ class ReadAhead:
                 self._in_flight += 1
                 self.counts.issued += 1
                 self._submitting.add(key)
-            future = None
+            future, landed = None, False
             try:
                 future = self._submit(*key, prepared)
             except RuntimeError as e:  # a closed store's pool: a guess is optional; a step's own read reports it
@@ -129,11 +132,15 @@ class ReadAhead:
                         self._in_flight -= 1
                     else:
                         self._issued[key] = future
-                    self._lock.notify_all()
+                        # landed already (a null or cached read): the drive is free, and the loop goes on
+                        # with no callback to make
+                        landed = future.done()
+                        self._in_flight -= landed
+                    self._filed.notify_all()
             if future is None:
                 return
-            # added after the future is filed: a read that has already landed calls back here at once
-            future.add_done_callback(self._landed)
+            if not landed:  # added after the future is filed: a read that lands meanwhile calls back at once
+                future.add_done_callback(self._landed)
 
     def _landed(self, _: Future) -> None:
         with self._lock:
