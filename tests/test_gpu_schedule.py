@@ -287,12 +287,12 @@ def test_a_prefetched_read_is_issued_before_the_layers_expert_kernels_and_in_fli
     source = streamer.source = HeldSource(streamer.source)
     events: list[tuple] = []
     layer = [-1]  # the step under way
-    real_choose, real_submit, real_sync = streamer.choose, source.submit, dev.rt.sync
+    real_substitute, real_submit, real_sync = streamer.substitute, source.submit, dev.rt.sync
 
-    def choose(il, exact, rows=None):
+    def substitute(il, exact, rows=None):  # a step's first call into the streamer
         layer[0] = il
         events.append(("step", il))
-        return real_choose(il, exact, rows)
+        return real_substitute(il, exact, rows)
 
     def submit(il, expert, out=None):
         if il > layer[0]:  # a read for a later layer: a prefetch; held
@@ -307,7 +307,7 @@ def test_a_prefetched_read_is_issued_before_the_layers_expert_kernels_and_in_fli
             events.append(("ran", layer[0]))
             source.release("the compute stream ran the layer's kernels")
 
-    streamer.choose, source.submit, dev.rt.sync = choose, submit, sync
+    streamer.substitute, source.submit, dev.rt.sync = substitute, submit, sync
     log: list[str] = []
     expert_launches(dev, log, lambda name: events.append(("launch", name, layer[0])))
     try:

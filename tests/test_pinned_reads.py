@@ -181,13 +181,13 @@ def test_a_miss_is_copied_up_before_the_last_read_of_its_layer_lands(tmp_path):
     held = streamer.source = _HeldRead(streamer.source, patience=20.0)
     token = int(np.load(ORACLE / f"{name}.tokens.npy")[0])
     first_ids = []
-    real_choose = streamer.choose
-    streamer.choose = lambda layer, r, rows=None: first_ids.append((layer, r.ids)) or real_choose(layer, r, rows)
+    real_choose = streamer.substitute
+    streamer.substitute = lambda layer, r, rows=None: first_ids.append((layer, r.ids)) or real_choose(layer, r, rows)
     # the first MoE step's choice, from the same token on the reference engine: hold its highest expert
     probe = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="reference", vram_cache=0, ram_cache=0))
     probe_ids = []
-    probe_choose = probe.experts.streamer.choose
-    probe.experts.streamer.choose = lambda layer, r, rows=None: probe_ids.append((layer, r.ids)) or probe_choose(layer, r, rows)
+    probe_choose = probe.experts.streamer.substitute
+    probe.experts.streamer.substitute = lambda layer, r, rows=None: probe_ids.append((layer, r.ids)) or probe_choose(layer, r, rows)
     probe.eval(probe.new_state(), [token])
     held.held = (0, int(probe_ids[0][1].max()))
     rt = device.dev.rt

@@ -408,6 +408,38 @@ def test_a_steps_reads_are_issued_before_its_plan_is_made(model):
     engine.close()
 
 
+def test_a_steps_routing_record_and_next_guess_are_made_while_its_reads_are_in_flight(model):
+    # The part of a step in series with its reads ends once they are issued: the usage counts, the trace
+    # and the next layer's prediction, which the reads do not depend on, come after the submits.
+    path, store, tokens, _ = model
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=0, prefetch=True))
+    streamer = engine.experts.streamer
+    events = []
+    real_submit, real_note, real_predict = streamer.source.submit, streamer.note, streamer.predict
+    streamer.source.submit = lambda layer, expert, *a, **kw: events.append(("read", layer)) or real_submit(layer, expert, *a, **kw)
+    streamer.note = lambda layer, *a: events.append(("note", layer)) or real_note(layer, *a)
+    streamer.predict = lambda layer, ids: events.append(("predict", layer - 1)) or real_predict(layer, ids)
+    state = engine.new_state()
+    got = np.stack([engine.decode_token(state, int(t)) for t in tokens[:3]])
+    del streamer.source.submit, streamer.note, streamer.predict
+    noted = [i for i, e in enumerate(events) if e[0] == "note"]
+    assert len(noted) == 3 * engine.spec.n_layer
+    read_first = 0
+    for i, end in zip(noted, noted[1:] + [len(events)]):
+        layer = events[i][1]
+        read_first += ("read", layer) in events[:i]
+        after = events[i + 1 : end]  # the rest of this step, up to the next step's record
+        assert ("read", layer) not in after  # the step's own reads all went out before its record
+        if layer + 1 < engine.spec.n_layer:
+            assert ("predict", layer) in after  # and its guess of the next layer's experts after it
+    assert read_first > 0, "no step read a miss: the test proves nothing"
+    engine.close()
+    plain = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=0, prefetch=False))
+    state = plain.new_state()
+    assert np.array_equal(got, np.stack([plain.decode_token(state, int(t)) for t in tokens[:3]]))  # when, never what
+    plain.close()
+
+
 class ComputeGatedStore(PooledStore):
     """Reads finish only once an expert FFN has been computed since they were issued (or after
     `patience` seconds): a step that waits for its reads before computing anything makes them wait

@@ -3,12 +3,13 @@
     out = step(layer, h, exact)      # h [T, D] normed; exact: the router's own choice (ids, weights, probs)
 
 does, in order:
-    1. routing: the trace, usage counts, cache-aware substitutions (streamer.choose);
-    2. the next layer's prediction on a decode step (device.route, or what route() read back with the
-       router's own choice), whose misses are read during this one;
-    3. the cache plan and its reads (streamer.start_acquire), and the device tier's evictions;
-    4. the device's arithmetic (device.compute), which fills the tier as the bytes land;
-    5. release: the plan's experts are unpinned.
+    1. routing: cache-aware substitutions (streamer.substitute), which say what the step reads;
+    2. the step's reads, issued first (streamer.start_acquire); while they are in flight, the routing's
+       record (the trace, usage counts: streamer.note) and the next layer's prediction on a decode step
+       (device.route, or what route() read back with the router's own choice), whose misses are read
+       during this one; then the cache plan, and the device tier's evictions;
+    3. the device's arithmetic (device.compute), which fills the tier as the bytes land;
+    4. release: the plan's experts are unpinned.
 and keeps a StepTiming record of each step when asked (`records`).
 
 The streamer (fomoepy.experts.streamer) is the host side the step owns: the cache, the host tier's
@@ -75,14 +76,18 @@ class MoEStep:
         rows `rows` only where given (every row is routed, counted and traced; those are computed)."""
         s, device = self.streamer, self.device
         t0 = time.perf_counter()
-        ids, weights = s.choose(layer, exact, rows)
+        ids, weights = s.substitute(layer, exact, rows)  # (CAR: what the step's reads are of)
         if rows is not None:
             h = h[rows]
-        if self._predicting(layer):
-            ahead, self._ahead = self._ahead, None
-            s.predict(layer + 1, ahead[1] if ahead is not None and ahead[0] == layer else device.route(layer + 1, h, exact.ids.shape[1]))
         t1 = time.perf_counter()
-        plan, fetched, reads = s.start_acquire(layer, ids, rows)
+
+        def beside() -> None:  # while the step's reads are in flight: the routing's record, the next layer's guesses
+            s.note(layer, exact, rows)
+            if self._predicting(layer):
+                ahead, self._ahead = self._ahead, None
+                s.predict(layer + 1, ahead[1] if ahead is not None and ahead[0] == layer else device.route(layer + 1, h, exact.ids.shape[1]))
+
+        plan, fetched, reads = s.start_acquire(layer, ids, rows, beside)
         for victim in plan.device_evictions:
             device.evict(victim)
         experts = StepExperts(plan, self.phase, fetched, reads, lambda: s.finish_acquire(plan, fetched, reads))

@@ -168,7 +168,15 @@ class ExpertStreamer:
     def choose(self, layer: int, exact: Routing, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The experts to compute: the exact selection, or CAR's substitutions when it is on; of the rows
         `rows` only where given (the last layer's rows that are read). Usage counts (profiles) take the
-        router's choice of every row; the trace, CAR and the plan take the rows computed."""
+        router's choice of every row; the trace, CAR and the plan take the rows computed. Both halves:
+        `note` (the counts and the trace) and `substitute` (CAR)."""
+        self.note(layer, exact, rows)
+        return self.substitute(layer, exact, rows)
+
+    def note(self, layer: int, exact: Routing, rows: slice | None = None) -> None:
+        """The step's record of what the router chose: usage counts (every row), the last prediction's
+        accuracy and the trace (the rows computed). Nothing the step's reads depend on: MoEStep makes it
+        while they are in flight."""
         self.counter.add(layer, exact.ids)
         first, sequences = self._first_token, self._sequences_of(rows)
         if rows is not None:
@@ -185,8 +193,15 @@ class ExpertStreamer:
             now = self.cache.now
             self.trace.write(first, layer, exact.ids, top_scores, exact.probs, predicted, sequences,
                              now if now != first else None)  # fmt: skip
+
+    def substitute(self, layer: int, exact: Routing, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and weights to compute for the rows `rows` (all where None): the router's, or with CAR on,
+        cached experts in place of uncached ones where the scores allow (what the step then reads)."""
+        if rows is not None:
+            exact = Routing(exact.ids[rows], exact.weights[rows], exact.probs[rows])
         if not self.options.car.enabled:
             return exact.ids, exact.weights
+        first = self._first_token + (rows.start if rows is not None else 0)
         cached = self.cache.cached_mask(layer, "device") | self.cache.cached_mask(layer, "host")
         result = cache_aware_route(
             exact.ids, exact.weights, exact.probs, cached, self.options.car,
@@ -244,7 +259,8 @@ class ExpertStreamer:
         plan, fetched, reads = self.start_acquire(layer, ids)
         return plan, self.finish_acquire(plan, fetched, reads)
 
-    def start_acquire(self, layer: int, ids: np.ndarray, rows: slice | None = None) -> tuple[Plan, dict[int, ExpertBytes], dict[int, Future | None]]:
+    def start_acquire(self, layer: int, ids: np.ndarray, rows: slice | None = None,
+                      beside: Callable[[], None] | None = None) -> tuple[Plan, dict[int, ExpertBytes], dict[int, Future | None]]:  # fmt: skip
         """acquire's first half: the plan, the bytes at hand (host hits, prefetches handed over) and the
         reads in flight, so a backend can compute the experts at hand while the others are read. The
         caller must then call finish_acquire, before anything else of this streamer's. rows: the step's
@@ -252,7 +268,9 @@ class ExpertStreamer:
 
         The step's reads go out first, before its plan: they are the experts neither tier holds, which the
         tiers' state already says (the plan's disk items are exactly those), so the drives' latency starts
-        before the plan's eviction walks and the commit, which then run while the reads are in flight."""
+        before the plan's eviction walks and the commit, which then run while the reads are in flight. So
+        does `beside`, when given: work of the step's that its reads do not wait for (MoEStep's record of
+        the routing and the next layer's prediction), made before the plan."""
         self._collect_backfill()
         if self._backfill_thread is not None:
             self._backfill_thread.set_io_busy(True, self.tokens_seen)
@@ -271,6 +289,8 @@ class ExpertStreamer:
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
+        if beside is not None:
+            beside()
         plan = self.cache.plan(layer, ids, self._sequences_of(rows))
         disk = [item.expert for item in plan.items if item.source is Source.DISK]
         if disk != sorted([*reads, *fetched]):  # (fetched: so far, the reads made ahead that landed)
