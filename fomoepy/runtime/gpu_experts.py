@@ -464,16 +464,18 @@ class GpuExperts:
             side.copies_wait = False
         if self.pool is not None:
             addresses = [host_address(part) for part in parts]
-            if all(self.pool.pins(a, part.nbytes) for a, part in zip(addresses, parts)):
-                # the bytes are in a pinned read buffer: copied from there, part by part, with no staging
-                # memcpy; the pool hands the buffer out again only after these copies are done
-                start = addresses[0]
+            start, end = addresses[0], layout.offsets[2] + parts[2].nbytes
+            # the read buffer has the slot's layout (the store's records pad as slots do): one span, one
+            # check that the pool pins it, one copy
+            whole = all(a == start + offset for a, offset in zip(addresses, layout.offsets))
+            if self.pool.pins(start, end) if whole else all(self.pool.pins(a, part.nbytes) for a, part in zip(addresses, parts)):
+                # the bytes are in a pinned read buffer: copied from there, with no staging memcpy; the
+                # pool hands the buffer out again only after these copies are done
                 written = side.down_buffers.get(start)
                 if written is not None:  # a copy down wrote these bytes: not yet waited for by this stream
                     side.cover_downloads(written[0])
-                if all(a == start + offset for a, offset in zip(addresses, layout.offsets)):
-                    # the read buffer has the slot's layout (the store's records pad as slots do): one copy
-                    side.rt.htod(buf.ptr, start, layout.offsets[2] + parts[2].nbytes, side.dev.copy_stream)
+                if whole:
+                    side.rt.htod(buf.ptr, start, end, side.dev.copy_stream)
                 else:
                     for a, offset, part in zip(addresses, layout.offsets, parts):
                         side.rt.htod(buf.ptr + offset, a, part.nbytes, side.dev.copy_stream)
