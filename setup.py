@@ -1,19 +1,30 @@
-"""The one compiled part of the package: the expert cache's bookkeeping (fomoepy/experts/_cache_core.c).
+"""The compiled parts of the package, each optional: without a C compiler the install goes on, and the
+Python code they stand in for serves (the same results, more host time per step).
 
-Optional: without a C compiler the install goes on, and fomoepy.experts.fast_cache falls back to the
-Python cache (the same decisions, more host time per step). -ffp-contract=off: the core must round as
-Python does (no fused multiply-adds), so its scores and their ties match the Python policies exactly.
+- fomoepy/experts/_cache_core.c: the expert cache's bookkeeping; without it fomoepy.experts.fast_cache
+  falls back to the Python cache (the same decisions). -ffp-contract=off: the core must round as Python
+  does (no fused multiply-adds), so its scores and their ties match the Python policies exactly.
+- fomoepy/runtime/_driver_calls.c: a decode step's launches, copies and event calls through the GPU
+  bindings' own C function pointers; without it fomoepy.runtime.shim calls the bindings' Python functions.
 """
 
 from setuptools import Extension, setup
+
+WARNINGS = ["-Wall", "-Wno-missing-braces"]
 
 setup(
     ext_modules=[
         Extension(
             "fomoepy.experts._cache_core",
             ["fomoepy/experts/_cache_core.c"],
-            extra_compile_args=["-O2", "-std=c11", "-ffp-contract=off", "-Wall", "-Wno-missing-braces"],
+            extra_compile_args=["-O2", "-std=c11", "-ffp-contract=off", *WARNINGS],
             optional=True,
-        )
+        ),
+        Extension(
+            "fomoepy.runtime._driver_calls",
+            ["fomoepy/runtime/_driver_calls.c"],
+            extra_compile_args=["-O2", "-std=c11", *WARNINGS],
+            optional=True,
+        ),
     ]
 )

@@ -18,9 +18,12 @@ making ready, as a copy up is a GPU's) and the time blocked on reads.
 Prints median and p90 µs per step; on the GPU path also the median of its part in series with the
 step's reads (before they are issued, after the last lands: `[host] serial` in a rig file; the part
 before them is `[host] before_reads`), split into
-routing (the router's launches and read-back, CAR, the trace, next-layer prediction), plan (the cache
-plan and policy, host bytes, reads issued), binding calls (every driver call's time, counted) and the
-rest of Python.
+routing (the router's launches and read-back, CAR), plan (the reads issued; then, while they are in
+flight, the usage counts, the trace and the next layer's prediction; the cache plan and policy, host
+bytes), binding calls (every driver call's time, counted) and the rest of Python. The GPU path runs
+twice: with the step's hot driver calls through the binding's C functions (fomoepy/runtime/
+_driver_calls.c; the figure), and, beside it in the same run, with every call through the binding's
+Python functions (what those C calls save; `gpu_python_calls` in --json).
 
     python bench/host_time.py [--json] [--record] [--vendor hip|cuda] [--tokens 96] [--warm 32]
 """
@@ -100,19 +103,26 @@ def gpu_child(args: argparse.Namespace) -> dict:
         finally:
             calls["pack"] += time.perf_counter() - t
 
+    def counted_as(name: str, dt: float) -> None:
+        calls["s"] += dt
+        calls["n"] += 1
+        if "Synchronize" in name:  # the host waiting for the device: on a real one, not host work
+            calls["wait"] += dt
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += dt
+
     def counted(self, name, *a):
         t = time.perf_counter()
         try:
             return real_call(self, name, *a)
         finally:
-            dt = time.perf_counter() - t
-            calls["s"] += dt
-            calls["n"] += 1
-            if "Synchronize" in name:  # the host waiting for the device: on a real one, not host work
-                calls["wait"] += dt
-            entry = by_name.setdefault(name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += dt
+            counted_as(name, time.perf_counter() - t)
+
+    # the calls made through the binding's C functions (fomoepy/runtime/_driver_calls.c), counted the same
+    real_direct = None if args.python_calls else dev.rt.direct
+    dev.rt.direct = real_direct
+    counted_direct = None if real_direct is None else CountedDirect(real_direct, dev.rt.names, counted_as)
 
     h = dev.upload(np.zeros((1, shape.n_embd), np.float32))
     router_w = routers[0]
@@ -120,6 +130,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
     def run(tokens: range, instrumented: bool) -> list[tuple]:
         samples = []
         DriverShim.call = counted if instrumented else real_call  # type: ignore[method-assign]
+        dev.rt.direct = counted_direct if instrumented else real_direct
         GpuExperts._pack = staticmethod(timed_pack) if instrumented else staticmethod(real_pack)  # type: ignore[method-assign]
         try:
             for t in tokens:
@@ -139,6 +150,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
                 step.end_step(1)
         finally:
             DriverShim.call = real_call  # type: ignore[method-assign]
+            dev.rt.direct = real_direct
             GpuExperts._pack = staticmethod(real_pack)  # type: ignore[method-assign]
         return samples
 
@@ -187,16 +199,44 @@ def gpu_child(args: argparse.Namespace) -> dict:
         "less_waits_median_us": unwaited_median, "less_waits_p90_us": unwaited_p90,
         "waits_median_us": float(np.median([s[7] * 1e6 for s in split])), "calls_by_name": calls_by_name,
         "reads_per_step": reads / n, "uploads_per_step": uploads / n, "direct_uploads": device.direct_uploads,
+        "calls_through": "python" if real_direct is None else "c",
     }  # fmt: skip
 
 
-def gpu_path(args: argparse.Namespace) -> dict:
-    """Runs gpu_child in a process whose loader finds the stand-in driver (LD_LIBRARY_PATH is read at start)."""
+class CountedDirect:
+    """A shim's direct calls (the binding's C functions), each timed and counted under the driver
+    function's name, as bench/host_time.py counts the calls made through the binding's Python ones."""
+
+    METHODS = {"launch": "launch", "htod": "memcpy_htod", "dtoh": "memcpy_dtoh", "dtod": "memcpy_dtod",
+               "record": "event_record", "wait": "stream_wait_event", "sync": "stream_sync",
+               "event_sync": "event_sync", "memset32": "memset_d32"}  # fmt: skip
+
+    def __init__(self, real, names, counted_as):
+        for method, api in self.METHODS.items():
+            setattr(self, method, self._timed(getattr(real, method), getattr(names, api), counted_as))
+
+    @staticmethod
+    def _timed(fn, name, counted_as):
+        def call(*a):
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                counted_as(name, time.perf_counter() - t)
+
+        return call
+
+
+def gpu_path(args: argparse.Namespace, python_calls: bool = False) -> dict:
+    """Runs gpu_child in a process whose loader finds the stand-in driver (LD_LIBRARY_PATH is read at start);
+    python_calls: every driver call through the binding's Python functions, none through its C ones."""
     from standin import standin_env
 
     env = standin_env("bench/host_time.py", args.vendor, "null", 64 << 30)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child-gpu", "--vendor", args.vendor,
            "--tokens", str(args.tokens), "--warm", str(args.warm)] + (["--policy", args.policy] if args.policy else [])  # fmt: skip
+    if python_calls:
+        cmd.append("--python-calls")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"bench/host_time.py: the GPU path failed:\n{proc.stderr[-3000:]}")
@@ -276,9 +316,18 @@ def gpu_cells(gpu: dict, driver: str) -> str:
             f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | ")  # fmt: skip
 
 
-def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
-    g, c = gpu["split_median_us"], cpu["split_median_us"]
-    rest = g["total (instrumented)"] - g["routing"] - g["plan"]
+def gpu_split(gpu: dict) -> str:
+    """The GPU path's split: its parts in series with the reads, routing, plan, binding calls and the rest."""
+    g = gpu["split_median_us"]
+    rest = g["total (instrumented)"] - g["routing"] - g["plan"] - g["binding calls"]
+    return (f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); "
+            f"routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls {g['binding calls']:.1f} ({g['calls per step']:.0f} calls), "
+            f"staging copies {g['staging copies (mean)']:.1f} (mean), rest {rest:.1f} (instrumented total {g['total (instrumented)']:.1f}); "
+            f"device hits {gpu['tiers']['device_hit']:.1%}, host {gpu['tiers']['host_hit']:.1%}")  # fmt: skip
+
+
+def report(gpu: dict, cpu: dict, args: argparse.Namespace, gpu_python: dict) -> str:
+    c = cpu["split_median_us"]
     lines = [
         f"### host_time — {date.today()} — {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "",
@@ -286,11 +335,8 @@ def report(gpu: dict, cpu: dict, args: argparse.Namespace) -> str:
         "",
         "| path | shape | median µs | p90 µs | steps | split (medians, µs) |",
         "|---|---|---|---|---|---|",
-        gpu_cells(gpu, "binding over the null stand-in") + f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls "
-        f"{g['binding calls']:.1f} ({g['calls per step']:.0f} calls), staging copies {g['staging copies (mean)']:.1f} (mean), "
-        f"rest {rest - g['binding calls']:.1f} "
-        f"(instrumented total {g['total (instrumented)']:.1f}); device hits {gpu['tiers']['device_hit']:.1%}, "
-        f"host {gpu['tiers']['host_hit']:.1%} |",
+        gpu_cells(gpu, "binding (its C functions) over the null stand-in") + gpu_split(gpu) + " |",
+        gpu_cells(gpu_python, "binding (its Python functions) over the null stand-in") + gpu_split(gpu_python) + " |",
         f"| cpu backend, tier 25 % | {cpu['shape']} | {cpu['median_us']:.1f} | {cpu['p90_us']:.1f} | {cpu['steps']} | "
         f"routing {c['routing']:.1f}, plan {c['plan']:.1f}; not host: ggml products {c['products']:.1f}, slot fills "
         f"(setting misses into slots) {c['slot fills']:.1f}, reads {c['wait']:.1f}; tier hits {cpu['tiers']['device_hit']:.1%} |",
@@ -342,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-gpu", action="store_true",
                     help="the GPU path on this machine's real GPU and driver (--vendor's), not the null stand-in: "
                          "the step's wall time then includes waiting for the device at each read-back")  # fmt: skip
+    ap.add_argument("--python-calls", action="store_true", help=argparse.SUPPRESS)  # (the child's comparison row)
     ap.add_argument("--child-gpu", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_gpu or args.real_gpu:
@@ -355,15 +402,17 @@ def main(argv: list[str] | None = None) -> int:
             record(report_real(result, args))
         return 0
     gpu = gpu_path(args)
+    # the same step with every driver call through the binding's Python functions: what the C ones save
+    gpu_python = gpu_path(args, python_calls=True)
     cpu = cpu_path(args)
     if args.json:
-        print(json.dumps({"gpu": gpu, "cpu": cpu}))
+        print(json.dumps({"gpu": gpu, "cpu": cpu, "gpu_python_calls": gpu_python}))
     else:
-        print(report(gpu, cpu, args))
+        print(report(gpu, cpu, args, gpu_python))
     if args.record:
         from results import record
 
-        record(report(gpu, cpu, args))
+        record(report(gpu, cpu, args, gpu_python))
     return 0
 
 

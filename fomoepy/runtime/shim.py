@@ -7,6 +7,10 @@ device and naming its architecture. Everything above this module is vendor-neutr
 
 Device pointers, pinned host pointers and kernel parameter blocks are plain ints; streams, events,
 modules and functions are the bindings' handle objects, passed back untouched.
+
+The calls a decode step makes by the dozen (launches, async copies, event records and waits,
+synchronisations) go through the bindings' C function pointers where the package's compiled helper
+is built (fomoepy/runtime/_driver_calls.c): the same driver functions, a tenth of the host time.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fomoepy.errors import FomoeError
+
+try:  # optional (setup.py): without it the bindings' Python functions make every call
+    from fomoepy.runtime import _driver_calls
+except ImportError:
+    _driver_calls = None
 
 VENDORS = ("cuda", "hip", "sim")
 
@@ -55,6 +64,13 @@ class ApiNames:
     mem_info: str
     driver_version: str
     error_string: str
+    status: str = ""  # the binding's enum of call results (none: they are ints)
+
+
+# the calls made directly (fomoepy/runtime/_driver_calls.c's order): the ApiNames of each
+DIRECT_CALLS = ("launch", "memcpy_htod", "memcpy_dtoh", "memcpy_dtod", "event_record", "stream_wait_event", "stream_sync",
+                "event_sync", "memset_d32")  # fmt: skip
+HANDLES_KEPT = 4096  # handle objects whose integers are remembered (streams, events, functions: a few dozen)
 
 
 # flag values shared by both APIs (CU_STREAM_NON_BLOCKING == hipStreamNonBlocking, ...)
@@ -93,6 +109,8 @@ class DriverShim(ABC):
         self.api = api
         self.device = device
         self._syncs: dict[int, int] = {}  # id of a stream -> the host's waits for it so far
+        self.direct: Any = None  # _driver_calls.Calls over the binding's C functions, once use_direct_calls found them
+        self._handles: dict[int, tuple[Any, int]] = {}  # id of a handle object -> (it, its integer)
 
     # -- what differs: set in the vendor modules --------------------------------------------------------
     @abstractmethod
@@ -105,9 +123,7 @@ class DriverShim(ABC):
     # -- calls ------------------------------------------------------------------------------------------
     def call(self, name: str, *args: Any) -> Any:
         """api.<name>(*args) with its status checked; returns the remaining results (None, one, or a tuple)."""
-        if getattr(DriverShim._current, "shim", None) is not self:
-            DriverShim._current.shim = self
-            self._make_current()
+        self._current_here()
         try:
             result = getattr(self.api, name)(*args)
         except GpuError:
@@ -122,6 +138,41 @@ class DriverShim(ABC):
             raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(result[0])}")
         n = len(result)  # (status, *results): none, one, or a tuple of them
         return None if n == 1 else result[1] if n == 2 else result[1:]
+
+    def _current_here(self) -> None:
+        """This shim's device is the calling thread's current one."""
+        if getattr(DriverShim._current, "shim", None) is not self:
+            DriverShim._current.shim = self
+            self._make_current()
+
+    # -- the direct calls ---------------------------------------------------------------------------------
+    def use_direct_calls(self, exported: dict[str, Any] | None) -> None:
+        """Make the hot calls through the binding's C functions (`exported`: its Cython module's
+        __pyx_capi__, name -> capsule), where the compiled helper is built and the binding exports them
+        all; else they stay with its Python functions."""
+        if _driver_calls is None or not exported:
+            return
+        try:
+            capsules = tuple(exported[getattr(self.names, call)] for call in DIRECT_CALLS)
+        except KeyError:  # a binding without one of them
+            return
+        self.direct = _driver_calls.Calls(capsules)
+
+    def raw(self, h: Any) -> int:
+        """The integer behind a binding's handle object (a stream, an event, a function), as a direct call
+        takes it; None is 0, the default stream. Remembered per object: streams and events are reused."""
+        kept = self._handles.get(id(h))
+        if kept is not None and kept[0] is h:
+            return kept[1]
+        if len(self._handles) >= HANDLES_KEPT:
+            self._handles.clear()
+        raw = address(h)
+        self._handles[id(h)] = (h, raw)
+        return raw
+
+    def _direct_failed(self, name: str, status: int) -> None:
+        enum = getattr(self.api, self.names.status, None)
+        raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(enum(status) if enum else status)}")
 
     def error_string(self, status: Any) -> str:
         try:
@@ -161,7 +212,12 @@ class DriverShim(ABC):
         return self.call(self.names.stream_create, STREAM_NON_BLOCKING)
 
     def sync(self, stream: Any) -> None:
-        self.call(self.names.stream_sync, stream)
+        if self.direct is None:
+            self.call(self.names.stream_sync, stream)
+        else:
+            self._current_here()
+            if status := self.direct.sync(self.raw(stream)):
+                self._direct_failed(self.names.stream_sync, status)
         self._syncs[id(stream)] = self._syncs.get(id(stream), 0) + 1
 
     def syncs(self, stream: Any) -> int:
@@ -174,39 +230,78 @@ class DriverShim(ABC):
         return self.call(self.names.event_create, EVENT_DEFAULT if timing else EVENT_DISABLE_TIMING)
 
     def record(self, event: Any, stream: Any) -> None:
-        self.call(self.names.event_record, event, stream)
+        if self.direct is None:
+            self.call(self.names.event_record, event, stream)
+            return
+        self._current_here()
+        if status := self.direct.record(self.raw(event), self.raw(stream)):
+            self._direct_failed(self.names.event_record, status)
 
     def wait(self, stream: Any, event: Any) -> None:
         """Work queued on `stream` after this waits for `event` (no host synchronisation)."""
-        self.call(self.names.stream_wait_event, stream, event, 0)
+        if self.direct is None:
+            self.call(self.names.stream_wait_event, stream, event, 0)
+            return
+        self._current_here()
+        if status := self.direct.wait(self.raw(stream), self.raw(event)):
+            self._direct_failed(self.names.stream_wait_event, status)
 
     def event_sync(self, event: Any) -> None:
-        self.call(self.names.event_sync, event)
+        if self.direct is None:
+            self.call(self.names.event_sync, event)
+            return
+        self._current_here()
+        if status := self.direct.event_sync(self.raw(event)):
+            self._direct_failed(self.names.event_sync, status)
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return float(self.call(self.names.event_elapsed, start, end))
 
     # copies: device pointers and host pointers are ints
     def htod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        if nbytes:
+        if not nbytes:
+            return
+        if self.direct is None:
             self.call(self.names.memcpy_htod, dst, src, nbytes, stream)
+            return
+        self._current_here()
+        if status := self.direct.htod(dst, src, nbytes, self.raw(stream)):
+            self._direct_failed(self.names.memcpy_htod, status)
 
     def dtoh(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        if nbytes:
+        if not nbytes:
+            return
+        if self.direct is None:
             self.call(self.names.memcpy_dtoh, dst, src, nbytes, stream)
+            return
+        self._current_here()
+        if status := self.direct.dtoh(dst, src, nbytes, self.raw(stream)):
+            self._direct_failed(self.names.memcpy_dtoh, status)
 
     def dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        if nbytes:
+        if not nbytes:
+            return
+        if self.direct is None:
             self.call(self.names.memcpy_dtod, dst, src, nbytes, stream)
+            return
+        self._current_here()
+        if status := self.direct.dtod(dst, src, nbytes, self.raw(stream)):
+            self._direct_failed(self.names.memcpy_dtod, status)
 
     memset_signed = False  # hip-python takes the 32-bit pattern as a C int, cuda-python as unsigned
 
     def memset32(self, dst: int, value: int, count: int, stream: Any) -> None:
-        if count:
-            pattern = value & 0xFFFFFFFF
-            if self.memset_signed and pattern >= 1 << 31:
-                pattern -= 1 << 32  # the same 32 bits as a signed int
-            self.call(self.names.memset_d32, dst, pattern, count, stream)
+        if not count:
+            return
+        pattern = value & 0xFFFFFFFF
+        if self.direct is not None:  # (a C int or unsigned int: the same 32 bits in the same register)
+            self._current_here()
+            if status := self.direct.memset32(dst, pattern, count, self.raw(stream)):
+                self._direct_failed(self.names.memset_d32, status)
+            return
+        if self.memset_signed and pattern >= 1 << 31:
+            pattern -= 1 << 32  # the same 32 bits as a signed int
+        self.call(self.names.memset_d32, dst, pattern, count, stream)
 
     # modules and launches
     def load_module(self, binary: bytes) -> Any:
@@ -218,7 +313,12 @@ class DriverShim(ABC):
     def launch(self, function: Any, grid: Sequence[int], block: Sequence[int], shared: int, stream: Any, params: int) -> None:
         gx, gy, gz = _dims3(grid)
         bx, by, bz = _dims3(block)
-        self.call(self.names.launch, function, gx, gy, gz, bx, by, bz, shared, stream, params, self.launch_extra)
+        if self.direct is None:
+            self.call(self.names.launch, function, gx, gy, gz, bx, by, bz, shared, stream, params, self.launch_extra)
+            return
+        self._current_here()
+        if status := self.direct.launch(self.raw(function), gx, gy, gz, bx, by, bz, shared, self.raw(stream), params):
+            self._direct_failed(self.names.launch, status)
 
     def driver_version(self) -> int:
         return int(self.call(self.names.driver_version))

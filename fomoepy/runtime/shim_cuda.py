@@ -31,6 +31,7 @@ CUDA_NAMES = ApiNames(
     mem_info="cuMemGetInfo",
     driver_version="cuDriverGetVersion",
     error_string="cuGetErrorString",
+    status="CUresult",
 )
 
 
@@ -52,6 +53,9 @@ class CudaShim(DriverShim):
         self.device_name = self.call("cuDeviceGetName", 256, self.handle).split(b"\0")[0].decode()
         self.total_memory = int(self.call("cuDeviceTotalMem", self.handle))
         self.warp_size = int(self.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE, self.handle))
+        from cuda.bindings import cydriver  # cuda-python's C layer: the driver functions its Python ones call
+
+        self.use_direct_calls(getattr(cydriver, "__pyx_capi__", None))
 
     def _make_current(self) -> None:
         self.api.cuCtxSetCurrent(self.context)

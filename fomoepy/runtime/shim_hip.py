@@ -31,6 +31,7 @@ HIP_NAMES = ApiNames(
     mem_info="hipMemGetInfo",
     driver_version="hipDriverGetVersion",
     error_string="hipGetErrorString",
+    status="hipError_t",
 )
 
 
@@ -46,6 +47,9 @@ class HipShim(DriverShim):
         self.device_name = _text(props.name)
         self.total_memory = int(props.totalGlobalMem)
         self.warp_size = int(props.warpSize)
+        from hip import chip  # hip-python's C layer: the driver functions its Python ones call
+
+        self.use_direct_calls(getattr(chip, "__pyx_capi__", None))
 
     memset_signed = True
 

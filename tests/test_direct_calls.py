@@ -1,0 +1,111 @@
+"""The hot driver calls made through the bindings' C function pointers (fomoepy/runtime/_driver_calls.c):
+under both real bindings, over the stand-in drivers, each call does what the binding's Python function
+does, bit for bit, and a call the driver refuses is one GpuError naming the call and the driver's reason.
+The GPU tests through the real bindings (test_standin_bindings.py) run the whole engine on them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_standin_bindings import BINDINGS, hiprtc_dir, modules
+
+from fomoepy.runtime.sim.build import standin_drivers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import sys
+import numpy as np
+from fomoepy.runtime import _driver_calls
+from fomoepy.runtime.gpu import GpuBackend
+from fomoepy.runtime.shim import GpuError
+
+dev = GpuBackend(sys.argv[1])
+rt = dev.rt
+assert isinstance(rt.direct, _driver_calls.Calls), "the binding's C functions are not in use"
+rng = np.random.default_rng(7)
+x = rng.standard_normal((3, 256)).astype(np.float32)
+w = rng.standard_normal(256).astype(np.float32)
+
+
+def run() -> dict:
+    out = {}
+    a = dev.upload(x)
+    b = dev.empty(x.shape)
+    rt.dtod(b.ptr, a.ptr, x.nbytes, dev.stream)  # a copy on the device
+    out["copied"] = dev.to_host(b)  # a copy down, after a synchronisation
+    c = dev.empty((64,), np.int32)
+    rt.memset32(c.ptr, 0x9ABCDEF0, 64, dev.stream)  # a pattern past 2^31: signed in HIP, unsigned in CUDA
+    out["memset"] = dev.to_host(c)
+    ev = rt.event()
+    rt.record(ev, dev.stream)
+    rt.wait(dev.copy_stream, ev)
+    rt.event_sync(ev)
+    out["normed"] = dev.to_host(dev.rms_norm(a, w, 1e-6))  # a launch
+    return out
+
+
+direct = run()
+rt.direct = None  # the same calls through the binding's Python functions
+python = run()
+for name in direct:
+    assert direct[name].tobytes() == python[name].tobytes(), name
+assert (direct["copied"] == x).all() and (direct["memset"].view(np.uint32) == 0x9ABCDEF0).all()
+print("SAME")
+"""
+
+REFUSED = r"""
+import sys
+import numpy as np
+from fomoepy.runtime.gpu import GpuBackend
+from fomoepy.runtime.shim import GpuError
+
+dev = GpuBackend(sys.argv[1])
+assert dev.rt.direct is not None
+try:
+    dev.rt.htod(16, dev.upload(np.ones(4, np.float32)).ptr, 16, dev.copy_stream)
+    print("ACCEPTED")
+except GpuError as e:
+    print(e)
+"""
+
+
+def run_script(standin: Path, vendor: str, script: str) -> subprocess.CompletedProcess:
+    if importlib.util.find_spec(BINDINGS[vendor].split(".")[0]) is None:
+        pytest.skip(f"{BINDINGS[vendor]} is not installed")
+    paths = [str(standin)]
+    if vendor == "hip":
+        lib = hiprtc_dir()
+        if lib is None:
+            pytest.skip("Debian's hiprtc is not available (tools/setup_kernel_compilers.sh failed)")
+        paths.append(lib)
+    env = os.environ | {"LD_LIBRARY_PATH": ":".join(paths), "FOMOE_STANDIN_MODULES": modules(standin, vendor)}
+    return subprocess.run([sys.executable, "-c", script, vendor], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> Path:
+    return standin_drivers(tmp_path_factory.mktemp("standin"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_each_direct_call_does_what_the_bindings_python_function_does(standin, vendor):
+    proc = run_script(standin, vendor, SCRIPT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] == "SAME"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_a_refused_direct_call_is_one_error_naming_the_call_and_the_reason(standin, vendor):
+    proc = run_script(standin, vendor, REFUSED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    call = {"cuda": "cuMemcpyHtoDAsync", "hip": "hipMemcpyHtoDAsync"}[vendor]
+    line = proc.stdout.strip()
+    assert line.startswith(f"{vendor}: {call} failed: ") and "outside every device allocation" in line, line
