@@ -81,10 +81,12 @@ class SlotMatrix:
         """Copy one matrix's store-form bytes into `slot` (repacked there where so held)."""
         if not 0 <= slot < self.n_slots:
             raise FomoeError(f"slot {slot} outside [0, {self.n_slots})")
-        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
         if data.nbytes != self.slot_nbytes:
             raise FomoeError(f"expected {self.slot_nbytes} bytes for a slot's matrix, got {data.nbytes}")
-        ggml_buffers.set_tensor(self._views[slot], data.ctypes.data, data.nbytes)
+        # (the array interface's address: `.ctypes.data` builds a ctypes object, microseconds a matrix)
+        ggml_buffers.set_tensor(self._views[slot], data.__array_interface__["data"][0], data.nbytes)
 
     def slot_tensor(self, slot: int):
         """Slot `slot`'s matrix as a 2-D ggml tensor (a view, repacked with the rest where so held)."""
