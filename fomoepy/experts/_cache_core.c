@@ -90,6 +90,12 @@ typedef struct {
     uint8_t *tracked;   /* the policy's residents */
     size_t n_tracked;
     EntryHeap order;    /* (v, t, key) of residents; stale entries skipped and dropped lazily */
+    /* The order's smallest entries, in order, as the last eviction walk read them: a walk reads the
+       merge of this and the heap, and leaves what it read here instead of pushing it back (a walk reads
+       a couple of hundred entries at the 397B shape, and each pop and push-back cost a pass down or up
+       the heap). Together with the heap it holds every entry once, as the heap alone did. */
+    Entry *front;
+    size_t n_front, cap_front;
     uint8_t *dup;       /* covered by the faster tier (the host tier's policy only) */
     KeyHeap dup_heap;   /* resident duplicates, ascending key, lazily */
 } Tier;
@@ -155,6 +161,7 @@ static int entry_current(Core *c, Tier *t, const Entry *e) {
 
 static int compact(Core *c, Tier *t) {
     t->order.n = 0;
+    t->n_front = 0;
     for (int32_t k = 0; k < c->n; k++)
         if (t->tracked[k]) {
             Entry e = {c->v[k], c->t_last[k], k};
@@ -166,7 +173,7 @@ static int compact(Core *c, Tier *t) {
 static int push_entry(Core *c, Tier *t, int32_t key) {
     Entry e = {c->v[key], c->t_last[key], key};
     if (EntryHeap_push(&t->order, e)) return -1;
-    if (t->order.n > 2 * t->n_tracked + 64) return compact(c, t);
+    if (t->order.n + t->n_front > 2 * t->n_tracked + 64) return compact(c, t);
     return 0;
 }
 
@@ -397,7 +404,8 @@ typedef struct {
     Tier *t;
     int phase;          /* 0 duplicates, 1 frequency order, 2 pending drained, 3 done */
     int32_t *popped_dups; size_t n_dups, cap_dups;
-    Entry *popped; size_t n_popped, cap_popped;
+    Entry *popped; size_t n_popped, cap_popped;  /* the current entries read, in order */
+    size_t in_front;                              /* entries of the tier's front read so far */
     int have_last;
     Entry last;
     PendingHeap pending;
@@ -421,11 +429,23 @@ static int grow(void **p, size_t *cap, size_t n, size_t size) {
     return 0;
 }
 
+/* the smallest entry not read yet, of the front and the heap; 0 when none is left */
+static int next_entry(Walk *w, Entry *e) {
+    Tier *t = w->t;
+    int front = w->in_front < t->n_front;
+    if (!front && !t->order.n) return 0;
+    if (front && (!t->order.n || entry_less(&t->front[w->in_front], &t->order.a[0])))
+        *e = t->front[w->in_front++];
+    else
+        *e = EntryHeap_pop(&t->order);
+    return 1;
+}
+
 /* the next resident key of the frequency order, not a duplicate; -1 at the end */
 static int32_t walk_freq(Walk *w) {
     Tier *t = w->t;
-    while (t->order.n) {
-        Entry e = EntryHeap_pop(&t->order);
+    Entry e;
+    while (next_entry(w, &e)) {
         if (!entry_current(w->c, t, &e) || (w->have_last && entry_same(&e, &w->last))) continue;  /* stale, or a second entry */
         w->have_last = 1, w->last = e;
         if (grow((void **)&w->popped, &w->cap_popped, w->n_popped, sizeof(Entry))) { w->failed = 1; return -1; }
@@ -478,13 +498,36 @@ static int32_t walk_next(Walk *w) {
     return -1;
 }
 
-/* the walk is over: what it popped goes back (stale entries stay out) */
+/* the walk is over: what it read becomes the front, before the front's entries it did not read (every
+   one of which is at least as large); stale entries stay out */
 static int walk_close(Walk *w) {
+    Tier *t = w->t;
     int rc = w->failed ? -1 : 0;
     for (size_t i = 0; i < w->n_dups; i++)
-        if (KeyHeap_push(&w->t->dup_heap, w->popped_dups[i])) rc = -1;
-    for (size_t i = 0; i < w->n_popped; i++)
-        if (EntryHeap_push(&w->t->order, w->popped[i])) rc = -1;
+        if (KeyHeap_push(&t->dup_heap, w->popped_dups[i])) rc = -1;
+    size_t rest = t->n_front - w->in_front, n = w->n_popped + rest;
+    if (w->n_popped) {
+        if (n > t->cap_front) {
+            Entry *a = malloc(n * sizeof(Entry));
+            if (!a) { /* no room for a longer front: what was read goes back into the heap, as it came */
+                for (size_t i = 0; i < w->n_popped; i++)
+                    if (EntryHeap_push(&t->order, w->popped[i])) rc = -1;
+                memmove(t->front, t->front + w->in_front, rest * sizeof(Entry));
+                t->n_front = rest;
+                goto done;
+            }
+            memcpy(a + w->n_popped, t->front + w->in_front, rest * sizeof(Entry));
+            free(t->front);
+            t->front = a, t->cap_front = n;
+        } else {
+            memmove(t->front + w->n_popped, t->front + w->in_front, rest * sizeof(Entry));
+        }
+        memcpy(t->front, w->popped, w->n_popped * sizeof(Entry));
+    } else if (w->in_front) {
+        memmove(t->front, t->front + w->in_front, rest * sizeof(Entry));
+    }
+    t->n_front = n;
+done:
     free(w->popped_dups);
     free(w->popped);
     free(w->pending.a);
@@ -642,7 +685,7 @@ static int64_t *counter(Core *c, int tier, int layer) { return c->counters + ((s
 static void Core_dealloc(Core *c) {
     for (int i = 0; i < 2; i++) {
         Tier *t = &c->tier[i];
-        free(t->unit), free(t->state), free(t->pins), free(t->tracked), free(t->order.a), free(t->dup), free(t->dup_heap.a);
+        free(t->unit), free(t->state), free(t->pins), free(t->tracked), free(t->order.a), free(t->front), free(t->dup), free(t->dup_heap.a);
     }
     free(c->v), free(c->t_last), free(c->scored), free(c->row_b), free(c->row_c), free(c->row_n), free(c->uses);
     free(c->announced), free(c->cur), free(c->last), free(c->groups), free(c->table), free(c->grouped), free(c->stamp);
