@@ -29,6 +29,7 @@ enum { C_HITS, C_MISSES, C_HIT_BYTES, C_MISS_BYTES, C_ADMITTED, C_ADMITTED_BYTES
 typedef struct { double v; int64_t t; int32_t key; } Entry;  /* FrequencyDecayPolicy's (v, t_last, key) */
 typedef struct { double score; int32_t key; } Pending;        /* co_use's (score, key) */
 typedef struct { int64_t seq; int32_t key; } Use;             /* a sequence's use of a key */
+typedef struct { double v, f; int64_t now; } Score;           /* a key's frequency score f, at (v, now) */
 typedef struct { int64_t seq; int32_t layer, start, len; } Group;
 
 static int entry_less(const Entry *a, const Entry *b) {
@@ -121,6 +122,7 @@ typedef struct {
     int32_t *row_n;
     double *uses;       /* N[a] */
     double *announced;
+    Score *scores;      /* freq_score's last result per key */
     Use *cur, *last;                  /* this token's and the last token's uses (sequence, key), in order */
     size_t n_cur, cap_cur, n_last, cap_last;
     /* the last token's keys grouped by (sequence, layer), groups in order of first use (a dict of lists),
@@ -146,7 +148,14 @@ static double rank_at(Core *c, int64_t now) { return isinf(c->half_life) ? 0.0 :
 static double freq_score(Core *c, int32_t key, int64_t now) {
     if (!c->scored[key]) return 0.0;
     double v = c->v[key];
-    return v == -INFINITY ? 0.0 : pow(2.0, v - rank_at(c, now));
+    if (v == -INFINITY) return 0.0;
+    /* kept per key for the (v, now) it was computed at: an eviction walk scores a couple of hundred keys
+       a plan at the 397B shape, most of them again at the next plan of the same token */
+    Score *kept = &c->scores[key];
+    if (kept->now == now && kept->v == v) return kept->f;
+    double f = pow(2.0, v - rank_at(c, now));
+    kept->now = now, kept->v = v, kept->f = f;
+    return f;
 }
 
 static double score(Core *c, int32_t key, int64_t now) {
@@ -688,7 +697,7 @@ static void Core_dealloc(Core *c) {
         free(t->unit), free(t->state), free(t->pins), free(t->tracked), free(t->order.a), free(t->front), free(t->dup), free(t->dup_heap.a);
     }
     free(c->v), free(c->t_last), free(c->scored), free(c->row_b), free(c->row_c), free(c->row_n), free(c->uses);
-    free(c->announced), free(c->cur), free(c->last), free(c->groups), free(c->table), free(c->grouped), free(c->stamp);
+    free(c->announced), free(c->scores), free(c->cur), free(c->last), free(c->groups), free(c->table), free(c->grouped), free(c->stamp);
     Py_XDECREF(c->counters_obj);
     Py_XDECREF(c->plan_item);
     for (int i = 0; i < 3; i++) Py_XDECREF(c->sources[i]);
@@ -746,6 +755,9 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     c->v = calloc(n, sizeof(double)), c->t_last = calloc(n, sizeof(int64_t)), c->scored = calloc(n, 1);
     c->uses = calloc(n, sizeof(double)), c->announced = calloc(n, sizeof(double));
     c->stamp = calloc(n, sizeof(uint32_t));
+    c->scores = malloc(n * sizeof(Score));
+    if (!c->scores) { PyErr_NoMemory(); return -1; }
+    for (size_t i = 0; i < n; i++) c->scores[i].now = INT64_MIN;  /* none kept */
     if (c->policy == POLICY_COOC) {
         c->row_b = calloc(n * c->row_cap, sizeof(int32_t)), c->row_c = calloc(n * c->row_cap, sizeof(double));
         c->row_n = calloc(n, sizeof(int32_t));
