@@ -23,9 +23,12 @@ flight, the usage counts, the trace and the next layer's prediction; the cache p
 bytes), binding calls (every driver call's time, counted) and the rest of Python. The GPU path runs
 twice: with the step's hot driver calls through the binding's C functions (fomoepy/runtime/
 _driver_calls.c; the figure), and, beside it in the same run, with every call through the binding's
-Python functions (what those C calls save; `gpu_python_calls` in --json).
+Python functions (what those C calls save; `gpu_python_calls` in --json). Each kind runs `--repeats`
+times, the two taking turns, and the fastest run is reported with the others' medians beside it: on
+a shared machine a run's median moves 10-20 % with its neighbours' load, never below what the code
+costs (bench/policy_cost.py reports the fastest of its runs the same way).
 
-    python bench/host_time.py [--json] [--record] [--vendor hip|cuda] [--tokens 96] [--warm 32]
+    python bench/host_time.py [--json] [--record] [--vendor hip|cuda] [--tokens 48] [--warm 32] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -312,7 +315,9 @@ def cpu_path(args: argparse.Namespace) -> dict:
 
 def gpu_cells(gpu: dict, driver: str) -> str:
     """The GPU path's row up to its split: the path, the shape, median and p90 (wall and CPU), steps."""
-    return (f"| GPU, {gpu['vendor']} {driver}, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall, "
+    runs = gpu.get("run_medians_us")
+    of = f" (the fastest of {len(runs)} runs: {', '.join(f'{m:.1f}' for m in runs)})" if runs and len(runs) > 1 else ""
+    return (f"| GPU, {gpu['vendor']} {driver}, {gpu['policy']} | {gpu['shape']} | {gpu['median_us']:.1f} wall{of}, "
             f"{gpu['cpu_median_us']:.1f} CPU | {gpu['p90_us']:.1f} wall, {gpu['cpu_p90_us']:.1f} CPU | {gpu['steps']} | ")  # fmt: skip
 
 
@@ -331,7 +336,7 @@ def report(gpu: dict, cpu: dict, args: argparse.Namespace, gpu_python: dict) -> 
     lines = [
         f"### host_time — {date.today()} — {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "",
-        f"`python bench/host_time.py --tokens {args.tokens} --warm {args.warm}`: µs of host time per MoE layer step",
+        f"`python bench/host_time.py --tokens {args.tokens} --warm {args.warm} --repeats {args.repeats}`: µs of host time per MoE layer step",
         "",
         "| path | shape | median µs | p90 µs | steps | split (medians, µs) |",
         "|---|---|---|---|---|---|",
@@ -385,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-warm", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="ggml threads on the cpu path")
     ap.add_argument("--policy", default=None, help="cache policy (default: the engine's)")
+    ap.add_argument("--repeats", type=int, default=3, help="GPU runs of each kind; the fastest is reported")
     ap.add_argument("--real-gpu", action="store_true",
                     help="the GPU path on this machine's real GPU and driver (--vendor's), not the null stand-in: "
                          "the step's wall time then includes waiting for the device at each read-back")  # fmt: skip
@@ -401,9 +407,16 @@ def main(argv: list[str] | None = None) -> int:
 
             record(report_real(result, args))
         return 0
-    gpu = gpu_path(args)
-    # the same step with every driver call through the binding's Python functions: what the C ones save
-    gpu_python = gpu_path(args, python_calls=True)
+    # each GPU run repeated, the two kinds taking turns, and the fastest kept (as bench/policy_cost.py
+    # does): on a shared machine a run's median moves 10-20 % with its neighbours' load, never below
+    # what the code costs
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.repeats):
+        for python_calls in (False, True):  # with every driver call through the binding's Python functions: what the C ones save
+            runs[python_calls].append(gpu_path(args, python_calls=python_calls))
+    gpu, gpu_python = (min(runs[k], key=lambda r: r["median_us"]) for k in (False, True))
+    for result, kind in ((gpu, False), (gpu_python, True)):
+        result["run_medians_us"] = [r["median_us"] for r in runs[kind]]
     cpu = cpu_path(args)
     if args.json:
         print(json.dumps({"gpu": gpu, "cpu": cpu, "gpu_python_calls": gpu_python}))
