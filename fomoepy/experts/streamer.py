@@ -1,7 +1,9 @@
 """ExpertStreamer: the host side of the MoE step (fomoepy.experts.step.MoEStep), which drives it:
 
-    ids, weights = streamer.choose(layer, exact)     # trace + profile counts + cache-aware routing
-    plan, fetched, reads = streamer.start_acquire(layer, ids)   # cache plan; host bytes; reads issued
+    ids, weights = streamer.substitute(layer, exact)     # cache-aware routing: what the step reads
+    plan, fetched, reads = streamer.start_acquire(layer, ids, beside=lambda: streamer.note(layer, exact))
+                                                      # reads issued; beside them the trace and profile
+                                                      # counts (note); then the cache plan, host bytes
     ... the device computes, filling its tier for plan items with to_device ...
     streamer.finish_acquire(plan, fetched, reads)    # this step's reads landed (the device says when)
     streamer.release(plan)
