@@ -5,14 +5,12 @@ The GPU tests through the real bindings (test_standin_bindings.py) run the whole
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_standin_bindings import BINDINGS, hiprtc_dir, modules
+from test_standin_bindings import standin_environ
 
 from fomoepy.runtime.sim.build import standin_drivers
 
@@ -76,15 +74,7 @@ except GpuError as e:
 
 
 def run_script(standin: Path, vendor: str, script: str) -> subprocess.CompletedProcess:
-    if importlib.util.find_spec(BINDINGS[vendor].split(".")[0]) is None:
-        pytest.skip(f"{BINDINGS[vendor]} is not installed")
-    paths = [str(standin)]
-    if vendor == "hip":
-        lib = hiprtc_dir()
-        if lib is None:
-            pytest.skip("Debian's hiprtc is not available (tools/setup_kernel_compilers.sh failed)")
-        paths.append(lib)
-    env = os.environ | {"LD_LIBRARY_PATH": ":".join(paths), "FOMOE_STANDIN_MODULES": modules(standin, vendor)}
+    env = standin_environ(standin, vendor)
     return subprocess.run([sys.executable, "-c", script, vendor], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 

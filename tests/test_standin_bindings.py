@@ -44,7 +44,9 @@ def modules(standin: Path, vendor: str) -> str:
     return str(standin / ("modules-hip" if vendor == "hip" else "modules"))
 
 
-def run_pytest(standin: Path, vendor: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+def standin_environ(standin: Path, vendor: str) -> dict[str, str]:
+    """This process's environment with the loader finding `vendor`'s stand-in driver (and, for HIP,
+    Debian's hiprtc); skips where the binding or the compiler is not here."""
     if importlib.util.find_spec(BINDINGS[vendor].split(".")[0]) is None:
         pytest.skip(f"{BINDINGS[vendor]} is not installed")
     paths = [str(standin)]
@@ -53,11 +55,14 @@ def run_pytest(standin: Path, vendor: str, *args: str, **env: str) -> subprocess
         if lib is None:
             pytest.skip("Debian's hiprtc is not available (tools/setup_kernel_compilers.sh failed)")
         paths.append(lib)
-    environ = os.environ | {
+    return os.environ | {
         "LD_LIBRARY_PATH": ":".join(paths + [os.environ.get("LD_LIBRARY_PATH", "")]),
         "FOMOE_STANDIN_MODULES": modules(standin, vendor),
-        "FOMOEPY_TEST_GPU": vendor,
-    } | env
+    }
+
+
+def run_pytest(standin: Path, vendor: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environ = standin_environ(standin, vendor) | {"FOMOEPY_TEST_GPU": vendor} | env
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
     return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=1200)
 
