@@ -72,6 +72,32 @@ except GpuError as e:
     print(e)
 """
 
+CHANGED = r"""
+import sys
+import numpy as np
+from fomoepy.runtime.gpu import GpuBackend
+
+vendor = sys.argv[1]
+if vendor == "hip":
+    from hip import chip as binding
+    from fomoepy.runtime.shim_hip import HIP_SIGNATURES as signatures
+else:
+    from cuda.bindings import cydriver as binding
+    from fomoepy.runtime.shim_cuda import CUDA_SIGNATURES as signatures
+dev = GpuBackend(vendor)
+rt = dev.rt
+# a binding whose launch takes other arguments than the ones the C helper passes: not called directly
+launch = rt.names.launch
+changed = dict(signatures, **{launch: signatures[launch].replace("void **, void **", "void **")})
+rt.direct = None
+rt.use_direct_calls(binding.__pyx_capi__, changed)
+print("KEPT PYTHON" if rt.direct is None else "DIRECT")
+x = np.arange(8, dtype=np.float32)
+print("SAME" if (dev.to_host(dev.upload(x)) == x).all() else "DIFFERENT")  # the Python functions serve
+rt.use_direct_calls(binding.__pyx_capi__, signatures)
+print("DIRECT" if rt.direct is not None else "KEPT PYTHON")
+"""
+
 
 def run_script(standin: Path, vendor: str, script: str) -> subprocess.CompletedProcess:
     env = standin_environ(standin, vendor)
@@ -99,3 +125,13 @@ def test_a_refused_direct_call_is_one_error_naming_the_call_and_the_reason(stand
     call = {"cuda": "cuMemcpyHtoDAsync", "hip": "hipMemcpyHtoDAsync"}[vendor]
     line = proc.stdout.strip()
     assert line.startswith(f"{vendor}: {call} failed: ") and "outside every device allocation" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_a_binding_whose_c_function_changed_is_called_through_its_python_one(standin, vendor):
+    """Cython names each exported function by its C signature: one that is not what the C helper passes is
+    not called from it (its arguments would be wrong), and the binding's Python functions serve."""
+    proc = run_script(standin, vendor, CHANGED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["KEPT", "PYTHON", "SAME", "DIRECT"], proc.stdout

@@ -8,7 +8,9 @@
    object made per call); from here it costs a tenth of that. The arguments are the same: handles and
    pointers as integers, as fomoepy.runtime.shim holds them.
 
-   Calls(capsules) takes the nine functions' capsules in the order of the enum below; each method
+   Calls(capsules, signatures) takes the nine functions' capsules in the order of the enum below, and
+   the C signature each must have: Cython names a capsule by its function's signature, and a binding
+   whose function changed is refused (TypeError) rather than called with the wrong arguments. Each method
    returns the driver's status as an int (0: success), and fomoepy.runtime.shim raises with the driver's
    message otherwise. The GIL is released around each call: a synchronisation blocks, and a simulated
    device may run a kernel inside a launch. */
@@ -16,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 enum { LAUNCH, HTOD, DTOH, DTOD, RECORD, WAIT, SYNC, EVENT_SYNC, MEMSET32, N_CALLS };
 
@@ -132,10 +135,10 @@ static PyObject *Calls_memset32(Calls *self, PyObject *const *args, Py_ssize_t n
 }
 
 static int Calls_init(Calls *self, PyObject *args, PyObject *kw) {
-    PyObject *capsules;
-    if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &capsules)) return -1;
-    if (PyTuple_GET_SIZE(capsules) != N_CALLS) {
-        PyErr_Format(PyExc_ValueError, "Calls takes %d capsules, got %zd", N_CALLS, PyTuple_GET_SIZE(capsules));
+    PyObject *capsules, *signatures;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &capsules, &PyTuple_Type, &signatures)) return -1;
+    if (PyTuple_GET_SIZE(capsules) != N_CALLS || PyTuple_GET_SIZE(signatures) != N_CALLS) {
+        PyErr_Format(PyExc_ValueError, "Calls takes %d capsules and %d signatures", N_CALLS, N_CALLS);
         return -1;
     }
     for (int i = 0; i < N_CALLS; i++) {
@@ -144,8 +147,15 @@ static int Calls_init(Calls *self, PyObject *args, PyObject *kw) {
             PyErr_Format(PyExc_TypeError, "Calls: argument %d is not a capsule", i);
             return -1;
         }
-        /* Cython names each capsule by the function's C signature; the pointer is taken under that name */
-        void *fn = PyCapsule_GetPointer(cap, PyCapsule_GetName(cap));
+        /* Cython names each capsule by its function's C signature: the one this file's types assume */
+        const char *name = PyCapsule_GetName(cap);
+        const char *want = PyUnicode_AsUTF8(PyTuple_GET_ITEM(signatures, i));
+        if (!want) return -1;
+        if (!name || strcmp(name, want) != 0) {
+            PyErr_Format(PyExc_TypeError, "the binding's function %d is \"%s\", expected \"%s\"", i, name ? name : "(unnamed)", want);
+            return -1;
+        }
+        void *fn = PyCapsule_GetPointer(cap, name);
         if (!fn) return -1;
         self->fn[i] = fn;
     }

@@ -16,6 +16,7 @@ is built (fomoepy/runtime/_driver_calls.c): the same driver functions, a tenth o
 from __future__ import annotations
 
 import ctypes
+import logging
 import struct
 import threading
 from abc import ABC, abstractmethod
@@ -29,6 +30,8 @@ try:  # optional (setup.py): without it the bindings' Python functions make ever
     from fomoepy.runtime import _driver_calls
 except ImportError:
     _driver_calls = None
+
+log = logging.getLogger(__name__)
 
 VENDORS = ("cuda", "hip", "sim")
 
@@ -146,17 +149,18 @@ class DriverShim(ABC):
             self._make_current()
 
     # -- the direct calls ---------------------------------------------------------------------------------
-    def use_direct_calls(self, exported: dict[str, Any] | None) -> None:
+    def use_direct_calls(self, exported: dict[str, Any] | None, signatures: dict[str, str]) -> None:
         """Make the hot calls through the binding's C functions (`exported`: its Cython module's
         __pyx_capi__, name -> capsule), where the compiled helper is built and the binding exports them
-        all; else they stay with its Python functions."""
+        all with the C signatures it was written for (`signatures`, by name); else they stay with its
+        Python functions."""
         if _driver_calls is None or not exported:
             return
+        names = [getattr(self.names, call) for call in DIRECT_CALLS]
         try:
-            capsules = tuple(exported[getattr(self.names, call)] for call in DIRECT_CALLS)
-        except KeyError:  # a binding without one of them
-            return
-        self.direct = _driver_calls.Calls(capsules)
+            self.direct = _driver_calls.Calls(tuple(exported[n] for n in names), tuple(signatures[n] for n in names))
+        except (KeyError, TypeError) as e:  # a binding without one of them, or one whose C function changed
+            log.info("%s: driver calls through the binding's Python functions (%s)", self.vendor, e)
 
     def raw(self, h: Any) -> int:
         """The integer behind a binding's handle object (a stream, an event, a function), as a direct call

@@ -34,6 +34,20 @@ CUDA_NAMES = ApiNames(
     status="CUresult",
 )
 
+# the C signatures fomoepy/runtime/_driver_calls.c calls cuda-python's C functions with (as cydriver names them)
+CUDA_SIGNATURES = {
+    "cuLaunchKernel": "CUresult (CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int, "
+                      "unsigned int, unsigned int, CUstream, void **, void **)",
+    "cuMemcpyHtoDAsync": "CUresult (CUdeviceptr, void const *, size_t, CUstream)",
+    "cuMemcpyDtoHAsync": "CUresult (void *, CUdeviceptr, size_t, CUstream)",
+    "cuMemcpyDtoDAsync": "CUresult (CUdeviceptr, CUdeviceptr, size_t, CUstream)",
+    "cuEventRecord": "CUresult (CUevent, CUstream)",
+    "cuStreamWaitEvent": "CUresult (CUstream, CUevent, unsigned int)",
+    "cuStreamSynchronize": "CUresult (CUstream)",
+    "cuEventSynchronize": "CUresult (CUevent)",
+    "cuMemsetD32Async": "CUresult (CUdeviceptr, unsigned int, size_t, CUstream)",
+}  # fmt: skip
+
 
 class CudaShim(DriverShim):
     vendor = "cuda"
@@ -55,7 +69,7 @@ class CudaShim(DriverShim):
         self.warp_size = int(self.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE, self.handle))
         from cuda.bindings import cydriver  # cuda-python's C layer: the driver functions its Python ones call
 
-        self.use_direct_calls(getattr(cydriver, "__pyx_capi__", None))
+        self.use_direct_calls(getattr(cydriver, "__pyx_capi__", None), CUDA_SIGNATURES)
 
     def _make_current(self) -> None:
         self.api.cuCtxSetCurrent(self.context)

@@ -34,6 +34,20 @@ HIP_NAMES = ApiNames(
     status="hipError_t",
 )
 
+# the C signatures fomoepy/runtime/_driver_calls.c calls hip-python's C functions with (as hip.chip names them)
+HIP_SIGNATURES = {
+    "hipModuleLaunchKernel": "enum hipError_t (hipFunction_t, unsigned int, unsigned int, unsigned int, unsigned int, "
+                             "unsigned int, unsigned int, unsigned int, hipStream_t, void **, void **)",
+    "hipMemcpyHtoDAsync": "enum hipError_t (void *, void const *, unsigned long, hipStream_t)",
+    "hipMemcpyDtoHAsync": "enum hipError_t (void *, void *, unsigned long, hipStream_t)",
+    "hipMemcpyDtoDAsync": "enum hipError_t (void *, void *, unsigned long, hipStream_t)",
+    "hipEventRecord": "enum hipError_t (hipEvent_t, hipStream_t)",
+    "hipStreamWaitEvent": "enum hipError_t (hipStream_t, hipEvent_t, unsigned int)",
+    "hipStreamSynchronize": "enum hipError_t (hipStream_t)",
+    "hipEventSynchronize": "enum hipError_t (hipEvent_t)",
+    "hipMemsetD32Async": "enum hipError_t (void *, int, unsigned long, hipStream_t)",
+}  # fmt: skip
+
 
 class HipShim(DriverShim):
     vendor = "hip"
@@ -49,7 +63,7 @@ class HipShim(DriverShim):
         self.warp_size = int(props.warpSize)
         from hip import chip  # hip-python's C layer: the driver functions its Python ones call
 
-        self.use_direct_calls(getattr(chip, "__pyx_capi__", None))
+        self.use_direct_calls(getattr(chip, "__pyx_capi__", None), HIP_SIGNATURES)
 
     memset_signed = True
 
