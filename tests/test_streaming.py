@@ -282,7 +282,7 @@ def test_a_demoting_policy_moves_device_evictees_into_the_host_tier_with_their_b
     reads = []
     read, submit = streamer.source.read, streamer.source.submit
     streamer.source.read = lambda layer, expert: reads.append((layer, expert)) or read(layer, expert)
-    streamer.source.submit = lambda layer, expert: reads.append((layer, expert)) or submit(layer, expert)
+    streamer.source.submit = lambda layer, expert, *a, **kw: reads.append((layer, expert)) or submit(layer, expert, *a, **kw)
     state = engine.new_state()
     for t in tokens:
         engine.decode_token(state, int(t))
@@ -304,11 +304,11 @@ class PooledStore:
         self.store = store
         self.pool = ThreadPoolExecutor(max_workers=workers)
 
-    def read(self, layer: int, expert: int):
-        return self.store.read(layer, expert)
+    def read(self, layer: int, expert: int, out=None):
+        return self.store.read_into(layer, expert, out)
 
-    def submit(self, layer: int, expert: int):
-        return self.pool.submit(self.read, layer, expert)
+    def submit(self, layer: int, expert: int, out=None):
+        return self.pool.submit(self.read, layer, expert, out)
 
     def __getattr__(self, name):
         return getattr(self.store, name)
@@ -322,11 +322,11 @@ class SlowStore(PooledStore):
         super().__init__(store, workers)
         self.delay = delay
 
-    def read(self, layer: int, expert: int):
+    def read(self, layer: int, expert: int, out=None):
         import time
 
         time.sleep(self.delay)
-        return super().read(layer, expert)
+        return super().read(layer, expert, out)
 
 
 class HeldStore(PooledStore):
@@ -339,14 +339,14 @@ class HeldStore(PooledStore):
         self.gate = threading.Event()
         self.submitted = []
 
-    def submit(self, layer: int, expert: int):
+    def submit(self, layer: int, expert: int, out=None):
         self.submitted.append((layer, expert))
-        return super().submit(layer, expert)
+        return super().submit(layer, expert, out)
 
-    def read(self, layer: int, expert: int):
+    def read(self, layer: int, expert: int, out=None):
         if (layer, expert) in self.held:
             self.gate.wait(self.patience)
-        return super().read(layer, expert)
+        return super().read(layer, expert, out)
 
     def release(self) -> None:
         self.gate.set()
@@ -393,7 +393,7 @@ def test_a_steps_reads_are_issued_before_its_plan_is_made(model):
     streamer.source = source = HeldStore(streamer.source, held=())
     events = []
     real_submit, real_plan = source.submit, streamer.cache.plan
-    source.submit = lambda layer, expert, *a, **kw: events.append(("read", expert)) or real_submit(layer, expert)
+    source.submit = lambda layer, expert, *a, **kw: events.append(("read", expert)) or real_submit(layer, expert, *a, **kw)
     streamer.cache.plan = lambda *a, **kw: events.append(("plan",)) or real_plan(*a, **kw)
     plan, _ = streamer.acquire(0, np.array([[5, 1]]))
     streamer.release(plan)
@@ -451,13 +451,13 @@ class ComputeGatedStore(PooledStore):
         self.computed = threading.Event()
         self.released = []  # per read: True when a computation let it finish, False when it waited out
 
-    def submit(self, layer: int, expert: int):
+    def submit(self, layer: int, expert: int, out=None):
         self.computed.clear()
-        return super().submit(layer, expert)
+        return super().submit(layer, expert, out)
 
-    def read(self, layer: int, expert: int):
+    def read(self, layer: int, expert: int, out=None):
         self.released.append(self.computed.wait(self.patience))
-        return super().read(layer, expert)
+        return super().read(layer, expert, out)
 
 
 def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_read(model):

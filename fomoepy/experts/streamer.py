@@ -31,6 +31,7 @@ from fomoepy.experts.car import CarStats, cache_aware_route
 from fomoepy.experts.policy import Key
 from fomoepy.experts.profile import ExpertCounter, read_freq, seed_order
 from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE, ReadAhead, ReadAheadCounts
+from fomoepy.experts.read_buffers import ReadBuffers
 from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
 from fomoepy.experts.trace import TraceHeader, TraceWriter
@@ -75,7 +76,8 @@ class ExpertStreamer:
         download: gives back the store bytes of an expert the device tier holds; with it, and only
         with it, a demoting policy's device evictees move down into the host tier (decided here, once).
         buffers: a buffer of at least n bytes for a read to land in (a GPU device's pinned memory, so the
-        copy up needs no staging memcpy), used where the source reads into given buffers."""
+        copy up needs no staging memcpy), used where the source reads into given buffers; without one,
+        such a source's reads land in buffers reused from read to read (fomoepy.experts.read_buffers)."""
         self.source = source
         self.options = options
         self.layers = source.layers
@@ -89,6 +91,11 @@ class ExpertStreamer:
         self.cache.demote = self._demotes and download is not None
         self._download = download
         slot_nbytes = getattr(source, "slot_nbytes", None)
+        if buffers is None and slot_nbytes is not None and getattr(source, "submit", None) is not None:
+            self.read_buffers: ReadBuffers | None = ReadBuffers()
+            buffers = self.read_buffers.take
+        else:
+            self.read_buffers = None
         self._read_buffer = (lambda layer: buffers(slot_nbytes(layer))) if buffers and slot_nbytes else None
         self.reads_issued_at = 0.0  # perf_counter time the last start_acquire had issued its reads
         self.car_stats = CarStats()

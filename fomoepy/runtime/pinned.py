@@ -30,7 +30,7 @@ def host_address(a: np.ndarray) -> int:
         return a.ctypes.data
 
 
-class _Return:
+class GiveBack:
     """Hung on a buffer's memory object: when the last view of it goes, so does this, which gives the
     buffer back (cheaper than a weakref.finalize per buffer handed out)."""
 
@@ -101,7 +101,7 @@ class PinnedPool:
         if written is not None and self.settle_writes is not None:
             self.settle_writes(written)
         memory = (ctypes.c_uint8 * size).from_address(address)
-        memory._fomoe_return = _Return((address, size), self._given_back)
+        memory._fomoe_return = GiveBack((address, size), self._given_back)
         return np.frombuffer(memory, np.uint8)
 
     def device_writes(self, address: int, number: int) -> None:
