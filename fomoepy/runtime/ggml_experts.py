@@ -196,8 +196,9 @@ def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], sl
     if not chosen:
         return
     # one lookup, expert -> its slot where chosen (-1 elsewhere), gives both the picks and their slots: a
-    # round's few numpy calls are most of its host time (np.isin and a second lookup were ~15 µs more)
-    lut = np.full(int(ids.max()) + 1, -1, np.int32)
+    # round's few numpy calls are most of its host time (np.isin and a second lookup were ~15 µs more;
+    # sized by the layer's experts, not ids.max(), one reduction fewer)
+    lut = np.full(pool.n_expert, -1, np.int32)
     lut[chosen] = [slot_of[e] for e in chosen]
     picked = lut[ids]  # [T, k]
     mask = picked >= 0
