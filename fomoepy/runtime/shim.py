@@ -174,9 +174,14 @@ class DriverShim(ABC):
         self._handles[id(h)] = (h, raw)
         return raw
 
-    def _direct_failed(self, name: str, status: int) -> None:
-        enum = getattr(self.api, self.names.status, None)
-        raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(enum(status) if enum else status)}")
+    def _direct(self, name: str, call: Any, *args: int) -> None:
+        """call(*args), one of the direct calls (the driver's `name`), with this shim's device current; a
+        failed status raises as `call()` does."""
+        self._current_here()
+        status = call(*args)
+        if status:
+            enum = getattr(self.api, self.names.status, None)
+            raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(enum(status) if enum else status)}")
 
     def error_string(self, status: Any) -> str:
         try:
@@ -219,9 +224,7 @@ class DriverShim(ABC):
         if self.direct is None:
             self.call(self.names.stream_sync, stream)
         else:
-            self._current_here()
-            if status := self.direct.sync(self.raw(stream)):
-                self._direct_failed(self.names.stream_sync, status)
+            self._direct(self.names.stream_sync, self.direct.sync, self.raw(stream))
         self._syncs[id(stream)] = self._syncs.get(id(stream), 0) + 1
 
     def syncs(self, stream: Any) -> int:
@@ -236,27 +239,21 @@ class DriverShim(ABC):
     def record(self, event: Any, stream: Any) -> None:
         if self.direct is None:
             self.call(self.names.event_record, event, stream)
-            return
-        self._current_here()
-        if status := self.direct.record(self.raw(event), self.raw(stream)):
-            self._direct_failed(self.names.event_record, status)
+        else:
+            self._direct(self.names.event_record, self.direct.record, self.raw(event), self.raw(stream))
 
     def wait(self, stream: Any, event: Any) -> None:
         """Work queued on `stream` after this waits for `event` (no host synchronisation)."""
         if self.direct is None:
             self.call(self.names.stream_wait_event, stream, event, 0)
-            return
-        self._current_here()
-        if status := self.direct.wait(self.raw(stream), self.raw(event)):
-            self._direct_failed(self.names.stream_wait_event, status)
+        else:
+            self._direct(self.names.stream_wait_event, self.direct.wait, self.raw(stream), self.raw(event))
 
     def event_sync(self, event: Any) -> None:
         if self.direct is None:
             self.call(self.names.event_sync, event)
-            return
-        self._current_here()
-        if status := self.direct.event_sync(self.raw(event)):
-            self._direct_failed(self.names.event_sync, status)
+        else:
+            self._direct(self.names.event_sync, self.direct.event_sync, self.raw(event))
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return float(self.call(self.names.event_elapsed, start, end))
@@ -267,30 +264,24 @@ class DriverShim(ABC):
             return
         if self.direct is None:
             self.call(self.names.memcpy_htod, dst, src, nbytes, stream)
-            return
-        self._current_here()
-        if status := self.direct.htod(dst, src, nbytes, self.raw(stream)):
-            self._direct_failed(self.names.memcpy_htod, status)
+        else:
+            self._direct(self.names.memcpy_htod, self.direct.htod, dst, src, nbytes, self.raw(stream))
 
     def dtoh(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         if not nbytes:
             return
         if self.direct is None:
             self.call(self.names.memcpy_dtoh, dst, src, nbytes, stream)
-            return
-        self._current_here()
-        if status := self.direct.dtoh(dst, src, nbytes, self.raw(stream)):
-            self._direct_failed(self.names.memcpy_dtoh, status)
+        else:
+            self._direct(self.names.memcpy_dtoh, self.direct.dtoh, dst, src, nbytes, self.raw(stream))
 
     def dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         if not nbytes:
             return
         if self.direct is None:
             self.call(self.names.memcpy_dtod, dst, src, nbytes, stream)
-            return
-        self._current_here()
-        if status := self.direct.dtod(dst, src, nbytes, self.raw(stream)):
-            self._direct_failed(self.names.memcpy_dtod, status)
+        else:
+            self._direct(self.names.memcpy_dtod, self.direct.dtod, dst, src, nbytes, self.raw(stream))
 
     memset_signed = False  # hip-python takes the 32-bit pattern as a C int, cuda-python as unsigned
 
@@ -299,9 +290,7 @@ class DriverShim(ABC):
             return
         pattern = value & 0xFFFFFFFF
         if self.direct is not None:  # (a C int or unsigned int: the same 32 bits in the same register)
-            self._current_here()
-            if status := self.direct.memset32(dst, pattern, count, self.raw(stream)):
-                self._direct_failed(self.names.memset_d32, status)
+            self._direct(self.names.memset_d32, self.direct.memset32, dst, pattern, count, self.raw(stream))
             return
         if self.memset_signed and pattern >= 1 << 31:
             pattern -= 1 << 32  # the same 32 bits as a signed int
@@ -319,10 +308,9 @@ class DriverShim(ABC):
         bx, by, bz = _dims3(block)
         if self.direct is None:
             self.call(self.names.launch, function, gx, gy, gz, bx, by, bz, shared, stream, params, self.launch_extra)
-            return
-        self._current_here()
-        if status := self.direct.launch(self.raw(function), gx, gy, gz, bx, by, bz, shared, self.raw(stream), params):
-            self._direct_failed(self.names.launch, status)
+        else:
+            self._direct(self.names.launch, self.direct.launch, self.raw(function), gx, gy, gz, bx, by, bz, shared,
+                         self.raw(stream), params)  # fmt: skip
 
     def driver_version(self) -> int:
         return int(self.call(self.names.driver_version))
