@@ -2,11 +2,12 @@
 
 An engine whose memory is bounded (a store, a --ram-cache) holds glibc's mmap threshold at 128 KiB
 (fomoepy.runtime.heap), so each expert-sized buffer allocated for a read is mapped on its own, its pages
-faulted in by the read, and unmapped when the step drops it. At the bench model's 0.9 MB experts that
-munmap cost the inference thread about 30 µs per dropped buffer (a read made ahead that its layer did
-not choose, a miss once it is in its slot), on top of the faults on the reading thread: with the
-threshold free to rise instead, the cpu backend's host time per MoE layer step at a 25 % tier fell from
-about 910 to 740 µs (bench/host_time.py's cpu path, by hand, not recorded). A buffer here goes back to
+faulted in by the read, and unmapped when the step drops it (a read made ahead that its layer did not
+choose, a miss once it is in its slot). At the bench model's 0.9 MB experts, handing a step its reads
+made ahead, which drops the unchosen ones (1.4 a step), took 80-90 µs of the inference thread's CPU a
+step, and 15-18 with buffers reused; with the threshold free to rise instead, the cpu backend's host
+time per MoE layer step at a 25 % tier fell from about 910 to 740 µs (bench/host_time.py's cpu path;
+all by hand, not recorded). A buffer here goes back to
 its pool when the last view of it is dropped (the host tier evicted it, its step is over), from whichever
 thread drops it, and is handed out again as it is: its pages stay mapped.
 
@@ -16,12 +17,11 @@ bounded engine's memory is that many experts' bytes; buffers in use are the read
 
 from __future__ import annotations
 
-import ctypes
 from collections import deque
 
 import numpy as np
 
-from fomoepy.runtime.pinned import ALIGN, GiveBack
+from fomoepy.runtime.pinned import ALIGN, hand_out
 
 MAX_IDLE = 16  # about what is in flight at once: the store's reads, reads made ahead, a step's misses
 
@@ -50,9 +50,7 @@ class ReadBuffers:
             address = owner.ctypes.data + (-owner.ctypes.data % ALIGN)
             self._owners[address] = owner
             self.allocated += 1
-        memory = (ctypes.c_uint8 * size).from_address(address)
-        memory._fomoe_return = GiveBack((address, size), self._returned.append)
-        return np.frombuffer(memory, np.uint8)[:nbytes]
+        return hand_out(address, size, self._returned.append)[:nbytes]
 
     @property
     def idle(self) -> int:

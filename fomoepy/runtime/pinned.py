@@ -30,6 +30,14 @@ def host_address(a: np.ndarray) -> int:
         return a.ctypes.data
 
 
+def hand_out(address: int, size: int, give_back) -> np.ndarray:
+    """A uint8 array over [address, address + size) that calls give_back((address, size)) once the last
+    view of it is gone, from whichever thread drops it."""
+    memory = (ctypes.c_uint8 * size).from_address(address)
+    memory._fomoe_return = GiveBack((address, size), give_back)
+    return np.frombuffer(memory, np.uint8)
+
+
 class GiveBack:
     """Hung on a buffer's memory object: when the last view of it goes, so does this, which gives the
     buffer back (cheaper than a weakref.finalize per buffer handed out)."""
@@ -100,9 +108,7 @@ class PinnedPool:
         written = self.written.pop(address, None)
         if written is not None and self.settle_writes is not None:
             self.settle_writes(written)
-        memory = (ctypes.c_uint8 * size).from_address(address)
-        memory._fomoe_return = GiveBack((address, size), self._given_back)
-        return np.frombuffer(memory, np.uint8)
+        return hand_out(address, size, self._given_back)
 
     def device_writes(self, address: int, number: int) -> None:
         """Copy down `number` writes the buffer at `address` (see `written`)."""
