@@ -515,25 +515,22 @@ static int walk_close(Walk *w) {
     for (size_t i = 0; i < w->n_dups; i++)
         if (KeyHeap_push(&t->dup_heap, w->popped_dups[i])) rc = -1;
     size_t rest = t->n_front - w->in_front, n = w->n_popped + rest;
-    if (w->n_popped) {
-        if (n > t->cap_front) {
-            Entry *a = malloc(n * sizeof(Entry));
-            if (!a) { /* no room for a longer front: what was read goes back into the heap, as it came */
-                for (size_t i = 0; i < w->n_popped; i++)
-                    if (EntryHeap_push(&t->order, w->popped[i])) rc = -1;
-                memmove(t->front, t->front + w->in_front, rest * sizeof(Entry));
-                t->n_front = rest;
-                goto done;
-            }
-            memcpy(a + w->n_popped, t->front + w->in_front, rest * sizeof(Entry));
-            free(t->front);
-            t->front = a, t->cap_front = n;
-        } else {
-            memmove(t->front + w->n_popped, t->front + w->in_front, rest * sizeof(Entry));
+    if (n > t->cap_front) {
+        size_t cap = t->cap_front ? t->cap_front : 64;
+        while (cap < n) cap *= 2;
+        Entry *a = realloc(t->front, cap * sizeof(Entry));
+        if (!a) { /* no room for a longer front: what was read goes back into the heap, as it came */
+            for (size_t i = 0; i < w->n_popped; i++)
+                if (EntryHeap_push(&t->order, w->popped[i])) rc = -1;
+            memmove(t->front, t->front + w->in_front, rest * sizeof(Entry));
+            t->n_front = rest;
+            goto done;
         }
+        t->front = a, t->cap_front = cap;
+    }
+    if (n) { /* (no front yet and nothing read: no array to move within) */
+        memmove(t->front + w->n_popped, t->front + w->in_front, rest * sizeof(Entry));
         memcpy(t->front, w->popped, w->n_popped * sizeof(Entry));
-    } else if (w->in_front) {
-        memmove(t->front, t->front + w->in_front, rest * sizeof(Entry));
     }
     t->n_front = n;
 done:
