@@ -210,12 +210,10 @@ class CountedDirect:
     """A shim's direct calls (the binding's C functions), each timed and counted under the driver
     function's name, as bench/host_time.py counts the calls made through the binding's Python ones."""
 
-    METHODS = {"launch": "launch", "htod": "memcpy_htod", "dtoh": "memcpy_dtoh", "dtod": "memcpy_dtod",
-               "record": "event_record", "wait": "stream_wait_event", "sync": "stream_sync",
-               "event_sync": "event_sync", "memset32": "memset_d32"}  # fmt: skip
-
     def __init__(self, real, names, counted_as):
-        for method, api in self.METHODS.items():
+        from fomoepy.runtime.shim import DIRECT_CALLS
+
+        for method, api in DIRECT_CALLS.items():
             setattr(self, method, self._timed(getattr(real, method), getattr(names, api), counted_as))
 
     @staticmethod

@@ -70,9 +70,11 @@ class ApiNames:
     status: str = ""  # the binding's enum of call results (none: they are ints)
 
 
-# the calls made directly (fomoepy/runtime/_driver_calls.c's order): the ApiNames of each
-DIRECT_CALLS = ("launch", "memcpy_htod", "memcpy_dtoh", "memcpy_dtod", "event_record", "stream_wait_event", "stream_sync",
-                "event_sync", "memset_d32")  # fmt: skip
+# the calls made directly: _driver_calls.Calls's method -> the ApiNames field of the driver function it
+# calls, in the order Calls takes their capsules (fomoepy/runtime/_driver_calls.c)
+DIRECT_CALLS = {"launch": "launch", "htod": "memcpy_htod", "dtoh": "memcpy_dtoh", "dtod": "memcpy_dtod",
+                "record": "event_record", "wait": "stream_wait_event", "sync": "stream_sync",
+                "event_sync": "event_sync", "memset32": "memset_d32"}  # fmt: skip
 HANDLES_KEPT = 4096  # handle objects whose integers are remembered (streams, events, functions: a few dozen)
 
 
@@ -156,7 +158,7 @@ class DriverShim(ABC):
         Python functions."""
         if _driver_calls is None or not exported:
             return
-        names = [getattr(self.names, call) for call in DIRECT_CALLS]
+        names = [getattr(self.names, call) for call in DIRECT_CALLS.values()]
         try:
             self.direct = _driver_calls.Calls(tuple(exported[n] for n in names), tuple(signatures[n] for n in names))
         except (KeyError, TypeError) as e:  # a binding without one of them, or one whose C function changed
