@@ -94,7 +94,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
     n_tokens = args.warm + args.tokens
     routing = TraceRouting(dev, n_layer, n_expert, k, n_tokens, layers[0].expert_nbytes)
 
-    calls = {"n": 0, "s": 0.0, "pack": 0.0, "wait": 0.0}
+    calls = {"n": 0, "s": 0.0, "pack": 0.0, "wait": 0.0, "launched_n": 0, "launched_s": 0.0}
     by_name: dict[str, list] = {}  # driver function -> [calls, seconds], over the instrumented run
     real_call = DriverShim.call
     real_pack = GpuExperts._pack
@@ -130,10 +130,18 @@ def gpu_child(args: argparse.Namespace) -> dict:
     h = dev.upload(np.zeros((1, shape.n_embd), np.float32))
     router_w = routers[0]
 
+    def launched() -> tuple[int, float, dict]:
+        """The compiled launchers' timed launches so far (they time their own driver calls): count,
+        seconds, and both by kernel."""
+        each = {name: (f.count, f.seconds) for name, f in dev._compiled.items()}
+        return sum(c for c, _ in each.values()), sum(s for _, s in each.values()), each
+
     def run(tokens: range, instrumented: bool) -> list[tuple]:
         samples = []
         DriverShim.call = counted if instrumented else real_call  # type: ignore[method-assign]
         dev.rt.direct = counted_direct if instrumented else real_direct
+        for fast in dev._compiled.values():
+            fast.timed = instrumented
         GpuExperts._pack = staticmethod(timed_pack) if instrumented else staticmethod(real_pack)  # type: ignore[method-assign]
         try:
             for t in tokens:
@@ -148,6 +156,11 @@ def gpu_child(args: argparse.Namespace) -> dict:
                     step(il, h, exact)
                     t2 = time.perf_counter()
                     cpu = time.thread_time() - cpu0
+                    if instrumented:  # the compiled launchers' driver calls, counted as the shim's are
+                        n0, s0_, _ = launched()
+                        calls["n"] += n0 - calls["launched_n"]
+                        calls["s"] += s0_ - calls["launched_s"]
+                        calls["launched_n"], calls["launched_s"] = n0, s0_
                     rec = step.records[-1] if step.records else None
                     samples.append((t2 - t0, t1 - t0, rec, calls["n"] - c0, calls["s"] - s0, calls["pack"] - p0, cpu, calls["wait"] - w0))
                 step.end_step(1)
@@ -155,6 +168,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
             DriverShim.call = real_call  # type: ignore[method-assign]
             dev.rt.direct = real_direct
             GpuExperts._pack = staticmethod(real_pack)  # type: ignore[method-assign]
+            for fast in dev._compiled.values():
+                fast.timed = False
         return samples
 
     run(range(args.warm), False)
@@ -163,6 +178,11 @@ def gpu_child(args: argparse.Namespace) -> dict:
     reads, uploads = source.reads, device.uploads
     split = run(range(args.warm, n_tokens), True)
     reads, uploads = source.reads - reads, device.uploads - uploads
+    n_launched, s_launched, _ = launched()
+    if n_launched:  # the compiled launchers' launches, under the driver function's name
+        entry = by_name.setdefault(dev.rt.names.launch, [0, 0.0])
+        entry[0] += n_launched
+        entry[1] += s_launched
     totals = [s[0] * 1e6 for s in plain]
     median, p90 = percentiles(totals)
     # the inference thread's CPU time: the host's own work, without the waits for a core that a busy

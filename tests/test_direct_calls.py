@@ -49,12 +49,59 @@ def run() -> dict:
 
 
 direct = run()
+assert isinstance(dev._compiled.get("rms_norm_f32"), _driver_calls.Launcher), "the launch was not compiled"
 rt.direct = None  # the same calls through the binding's Python functions
 python = run()
 for name in direct:
     assert direct[name].tobytes() == python[name].tobytes(), name
 assert (direct["copied"] == x).all() and (direct["memset"].view(np.uint32) == 0x9ABCDEF0).all()
 print("SAME")
+"""
+
+LAUNCHER = r"""
+import sys
+import numpy as np
+from fomoepy.runtime import _driver_calls
+from fomoepy.runtime.gpu import GpuBackend
+from fomoepy.runtime.shim import GpuError
+
+vendor = sys.argv[1]
+devs = [GpuBackend(vendor, 0), GpuBackend(vendor, 1)]
+rng = np.random.default_rng(3)
+x = rng.standard_normal((2, 64)).astype(np.float32)
+w = rng.standard_normal(64).astype(np.float32)
+arrays = [(d.upload(x), d.upload(w), d.empty(x.shape)) for d in devs]
+
+
+def norm(d, xs, ws, ys, eps=0.5):  # (an eps that moves every output: its float32 slot is checked too)
+    d.launch("rms_norm_f32", (2,), 256, xs.ptr, 64, ws.ptr, ys.ptr, 2, 64, eps)
+
+
+for d, (xs, ws, ys) in zip(devs, arrays):
+    norm(d, xs, ws, ys)  # the first launch of each: its compiled launcher is made
+assert all(isinstance(d._compiled["rms_norm_f32"], _driver_calls.Launcher) for d in devs)
+out = [d.to_host(ys).copy() for d, (_, _, ys) in zip(devs, arrays)]
+# device 1's launch, then device 0's with no other call between: the launcher makes its device current
+for d, (xs, ws, ys) in list(zip(devs, arrays))[::-1]:
+    norm(d, xs, ws, ys, 2.0)
+again = [d.to_host(ys) for d, (_, _, ys) in zip(devs, arrays)]
+devs[0].rt.direct = None  # the binding's Python functions, for comparison
+xs, ws, ys = arrays[0]
+norm(devs[0], xs, ws, ys, 2.0)
+python = devs[0].to_host(ys)
+print("SAME" if out[0].tobytes() == out[1].tobytes() and again[0].tobytes() == again[1].tobytes() == python.tobytes()
+      and again[0].tobytes() != out[0].tobytes() else "DIFFERENT")
+d = devs[1]
+try:  # a refused launch: the driver's reason, naming the call
+    d.launch("rms_norm_f32", (2,), 256, 16, 64, ws.ptr, ys.ptr, 2, 64, 1e-6)
+    print("ACCEPTED")
+except GpuError as e:
+    print(e)
+try:  # an argument that is not the kernel's type
+    d.launch("rms_norm_f32", (2,), 256, arrays[1][0].ptr, 64, arrays[1][1].ptr, arrays[1][2].ptr, 2.5, 64, 1e-6)
+    print("ACCEPTED")
+except TypeError as e:
+    print("TypeError")
 """
 
 REFUSED = r"""
@@ -115,6 +162,21 @@ def test_each_direct_call_does_what_the_bindings_python_function_does(standin, v
     proc = run_script(standin, vendor, SCRIPT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[0] == "SAME"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_a_compiled_launch_gives_the_python_launchs_bits_on_its_own_device_and_refusals_raise(standin, vendor):
+    """A kernel's compiled launcher (packs its arguments and launches in one C call) gives the bits the
+    binding's Python function gives; a launch right after another device's makes its own device current;
+    a launch the driver refuses is one GpuError with its reason; an argument of the wrong type, a TypeError."""
+    proc = run_script(standin, vendor, LAUNCHER)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "SAME", lines
+    call = {"cuda": "cuLaunchKernel", "hip": "hipModuleLaunchKernel"}[vendor]
+    assert lines[1].startswith(f"{vendor}: {call} failed: ") and "is not device memory" in lines[1], lines[1]
+    assert lines[2] == "TypeError", lines
 
 
 @pytest.mark.slow

@@ -19,6 +19,10 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <float.h>
+#include <math.h>
+#include <time.h>
+#include <structmember.h>
 
 enum { LAUNCH, HTOD, DTOH, DTOD, RECORD, WAIT, SYNC, EVENT_SYNC, MEMSET32, N_CALLS };
 
@@ -195,16 +199,244 @@ static PyTypeObject CallsType = {
     .tp_methods = Calls_methods,
 };
 
+/* -- Launcher: one kernel's launches, its arguments packed here ------------------------------------------
+
+   A kernel launch through Python costs more than the call itself: GpuBackend.launch finds the kernel's
+   reusable parameter block, packs the arguments into it (struct.pack_into), the shim splits the grid into
+   three dimensions, turns the function and stream handles into integers and checks that its device is the
+   thread's current one. Launcher(calls, function, stream, signature, shim) does all of it in one C call,
+   for a kernel whose arguments are scalars and pointers (fomoepy.runtime.kernels' signature codes: p
+   pointer, i int32, l int64, f float32, d float64, each in an 8-byte slot, as shim.ParamBlock packs them):
+
+       launcher.launch(grid, block, shared, args)    # grid: 1 to 3 ints; args: the kernel's, a tuple
+
+   The driver copies the argument values during the launch call, so the one block of slots is refilled by
+   the next launch at once (the inference thread alone launches). Before the call the shim's device is made
+   current if another shim's is (shim._current_here, through DriverShim._current, the thread's record); a
+   failed status raises through shim._failed(name, status), as the shim's own calls do. With `timed` set,
+   each launch's driver call is timed (bench/host_time.py's count of binding calls): `count`, `seconds`. */
+
+#define MAX_ARGS 24
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *calls; /* the Calls whose launch function this uses (kept alive: it keeps the capsules) */
+    PyObject *shim;
+    PyObject *current; /* DriverShim._current: a threading.local whose `shim` is the thread's current one */
+    PyObject *name;    /* the driver's launch function's name, for the error */
+    void *launch;
+    void *function, *stream;
+    int n_args;
+    char codes[MAX_ARGS];
+    uint64_t slots[MAX_ARGS];
+    void *params[MAX_ARGS];
+    int timed;
+    unsigned long long count;
+    double seconds;
+} Launcher;
+
+static PyObject *str_shim, *str_current_here, *str_failed;
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int pack_argument(Launcher *self, int i, PyObject *v) {
+    uint64_t slot = 0;
+    switch (self->codes[i]) {
+    case 'p': {
+        unsigned long long x = PyLong_AsUnsignedLongLongMask(v);
+        if (x == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        slot = x;
+        break;
+    }
+    case 'i': {
+        long long x = PyLong_AsLongLong(v);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        if (x < INT32_MIN || x > INT32_MAX) {
+            PyErr_Format(PyExc_TypeError, "kernel argument %d: %lld does not fit an int32", i, x);
+            return -1;
+        }
+        int32_t y = (int32_t)x;
+        memcpy(&slot, &y, 4);
+        break;
+    }
+    case 'l': {
+        long long x = PyLong_AsLongLong(v);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        memcpy(&slot, &x, 8);
+        break;
+    }
+    case 'f': {
+        double x = PyFloat_AsDouble(v);
+        if (x == -1.0 && PyErr_Occurred()) return -1;
+        if (isfinite(x) && fabs(x) > FLT_MAX) {
+            PyErr_Format(PyExc_TypeError, "kernel argument %d: %g does not fit a float32", i, x);
+            return -1;
+        }
+        float y = (float)x;
+        memcpy(&slot, &y, 4);
+        break;
+    }
+    default: { /* 'd' */
+        double x = PyFloat_AsDouble(v);
+        if (x == -1.0 && PyErr_Occurred()) return -1;
+        memcpy(&slot, &x, 8);
+    }
+    }
+    self->slots[i] = slot;
+    return 0;
+}
+
+static int make_current(Launcher *self) {
+    PyObject *cur = PyObject_GetAttr(self->current, str_shim);
+    if (!cur) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+    } else {
+        int same = cur == self->shim;
+        Py_DECREF(cur);
+        if (same) return 0;
+    }
+    PyObject *r = PyObject_CallMethodNoArgs(self->shim, str_current_here);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static PyObject *Launcher_launch(Launcher *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "launch(grid: tuple, block, shared, args: tuple)");
+        return NULL;
+    }
+    PyObject *grid = args[0], *kernel_args = args[3];
+    Py_ssize_t n_grid = PyTuple_GET_SIZE(grid);
+    if (n_grid < 1 || n_grid > 3) {
+        PyErr_Format(PyExc_TypeError, "a grid has 1 to 3 dimensions, got %zd", n_grid);
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(kernel_args) != self->n_args) {
+        PyErr_Format(PyExc_TypeError, "the kernel takes %d arguments, got %zd", self->n_args, PyTuple_GET_SIZE(kernel_args));
+        return NULL;
+    }
+    uint64_t g[3] = {1, 1, 1}, block, shared;
+    for (Py_ssize_t i = 0; i < n_grid; i++)
+        if (as_u64(PyTuple_GET_ITEM(grid, i), &g[i])) return NULL;
+    if (as_u64(args[1], &block) || as_u64(args[2], &shared)) return NULL;
+    for (int i = 0; i < self->n_args; i++)
+        if (pack_argument(self, i, PyTuple_GET_ITEM(kernel_args, i))) return NULL;
+    if (make_current(self)) return NULL;
+    int rc;
+    double t0 = self->timed ? now_seconds() : 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ((launch_fn)self->launch)(self->function, (unsigned)g[0], (unsigned)g[1], (unsigned)g[2], (unsigned)block, 1, 1,
+                                   (unsigned)shared, self->stream, self->params, NULL);
+    Py_END_ALLOW_THREADS
+    if (self->timed) {
+        self->seconds += now_seconds() - t0;
+        self->count++;
+    }
+    if (rc) {
+        if (PyErr_Occurred()) return NULL;
+        PyObject *status = PyLong_FromLong(rc);
+        if (!status) return NULL;
+        PyObject *r = PyObject_CallMethodObjArgs(self->shim, str_failed, self->name, status, NULL);
+        Py_DECREF(status);
+        Py_XDECREF(r);
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "launch failed with status %d", rc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int Launcher_init(Launcher *self, PyObject *args, PyObject *kw) {
+    PyObject *calls, *shim, *name;
+    unsigned long long function, stream;
+    const char *signature;
+    if (!PyArg_ParseTuple(args, "O!KKsOU", &CallsType, &calls, &function, &stream, &signature, &shim, &name)) return -1;
+    size_t n = strlen(signature);
+    if (n > MAX_ARGS) {
+        PyErr_Format(PyExc_ValueError, "Launcher: %zu arguments, at most %d", n, MAX_ARGS);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (!strchr("pilfd", signature[i])) {
+            PyErr_Format(PyExc_TypeError, "Launcher packs scalars and pointers only, got signature \"%s\"", signature);
+            return -1;
+        }
+    PyObject *current = PyObject_GetAttrString((PyObject *)Py_TYPE(shim), "_current");
+    if (!current) return -1;
+    memcpy(self->codes, signature, n);
+    self->n_args = (int)n;
+    for (int i = 0; i < MAX_ARGS; i++) self->params[i] = &self->slots[i];
+    self->launch = ((Calls *)calls)->fn[LAUNCH];
+    self->function = (void *)(uintptr_t)function;
+    self->stream = (void *)(uintptr_t)stream;
+    Py_INCREF(calls);
+    Py_XSETREF(self->calls, calls);
+    Py_INCREF(shim);
+    Py_XSETREF(self->shim, shim);
+    Py_XSETREF(self->current, current);
+    Py_INCREF(name);
+    Py_XSETREF(self->name, name);
+    return 0;
+}
+
+static void Launcher_dealloc(Launcher *self) {
+    Py_XDECREF(self->calls);
+    Py_XDECREF(self->shim);
+    Py_XDECREF(self->current);
+    Py_XDECREF(self->name);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Launcher_methods[] = {
+    {"launch", (PyCFunction)(void (*)(void))Launcher_launch, METH_FASTCALL, "launch(grid, block, shared, args)"},
+    {NULL},
+};
+
+static PyMemberDef Launcher_members[] = {
+    {"calls", T_OBJECT, offsetof(Launcher, calls), READONLY, "the Calls whose launch function this uses"},
+    {"timed", T_INT, offsetof(Launcher, timed), 0, "time each launch's driver call (count, seconds)"},
+    {"count", T_ULONGLONG, offsetof(Launcher, count), 0, "launches timed"},
+    {"seconds", T_DOUBLE, offsetof(Launcher, seconds), 0, "their driver calls' time"},
+    {NULL},
+};
+
+static PyTypeObject LauncherType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fomoepy.runtime._driver_calls.Launcher",
+    .tp_basicsize = sizeof(Launcher),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One kernel's launches, its arguments packed in C: launch(grid, block, shared, args).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Launcher_init,
+    .tp_dealloc = (destructor)Launcher_dealloc,
+    .tp_methods = Launcher_methods,
+    .tp_members = Launcher_members,
+};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_driver_calls",
                                     "The hot driver calls through the bindings' C layer.", -1, NULL};
 
 PyMODINIT_FUNC PyInit__driver_calls(void) {
-    if (PyType_Ready(&CallsType) < 0) return NULL;
+    if (PyType_Ready(&CallsType) < 0 || PyType_Ready(&LauncherType) < 0) return NULL;
+    str_shim = PyUnicode_InternFromString("shim");
+    str_current_here = PyUnicode_InternFromString("_current_here");
+    str_failed = PyUnicode_InternFromString("_failed");
+    if (!str_shim || !str_current_here || !str_failed) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&CallsType);
     if (PyModule_AddObject(m, "Calls", (PyObject *)&CallsType) < 0) {
         Py_DECREF(&CallsType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&LauncherType);
+    if (PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0) {
+        Py_DECREF(&LauncherType);
         Py_DECREF(m);
         return NULL;
     }

@@ -119,6 +119,8 @@ class GpuBackend:
         self.modules = {name: self.rt.load_module(b) for name, b in binaries.items()}
         self._functions: dict[str, Any] = {}
         self._launchers: dict[str, tuple] = {}  # per kernel: its function, reusable parameter block, signature
+        # per kernel, where the binding's C functions are in use: its compiled launcher (shim.launcher)
+        self._compiled: dict[str, Any] = {}
         self._mv_names: dict[tuple[int, str, int], str] = {}  # (qtype, weight, tile) -> its matvec kernel
         self.stream = self.rt.stream()  # compute
         self.copy_stream = self.rt.stream()  # expert uploads (gpu_experts.py)
@@ -147,10 +149,20 @@ class GpuBackend:
         return fn
 
     def launch(self, name: str, grid: Sequence[int], block: int, *args: Any, shared: int = 0) -> None:
+        fast = self._compiled.get(name)
+        if fast is not None and self.rt.direct is not None:  # packed and launched in one C call
+            fast.launch(grid, block, shared, args)
+            return
         launcher = self._launchers.get(name)
         if launcher is None:  # first launch of this kernel: its function and reusable parameter block
             signature = kernels.KERNEL_SIGNATURES[name]
             launcher = self._launchers[name] = (self.function(name), param_block(signature), len(signature), signature)
+            compiled = self.rt.launcher(launcher[0], self.stream, signature)
+            if compiled is not None:
+                self._compiled[name] = compiled
+                if len(args) == len(signature):
+                    compiled.launch(grid, block, shared, args)
+                    return
         fn, params, n_args, signature = launcher
         if params is None or len(args) != n_args:  # a struct argument (or a wrong count: PackedParams says so)
             packed = PackedParams(signature, args)

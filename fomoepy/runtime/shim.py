@@ -182,8 +182,20 @@ class DriverShim(ABC):
         self._current_here()
         status = call(*args)
         if status:
-            enum = getattr(self.api, self.names.status, None)
-            raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(enum(status) if enum else status)}")
+            self._failed(name, status)
+
+    def _failed(self, name: str, status: int) -> None:
+        """Raise the GpuError of the driver's `name` returning `status` (an int) to a direct call."""
+        enum = getattr(self.api, self.names.status, None)
+        raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(enum(status) if enum else status)}")
+
+    def launcher(self, function: Any, stream: Any, signature: str) -> Any:
+        """A compiled launcher of `function` on `stream` (_driver_calls.Launcher: the arguments packed and
+        the launch made in one C call), where the direct calls are in use and the signature has scalars
+        and pointers only; else None."""
+        if self.direct is None or _driver_calls is None or any(code not in _PACKED for code in signature):
+            return None
+        return _driver_calls.Launcher(self.direct, self.raw(function), self.raw(stream), signature, self, self.names.launch)
 
     def error_string(self, status: Any) -> str:
         try:

@@ -66,6 +66,7 @@ enum Status : int {
     OUT_OF_MEMORY = 2,
     INVALID_DEVICE = 101,
     INVALID_IMAGE = 200,
+    INVALID_HANDLE = 400,
     NOT_FOUND = 500,
     LAUNCH_FAILED = 719,
     ILLEGAL_ADDRESS = 700,

@@ -450,7 +450,11 @@ EXPORT CUresult cuModuleGetFunction(void** fn, void* module, const char* name) {
 EXPORT CUresult cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shared,
                                void* s, void** params, void** extra) {
     if (extra) return fail(INVALID_VALUE, "launch: the extra argument is not simulated (pass kernelParams)");
-    return sim_launch(fn, gx, gy, gz, bx, by, bz, shared, stream_or_default(s), params);
+    Stream* st = stream_or_default(s);
+    // a stream belongs to its context: CUDA refuses a launch on one while another device's context is current
+    if (st->device != current_device)
+        return fail(INVALID_HANDLE, "launch: the stream is device %d's, but device %d's context is current", st->device, current_device);
+    return sim_launch(fn, gx, gy, gz, bx, by, bz, shared, st, params);
 }
 EXPORT CUresult cuGetErrorString(CUresult, const char** text) {
     *text = last_error.c_str();
