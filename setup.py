@@ -6,6 +6,8 @@ Python code they stand in for serves (the same results, more host time per step)
   does (no fused multiply-adds), so its scores and their ties match the Python policies exactly.
 - fomoepy/runtime/_driver_calls.c: a decode step's launches, copies and event calls through the GPU
   bindings' own C function pointers; without it fomoepy.runtime.shim calls the bindings' Python functions.
+- fomoepy/runtime/_moe_tables.c: a decode step's grouped-launch tables packed in C; without it
+  fomoepy.runtime.moe_tables packs them in Python (the same bytes).
 """
 
 from setuptools import Extension, setup
@@ -23,6 +25,12 @@ setup(
         Extension(
             "fomoepy.runtime._driver_calls",
             ["fomoepy/runtime/_driver_calls.c"],
+            extra_compile_args=["-O2", "-std=c11", *WARNINGS],
+            optional=True,
+        ),
+        Extension(
+            "fomoepy.runtime._moe_tables",
+            ["fomoepy/runtime/_moe_tables.c"],
             extra_compile_args=["-O2", "-std=c11", *WARNINGS],
             optional=True,
         ),

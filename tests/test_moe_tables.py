@@ -8,10 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fomoepy.runtime import moe_tables
 from fomoepy.runtime.moe_tables import (
     EXPERT_WORK_DTYPE,
     MOE_TILE,
     PAIR_DTYPE,
+    _decode_tables,
     build_tables,
 )
 
@@ -57,3 +59,25 @@ def test_every_pair_is_in_one_work_item_of_its_expert_and_the_first_experts_lead
         assert ids_r == sorted(ids_r)
     assert sorted(seen) == list(range(T * k))  # every pair once
     assert t.tile == (1 if all(item["n_pairs"] == 1 for item in work) else MOE_TILE)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_decode_steps_tables_packed_in_c_are_the_pythons_bytes(seed):
+    """The compiled packer (fomoepy/runtime/_moe_tables.c) of a decode step's tables gives the bytes, the
+    leading count and the order of the Python definition, whatever experts lead."""
+    if moe_tables.pack_decode is None:
+        pytest.skip("fomoepy.runtime._moe_tables is not built (no C compiler at install)")
+    rng = np.random.default_rng(seed)
+    E, k = 512, [1, 4, 8, 10, 16, 22][seed]
+    ids = rng.choice(E, k, replace=False)[None, :].astype(np.int64)
+    weights = rng.random((1, k)).astype(np.float32)
+    slot = {int(e): int(rng.integers(1, 1 << 40)) << 8 for e in ids[0]}
+    chosen = ids[0].tolist()
+    for first, then in [((), ()), (set(chosen[: k // 2]), chosen[k // 2 : k - 1]), ({chosen[-1]}, ()), ((), chosen[:3])]:
+        compiled = build_tables(ids, weights, slot, OFFSETS, first, then)
+        python = _decode_tables(chosen, weights[0], slot, OFFSETS, first, then)
+        assert compiled.host.tobytes() == python.host.tobytes()
+        assert (compiled.n_first, compiled.n_work, compiled.tile, compiled.experts, compiled.work_offset) == (
+            python.n_first, python.n_work, python.tile, python.experts, python.work_offset)  # fmt: skip
+    with pytest.raises(KeyError):  # an expert with no slot: as the Python definition
+        build_tables(ids, weights, {e: p for e, p in slot.items() if e != chosen[0]}, OFFSETS)

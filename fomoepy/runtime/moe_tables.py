@@ -22,6 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:  # optional (setup.py): without it a decode step's tables are packed here, in Python (the same bytes)
+    from fomoepy.runtime._moe_tables import pack_decode
+except ImportError:
+    pack_decode = None
+
 MOE_TILE = 8  # pairs per work item (MOE_TILE in hip_kernels/experts.hip)
 
 # hip_kernels/experts.hip: struct ExpertWork (64 B) and struct PairInfo (16 B)
@@ -29,6 +34,7 @@ EXPERT_WORK_DTYPE = np.dtype(
     [("gate", "<u8"), ("up", "<u8"), ("down", "<u8"), ("n_pairs", "<i4"), ("pad", "<i4"), ("pair", "<i4", (MOE_TILE,))]
 )
 PAIR_DTYPE = np.dtype([("down", "<u8"), ("weight", "<f4"), ("pad", "<i4")])
+DECODE_MAX_K = 64  # choices per token the compiled packer takes (MAX_K in fomoepy/runtime/_moe_tables.c)
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,9 @@ def build_tables(ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int],
     first, then: experts whose work items lead the table, in that order (the rest by ascending id)."""
     T, k = ids.shape
     if T == 1:  # a decode step: k distinct experts, ascending, one work item (one pair) each
+        if pack_decode is not None and k <= DECODE_MAX_K:
+            host, n_first, experts = pack_decode(ids[0].tolist(), weights[0].tolist(), slot_ptr, tuple(offsets), first, then)
+            return MoETables(np.frombuffer(host, np.uint8), k * PAIR_DTYPE.itemsize, n_first, k, 1, experts)
         return _decode_tables(ids[0].tolist(), weights[0], slot_ptr, offsets, first, then)
     # each token's choices by ascending expert id: the order the CPU backend adds them in
     order = np.argsort(ids, axis=1, kind="stable")
@@ -78,8 +87,9 @@ def build_tables(ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int],
 
 def _decode_tables(row: list[int], weights: np.ndarray, slot_ptr: dict[int, int], offsets: tuple[int, int, int],
                    first: Collection[int], then: Collection[int]) -> MoETables:  # fmt: skip
-    """build_tables for one token (the hot path: every decode step): its k choices in list arithmetic,
-    the table packed by one struct call (numpy's field assignments cost a microsecond or more each)."""
+    """build_tables for one token (every decode step): its k choices in list arithmetic, the table packed by
+    one struct call (numpy's field assignments cost a microsecond or more each). The definition of what
+    fomoepy/runtime/_moe_tables.c packs in C, where it is built (the same bytes, a tenth of the time)."""
     k = len(row)
     order = sorted(range(k), key=row.__getitem__)  # ascending expert id; pair p is the p-th of them
     ptrs = [slot_ptr[row[j]] for j in order]
