@@ -32,7 +32,7 @@ from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
-from fomoepy.runtime.moe_tables import MOE_TILE, MoETables, build_tables
+from fomoepy.runtime.moe_tables import EXPERT_WORK_DTYPE, MOE_TILE, PAIR_DTYPE, MoETables, build_tables
 from fomoepy.runtime.pinned import PinnedPool, host_address
 from fomoepy.scheduler import relay
 
@@ -134,6 +134,20 @@ class _DeviceSide:
         self.copies_wait = False  # `computed` covers such launches: the next step's first copy waits for it
         self.computed_at = 0  # the sync count when `computed` was recorded
         self.joins_pending: deque[tuple[int, int]] = deque()  # (the pinned pool's mark of a join, the sync count then)
+        self.decode_arrays: dict[tuple[int, int, int], tuple[DeviceArray, DeviceArray, DeviceArray]] = {}
+
+    def decode_scratch(self, k: int, F: int, D: int) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
+        """A decode step's tables, activations [k, F] and pairs' outputs [k, D] on the device: made once, and
+        reused step after step. Safe without an event: only this side's compute stream touches them (the
+        tables' copy up is queued on it too), so a step's writes queue behind the last step's reads."""
+        arrays = self.decode_arrays.get((k, F, D))
+        if arrays is None:
+            tables = self.dev.zeros((k * (PAIR_DTYPE.itemsize + EXPERT_WORK_DTYPE.itemsize),), np.uint8)
+            arrays = self.decode_arrays[k, F, D] = (tables, self.dev.zeros((k, F)), self.dev.zeros((k, D)))
+        if self.dev.poison is not None:  # (tests: as fresh arrays are, so a kernel that skips an element fails)
+            for a in arrays[1:]:
+                self.rt.memset32(a.ptr, self.dev.poison, a.nbytes // 4, self.dev.stream)
+        return arrays
 
     def cover_downloads(self, upto: int | None = None) -> None:
         """The copy stream waits for the copies down up to `upto` (default: those recorded, that is the
@@ -414,6 +428,7 @@ class GpuExperts:
             side.free.clear()
             side.dirty.clear()
             side.down_buffers.clear()
+            side.decode_arrays.clear()
         self.resident.clear()
         self._downloaded.clear()
         if self.pool is not None:
@@ -548,7 +563,13 @@ class GpuExperts:
         first = {e for e in slots if e not in missing} if missing is not None else ()
         tables = build_tables(ids, weights, {e: buf.ptr for e, buf in slots.items()}, self.slot_layouts[layer].offsets, first,
                               at_hand if missing is not None else ())  # fmt: skip
-        dev = self.side(layer).dev
+        side = self.side(layer)
+        dev = side.dev
+        if T == 1:  # a decode step: its tables and intermediate arrays are the side's, reused (decode_scratch)
+            on_device, act, part = side.decode_scratch(k, F, D)
+            dev._keepalive.append(tables.host)  # (until the stream is next waited for, as dev.upload keeps it)
+            side.rt.htod(on_device.ptr, host_address(tables.host), tables.host.nbytes, dev.stream)
+            return _Launch(layer, tables, on_device, h, act, part if missing is not None else None, dev.empty((T, D)))
         part = dev.empty((T * k, D)) if missing is not None or T > DOWN_SUM_MAX_TOKENS else None
         return _Launch(layer, tables, dev.upload(tables.host), h, dev.empty((T * k, F)), part, dev.empty((T, D)))
 
