@@ -137,6 +137,9 @@ class GpuBackend:
         self.err = self._readback.view((1,), (1,), 0)
         self._err_host = self.rt.host_alloc(READBACK_BYTES)
         weakref.finalize(self, _free_pinned, self.rt, self._err_host)
+        # the host's copy of that area as arrays, made once (a view over pinned memory costs microseconds)
+        self._readback_host = np.frombuffer((ctypes.c_char * READBACK_BYTES).from_address(self._err_host), np.float32)
+        self._err_code = self._readback_host[:1].view(I32)
 
     # -- launching ----------------------------------------------------------------------------------
     def function(self, name: str) -> Any:
@@ -221,7 +224,7 @@ class GpuBackend:
         self.rt.dtoh(self._err_host, self.err.ptr, READBACK_AT + readback if readback else 4, self.stream)
         self.rt.sync(self.stream)
         self._keepalive.clear()
-        code = ctypes.c_int32.from_address(self._err_host).value
+        code = int(self._err_code[0])
         if code:
             self.rt.memset32(self.err.ptr, 0, 1, self.stream)
             what = "; ".join(msg for bit, msg in ERROR_MESSAGES.items() if code & bit) or f"code {code}"
@@ -474,22 +477,22 @@ class GpuBackend:
         small = READBACK_AT + 4 * total <= READBACK_BYTES  # a decode step's: read back with the error flag
         out = None if small else self.empty((max(total, 1),))
         base = self.err.ptr + READBACK_AT if out is None else out.ptr
+        err = self.err.ptr
         for kernel, logits, T, E, k, at in rows:
             if T:
                 ptr = base + 4 * at
-                self.launch(kernel, (T,), 256, logits.ptr, T, E, k, ptr, ptr + 4 * T * E, ptr + 4 * T * (E + k), self.err.ptr,
-                            shared=4 * E)  # fmt: skip
+                self.launch(kernel, (T,), 256, logits.ptr, T, E, k, ptr, ptr + 4 * T * E, ptr + 4 * T * (E + k), err, shared=4 * E)
         if out is None:
             self.synchronize(4 * total)
-            host = np.frombuffer((ctypes.c_char * (4 * total)).from_address(self._err_host + READBACK_AT), np.float32).copy()
+            first = READBACK_AT // 4
+            host = self._readback_host[first : first + total].copy()
         else:
             host = self.to_host(out)
         routings = []
-        for _, _, T, E, k, at in rows:
-            p = host[at : at + T * E].reshape(T, E)
-            i = host[at + T * E : at + T * (E + k)].view(I32).reshape(T, k)
-            w = host[at + T * (E + k) : at + T * (E + 2 * k)].reshape(T, k)
-            routings.append(Routing(i.astype(np.int64), w, p))
+        for _, _, T, E, k, at in rows:  # each request's probabilities [T, E], ids [T, k], weights [T, k]
+            ids_at, weights_at = at + T * E, at + T * (E + k)
+            routings.append(Routing(host[ids_at:weights_at].view(I32).astype(np.int64).reshape(T, k),
+                                    host[weights_at : weights_at + T * k].reshape(T, k), host[at:ids_at].reshape(T, E)))  # fmt: skip
         return routings
 
     def argmax(self, x: Any) -> np.ndarray:
