@@ -85,6 +85,12 @@ out = [d.to_host(ys).copy() for d, (_, _, ys) in zip(devs, arrays)]
 for d, (xs, ws, ys) in list(zip(devs, arrays))[::-1]:
     norm(d, xs, ws, ys, 2.0)
 again = [d.to_host(ys) for d, (_, _, ys) in zip(devs, arrays)]
+# the same through the shim's launch (a direct call, not a launcher): device 1's, then device 0's
+for d, (xs, ws, ys) in list(zip(devs, arrays))[::-1]:
+    fn, params, _, _ = d._launchers["rms_norm_f32"]
+    d.rt.launch(fn, (2,), (256,), 0, d.stream, params.pack((xs.ptr, 64, ws.ptr, ys.ptr, 2, 64, 2.0)))
+shim_launched = [d.to_host(ys) for d, (_, _, ys) in zip(devs, arrays)]
+assert all(a.tobytes() == b.tobytes() for a, b in zip(again, shim_launched))
 devs[0].rt.direct = None  # the binding's Python functions, for comparison
 xs, ws, ys = arrays[0]
 norm(devs[0], xs, ws, ys, 2.0)

@@ -63,6 +63,7 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._filed = threading.Condition(self._lock)
         self._submitting: set[Key] = set()  # popped from the queue, their Future not yet filed
+        self._waiting = 0  # takes waiting for one of those to be filed
         self._queued: deque[tuple[Key, Any]] = deque()  # guesses not yet issued, in order, each with what it needs
         self._issued: dict[Key, Future] = {}  # issued guesses no step has taken yet
         self._in_flight = 0  # issued reads not landed (taken or not: they hold the drive either way)
@@ -88,7 +89,12 @@ class ReadAhead:
         taken: dict[int, Future] = {}
         with self._lock:
             # a guess another thread is issuing right now is filed in a moment: wait for it, not read it twice
-            self._filed.wait_for(lambda: not any(k[0] == layer for k in self._submitting))
+            if self._submitting:
+                self._waiting += 1
+                try:
+                    self._filed.wait_for(lambda: not any(k[0] == layer for k in self._submitting))
+                finally:
+                    self._waiting -= 1
             kept: deque[tuple[Key, Any]] = deque()
             for guess in self._queued:
                 if guess[0][0] == layer:
@@ -136,7 +142,8 @@ class ReadAhead:
                         # with no callback to make
                         landed = future.done()
                         self._in_flight -= landed
-                    self._filed.notify_all()
+                    if self._waiting:  # (a notify with no one waiting still costs a microsecond)
+                        self._filed.notify_all()
             if future is None:
                 return
             if not landed:  # added after the future is filed: a read that lands meanwhile calls back at once

@@ -10,10 +10,13 @@
 
    Calls(capsules, signatures) takes the nine functions' capsules in the order of the enum below, and
    the C signature each must have: Cython names a capsule by its function's signature, and a binding
-   whose function changed is refused (TypeError) rather than called with the wrong arguments. Each method
-   returns the driver's status as an int (0: success), and fomoepy.runtime.shim raises with the driver's
-   message otherwise. The GIL is released around each call: a synchronisation blocks, and a simulated
-   device may run a kernel inside a launch. */
+   whose function changed is refused (TypeError) rather than called with the wrong arguments.
+   calls.bind(shim, address, names) then makes each call whole, as DriverShim's own: the shim's device
+   made current first (when another shim's is), a stream's or event's handle object turned into its
+   integer (address(handle), remembered per object), and a failed status raised as the shim's GpuError
+   naming the call (shim._failed); a call returns None. Unbound, each returns the driver's status as an
+   int and takes integers only. The GIL is released around each call: a synchronisation blocks, and a
+   simulated device may run a kernel inside a launch. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,11 +40,22 @@ typedef int (*wait_fn)(void *, void *, unsigned);
 typedef int (*one_fn)(void *);
 typedef int (*memset_fn)(uint64_t, uint32_t, size_t, void *);
 
+#define HANDLES_KEPT 256 /* handle objects whose integers are remembered (streams, events: a few dozen) */
+
 typedef struct {
     PyObject_HEAD
     void *fn[N_CALLS];
     PyObject *capsules; /* kept alive: the functions live in the modules that exported them */
+    /* bind(shim, address): the shim whose device a call makes current (through `current`, DriverShim's
+       record of each thread's) and whose _failed(name, status) raises a failed call's error; `address`
+       turns a binding's handle object into its integer, remembered per object in `handles` */
+    PyObject *shim, *current, *address, *names;
+    PyObject *handle_obj[HANDLES_KEPT];
+    uint64_t handle_raw[HANDLES_KEPT];
+    int n_handles;
 } Calls;
+
+static PyObject *str_shim, *str_current_here, *str_failed;
 
 static int as_u64(PyObject *o, uint64_t *out) {
     unsigned long long v = PyLong_AsUnsignedLongLongMask(o);
@@ -50,43 +64,98 @@ static int as_u64(PyObject *o, uint64_t *out) {
     return 0;
 }
 
-/* n integer arguments, exactly */
-static int args_u64(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t n, uint64_t *out, const char *name) {
+/* a handle as the driver takes it: an int as it is, a binding's object through `address`, remembered */
+static int handle_u64(Calls *self, PyObject *o, uint64_t *out) {
+    if (PyLong_Check(o) || !self->address) return as_u64(o, out);
+    for (int i = 0; i < self->n_handles; i++)
+        if (self->handle_obj[i] == o) {
+            *out = self->handle_raw[i];
+            return 0;
+        }
+    PyObject *v = PyObject_CallOneArg(self->address, o);
+    if (!v) return -1;
+    int rc = as_u64(v, out);
+    Py_DECREF(v);
+    if (rc) return -1;
+    if (self->n_handles == HANDLES_KEPT) { /* more than a process keeps: start over */
+        for (int i = 0; i < self->n_handles; i++) Py_CLEAR(self->handle_obj[i]);
+        self->n_handles = 0;
+    }
+    Py_INCREF(o);
+    self->handle_obj[self->n_handles] = o;
+    self->handle_raw[self->n_handles++] = *out;
+    return 0;
+}
+
+/* the bound shim's device is the calling thread's current one (shim._current_here, when another's is) */
+static int make_current_of(PyObject *shim, PyObject *current) {
+    if (!shim) return 0;
+    PyObject *cur = PyObject_GetAttr(current, str_shim);
+    if (!cur) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+    } else {
+        int same = cur == shim;
+        Py_DECREF(cur);
+        if (same) return 0;
+    }
+    PyObject *r = PyObject_CallMethodNoArgs(shim, str_current_here);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* None, or the exception a binding's function raised (cydriver's lazy loading raises, for one), or the
+   bound shim's error for the status (unbound: the status as an int) */
+static PyObject *failed_as(PyObject *shim, PyObject *name, int rc) {
+    if (rc && PyErr_Occurred()) return NULL;
+    if (!shim) return PyLong_FromLong(rc);
+    if (!rc) Py_RETURN_NONE;
+    PyObject *status = PyLong_FromLong(rc);
+    if (!status) return NULL;
+    PyObject *r = PyObject_CallMethodObjArgs(shim, str_failed, name, status, NULL);
+    Py_DECREF(status);
+    Py_XDECREF(r);
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "a driver call failed with status %d", rc);
+    return NULL;
+}
+
+static PyObject *status(Calls *self, int which, int rc) {
+    return failed_as(self->shim, self->names ? PyTuple_GET_ITEM(self->names, which) : NULL, rc);
+}
+
+/* n arguments, exactly: integers, and handles at the positions `handles` marks */
+static int args_mixed(Calls *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t n, const char *handles, uint64_t *out,
+                      const char *name) {
     if (nargs != n) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, n, nargs);
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (as_u64(args[i], &out[i])) return -1;
-    return 0;
-}
-
-/* the status, or the exception a binding's function raised (cydriver's lazy loading raises, for one) */
-static PyObject *status(int rc) {
-    if (rc && PyErr_Occurred()) return NULL;
-    return PyLong_FromLong(rc);
+        if (handles[i] == 'h' ? handle_u64(self, args[i], &out[i]) : as_u64(args[i], &out[i])) return -1;
+    return make_current_of(self->shim, self->current);
 }
 
 static PyObject *Calls_launch(Calls *self, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t a[10]; /* function, grid x y z, block x y z, shared bytes, stream, params */
-    if (args_u64(args, nargs, 10, a, "launch")) return NULL;
+    if (args_mixed(self, args, nargs, 10, "hiiiiiiihi", a, "launch")) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = ((launch_fn)self->fn[LAUNCH])((void *)(uintptr_t)a[0], (unsigned)a[1], (unsigned)a[2], (unsigned)a[3],
                                        (unsigned)a[4], (unsigned)a[5], (unsigned)a[6], (unsigned)a[7],
                                        (void *)(uintptr_t)a[8], (void **)(uintptr_t)a[9], NULL);
     Py_END_ALLOW_THREADS
-    return status(rc);
+    return status(self, LAUNCH, rc);
 }
 
 static PyObject *copy(Calls *self, int which, PyObject *const *args, Py_ssize_t nargs, const char *name) {
     uint64_t a[4]; /* dst, src, bytes, stream */
-    if (args_u64(args, nargs, 4, a, name)) return NULL;
+    if (args_mixed(self, args, nargs, 4, "iiih", a, name)) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = ((copy_fn)self->fn[which])(a[0], a[1], (size_t)a[2], (void *)(uintptr_t)a[3]);
     Py_END_ALLOW_THREADS
-    return status(rc);
+    return status(self, which, rc);
 }
 
 static PyObject *Calls_htod(Calls *self, PyObject *const *args, Py_ssize_t nargs) { return copy(self, HTOD, args, nargs, "htod"); }
@@ -95,32 +164,32 @@ static PyObject *Calls_dtod(Calls *self, PyObject *const *args, Py_ssize_t nargs
 
 static PyObject *Calls_record(Calls *self, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t a[2]; /* event, stream */
-    if (args_u64(args, nargs, 2, a, "record")) return NULL;
+    if (args_mixed(self, args, nargs, 2, "hh", a, "record")) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = ((record_fn)self->fn[RECORD])((void *)(uintptr_t)a[0], (void *)(uintptr_t)a[1]);
     Py_END_ALLOW_THREADS
-    return status(rc);
+    return status(self, RECORD, rc);
 }
 
 static PyObject *Calls_wait(Calls *self, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t a[2]; /* stream, event */
-    if (args_u64(args, nargs, 2, a, "wait")) return NULL;
+    if (args_mixed(self, args, nargs, 2, "hh", a, "wait")) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = ((wait_fn)self->fn[WAIT])((void *)(uintptr_t)a[0], (void *)(uintptr_t)a[1], 0);
     Py_END_ALLOW_THREADS
-    return status(rc);
+    return status(self, WAIT, rc);
 }
 
 static PyObject *one(Calls *self, int which, PyObject *const *args, Py_ssize_t nargs, const char *name) {
     uint64_t a[1]; /* a stream or an event */
-    if (args_u64(args, nargs, 1, a, name)) return NULL;
+    if (args_mixed(self, args, nargs, 1, "h", a, name)) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = ((one_fn)self->fn[which])((void *)(uintptr_t)a[0]);
     Py_END_ALLOW_THREADS
-    return status(rc);
+    return status(self, which, rc);
 }
 
 static PyObject *Calls_sync(Calls *self, PyObject *const *args, Py_ssize_t nargs) { return one(self, SYNC, args, nargs, "sync"); }
@@ -130,12 +199,12 @@ static PyObject *Calls_event_sync(Calls *self, PyObject *const *args, Py_ssize_t
 
 static PyObject *Calls_memset32(Calls *self, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t a[4]; /* dst, 32-bit pattern, count of words, stream */
-    if (args_u64(args, nargs, 4, a, "memset32")) return NULL;
+    if (args_mixed(self, args, nargs, 4, "iiih", a, "memset32")) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = ((memset_fn)self->fn[MEMSET32])(a[0], (uint32_t)a[1], (size_t)a[2], (void *)(uintptr_t)a[3]);
     Py_END_ALLOW_THREADS
-    return status(rc);
+    return status(self, MEMSET32, rc);
 }
 
 static int Calls_init(Calls *self, PyObject *args, PyObject *kw) {
@@ -168,8 +237,49 @@ static int Calls_init(Calls *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+static PyObject *Calls_bind(Calls *self, PyObject *args) {
+    PyObject *shim, *address, *names;
+    if (!PyArg_ParseTuple(args, "OOO!", &shim, &address, &PyTuple_Type, &names)) return NULL;
+    if (PyTuple_GET_SIZE(names) != N_CALLS) {
+        PyErr_Format(PyExc_ValueError, "bind takes the %d calls' names", N_CALLS);
+        return NULL;
+    }
+    PyObject *current = PyObject_GetAttrString((PyObject *)Py_TYPE(shim), "_current");
+    if (!current) return NULL;
+    Py_INCREF(shim);
+    Py_XSETREF(self->shim, shim);
+    Py_XSETREF(self->current, current);
+    Py_INCREF(address);
+    Py_XSETREF(self->address, address);
+    Py_INCREF(names);
+    Py_XSETREF(self->names, names);
+    Py_RETURN_NONE;
+}
+
+static int Calls_traverse(Calls *self, visitproc visit, void *arg) {
+    Py_VISIT(self->capsules);
+    Py_VISIT(self->shim);
+    Py_VISIT(self->current);
+    Py_VISIT(self->address);
+    Py_VISIT(self->names);
+    for (int i = 0; i < self->n_handles; i++) Py_VISIT(self->handle_obj[i]);
+    return 0;
+}
+
+static int Calls_clear(Calls *self) {
+    Py_CLEAR(self->capsules);
+    Py_CLEAR(self->shim);
+    Py_CLEAR(self->current);
+    Py_CLEAR(self->address);
+    Py_CLEAR(self->names);
+    for (int i = 0; i < self->n_handles; i++) Py_CLEAR(self->handle_obj[i]);
+    self->n_handles = 0;
+    return 0;
+}
+
 static void Calls_dealloc(Calls *self) {
-    Py_XDECREF(self->capsules);
+    PyObject_GC_UnTrack(self);
+    Calls_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -185,14 +295,19 @@ static PyMethodDef Calls_methods[] = {
     {"event_sync", (PyCFunction)(void (*)(void))Calls_event_sync, METH_FASTCALL, "event_sync(event) -> status"},
     {"memset32", (PyCFunction)(void (*)(void))Calls_memset32, METH_FASTCALL,
      "memset32(dst, pattern, count, stream) -> status"},
+    {"bind", (PyCFunction)Calls_bind, METH_VARARGS,
+     "bind(shim, address, names): make shim's device current before each call, raise through shim._failed, "
+     "turn handle objects into integers with address(handle); the calls then return None"},
     {NULL},
 };
 
 static PyTypeObject CallsType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fomoepy.runtime._driver_calls.Calls",
     .tp_basicsize = sizeof(Calls),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The hot driver calls through a binding's C function pointers.",
+    .tp_traverse = (traverseproc)Calls_traverse,
+    .tp_clear = (inquiry)Calls_clear,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Calls_init,
     .tp_dealloc = (destructor)Calls_dealloc,
@@ -234,8 +349,6 @@ typedef struct {
     unsigned long long count;
     double seconds;
 } Launcher;
-
-static PyObject *str_shim, *str_current_here, *str_failed;
 
 static double now_seconds(void) {
     struct timespec ts;
@@ -290,22 +403,6 @@ static int pack_argument(Launcher *self, int i, PyObject *v) {
     return 0;
 }
 
-static int make_current(Launcher *self) {
-    PyObject *cur = PyObject_GetAttr(self->current, str_shim);
-    if (!cur) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-        PyErr_Clear();
-    } else {
-        int same = cur == self->shim;
-        Py_DECREF(cur);
-        if (same) return 0;
-    }
-    PyObject *r = PyObject_CallMethodNoArgs(self->shim, str_current_here);
-    if (!r) return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
 static PyObject *Launcher_launch(Launcher *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "launch(grid: tuple, block, shared, args: tuple)");
@@ -327,7 +424,7 @@ static PyObject *Launcher_launch(Launcher *self, PyObject *const *args, Py_ssize
     if (as_u64(args[1], &block) || as_u64(args[2], &shared)) return NULL;
     for (int i = 0; i < self->n_args; i++)
         if (pack_argument(self, i, PyTuple_GET_ITEM(kernel_args, i))) return NULL;
-    if (make_current(self)) return NULL;
+    if (make_current_of(self->shim, self->current)) return NULL;
     int rc;
     double t0 = self->timed ? now_seconds() : 0.0;
     Py_BEGIN_ALLOW_THREADS
@@ -338,17 +435,7 @@ static PyObject *Launcher_launch(Launcher *self, PyObject *const *args, Py_ssize
         self->seconds += now_seconds() - t0;
         self->count++;
     }
-    if (rc) {
-        if (PyErr_Occurred()) return NULL;
-        PyObject *status = PyLong_FromLong(rc);
-        if (!status) return NULL;
-        PyObject *r = PyObject_CallMethodObjArgs(self->shim, str_failed, self->name, status, NULL);
-        Py_DECREF(status);
-        Py_XDECREF(r);
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "launch failed with status %d", rc);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return failed_as(self->shim, self->name, rc);
 }
 
 static int Launcher_init(Launcher *self, PyObject *args, PyObject *kw) {

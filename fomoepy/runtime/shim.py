@@ -160,9 +160,13 @@ class DriverShim(ABC):
             return
         names = [getattr(self.names, call) for call in DIRECT_CALLS.values()]
         try:
-            self.direct = _driver_calls.Calls(tuple(exported[n] for n in names), tuple(signatures[n] for n in names))
+            direct = _driver_calls.Calls(tuple(exported[n] for n in names), tuple(signatures[n] for n in names))
         except (KeyError, TypeError) as e:  # a binding without one of them, or one whose C function changed
             log.info("%s: driver calls through the binding's Python functions (%s)", self.vendor, e)
+            return
+        # each call then makes this shim's device current, takes handle objects and raises on failure itself
+        direct.bind(self, address, tuple(names))
+        self.direct = direct
 
     def raw(self, h: Any) -> int:
         """The integer behind a binding's handle object (a stream, an event, a function), as a direct call
@@ -176,16 +180,9 @@ class DriverShim(ABC):
         self._handles[id(h)] = (h, raw)
         return raw
 
-    def _direct(self, name: str, call: Any, *args: int) -> None:
-        """call(*args), one of the direct calls (the driver's `name`), with this shim's device current; a
-        failed status raises as `call()` does."""
-        self._current_here()
-        status = call(*args)
-        if status:
-            self._failed(name, status)
-
     def _failed(self, name: str, status: int) -> None:
-        """Raise the GpuError of the driver's `name` returning `status` (an int) to a direct call."""
+        """Raise the GpuError of the driver's `name` returning `status` (an int) to a direct call (the
+        compiled helper calls this, having made the call with this shim's device current)."""
         enum = getattr(self.api, self.names.status, None)
         raise GpuError(f"{self.vendor}: {name} failed: {self.error_string(enum(status) if enum else status)}")
 
@@ -238,7 +235,7 @@ class DriverShim(ABC):
         if self.direct is None:
             self.call(self.names.stream_sync, stream)
         else:
-            self._direct(self.names.stream_sync, self.direct.sync, self.raw(stream))
+            self.direct.sync(stream)
         self._syncs[id(stream)] = self._syncs.get(id(stream), 0) + 1
 
     def syncs(self, stream: Any) -> int:
@@ -254,20 +251,20 @@ class DriverShim(ABC):
         if self.direct is None:
             self.call(self.names.event_record, event, stream)
         else:
-            self._direct(self.names.event_record, self.direct.record, self.raw(event), self.raw(stream))
+            self.direct.record(event, stream)
 
     def wait(self, stream: Any, event: Any) -> None:
         """Work queued on `stream` after this waits for `event` (no host synchronisation)."""
         if self.direct is None:
             self.call(self.names.stream_wait_event, stream, event, 0)
         else:
-            self._direct(self.names.stream_wait_event, self.direct.wait, self.raw(stream), self.raw(event))
+            self.direct.wait(stream, event)
 
     def event_sync(self, event: Any) -> None:
         if self.direct is None:
             self.call(self.names.event_sync, event)
         else:
-            self._direct(self.names.event_sync, self.direct.event_sync, self.raw(event))
+            self.direct.event_sync(event)
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return float(self.call(self.names.event_elapsed, start, end))
@@ -279,7 +276,7 @@ class DriverShim(ABC):
         if self.direct is None:
             self.call(self.names.memcpy_htod, dst, src, nbytes, stream)
         else:
-            self._direct(self.names.memcpy_htod, self.direct.htod, dst, src, nbytes, self.raw(stream))
+            self.direct.htod(dst, src, nbytes, stream)
 
     def dtoh(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         if not nbytes:
@@ -287,7 +284,7 @@ class DriverShim(ABC):
         if self.direct is None:
             self.call(self.names.memcpy_dtoh, dst, src, nbytes, stream)
         else:
-            self._direct(self.names.memcpy_dtoh, self.direct.dtoh, dst, src, nbytes, self.raw(stream))
+            self.direct.dtoh(dst, src, nbytes, stream)
 
     def dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         if not nbytes:
@@ -295,7 +292,7 @@ class DriverShim(ABC):
         if self.direct is None:
             self.call(self.names.memcpy_dtod, dst, src, nbytes, stream)
         else:
-            self._direct(self.names.memcpy_dtod, self.direct.dtod, dst, src, nbytes, self.raw(stream))
+            self.direct.dtod(dst, src, nbytes, stream)
 
     memset_signed = False  # hip-python takes the 32-bit pattern as a C int, cuda-python as unsigned
 
@@ -304,7 +301,7 @@ class DriverShim(ABC):
             return
         pattern = value & 0xFFFFFFFF
         if self.direct is not None:  # (a C int or unsigned int: the same 32 bits in the same register)
-            self._direct(self.names.memset_d32, self.direct.memset32, dst, pattern, count, self.raw(stream))
+            self.direct.memset32(dst, pattern, count, stream)
             return
         if self.memset_signed and pattern >= 1 << 31:
             pattern -= 1 << 32  # the same 32 bits as a signed int
@@ -323,8 +320,7 @@ class DriverShim(ABC):
         if self.direct is None:
             self.call(self.names.launch, function, gx, gy, gz, bx, by, bz, shared, stream, params, self.launch_extra)
         else:
-            self._direct(self.names.launch, self.direct.launch, self.raw(function), gx, gy, gz, bx, by, bz, shared,
-                         self.raw(stream), params)  # fmt: skip
+            self.direct.launch(function, gx, gy, gz, bx, by, bz, shared, stream, params)
 
     def driver_version(self) -> int:
         return int(self.call(self.names.driver_version))
