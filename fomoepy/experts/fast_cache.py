@@ -158,8 +158,9 @@ class CoreCache:
         experts, sources, to_device, to_host, items, dev_victims, host_victims, demotions = out
         n = self.n_expert
         users = users_of([item.expert for item in items], raw, sequences) if sequences is not None else ()
-        return CorePlan(layer, items, tuple(divmod(k, n) for k in dev_victims), tuple(divmod(k, n) for k in host_victims),
-                        self.generation, tuple(divmod(k, n) for k in demotions), users, (experts, sources, to_device, to_host),
+        # (list comprehensions: a generator's every item is a resumption, and a step's host time is counted in calls)
+        return CorePlan(layer, items, tuple([divmod(k, n) for k in dev_victims]), tuple([divmod(k, n) for k in host_victims]),
+                        self.generation, tuple([divmod(k, n) for k in demotions]), users, (experts, sources, to_device, to_host),
                         (dev_victims, host_victims, demotions))  # fmt: skip
 
     def on_device(self, key: Key) -> bool:

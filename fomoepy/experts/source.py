@@ -7,7 +7,7 @@ An expert is the triple (gate, up, down) of one MoE layer, each in its tensor's 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -36,10 +36,10 @@ class ExpertMatrix:
 class LayerExperts:
     layer: int
     parts: tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]  # gate, up, down
+    expert_nbytes: int = field(init=False)  # the three parts' bytes (asked for by every read: summed once)
 
-    @property
-    def expert_nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "expert_nbytes", sum(p.nbytes for p in self.parts))
 
 
 def expert_index(gf: GGUFFile, spec: ModelSpec) -> tuple[LayerExperts, ...]:

@@ -193,7 +193,7 @@ class DeviceArray:
     """A strided view of device memory (float32, or int32 for ids), with numpy's semantics where used."""
 
     __array_ufunc__ = None  # `numpy_array + device_array` calls our __radd__ instead of converting us
-    __slots__ = ("buf", "dev", "dtype", "offset", "shape", "strides")
+    __slots__ = ("buf", "dev", "dtype", "offset", "ptr", "shape", "strides")
 
     def __init__(self, dev: Any, buf: DeviceBuffer, shape, dtype=F32, strides=None, offset: int = 0):
         self.dev = dev  # the GpuBackend that launches kernels on this memory
@@ -202,11 +202,9 @@ class DeviceArray:
         self.strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
         self.offset = offset  # elements
         self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
-
-    # -- facts ----------------------------------------------------------------------------------------
-    @property
-    def ptr(self) -> int:
-        return self.buf.ptr + self.offset * self.dtype.itemsize
+        # the first element's address: a view's buffer and offset never change, and kernels ask for it
+        # several times a launch
+        self.ptr = buf.ptr + offset * self.dtype.itemsize
 
     @property
     def ndim(self) -> int:

@@ -265,6 +265,9 @@ class GpuExperts:
         for d, dev in enumerate(self.devs):
             on_d = [s.nbytes for s, owner in zip(self.slot_layouts, self.device_of_layer) if owner == d]
             self.sides.append(_DeviceSide(dev, max(on_d, default=SLOT_ALIGN)))
+        self._side_of = [self.sides[d] for d in self.device_of_layer]  # each layer's device side
+        # each layer's parts' spans in a slot (and in a copied-down buffer): (start, end) of gate, up, down
+        self._spans = [tuple((o, o + p.nbytes) for o, p in zip(slot.offsets, layer.parts)) for slot, layer in zip(self.slot_layouts, layers)]
         self.uploads = 0
         self.downloads = 0
         self.direct_uploads = 0  # of those, copied straight from a pinned read buffer (no staging memcpy)
@@ -290,20 +293,20 @@ class GpuExperts:
             self.pool.passed_mark(passed)
 
     def side(self, layer: int) -> _DeviceSide:
-        return self.sides[self.device_of_layer[layer]]
+        return self._side_of[layer]
 
     # -- the ExpertDevice interface -----------------------------------------------------------------
     def expert_nbytes(self, layer: int) -> int:
         return self.slot_layouts[layer].nbytes
 
     def install(self, key: Key, parts: ExpertBytes) -> None:
-        self.side(key[0]).fence_launches()
+        self._side_of[key[0]].fence_launches()
         self.resident[key] = self._upload(key[0], parts)
 
     def evict(self, key: Key) -> None:
         buf = self.resident.pop(key, None)
         if buf is not None:
-            side = self.side(key[0])
+            side = self._side_of[key[0]]
             seq = self._downloaded.pop(buf.ptr, 0)
             if seq > side.down_covered:  # its copy down may still be reading it: reused once covered
                 side.dirty.append((seq, buf))
@@ -315,7 +318,7 @@ class GpuExperts:
 
     def route(self, layer: int, h, k: int) -> np.ndarray:
         """Top-k of `layer`'s router for h, which sits on the previous layer's device."""
-        dev, here = self.side(layer).dev, self.side(layer - 1).dev  # the router lives where its layer does
+        dev, here = self._side_of[layer].dev, self._side_of[layer - 1].dev  # the router lives where its layer does
         if dev is not here:
             h = relay(h, here, dev)
         return dev.route(dev.linear(h, self.routers[layer]), "softmax", k).ids
@@ -324,9 +327,9 @@ class GpuExperts:
         """The router's choice for `layer` (its logits already computed) and the next layer's predicted ids
         (its router applied to h), read back together: one device round trip per decode step, not two.
         None for the prediction when the next layer sits on another device (route() relays h there)."""
-        side = self.side(layer)
+        side = self._side_of[layer]
         dev = side.dev
-        if layer + 1 >= len(self.layers) or self.side(layer + 1).dev is not dev:
+        if layer + 1 >= len(self.layers) or self._side_of[layer + 1].dev is not dev:
             exact, ahead = dev.route(logits, gating, k), None
         else:
             exact, ahead = dev.route_many([(logits, gating, k), (dev.linear(h, self.routers[layer + 1]), "softmax", k)])
@@ -342,7 +345,7 @@ class GpuExperts:
         for the copies on the device, not on the host, and after the last read lands only the last
         experts' work is left, not every miss's."""
         plan = experts.plan
-        side = self.side(layer)
+        side = self._side_of[layer]
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
         side.cover_downloads()  # the earlier steps' copies down (this step's, issued since, go on beside its copies up)
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
@@ -452,7 +455,7 @@ class GpuExperts:
         """A free slot of `layer`'s size (an evicted or streamed one); else, while this step's evictees'
         copies down may still read theirs, a spare (up to SPARE_SLOTS) or, past them, one of those once
         the copy stream waits for its copy down; else a new one."""
-        side = self.side(layer)
+        side = self._side_of[layer]
         nbytes = self.slot_layouts[layer].nbytes
         stack = side.free.get(nbytes)
         if stack:
@@ -469,7 +472,7 @@ class GpuExperts:
     def _upload(self, layer: int, parts: ExpertBytes, buf: DeviceBuffer | None = None) -> DeviceBuffer:
         """Copy the expert into a slot (`buf`, or a free one) on the copy stream: straight from its pinned
         read buffer, or packed into a pinned staging buffer first."""
-        side = self.side(layer)
+        side = self._side_of[layer]
         layout = self.slot_layouts[layer]
         if buf is None:
             buf = self._take_slot(layer)
@@ -478,11 +481,12 @@ class GpuExperts:
             side.rt.wait(side.dev.copy_stream, side.computed)
             side.copies_wait = False
         if self.pool is not None:
-            addresses = [host_address(part) for part in parts]
-            start, end = addresses[0], layout.offsets[2] + parts[2].nbytes
+            addresses = [host_address(parts[0]), host_address(parts[1]), host_address(parts[2])]
+            start, (up, down) = addresses[0], layout.offsets[1:]
+            end = down + parts[2].nbytes
             # the read buffer has the slot's layout (the store's records pad as slots do): one span, one
             # check that the pool pins it, one copy
-            whole = all(a == start + offset for a, offset in zip(addresses, layout.offsets))
+            whole = addresses[1] == start + up and addresses[2] == start + down
             if self.pool.pins(start, end) if whole else all(self.pool.pins(a, part.nbytes) for a, part in zip(addresses, parts)):
                 # the bytes are in a pinned read buffer: copied from there, with no staging memcpy; the
                 # pool hands the buffer out again only after these copies are done
@@ -526,7 +530,7 @@ class GpuExperts:
         is not waited for by the host (the host waiting here cost an expert's transfer time per demotion,
         before the step's reads were issued); whoever reads the bytes on the host waits for the down stream
         first (`sync_downloads`). Without a pool (several devices) it is synchronous."""
-        side = self.side(key[0])
+        side = self._side_of[key[0]]
         layout = self.slot_layouts[key[0]]
         parts = self.layers[key[0]].parts
         end = layout.offsets[2] + parts[2].nbytes
@@ -548,8 +552,8 @@ class GpuExperts:
             self._downloaded[slot] = side.downloads
             side.down_buffers[address] = (side.downloads, out)  # held (not handed out again) till covered
         self.downloads += 1
-        gate, up, down = (out[o : o + p.nbytes] for o, p in zip(layout.offsets, parts))
-        return gate, up, down
+        (g0, g1), (u0, u1), (d0, d1) = self._spans[key[0]]
+        return out[g0:g1], out[u0:u1], out[d0:d1]
 
     # -- arithmetic ---------------------------------------------------------------------------------
     def _prepare(self, layer: int, h: DeviceArray, ids: np.ndarray, weights: np.ndarray, slots: dict[int, DeviceBuffer],
@@ -563,7 +567,7 @@ class GpuExperts:
         first = {e for e in slots if e not in missing} if missing is not None else ()
         tables = build_tables(ids, weights, {e: buf.ptr for e, buf in slots.items()}, self.slot_layouts[layer].offsets, first,
                               at_hand if missing is not None else ())  # fmt: skip
-        side = self.side(layer)
+        side = self._side_of[layer]
         dev = side.dev
         if T == 1:  # a decode step: its tables and intermediate arrays are the side's, reused (decode_scratch)
             on_device, act, part = side.decode_scratch(k, F, D)
@@ -580,7 +584,7 @@ class GpuExperts:
         gate_m, _, down_m = self.layers[run.layer].parts
         F, D = gate_m.shape[0], down_m.shape[0]
         k = run.act.shape[0] // run.h.shape[0]
-        dev = self.side(run.layer).dev
+        dev = self._side_of[run.layer].dev
         work = run.on_device.ptr + run.tables.work_row(start)
         names = self.kernel_names[run.layer]
         dev.launch(names["gate_up"][run.tables.tile], (-(-F // 4), stop - start), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
@@ -590,7 +594,7 @@ class GpuExperts:
         """out[t] = sum_j w[t, j] * part[t*k + j], j ascending (the fused kernel's order)."""
         T, D = run.out.shape
         k = run.act.shape[0] // T
-        self.side(run.layer).dev.launch("moe_combine", (-(-(T * D) // 256),), 256, run.on_device.ptr, run.part.ptr, T, D, k, run.out.ptr)
+        self._side_of[run.layer].dev.launch("moe_combine", (-(-(T * D) // 256),), 256, run.on_device.ptr, run.part.ptr, T, D, k, run.out.ptr)
 
     def _grouped(self, run: _Launch) -> None:
         """Every work item in one launch per stage; a few tokens fuse down and the weighted sum."""
@@ -602,7 +606,7 @@ class GpuExperts:
         gate_m, _, down_m = self.layers[run.layer].parts
         F = gate_m.shape[0]
         k = run.act.shape[0] // T
-        dev = self.side(run.layer).dev
+        dev = self._side_of[run.layer].dev
         work = run.on_device.ptr + run.tables.work_offset
         names = self.kernel_names[run.layer]
         dev.launch(names["gate_up"][run.tables.tile], (-(-F // 4), run.tables.n_work), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
