@@ -96,7 +96,11 @@ class ExpertStreamer:
             buffers = self.read_buffers.take
         else:
             self.read_buffers = None
-        self._read_buffer = (lambda layer: buffers(slot_nbytes(layer))) if buffers and slot_nbytes else None
+        if buffers and slot_nbytes:
+            sizes = [slot_nbytes(layer) for layer in range(self.n_layer)]  # (asked once, not at every read)
+            self._read_buffer: Callable[[int], np.ndarray] | None = lambda layer: buffers(sizes[layer])
+        else:
+            self._read_buffer = None
         self.reads_issued_at = 0.0  # perf_counter time the last start_acquire had issued its reads
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()

@@ -198,8 +198,10 @@ class DeviceArray:
     def __init__(self, dev: Any, buf: DeviceBuffer, shape, dtype=F32, strides=None, offset: int = 0):
         self.dev = dev  # the GpuBackend that launches kernels on this memory
         self.buf = buf
-        self.shape = tuple(map(int, shape))
-        self.strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
+        self.shape = shape = tuple(map(int, shape))
+        if strides is None:  # (the known shapes' strides without a call: arrays are made by the dozen a step)
+            strides = _STRIDES.get(shape) or contiguous_strides(shape)
+        self.strides = tuple(strides)
         self.offset = offset  # elements
         self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
         # the first element's address: a view's buffer and offset never change, and kernels ask for it

@@ -106,6 +106,7 @@ class _DeviceSide:
         self.dev = dev
         self.rt = dev.rt
         self.staging = _Staging(dev, staging_nbytes)
+        self.compute_syncs = self.rt.sync_count(dev.stream)  # the host's waits for the compute stream (.n)
         self.copied = self.rt.event()  # the uploads of the layer being prepared are done
         self.computed = self.rt.event()  # recorded after grouped launches that copies into slots must wait for
         self.pending_uploads = 0  # copies issued for the layer being prepared
@@ -191,12 +192,12 @@ class _DeviceSide:
     def launched(self) -> None:
         """Grouped launches were queued: copies into slots may have to wait for them."""
         self.launches_unsynced = True
-        self.launched_at = self.rt.syncs(self.dev.stream)
+        self.launched_at = self.compute_syncs.n
 
     def fence_launches(self) -> None:
         """Before a step's launches or an install: the launches still unsynced get an event to wait for
         (none if the host has waited for the compute stream since they were queued)."""
-        if self.launches_unsynced and self.rt.syncs(self.dev.stream) == self.launched_at:
+        if self.launches_unsynced and self.compute_syncs.n == self.launched_at:
             self.rt.record(self.computed, self.dev.stream)
             self.copies_wait = True
             self.computed_at = self.launched_at
@@ -205,14 +206,14 @@ class _DeviceSide:
     def copies_must_wait(self) -> bool:
         """Whether the next copy into a slot waits for `computed` (not if the host has waited for the
         compute stream since it was recorded)."""
-        if self.copies_wait and self.rt.syncs(self.dev.stream) != self.computed_at:
+        if self.copies_wait and self.compute_syncs.n != self.computed_at:
             self.copies_wait = False
         return self.copies_wait
 
     def joins_passed(self) -> int:
         """The pinned pool's newest join mark that a wait of the host for the compute stream has passed
         (the compute stream waited for the copies before it), or 0."""
-        now, passed = self.rt.syncs(self.dev.stream), 0
+        now, passed = self.compute_syncs.n, 0
         while self.joins_pending and self.joins_pending[0][1] < now:
             passed = self.joins_pending.popleft()[0]
         return passed
@@ -288,9 +289,9 @@ class GpuExperts:
 
     def _tell_pool(self, side: _DeviceSide) -> None:
         """The pinned pool learns which of its join marks a wait for the compute stream has passed."""
-        passed = side.joins_passed()
-        if passed:
-            self.pool.passed_mark(passed)
+        pending = side.joins_pending
+        if pending and pending[0][1] < side.compute_syncs.n:  # (asked at every take: the common no, inline)
+            self.pool.passed_mark(side.joins_passed())
 
     def side(self, layer: int) -> _DeviceSide:
         return self._side_of[layer]
@@ -446,7 +447,7 @@ class GpuExperts:
             side.rt.wait(side.dev.stream, side.copied)
             side.pending_uploads = 0
             side.joins += 1
-            side.joined_at = side.rt.syncs(side.dev.stream)
+            side.joined_at = side.compute_syncs.n
             if self.pool is not None:
                 self._tell_pool(side)  # (the marks already passed first: the pending ones stay few)
                 side.joins_pending.append((self.pool.mark(), side.joined_at))
@@ -539,7 +540,7 @@ class GpuExperts:
         if side.pending_uploads:  # an install not yet joined may have filled the slot
             self._join_copies(side)
         if side.joins > side.down_saw_joins:  # the copies up joined so far are done before this reads the slot
-            if side.rt.syncs(side.dev.stream) <= side.joined_at:  # (a wait for the compute stream since: done)
+            if side.compute_syncs.n <= side.joined_at:  # (a wait for the compute stream since: done)
                 side.rt.wait(side.dev.down_stream, side.copied)
             side.down_saw_joins = side.joins
         address, slot = host_address(out), self.resident[key].ptr

@@ -113,7 +113,7 @@ class DriverShim(ABC):
     def __init__(self, api: Any, device: int = 0):
         self.api = api
         self.device = device
-        self._syncs: dict[int, int] = {}  # id of a stream -> the host's waits for it so far
+        self._syncs: dict[int, SyncCount] = {}  # id of a stream -> the host's waits for it so far
         self.direct: Any = None  # _driver_calls.Calls over the binding's C functions, once use_direct_calls found them
         self._handles: dict[int, tuple[Any, int]] = {}  # id of a handle object -> (it, its integer)
 
@@ -236,13 +236,20 @@ class DriverShim(ABC):
             self.call(self.names.stream_sync, stream)
         else:
             self.direct.sync(stream)
-        self._syncs[id(stream)] = self._syncs.get(id(stream), 0) + 1
+        self.sync_count(stream).n += 1
 
     def syncs(self, stream: Any) -> int:
         """How many times the host has waited for `stream` (the one object its owner keeps): at each,
         everything queued on it before was done. Whoever needs to know that some work of theirs is done
         compares this count with the one when they queued it, whatever made the wait."""
-        return self._syncs.get(id(stream), 0)
+        return self.sync_count(stream).n
+
+    def sync_count(self, stream: Any) -> SyncCount:
+        """The count `syncs` reads, as an object its holder reads with no call (a MoE step asks a dozen times)."""
+        count = self._syncs.get(id(stream))
+        if count is None:
+            count = self._syncs[id(stream)] = SyncCount()
+        return count
 
     def event(self, timing: bool = False) -> Any:
         return self.call(self.names.event_create, EVENT_DEFAULT if timing else EVENT_DISABLE_TIMING)
@@ -324,6 +331,15 @@ class DriverShim(ABC):
 
     def driver_version(self) -> int:
         return int(self.call(self.names.driver_version))
+
+
+class SyncCount:
+    """How many times the host has waited for one stream (DriverShim.syncs)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
 
 
 def _dims3(dims: Sequence[int]) -> tuple[int, int, int]:
