@@ -33,9 +33,15 @@ def host_address(a: np.ndarray) -> int:
 def hand_out(address: int, size: int, give_back) -> np.ndarray:
     """A uint8 array over [address, address + size) that calls give_back((address, size)) once the last
     view of it is gone, from whichever thread drops it."""
-    memory = (ctypes.c_uint8 * size).from_address(address)
+    array_type = _ARRAY_TYPES.get(size)
+    if array_type is None:  # (ctypes makes the type of each size anew at every `c_uint8 * size`)
+        array_type = _ARRAY_TYPES[size] = ctypes.c_uint8 * size
+    memory = array_type.from_address(address)
     memory._fomoe_return = GiveBack((address, size), give_back)
     return np.frombuffer(memory, np.uint8)
+
+
+_ARRAY_TYPES: dict[int, Any] = {}  # ctypes array types by size: a pool's buffers come in a few sizes
 
 
 class GiveBack:
@@ -90,9 +96,10 @@ class PinnedPool:
     def take(self, nbytes: int) -> np.ndarray:
         """A pinned uint8 buffer of at least `nbytes`, free of any copy still reading it."""
         size = -(-nbytes // ALIGN) * ALIGN
-        self._collect()
+        if self.returned:
+            self._collect()
         queue = self.free.get(size)
-        fresh = self.fresh.setdefault(size, [])
+        fresh = self.fresh.get(size)
         if fresh:  # one never handed out first: those given back age meanwhile
             address = fresh.pop()
         elif queue and self.passed > queue[0][1]:
@@ -101,13 +108,14 @@ class PinnedPool:
             # none given back is known free of its copies (they came back after the last point marked): a
             # new chunk, while those waiting for a point are few
             self._grow(size)
-            address = fresh.pop()
+            address = self.fresh[size].pop()
         else:  # spare spent: wait for every copy queued, which frees all given back so far, at once
             self._wait_for_copies()
             address, _ = queue.popleft()
-        written = self.written.pop(address, None)
-        if written is not None and self.settle_writes is not None:
-            self.settle_writes(written)
+        if self.written:
+            written = self.written.pop(address, None)
+            if written is not None and self.settle_writes is not None:
+                self.settle_writes(written)
         return hand_out(address, size, self._given_back)
 
     def device_writes(self, address: int, number: int) -> None:
