@@ -282,9 +282,10 @@ class GpuBackend:
     @staticmethod
     def _rows(x: DeviceArray) -> tuple[DeviceArray, int, int, int]:
         """(array, n_rows, row length, row stride) with rows evenly spaced; copies only if they are not."""
-        n = x.shape[-1] if x.ndim else 1
-        if x.strides == contiguous_strides(x.shape):  # the common case, answered without the general walk
-            return x, x.size // max(n, 1), n, n
+        shape = x.shape
+        n = shape[-1] if shape else 1
+        if x.strides == contiguous_strides(shape):  # the common case, answered without the general walk
+            return x, math.prod(shape) // max(n, 1), n, n
         lead = [(m, s) for m, s in zip(x.shape[:-1], x.strides[:-1]) if m != 1]
         even = (x.ndim == 0 or x.strides[-1] == 1 or n == 1) and all(
             s == s2 * m2 for (_, s), (m2, s2) in zip(lead, lead[1:])

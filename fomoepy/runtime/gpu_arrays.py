@@ -237,6 +237,8 @@ class DeviceArray:
         return DeviceArray(self.dev, self.buf, shape, self.dtype, strides, offset)
 
     def contiguous(self) -> DeviceArray:
+        if self.strides == _STRIDES.get(self.shape):  # (the common case, without the property's calls)
+            return self
         return self if self.is_contiguous else self.copy()
 
     def copy(self) -> DeviceArray:
