@@ -8,6 +8,8 @@ Python code they stand in for serves (the same results, more host time per step)
   bindings' own C function pointers; without it fomoepy.runtime.shim calls the bindings' Python functions.
 - fomoepy/runtime/_moe_tables.c: a decode step's grouped-launch tables packed in C; without it
   fomoepy.runtime.moe_tables packs them in Python (the same bytes).
+- fomoepy/runtime/_host_memory.c: a host buffer's address, and a pinned buffer lent out that goes back to
+  its pool when dropped, each in one call; without it fomoepy.runtime.pinned does both through ctypes.
 """
 
 from setuptools import Extension, setup
@@ -31,6 +33,12 @@ setup(
         Extension(
             "fomoepy.runtime._moe_tables",
             ["fomoepy/runtime/_moe_tables.c"],
+            extra_compile_args=["-O2", "-std=c11", *WARNINGS],
+            optional=True,
+        ),
+        Extension(
+            "fomoepy.runtime._host_memory",
+            ["fomoepy/runtime/_host_memory.c"],
             extra_compile_args=["-O2", "-std=c11", *WARNINGS],
             optional=True,
         ),

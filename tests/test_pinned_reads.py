@@ -40,6 +40,16 @@ def sim_store_engine(tmp_path, **options):
     return engine, np.load(ORACLE / f"{name}.tokens.npy")
 
 
+def test_a_host_address_is_the_first_bytes_whatever_the_array():
+    """host_address (compiled where built: fomoepy/runtime/_host_memory.c) gives numpy's own address of an
+    array's first byte: writable or read-only, a view at an offset, one not contiguous, an empty one."""
+    block = np.zeros((8, 64), np.uint8)
+    frozen = np.arange(16, dtype=np.float32)
+    frozen.flags.writeable = False
+    for a in (block, block[3], block[2:5, 7:], block[:, 5], frozen, frozen[4:], np.zeros(0, np.uint8)):
+        assert host_address(a) == a.ctypes.data
+
+
 def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_pinned():
     dev = sim_backend()
     # one buffer per chunk, none spare: a take after a give reuses it

@@ -18,12 +18,22 @@ from typing import Any
 
 import numpy as np
 
+try:  # optional (setup.py): without it the same through ctypes, a microsecond or so more each
+    from fomoepy.runtime._host_memory import Lent, address
+except ImportError:
+    Lent = address = None
+
 ALIGN = 4096
 
 
 def host_address(a: np.ndarray) -> int:
-    """The address of a contiguous array's first byte: through the buffer protocol where the array is
-    writable (a fifth of what `a.ctypes.data` costs, and a copy up asks for a few addresses per expert)."""
+    """The address of a contiguous array's first byte: through the buffer protocol (a copy up asks for a
+    few addresses per expert, and `a.ctypes.data` costs a microsecond and more)."""
+    if address is not None:
+        try:
+            return address(a)
+        except (BufferError, ValueError):  # not contiguous: its first element's
+            return a.ctypes.data
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(a))
     except (TypeError, ValueError):  # read-only or empty
@@ -33,6 +43,8 @@ def host_address(a: np.ndarray) -> int:
 def hand_out(address: int, size: int, give_back) -> np.ndarray:
     """A uint8 array over [address, address + size) that calls give_back((address, size)) once the last
     view of it is gone, from whichever thread drops it."""
+    if Lent is not None:  # (the memory object and its give-back in one compiled object)
+        return np.frombuffer(Lent(address, size, (address, size), give_back), np.uint8)
     array_type = _ARRAY_TYPES.get(size)
     if array_type is None:  # (ctypes makes the type of each size anew at every `c_uint8 * size`)
         array_type = _ARRAY_TYPES[size] = ctypes.c_uint8 * size
