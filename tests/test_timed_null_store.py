@@ -12,12 +12,12 @@ time twice, is off by at least twice the slack.
 from __future__ import annotations
 
 import time
-from concurrent.futures import as_completed
 
 import numpy as np
 import pytest
 
 from fomoepy.devtools.null_store import TimedNullStore, shape_layers
+from fomoepy.experts.reads import as_landed
 from fomoepy.plan.shapes import shape_by_name
 
 LAYERS = shape_layers(shape_by_name("qwen3.5-397b-a17b"))
@@ -31,7 +31,7 @@ def landings(store: TimedNullStore, n: int) -> list[float]:
     buf = np.zeros(S, np.uint8)
     t = time.perf_counter()
     futures = [store.submit(0, e, buf) for e in range(n)]
-    return sorted(time.perf_counter() - t for _ in as_completed(futures))
+    return sorted(time.perf_counter() - t for _ in as_landed(futures))
 
 
 @pytest.mark.parametrize("drives", [1, 2])

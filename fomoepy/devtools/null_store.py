@@ -13,11 +13,11 @@ import heapq
 import itertools
 import threading
 import time
-from concurrent.futures import Future
 
 import numpy as np
 
 from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE
+from fomoepy.experts.reads import Read
 from fomoepy.experts.source import ExpertMatrix, LayerExperts
 from fomoepy.plan.shapes import MIXES, ModelShape
 from fomoepy.quants import row_nbytes
@@ -63,16 +63,14 @@ class NullStore:
     def slot_nbytes(self, layer: int) -> int:
         return self.layers[layer].expert_nbytes
 
-    def submit(self, layer: int, expert: int, out: np.ndarray | None = None) -> Future:
-        """A read into `out` (views of it, its bytes untouched) or into the shared buffer."""
-        done: Future = Future()
+    def submit(self, layer: int, expert: int, out: np.ndarray | None = None) -> Read:
+        """A read into `out` (views of it, its bytes untouched) or into the shared buffer, landed as it is
+        made (as the store's Read, fomoepy.experts.reads)."""
         if out is None:
-            done.set_result(self.read(layer, expert))
-        else:
-            self.reads += 1
-            a, b = self._bounds[layer]
-            done.set_result((out[:a], out[a:b], out[b : b + self.layers[layer].parts[2].nbytes]))
-        return done
+            return Read.landed(self.read(layer, expert))
+        self.reads += 1
+        a, b = self._bounds[layer]
+        return Read.landed((out[:a], out[a:b], out[b : b + self.layers[layer].parts[2].nbytes]))
 
 
 SPIN = 0.1e-3  # seconds before a read lands that the completing thread stops sleeping and spins
@@ -96,7 +94,7 @@ class TimedNullStore(NullStore):
         # its drives overlap a read's latency with another read's bytes: two in flight each keep them busy
         self.read_ahead_depth = DEPTH_PER_DRIVE * drives
         self._free_at = [0.0] * drives  # perf_counter time at which each drive's last read lands
-        self._due: list[tuple[float, int, Future, tuple]] = []  # heap: (lands, order, future, parts)
+        self._due: list[tuple[float, int, Read, tuple]] = []  # heap: (lands, order, read, parts)
         self._order = itertools.count()
         self._wake = threading.Condition()
         self._closed = False
@@ -117,8 +115,8 @@ class TimedNullStore(NullStore):
         time.sleep(max(0.0, lands - time.perf_counter()))
         return super().read(layer, expert)
 
-    def submit(self, layer: int, expert: int, out: np.ndarray | None = None) -> Future:
-        done: Future = Future()
+    def submit(self, layer: int, expert: int, out: np.ndarray | None = None) -> Read:
+        done = Read()
         # under the lock: reads made ahead are issued from the completing thread, beside the step's own
         with self._wake:
             # the untimed store's parts (its submit, not this class's read, which would take the time twice)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import as_completed
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fomoepy.experts.policy import Key
+from fomoepy.experts.reads import as_landed
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]  # gate, up, down in store form
 
@@ -87,16 +87,9 @@ class StepExperts:
         the step's reads are in, whether or not landed() has been called yet."""
         futures = {f: e for e, f in self.pending.items() if f is not None}
         left = len(futures)
-        for f in [f for f in futures if f.done()]:  # landed already: as_completed's locks cost microseconds each
-            left -= 1
-            if not left:
-                self._all_in()
-            yield futures.pop(f), f.result()
-        if not futures:  # every read had landed: as_completed would still make and install its waiter
-            return
         t = time.perf_counter()
         try:
-            for f in as_completed(futures):
+            for f in as_landed(futures):  # (those landed already first, with no waiter made)
                 self.wait_seconds += time.perf_counter() - t
                 left -= 1
                 if not left:

@@ -18,11 +18,11 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from fomoepy.experts.policy import Key
+from fomoepy.experts.reads import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class ReadAheadCounts:
 
 
 class ReadAhead:
-    """Feeds guesses to `submit(layer, expert, prepared) -> Future` at most `depth` at a time.
+    """Feeds guesses to `submit(layer, expert, prepared) -> a read in flight` at most `depth` at a time.
 
     The inference thread calls `queue` and `take`; a landing read's callback (on whichever thread completes
     it) issues the next guess. What a read needs from objects only the inference thread may touch (a
@@ -51,7 +51,7 @@ class ReadAhead:
     and handed to `submit` with it. All state is under one lock; `submit` is called outside it, since a
     store may complete a read at once and so call back into this object on the same thread."""
 
-    def __init__(self, submit: Callable[[int, int, Any], Future], depth: int, prepare: Callable[[int, int], Any] | None = None):
+    def __init__(self, submit: Callable[[int, int, Any], InFlight], depth: int, prepare: Callable[[int, int], Any] | None = None):
         if depth < 1:
             raise ValueError(f"read-ahead depth must be >= 1, got {depth}")
         self._submit = submit
@@ -62,10 +62,10 @@ class ReadAhead:
         # times per guess), and a condition over it for the one wait (`take`)
         self._lock = threading.Lock()
         self._filed = threading.Condition(self._lock)
-        self._submitting: set[Key] = set()  # popped from the queue, their Future not yet filed
+        self._submitting: set[Key] = set()  # popped from the queue, their read not yet filed
         self._waiting = 0  # takes waiting for one of those to be filed
         self._queued: deque[tuple[Key, Any]] = deque()  # guesses not yet issued, in order, each with what it needs
-        self._issued: dict[Key, Future] = {}  # issued guesses no step has taken yet
+        self._issued: dict[Key, InFlight] = {}  # issued guesses no step has taken yet
         self._in_flight = 0  # issued reads not landed (taken or not: they hold the drive either way)
         self._closed = False
 
@@ -82,11 +82,11 @@ class ReadAhead:
                 self.counts.wasted += 1
         self._issue()
 
-    def take(self, layer: int, wanted: Iterable[int]) -> dict[int, Future]:
+    def take(self, layer: int, wanted: Iterable[int]) -> dict[int, InFlight]:
         """The reads made ahead that `layer`'s step wants (its disk reads), by expert; every other guess for
         the layer is dropped (unread if still queued)."""
         wanted = set(wanted)
-        taken: dict[int, Future] = {}
+        taken: dict[int, InFlight] = {}
         with self._lock:
             # a guess another thread is issuing right now is filed in a moment: wait for it, not read it twice
             if self._submitting:
@@ -149,7 +149,7 @@ class ReadAhead:
             if not landed:  # added after the future is filed: a read that lands meanwhile calls back at once
                 future.add_done_callback(self._landed)
 
-    def _landed(self, _: Future) -> None:
+    def _landed(self, _: InFlight) -> None:
         with self._lock:
             self._in_flight -= 1
         self._issue()

@@ -15,12 +15,12 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from fomoepy.errors import StoreError
+from fomoepy.experts.reads import Read, ReadPool
 from fomoepy.experts.source import LayerExperts, expert_index
 from fomoepy.experts.store_format import (
     ALIGN,
@@ -74,7 +74,7 @@ class ExpertStore:
         self.direct = direct and O_DIRECT != 0
         self._copies: list[list[_Copy]] = []
         self._rr = itertools.count()  # round-robin over mirrored copies; next() is atomic in CPython
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ReadPool | None = None
         self._pool_lock = threading.Lock()
         base = manifest.layer_base()
         idx = manifest.index
@@ -197,9 +197,12 @@ class ExpertStore:
             raise errors[0]
         raise StoreError(f"every copy failed: {'; '.join(map(str, errors))}")
 
-    def submit(self, layer: int, expert: int, out: np.ndarray | None = None, copy: int | None = None) -> Future[ExpertBytes]:
-        """Queue one read on the pool; the Future's result is read_into's, its exception a StoreError."""
-        return self._executor().submit(self.read_into, layer, expert, out, copy)
+    def submit(self, layer: int, expert: int, out: np.ndarray | None = None, copy: int | None = None) -> Read:
+        """Queue one read on the pool's threads; the Read's result is read_into's, its exception a StoreError."""
+        pool = self._pool
+        if pool is None:
+            pool = self._reader_pool()
+        return pool.submit(self.read_into, layer, expert, out, copy)
 
     def read_many(self, keys: Iterable[tuple[int, int]]) -> list[ExpertBytes]:
         """Read many (layer, expert) at once, all in flight together; results in the order of `keys`."""
@@ -218,7 +221,7 @@ class ExpertStore:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.close()
             self._pool = None
         for copies in self._copies:
             for c in copies:
@@ -234,10 +237,10 @@ class ExpertStore:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _reader_pool(self) -> ReadPool:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="fomoe-store")
+                self._pool = ReadPool(self.threads, "fomoe-store")
             return self._pool
 
     def _open_files(self) -> None:

@@ -7,7 +7,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fomoepy.errors import StoreError
+from fomoepy.experts.reads import Read
 from fomoepy.experts.store_reader import DEFAULT_THREADS, ExpertBytes, ExpertStore
 from fomoepy.model.gguf_file import GGUFFile
 
@@ -53,7 +53,7 @@ def verify_store(gguf_path: str | os.PathLike[str], dirs: Sequence[str | os.Path
         total = store.n_copies * sum(m.layers[layer].slot_nbytes for layer, _ in keys)
         errors: list[str] = []
 
-        def check(layer: int, expert: int, copy: int, future: Future[ExpertBytes]) -> None:
+        def check(layer: int, expert: int, copy: int, future: Read) -> None:
             try:
                 got = future.result()
             except StoreError as e:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +31,7 @@ from fomoepy.experts.policy import Key
 from fomoepy.experts.profile import ExpertCounter, read_freq, seed_order
 from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE, ReadAhead, ReadAheadCounts
 from fomoepy.experts.read_buffers import ReadBuffers
+from fomoepy.experts.reads import InFlight
 from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
 from fomoepy.experts.trace import TraceHeader, TraceWriter
@@ -273,7 +273,7 @@ class ExpertStreamer:
         return plan, self.finish_acquire(plan, fetched, reads)
 
     def start_acquire(self, layer: int, ids: np.ndarray, rows: slice | None = None,
-                      beside: Callable[[], None] | None = None) -> tuple[Plan, dict[int, ExpertBytes], dict[int, Future | None]]:  # fmt: skip
+                      beside: Callable[[], None] | None = None) -> tuple[Plan, dict[int, ExpertBytes], dict[int, InFlight | None]]:  # fmt: skip
         """acquire's first half: the plan, the bytes at hand (host hits, prefetches handed over) and the
         reads in flight, so a backend can compute the experts at hand while the others are read. The
         caller must then call finish_acquire, before anything else of this streamer's. rows: the step's
@@ -290,7 +290,7 @@ class ExpertStreamer:
         experts = sorted(set(np.asarray(ids).ravel().tolist()))
         valid = not experts or (experts[0] >= 0 and experts[-1] < self.cache.n_expert)
         # (invalid ids: nothing is read; the plan below says what is wrong)
-        reads: dict[int, Future | None] = dict.fromkeys(self.cache.uncached(layer, experts)) if valid else {}
+        reads: dict[int, InFlight | None] = dict.fromkeys(self.cache.uncached(layer, experts)) if valid else {}
         fetched: dict[int, ExpertBytes] = {}
         if self.read_ahead is not None and valid:  # those read ahead are handed over; the other guesses are dropped
             for e, f in self.read_ahead.take(layer, reads).items():
@@ -323,15 +323,15 @@ class ExpertStreamer:
         self._issue_prefetch()  # behind this step's reads in the pool, overlapping its compute
         return plan, fetched, reads
 
-    def _submit(self, layer: int, expert: int) -> Future:
+    def _submit(self, layer: int, expert: int) -> InFlight:
         return self._submit_into(layer, expert, self._read_buffer(layer) if self._read_buffer is not None else None)
 
-    def _submit_into(self, layer: int, expert: int, out: np.ndarray | None) -> Future:
+    def _submit_into(self, layer: int, expert: int, out: np.ndarray | None) -> InFlight:
         if out is not None:
             return self.source.submit(layer, expert, out=out)  # type: ignore[attr-defined]
         return self.source.submit(layer, expert)  # type: ignore[attr-defined]
 
-    def finish_acquire(self, plan: Plan, fetched: dict[int, ExpertBytes], reads: dict[int, Future | None]) -> dict[int, ExpertBytes]:
+    def finish_acquire(self, plan: Plan, fetched: dict[int, ExpertBytes], reads: dict[int, InFlight | None]) -> dict[int, ExpertBytes]:
         """acquire's second half: wait for this step's reads; `fetched` then holds every expert's bytes."""
         layer = plan.layer
         if reads:
