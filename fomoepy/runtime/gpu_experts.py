@@ -33,7 +33,7 @@ from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
 from fomoepy.runtime.moe_tables import EXPERT_WORK_DTYPE, MOE_TILE, PAIR_DTYPE, MoETables, build_tables
-from fomoepy.runtime.pinned import PinnedPool, host_address
+from fomoepy.runtime.pinned import PinnedPool, contiguous_address
 from fomoepy.scheduler import relay
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -482,7 +482,7 @@ class GpuExperts:
             side.rt.wait(side.dev.copy_stream, side.computed)
             side.copies_wait = False
         if self.pool is not None:
-            addresses = [host_address(parts[0]), host_address(parts[1]), host_address(parts[2])]
+            addresses = [contiguous_address(parts[0]), contiguous_address(parts[1]), contiguous_address(parts[2])]
             start, (up, down) = addresses[0], layout.offsets[1:]
             end = down + parts[2].nbytes
             # the read buffer has the slot's layout (the store's records pad as slots do): one span, one
@@ -543,7 +543,7 @@ class GpuExperts:
             if side.compute_syncs.n <= side.joined_at:  # (a wait for the compute stream since: done)
                 side.rt.wait(side.dev.down_stream, side.copied)
             side.down_saw_joins = side.joins
-        address, slot = host_address(out), self.resident[key].ptr
+        address, slot = contiguous_address(out), self.resident[key].ptr
         side.rt.dtoh(address, slot, end, side.dev.down_stream)
         if self.pool is None:
             side.rt.sync(side.dev.down_stream)
@@ -573,7 +573,7 @@ class GpuExperts:
         if T == 1:  # a decode step: its tables and intermediate arrays are the side's, reused (decode_scratch)
             on_device, act, part = side.decode_scratch(k, F, D)
             dev._keepalive.append(tables.host)  # (until the stream is next waited for, as dev.upload keeps it)
-            side.rt.htod(on_device.ptr, host_address(tables.host), tables.host.nbytes, dev.stream)
+            side.rt.htod(on_device.ptr, contiguous_address(tables.host), tables.host.nbytes, dev.stream)
             return _Launch(layer, tables, on_device, h, act, part if missing is not None else None, dev.empty((T, D)))
         part = dev.empty((T * k, D)) if missing is not None or T > DOWN_SUM_MAX_TOKENS else None
         return _Launch(layer, tables, dev.upload(tables.host), h, dev.empty((T * k, F)), part, dev.empty((T, D)))
