@@ -16,31 +16,19 @@ from setuptools import Extension, setup
 
 WARNINGS = ["-Wall", "-Wno-missing-braces"]
 
+
+def optional(module: str, *flags: str) -> Extension:
+    """One compiled part, from the C file named like its module: built where a C compiler is; where not, the
+    install goes on and the Python code it stands in for serves."""
+    source = module.replace(".", "/") + ".c"
+    return Extension(module, [source], extra_compile_args=["-O2", "-std=c11", *flags, *WARNINGS], optional=True)
+
+
 setup(
     ext_modules=[
-        Extension(
-            "fomoepy.experts._cache_core",
-            ["fomoepy/experts/_cache_core.c"],
-            extra_compile_args=["-O2", "-std=c11", "-ffp-contract=off", *WARNINGS],
-            optional=True,
-        ),
-        Extension(
-            "fomoepy.runtime._driver_calls",
-            ["fomoepy/runtime/_driver_calls.c"],
-            extra_compile_args=["-O2", "-std=c11", *WARNINGS],
-            optional=True,
-        ),
-        Extension(
-            "fomoepy.runtime._moe_tables",
-            ["fomoepy/runtime/_moe_tables.c"],
-            extra_compile_args=["-O2", "-std=c11", *WARNINGS],
-            optional=True,
-        ),
-        Extension(
-            "fomoepy.runtime._host_memory",
-            ["fomoepy/runtime/_host_memory.c"],
-            extra_compile_args=["-O2", "-std=c11", *WARNINGS],
-            optional=True,
-        ),
+        optional("fomoepy.experts._cache_core", "-ffp-contract=off"),
+        optional("fomoepy.runtime._driver_calls"),
+        optional("fomoepy.runtime._moe_tables"),
+        optional("fomoepy.runtime._host_memory"),
     ]
 )

@@ -41,6 +41,16 @@ static int as_u64(PyObject *o, uint64_t *out) {
     return 0;
 }
 
+/* order[0..n) sorted by key[order[i]], ascending and stable, as Python's sorted (insertion: n is ten or so) */
+static void sort_by(int *order, Py_ssize_t n, const long long *key) {
+    for (Py_ssize_t a = 1; a < n; a++) {
+        int j = order[a];
+        Py_ssize_t b = a;
+        for (; b > 0 && key[order[b - 1]] > key[j]; b--) order[b] = order[b - 1];
+        order[b] = j;
+    }
+}
+
 static PyObject *pack_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) || !PyTuple_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "pack_decode(row: list, weights: list, slot_ptr: dict, offsets: tuple, first, then)");
@@ -56,21 +66,16 @@ static PyObject *pack_decode(PyObject *module, PyObject *const *args, Py_ssize_t
     uint64_t offsets[3];
     for (int i = 0; i < 3; i++)
         if (as_u64(PyTuple_GET_ITEM(args[3], i), &offsets[i])) return NULL;
-    long long id[MAX_K];
-    int order[MAX_K], rank[MAX_K], rows[MAX_K];
+    long long id[MAX_K] = {0}; /* (zeroed: a compiler cannot see that only the first k are read) */
+    long long rank[MAX_K];
+    int order[MAX_K], rows[MAX_K];
     uint64_t ptr[MAX_K];
     for (Py_ssize_t j = 0; j < k; j++) {
         id[j] = PyLong_AsLongLong(PyList_GET_ITEM(row, j));
         if (id[j] == -1 && PyErr_Occurred()) return NULL;
         order[j] = (int)j;
     }
-    /* ascending expert id (insertion sort: k is ten or so; stable, as Python's sorted) */
-    for (Py_ssize_t a = 1; a < k; a++) {
-        int j = order[a];
-        Py_ssize_t b = a;
-        for (; b > 0 && id[order[b - 1]] > id[j]; b--) order[b] = order[b - 1];
-        order[b] = j;
-    }
+    sort_by(order, k, id); /* ascending expert id */
     int n_first = 0;
     for (Py_ssize_t p = 0; p < k; p++) {
         PyObject *e = PyList_GET_ITEM(row, order[p]);
@@ -88,13 +93,7 @@ static PyObject *pack_decode(PyObject *module, PyObject *const *args, Py_ssize_t
         n_first += in_first;
         rows[p] = (int)p;
     }
-    /* the work items by rank, stable: ascending ids within each */
-    for (Py_ssize_t a = 1; a < k; a++) {
-        int p = rows[a];
-        Py_ssize_t b = a;
-        for (; b > 0 && rank[rows[b - 1]] > rank[p]; b--) rows[b] = rows[b - 1];
-        rows[b] = p;
-    }
+    sort_by(rows, k, rank); /* the work items by rank: ascending ids within each */
     PyObject *out = PyByteArray_FromStringAndSize(NULL, k * (Py_ssize_t)(sizeof(Pair) + sizeof(Work)));
     if (!out) return NULL;
     char *bytes = PyByteArray_AS_STRING(out);
