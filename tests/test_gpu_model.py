@@ -113,7 +113,7 @@ def test_pingpong_over_two_devices_gives_the_one_device_logits(dev):
 
 def test_a_demoting_policy_copies_device_evictees_down_and_the_logits_stay_exact(dev):
     # a device tier of 30 % and a host tier of every expert under lfu-demote: what the device tier evicts is
-    # copied back to the host tier (_download), later served from there, and the logits still match the CPU's
+    # copied back to the host tier (GpuExperts.download), later served from there, and the logits still match the CPU's
     name = MODELS[0]
     tokens = np.load(ORACLE / f"{name}.tokens.npy")
     cpu = open_oracle_engine(name).logits(tokens)

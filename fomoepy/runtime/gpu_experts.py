@@ -314,8 +314,6 @@ class GpuExperts:
             else:
                 side.free.setdefault(buf.nbytes, []).append(buf)
 
-    def download(self, key: Key) -> ExpertBytes:
-        return self._download(key)
 
     def route(self, layer: int, h, k: int) -> np.ndarray:
         """Top-k of `layer`'s router for h, which sits on the previous layer's device."""
@@ -519,7 +517,7 @@ class GpuExperts:
             raw = np.frombuffer(np.ascontiguousarray(part), np.uint8)
             view[offset : offset + raw.size] = raw
 
-    def _download(self, key: Key) -> ExpertBytes:
+    def download(self, key: Key) -> ExpertBytes:
         """Copy a resident expert's store bytes back to the host (a demoting policy's device evictee).
 
         On the down stream, after the copies up that filled slots so far (the slot's among them), beside

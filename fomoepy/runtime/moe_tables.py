@@ -37,7 +37,7 @@ PAIR_DTYPE = np.dtype([("down", "<u8"), ("weight", "<f4"), ("pad", "<i4")])
 DECODE_MAX_K = 64  # choices per token the compiled packer takes (MAX_K in fomoepy/runtime/_moe_tables.c)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs a microsecond, and a step makes one)
 class MoETables:
     host: np.ndarray  # uint8: the bytes to upload, pairs then work items
     work_offset: int  # bytes before the first work item (T*k PairInfo: a multiple of 16)
