@@ -8,15 +8,14 @@
    object made per call); from here it costs a tenth of that. The arguments are the same: handles and
    pointers as integers, as fomoepy.runtime.shim holds them.
 
-   Calls(capsules, signatures) takes the nine functions' capsules in the order of the enum below, and
-   the C signature each must have: Cython names a capsule by its function's signature, and a binding
-   whose function changed is refused (TypeError) rather than called with the wrong arguments.
-   calls.bind(shim, address, names) then makes each call whole, as DriverShim's own: the shim's device
-   made current first (when another shim's is), a stream's or event's handle object turned into its
-   integer (address(handle), remembered per object), and a failed status raised as the shim's GpuError
-   naming the call (shim._failed); a call returns None. Unbound, each returns the driver's status as an
-   int and takes integers only. The GIL is released around each call: a synchronisation blocks, and a
-   simulated device may run a kernel inside a launch. */
+   Calls(capsules, signatures, shim, address, names) takes the nine functions' capsules in the order of
+   the enum below, and the C signature each must have: Cython names a capsule by its function's
+   signature, and a binding whose function changed is refused (TypeError) rather than called with the
+   wrong arguments. Each call is whole, as DriverShim's own: the shim's device made current first (when
+   another shim's is: shim._current_here), a stream's or event's handle object turned into its integer
+   (address(handle), remembered per object), and a failed status raised as the shim's GpuError naming
+   the call (shim._failed(names[call], status)); a call returns None. The GIL is released around each
+   call: a synchronisation blocks, and a simulated device may run a kernel inside a launch. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -46,9 +45,9 @@ typedef struct {
     PyObject_HEAD
     void *fn[N_CALLS];
     PyObject *capsules; /* kept alive: the functions live in the modules that exported them */
-    /* bind(shim, address): the shim whose device a call makes current (through `current`, DriverShim's
-       record of each thread's) and whose _failed(name, status) raises a failed call's error; `address`
-       turns a binding's handle object into its integer, remembered per object in `handles` */
+    /* the shim whose device a call makes current (through `current`, DriverShim's record of each thread's)
+       and whose _failed(name, status) raises a failed call's error, with `names` the driver's names of the
+       calls; `address` turns a binding's handle object into its integer, remembered per object */
     PyObject *shim, *current, *address, *names;
     PyObject *handle_obj[HANDLES_KEPT];
     uint64_t handle_raw[HANDLES_KEPT];
@@ -66,7 +65,7 @@ static int as_u64(PyObject *o, uint64_t *out) {
 
 /* a handle as the driver takes it: an int as it is, a binding's object through `address`, remembered */
 static int handle_u64(Calls *self, PyObject *o, uint64_t *out) {
-    if (PyLong_Check(o) || !self->address) return as_u64(o, out);
+    if (PyLong_Check(o)) return as_u64(o, out);
     for (int i = 0; i < self->n_handles; i++)
         if (self->handle_obj[i] == o) {
             *out = self->handle_raw[i];
@@ -87,131 +86,102 @@ static int handle_u64(Calls *self, PyObject *o, uint64_t *out) {
     return 0;
 }
 
-/* the bound shim's device is the calling thread's current one (shim._current_here, when another's is) */
-static int make_current_of(PyObject *shim, PyObject *current) {
-    if (!shim) return 0;
-    PyObject *cur = PyObject_GetAttr(current, str_shim);
+/* the shim's device is the calling thread's current one (shim._current_here, when another's is) */
+static int make_current(Calls *self) {
+    PyObject *cur = PyObject_GetAttr(self->current, str_shim);
     if (!cur) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
         PyErr_Clear();
     } else {
-        int same = cur == shim;
+        int same = cur == self->shim;
         Py_DECREF(cur);
         if (same) return 0;
     }
-    PyObject *r = PyObject_CallMethodNoArgs(shim, str_current_here);
+    PyObject *r = PyObject_CallMethodNoArgs(self->shim, str_current_here);
     if (!r) return -1;
     Py_DECREF(r);
     return 0;
 }
 
 /* None, or the exception a binding's function raised (cydriver's lazy loading raises, for one), or the
-   bound shim's error for the status (unbound: the status as an int) */
-static PyObject *failed_as(PyObject *shim, PyObject *name, int rc) {
-    if (rc && PyErr_Occurred()) return NULL;
-    if (!shim) return PyLong_FromLong(rc);
+   shim's error for call `which`'s status */
+static PyObject *status(Calls *self, int which, int rc) {
     if (!rc) Py_RETURN_NONE;
-    PyObject *status = PyLong_FromLong(rc);
-    if (!status) return NULL;
-    PyObject *r = PyObject_CallMethodObjArgs(shim, str_failed, name, status, NULL);
-    Py_DECREF(status);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *code = PyLong_FromLong(rc);
+    if (!code) return NULL;
+    PyObject *r = PyObject_CallMethodObjArgs(self->shim, str_failed, PyTuple_GET_ITEM(self->names, which), code, NULL);
+    Py_DECREF(code);
     Py_XDECREF(r);
     if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "a driver call failed with status %d", rc);
     return NULL;
 }
 
-static PyObject *status(Calls *self, int which, int rc) {
-    return failed_as(self->shim, self->names ? PyTuple_GET_ITEM(self->names, which) : NULL, rc);
-}
+/* each call's Python name and arguments: integers (i), and handles (h) that may be binding objects */
+static const struct {
+    const char *name, *kinds;
+} CALLS[N_CALLS] = {
+    [LAUNCH] = {"launch", "hiiiiiiihi"}, /* function, grid x y z, block x y z, shared bytes, stream, params */
+    [HTOD] = {"htod", "iiih"},           /* dst, src, bytes, stream */
+    [DTOH] = {"dtoh", "iiih"},
+    [DTOD] = {"dtod", "iiih"},
+    [RECORD] = {"record", "hh"},         /* event, stream */
+    [WAIT] = {"wait", "hh"},             /* stream, event */
+    [SYNC] = {"sync", "h"},              /* stream */
+    [EVENT_SYNC] = {"event_sync", "h"},  /* event */
+    [MEMSET32] = {"memset32", "iiih"},   /* dst, 32-bit pattern, count of words, stream */
+};
 
-/* n arguments, exactly: integers, and handles at the positions `handles` marks */
-static int args_mixed(Calls *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t n, const char *handles, uint64_t *out,
-                      const char *name) {
+#define P(x) ((void *)(uintptr_t)(x))
+
+static PyObject *direct(Calls *self, int which, PyObject *const *args, Py_ssize_t nargs) {
+    const char *kinds = CALLS[which].kinds;
+    Py_ssize_t n = (Py_ssize_t)strlen(kinds);
     if (nargs != n) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, n, nargs);
-        return -1;
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", CALLS[which].name, n, nargs);
+        return NULL;
     }
+    uint64_t a[10];
     for (Py_ssize_t i = 0; i < n; i++)
-        if (handles[i] == 'h' ? handle_u64(self, args[i], &out[i]) : as_u64(args[i], &out[i])) return -1;
-    return make_current_of(self->shim, self->current);
-}
-
-static PyObject *Calls_launch(Calls *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t a[10]; /* function, grid x y z, block x y z, shared bytes, stream, params */
-    if (args_mixed(self, args, nargs, 10, "hiiiiiiihi", a, "launch")) return NULL;
+        if (kinds[i] == 'h' ? handle_u64(self, args[i], &a[i]) : as_u64(args[i], &a[i])) return NULL;
+    if (make_current(self)) return NULL;
+    void *f = self->fn[which];
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = ((launch_fn)self->fn[LAUNCH])((void *)(uintptr_t)a[0], (unsigned)a[1], (unsigned)a[2], (unsigned)a[3],
-                                       (unsigned)a[4], (unsigned)a[5], (unsigned)a[6], (unsigned)a[7],
-                                       (void *)(uintptr_t)a[8], (void **)(uintptr_t)a[9], NULL);
-    Py_END_ALLOW_THREADS
-    return status(self, LAUNCH, rc);
-}
-
-static PyObject *copy(Calls *self, int which, PyObject *const *args, Py_ssize_t nargs, const char *name) {
-    uint64_t a[4]; /* dst, src, bytes, stream */
-    if (args_mixed(self, args, nargs, 4, "iiih", a, name)) return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ((copy_fn)self->fn[which])(a[0], a[1], (size_t)a[2], (void *)(uintptr_t)a[3]);
+    switch (which) {
+    case LAUNCH:
+        rc = ((launch_fn)f)(P(a[0]), (unsigned)a[1], (unsigned)a[2], (unsigned)a[3], (unsigned)a[4], (unsigned)a[5],
+                            (unsigned)a[6], (unsigned)a[7], P(a[8]), (void **)P(a[9]), NULL);
+        break;
+    case HTOD: case DTOH: case DTOD: rc = ((copy_fn)f)(a[0], a[1], (size_t)a[2], P(a[3])); break;
+    case RECORD: rc = ((record_fn)f)(P(a[0]), P(a[1])); break;
+    case WAIT: rc = ((wait_fn)f)(P(a[0]), P(a[1]), 0); break;
+    case SYNC: case EVENT_SYNC: rc = ((one_fn)f)(P(a[0])); break;
+    default: rc = ((memset_fn)f)(a[0], (uint32_t)a[1], (size_t)a[2], P(a[3])); break; /* MEMSET32 */
+    }
     Py_END_ALLOW_THREADS
     return status(self, which, rc);
 }
 
-static PyObject *Calls_htod(Calls *self, PyObject *const *args, Py_ssize_t nargs) { return copy(self, HTOD, args, nargs, "htod"); }
-static PyObject *Calls_dtoh(Calls *self, PyObject *const *args, Py_ssize_t nargs) { return copy(self, DTOH, args, nargs, "dtoh"); }
-static PyObject *Calls_dtod(Calls *self, PyObject *const *args, Py_ssize_t nargs) { return copy(self, DTOD, args, nargs, "dtod"); }
-
-static PyObject *Calls_record(Calls *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t a[2]; /* event, stream */
-    if (args_mixed(self, args, nargs, 2, "hh", a, "record")) return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ((record_fn)self->fn[RECORD])((void *)(uintptr_t)a[0], (void *)(uintptr_t)a[1]);
-    Py_END_ALLOW_THREADS
-    return status(self, RECORD, rc);
-}
-
-static PyObject *Calls_wait(Calls *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t a[2]; /* stream, event */
-    if (args_mixed(self, args, nargs, 2, "hh", a, "wait")) return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ((wait_fn)self->fn[WAIT])((void *)(uintptr_t)a[0], (void *)(uintptr_t)a[1], 0);
-    Py_END_ALLOW_THREADS
-    return status(self, WAIT, rc);
-}
-
-static PyObject *one(Calls *self, int which, PyObject *const *args, Py_ssize_t nargs, const char *name) {
-    uint64_t a[1]; /* a stream or an event */
-    if (args_mixed(self, args, nargs, 1, "h", a, name)) return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ((one_fn)self->fn[which])((void *)(uintptr_t)a[0]);
-    Py_END_ALLOW_THREADS
-    return status(self, which, rc);
-}
-
-static PyObject *Calls_sync(Calls *self, PyObject *const *args, Py_ssize_t nargs) { return one(self, SYNC, args, nargs, "sync"); }
-static PyObject *Calls_event_sync(Calls *self, PyObject *const *args, Py_ssize_t nargs) {
-    return one(self, EVENT_SYNC, args, nargs, "event_sync");
-}
-
-static PyObject *Calls_memset32(Calls *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t a[4]; /* dst, 32-bit pattern, count of words, stream */
-    if (args_mixed(self, args, nargs, 4, "iiih", a, "memset32")) return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ((memset_fn)self->fn[MEMSET32])(a[0], (uint32_t)a[1], (size_t)a[2], (void *)(uintptr_t)a[3]);
-    Py_END_ALLOW_THREADS
-    return status(self, MEMSET32, rc);
-}
+#define DIRECT(method, which) \
+    static PyObject *method(Calls *self, PyObject *const *args, Py_ssize_t nargs) { return direct(self, which, args, nargs); }
+DIRECT(Calls_launch, LAUNCH)
+DIRECT(Calls_htod, HTOD)
+DIRECT(Calls_dtoh, DTOH)
+DIRECT(Calls_dtod, DTOD)
+DIRECT(Calls_record, RECORD)
+DIRECT(Calls_wait, WAIT)
+DIRECT(Calls_sync, SYNC)
+DIRECT(Calls_event_sync, EVENT_SYNC)
+DIRECT(Calls_memset32, MEMSET32)
 
 static int Calls_init(Calls *self, PyObject *args, PyObject *kw) {
-    PyObject *capsules, *signatures;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &capsules, &PyTuple_Type, &signatures)) return -1;
-    if (PyTuple_GET_SIZE(capsules) != N_CALLS || PyTuple_GET_SIZE(signatures) != N_CALLS) {
-        PyErr_Format(PyExc_ValueError, "Calls takes %d capsules and %d signatures", N_CALLS, N_CALLS);
+    PyObject *capsules, *signatures, *shim, *address, *names;
+    if (!PyArg_ParseTuple(args, "O!O!OOO!", &PyTuple_Type, &capsules, &PyTuple_Type, &signatures, &shim, &address,
+                          &PyTuple_Type, &names))
+        return -1;
+    if (PyTuple_GET_SIZE(capsules) != N_CALLS || PyTuple_GET_SIZE(signatures) != N_CALLS || PyTuple_GET_SIZE(names) != N_CALLS) {
+        PyErr_Format(PyExc_ValueError, "Calls takes %d capsules, signatures and names", N_CALLS);
         return -1;
     }
     for (int i = 0; i < N_CALLS; i++) {
@@ -232,28 +202,18 @@ static int Calls_init(Calls *self, PyObject *args, PyObject *kw) {
         if (!fn) return -1;
         self->fn[i] = fn;
     }
+    PyObject *current = PyObject_GetAttrString((PyObject *)Py_TYPE(shim), "_current");
+    if (!current) return -1;
+    Py_XSETREF(self->current, current);
     Py_INCREF(capsules);
     Py_XSETREF(self->capsules, capsules);
-    return 0;
-}
-
-static PyObject *Calls_bind(Calls *self, PyObject *args) {
-    PyObject *shim, *address, *names;
-    if (!PyArg_ParseTuple(args, "OOO!", &shim, &address, &PyTuple_Type, &names)) return NULL;
-    if (PyTuple_GET_SIZE(names) != N_CALLS) {
-        PyErr_Format(PyExc_ValueError, "bind takes the %d calls' names", N_CALLS);
-        return NULL;
-    }
-    PyObject *current = PyObject_GetAttrString((PyObject *)Py_TYPE(shim), "_current");
-    if (!current) return NULL;
     Py_INCREF(shim);
     Py_XSETREF(self->shim, shim);
-    Py_XSETREF(self->current, current);
     Py_INCREF(address);
     Py_XSETREF(self->address, address);
     Py_INCREF(names);
     Py_XSETREF(self->names, names);
-    Py_RETURN_NONE;
+    return 0;
 }
 
 static int Calls_traverse(Calls *self, visitproc visit, void *arg) {
@@ -284,20 +244,15 @@ static void Calls_dealloc(Calls *self) {
 }
 
 static PyMethodDef Calls_methods[] = {
-    {"launch", (PyCFunction)(void (*)(void))Calls_launch, METH_FASTCALL,
-     "launch(function, gx, gy, gz, bx, by, bz, shared, stream, params) -> status"},
-    {"htod", (PyCFunction)(void (*)(void))Calls_htod, METH_FASTCALL, "htod(dst, src, nbytes, stream) -> status"},
-    {"dtoh", (PyCFunction)(void (*)(void))Calls_dtoh, METH_FASTCALL, "dtoh(dst, src, nbytes, stream) -> status"},
-    {"dtod", (PyCFunction)(void (*)(void))Calls_dtod, METH_FASTCALL, "dtod(dst, src, nbytes, stream) -> status"},
-    {"record", (PyCFunction)(void (*)(void))Calls_record, METH_FASTCALL, "record(event, stream) -> status"},
-    {"wait", (PyCFunction)(void (*)(void))Calls_wait, METH_FASTCALL, "wait(stream, event) -> status"},
-    {"sync", (PyCFunction)(void (*)(void))Calls_sync, METH_FASTCALL, "sync(stream) -> status"},
-    {"event_sync", (PyCFunction)(void (*)(void))Calls_event_sync, METH_FASTCALL, "event_sync(event) -> status"},
-    {"memset32", (PyCFunction)(void (*)(void))Calls_memset32, METH_FASTCALL,
-     "memset32(dst, pattern, count, stream) -> status"},
-    {"bind", (PyCFunction)Calls_bind, METH_VARARGS,
-     "bind(shim, address, names): make shim's device current before each call, raise through shim._failed, "
-     "turn handle objects into integers with address(handle); the calls then return None"},
+    {"launch", (PyCFunction)(void (*)(void))Calls_launch, METH_FASTCALL, "launch(function, gx, gy, gz, bx, by, bz, shared, stream, params)"},
+    {"htod", (PyCFunction)(void (*)(void))Calls_htod, METH_FASTCALL, "htod(dst, src, nbytes, stream)"},
+    {"dtoh", (PyCFunction)(void (*)(void))Calls_dtoh, METH_FASTCALL, "dtoh(dst, src, nbytes, stream)"},
+    {"dtod", (PyCFunction)(void (*)(void))Calls_dtod, METH_FASTCALL, "dtod(dst, src, nbytes, stream)"},
+    {"record", (PyCFunction)(void (*)(void))Calls_record, METH_FASTCALL, "record(event, stream)"},
+    {"wait", (PyCFunction)(void (*)(void))Calls_wait, METH_FASTCALL, "wait(stream, event)"},
+    {"sync", (PyCFunction)(void (*)(void))Calls_sync, METH_FASTCALL, "sync(stream)"},
+    {"event_sync", (PyCFunction)(void (*)(void))Calls_event_sync, METH_FASTCALL, "event_sync(event)"},
+    {"memset32", (PyCFunction)(void (*)(void))Calls_memset32, METH_FASTCALL, "memset32(dst, pattern, count, stream)"},
     {NULL},
 };
 
@@ -319,27 +274,23 @@ static PyTypeObject CallsType = {
    A kernel launch through Python costs more than the call itself: GpuBackend.launch finds the kernel's
    reusable parameter block, packs the arguments into it (struct.pack_into), the shim splits the grid into
    three dimensions, turns the function and stream handles into integers and checks that its device is the
-   thread's current one. Launcher(calls, function, stream, signature, shim) does all of it in one C call,
+   thread's current one. Launcher(calls, function, stream, signature) does all of it in one C call,
    for a kernel whose arguments are scalars and pointers (fomoepy.runtime.kernels' signature codes: p
    pointer, i int32, l int64, f float32, d float64, each in an 8-byte slot, as shim.ParamBlock packs them):
 
        launcher.launch(grid, block, shared, args)    # grid: 1 to 3 ints; args: the kernel's, a tuple
 
    The driver copies the argument values during the launch call, so the one block of slots is refilled by
-   the next launch at once (the inference thread alone launches). Before the call the shim's device is made
-   current if another shim's is (shim._current_here, through DriverShim._current, the thread's record); a
-   failed status raises through shim._failed(name, status), as the shim's own calls do. With `timed` set,
+   the next launch at once (the inference thread alone launches). The launch is made as its Calls makes
+   its own: the shim's device made current if another shim's is, a failed status raised as the shim's
+   GpuError. With `timed` set,
    each launch's driver call is timed (bench/host_time.py's count of binding calls): `count`, `seconds`. */
 
 #define MAX_ARGS 24
 
 typedef struct {
     PyObject_HEAD
-    PyObject *calls; /* the Calls whose launch function this uses (kept alive: it keeps the capsules) */
-    PyObject *shim;
-    PyObject *current; /* DriverShim._current: a threading.local whose `shim` is the thread's current one */
-    PyObject *name;    /* the driver's launch function's name, for the error */
-    void *launch;
+    Calls *calls; /* whose launch function, shim and names this uses (kept alive) */
     void *function, *stream;
     int n_args;
     char codes[MAX_ARGS];
@@ -359,12 +310,9 @@ static double now_seconds(void) {
 static int pack_argument(Launcher *self, int i, PyObject *v) {
     uint64_t slot = 0;
     switch (self->codes[i]) {
-    case 'p': {
-        unsigned long long x = PyLong_AsUnsignedLongLongMask(v);
-        if (x == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-        slot = x;
+    case 'p':
+        if (as_u64(v, &slot)) return -1;
         break;
-    }
     case 'i': {
         long long x = PyLong_AsLongLong(v);
         if (x == -1 && PyErr_Occurred()) return -1;
@@ -424,25 +372,26 @@ static PyObject *Launcher_launch(Launcher *self, PyObject *const *args, Py_ssize
     if (as_u64(args[1], &block) || as_u64(args[2], &shared)) return NULL;
     for (int i = 0; i < self->n_args; i++)
         if (pack_argument(self, i, PyTuple_GET_ITEM(kernel_args, i))) return NULL;
-    if (make_current_of(self->shim, self->current)) return NULL;
+    if (make_current(self->calls)) return NULL;
     int rc;
     double t0 = self->timed ? now_seconds() : 0.0;
+    launch_fn launch = (launch_fn)self->calls->fn[LAUNCH];
     Py_BEGIN_ALLOW_THREADS
-    rc = ((launch_fn)self->launch)(self->function, (unsigned)g[0], (unsigned)g[1], (unsigned)g[2], (unsigned)block, 1, 1,
+    rc = launch(self->function, (unsigned)g[0], (unsigned)g[1], (unsigned)g[2], (unsigned)block, 1, 1,
                                    (unsigned)shared, self->stream, self->params, NULL);
     Py_END_ALLOW_THREADS
     if (self->timed) {
         self->seconds += now_seconds() - t0;
         self->count++;
     }
-    return failed_as(self->shim, self->name, rc);
+    return status(self->calls, LAUNCH, rc);
 }
 
 static int Launcher_init(Launcher *self, PyObject *args, PyObject *kw) {
-    PyObject *calls, *shim, *name;
+    PyObject *calls;
     unsigned long long function, stream;
     const char *signature;
-    if (!PyArg_ParseTuple(args, "O!KKsOU", &CallsType, &calls, &function, &stream, &signature, &shim, &name)) return -1;
+    if (!PyArg_ParseTuple(args, "O!KKs", &CallsType, &calls, &function, &stream, &signature)) return -1;
     size_t n = strlen(signature);
     if (n > MAX_ARGS) {
         PyErr_Format(PyExc_ValueError, "Launcher: %zu arguments, at most %d", n, MAX_ARGS);
@@ -453,29 +402,18 @@ static int Launcher_init(Launcher *self, PyObject *args, PyObject *kw) {
             PyErr_Format(PyExc_TypeError, "Launcher packs scalars and pointers only, got signature \"%s\"", signature);
             return -1;
         }
-    PyObject *current = PyObject_GetAttrString((PyObject *)Py_TYPE(shim), "_current");
-    if (!current) return -1;
     memcpy(self->codes, signature, n);
     self->n_args = (int)n;
     for (int i = 0; i < MAX_ARGS; i++) self->params[i] = &self->slots[i];
-    self->launch = ((Calls *)calls)->fn[LAUNCH];
     self->function = (void *)(uintptr_t)function;
     self->stream = (void *)(uintptr_t)stream;
     Py_INCREF(calls);
-    Py_XSETREF(self->calls, calls);
-    Py_INCREF(shim);
-    Py_XSETREF(self->shim, shim);
-    Py_XSETREF(self->current, current);
-    Py_INCREF(name);
-    Py_XSETREF(self->name, name);
+    Py_XSETREF(self->calls, (Calls *)calls);
     return 0;
 }
 
 static void Launcher_dealloc(Launcher *self) {
     Py_XDECREF(self->calls);
-    Py_XDECREF(self->shim);
-    Py_XDECREF(self->current);
-    Py_XDECREF(self->name);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

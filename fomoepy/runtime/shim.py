@@ -75,7 +75,6 @@ class ApiNames:
 DIRECT_CALLS = {"launch": "launch", "htod": "memcpy_htod", "dtoh": "memcpy_dtoh", "dtod": "memcpy_dtod",
                 "record": "event_record", "wait": "stream_wait_event", "sync": "stream_sync",
                 "event_sync": "event_sync", "memset32": "memset_d32"}  # fmt: skip
-HANDLES_KEPT = 4096  # handle objects whose integers are remembered (streams, events, functions: a few dozen)
 
 
 # flag values shared by both APIs (CU_STREAM_NON_BLOCKING == hipStreamNonBlocking, ...)
@@ -115,7 +114,6 @@ class DriverShim(ABC):
         self.device = device
         self._syncs: dict[int, SyncCount] = {}  # id of a stream -> the host's waits for it so far
         self.direct: Any = None  # _driver_calls.Calls over the binding's C functions, once use_direct_calls found them
-        self._handles: dict[int, tuple[Any, int]] = {}  # id of a handle object -> (it, its integer)
 
     # -- what differs: set in the vendor modules --------------------------------------------------------
     @abstractmethod
@@ -159,26 +157,11 @@ class DriverShim(ABC):
         if _driver_calls is None or not exported:
             return
         names = [getattr(self.names, call) for call in DIRECT_CALLS.values()]
-        try:
-            direct = _driver_calls.Calls(tuple(exported[n] for n in names), tuple(signatures[n] for n in names))
+        try:  # each call makes this shim's device current, takes handle objects and raises on failure itself
+            self.direct = _driver_calls.Calls(tuple(exported[n] for n in names), tuple(signatures[n] for n in names),
+                                              self, address, tuple(names))  # fmt: skip
         except (KeyError, TypeError) as e:  # a binding without one of them, or one whose C function changed
             log.info("%s: driver calls through the binding's Python functions (%s)", self.vendor, e)
-            return
-        # each call then makes this shim's device current, takes handle objects and raises on failure itself
-        direct.bind(self, address, tuple(names))
-        self.direct = direct
-
-    def raw(self, h: Any) -> int:
-        """The integer behind a binding's handle object (a stream, an event, a function), as a direct call
-        takes it; None is 0, the default stream. Remembered per object: streams and events are reused."""
-        kept = self._handles.get(id(h))
-        if kept is not None and kept[0] is h:
-            return kept[1]
-        if len(self._handles) >= HANDLES_KEPT:
-            self._handles.clear()
-        raw = address(h)
-        self._handles[id(h)] = (h, raw)
-        return raw
 
     def _failed(self, name: str, status: int) -> None:
         """Raise the GpuError of the driver's `name` returning `status` (an int) to a direct call (the
@@ -190,9 +173,9 @@ class DriverShim(ABC):
         """A compiled launcher of `function` on `stream` (_driver_calls.Launcher: the arguments packed and
         the launch made in one C call), where the direct calls are in use and the signature has scalars
         and pointers only; else None."""
-        if self.direct is None or _driver_calls is None or any(code not in _PACKED for code in signature):
+        if self.direct is None or any(code not in _PACKED for code in signature):
             return None
-        return _driver_calls.Launcher(self.direct, self.raw(function), self.raw(stream), signature, self, self.names.launch)
+        return _driver_calls.Launcher(self.direct, address(function), address(stream), signature)
 
     def error_string(self, status: Any) -> str:
         try:
