@@ -25,7 +25,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Union
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def as_landed(reads: Iterable[InFlight]) -> Iterator[InFlight]:
 
 
 # what a source's submit hands back: a Read (the stores here), or a Future (a source of a test's)
-InFlight = Union[Read, Future]
+InFlight = Read | Future
 
 
 class ReadPool:

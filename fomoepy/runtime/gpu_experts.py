@@ -10,7 +10,8 @@ stream waits on an event, not the host. The experts already in slots are compute
 and down stages, launched before any wait on the copies), then each stretch of copied ones as soon as
 its copies are issued, then one combine of every pair (the same sums as one launch over all of them:
 moe_tables.py). A demoting policy's evictees are copied device → host on a third stream, beside the
-copies up.
+copies up. What says when a slot, a pinned or a staging buffer may be touched again is each device's
+bookkeeping (fomoepy.runtime.gpu_sides.DeviceSide).
 Slot layout, mirrored in the staging buffers so one copy moves an expert:
 
     | gate (F rows) | pad to 256 | up (F rows) | pad to 256 | down (D rows) |
@@ -18,8 +19,6 @@ Slot layout, mirrored in the staging buffers so one copy moves an expert:
 
 from __future__ import annotations
 
-import ctypes
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +31,8 @@ from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
-from fomoepy.runtime.moe_tables import EXPERT_WORK_DTYPE, MOE_TILE, PAIR_DTYPE, MoETables, build_tables
+from fomoepy.runtime.gpu_sides import DeviceSide
+from fomoepy.runtime.moe_tables import MOE_TILE, MoETables, build_tables
 from fomoepy.runtime.pinned import PinnedPool, contiguous_address
 from fomoepy.scheduler import relay
 
@@ -40,7 +40,6 @@ ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 SLOT_ALIGN = 256
 DOWN_SUM_MAX_TOKENS = 4  # up to this many tokens (all in slots, or all copied) the fused down + weighted-sum kernel is used
-STAGING_BUFFERS = 4
 # slots a device side may hold beyond its tier so that a step's copies up need not wait for the copies down
 # of the slots it evicts (those are reused a step later): one step's evictions, at most; 8 of the 397B's
 # 7.25 MiB experts are 58 MiB
@@ -53,9 +52,12 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """Where gate, up and down sit in one slot of a layer."""
+    """Where gate, up and down sit in one slot of a layer: their offsets, their (start, end) spans, the end
+    of the last (the bytes a copy moves) and the slot's padded size."""
 
     offsets: tuple[int, int, int]
+    spans: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+    end: int
     nbytes: int
 
     @classmethod
@@ -63,160 +65,12 @@ class SlotLayout:
         g, u, d = (p.nbytes for p in layout.parts)
         up = _align(g)
         down = up + _align(u)
-        return cls((0, up, down), _align(down + d))
+        return cls((0, up, down), ((0, g), (up, up + u), (down, down + d)), down + d, _align(down + d))
 
 
 def gpu_expert_nbytes(layout: LayerExperts) -> int:
     """Bytes of one device slot of `layout`'s layer (the device tier's unit on this backend)."""
     return SlotLayout.of(layout).nbytes
-
-
-class _Staging:
-    """Pinned host buffers in a ring; each is reused only after its last copy has completed."""
-
-    def __init__(self, dev: GpuBackend, nbytes: int, count: int = STAGING_BUFFERS):
-        self.rt = dev.rt
-        self.buffers = [self.rt.host_alloc(nbytes) for _ in range(count)]
-        self.events = [self.rt.event() for _ in range(count)]
-        self.used = [False] * count
-        self.nbytes = nbytes
-        self.next = 0
-
-    def take(self) -> tuple[int, np.ndarray, object]:
-        i = self.next
-        self.next = (i + 1) % len(self.buffers)
-        if self.used[i]:
-            self.rt.event_sync(self.events[i])
-        self.used[i] = True
-        view = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.buffers[i]))
-        return self.buffers[i], view, self.events[i]
-
-    def close(self) -> None:
-        for i, ptr in enumerate(self.buffers):
-            if self.used[i]:
-                self.rt.event_sync(self.events[i])
-            self.rt.host_free(ptr)
-        self.buffers = []
-
-
-class _DeviceSide:
-    """One device's share of the expert work: its streams' events, staging ring and free slots."""
-
-    def __init__(self, dev: GpuBackend, staging_nbytes: int):
-        self.dev = dev
-        self.rt = dev.rt
-        self.staging = _Staging(dev, staging_nbytes)
-        self.compute_syncs = self.rt.sync_count(dev.stream)  # the host's waits for the compute stream (.n)
-        self.copied = self.rt.event()  # the uploads of the layer being prepared are done
-        self.computed = self.rt.event()  # recorded after grouped launches that copies into slots must wait for
-        self.pending_uploads = 0  # copies issued for the layer being prepared
-        self.free: dict[int, list[DeviceBuffer]] = {}  # evicted or temporary slots by size, for reuse
-        # Copies down run on their own stream (dev.down_stream). A slot whose expert was copied down, and a
-        # pinned buffer a copy down wrote, may be written or read by a copy up only once the copy stream has
-        # waited for that copy down: copies down are numbered, `down_covered` is the last the copy stream
-        # has waited for, `down_recorded` the last `down_done` was recorded after.
-        self.down_done = self.rt.event()
-        self.downloads = 0
-        self.down_recorded = 0
-        self.down_covered = 0
-        self.down_host_seen = 0  # the last copy down the host has waited for itself (host_sees_downloads)
-        self.dirty: list[tuple[int, DeviceBuffer]] = []  # (the copy down it waits for, the slot) evicted slots
-        self.joins = 0  # times `copied` was recorded after copies up (and the compute stream waited for it)
-        self.joined_at = 0  # the compute stream's sync count at the last of them
-        self.down_saw_joins = 0  # of them, the last the down stream has waited for
-        self.down_buffers: dict[int, tuple[int, object]] = {}  # address -> (copy down, its buffer, held till covered)
-        self.spares = 0  # slots allocated beyond the tier while only dirty ones were free (up to SPARE_SLOTS)
-        # grouped launches issued since the host last waited for the compute stream (a routing read-back,
-        # any synchronisation: rt.syncs counts them): they may still read slots that copies are about to
-        # fill. Every decode and prefill step begins with such a read-back, so the record and the copies'
-        # wait are only made when none came between.
-        self.launches_unsynced = False
-        self.launched_at = 0  # the compute stream's sync count when they were queued
-        self.copies_wait = False  # `computed` covers such launches: the next step's first copy waits for it
-        self.computed_at = 0  # the sync count when `computed` was recorded
-        self.joins_pending: deque[tuple[int, int]] = deque()  # (the pinned pool's mark of a join, the sync count then)
-        self.decode_arrays: dict[tuple[int, int, int], tuple[DeviceArray, DeviceArray, DeviceArray]] = {}
-
-    def decode_scratch(self, k: int, F: int, D: int) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
-        """A decode step's tables, activations [k, F] and pairs' outputs [k, D] on the device: made once, and
-        reused step after step. Safe without an event: only this side's compute stream touches them (the
-        tables' copy up is queued on it too), so a step's writes queue behind the last step's reads."""
-        arrays = self.decode_arrays.get((k, F, D))
-        if arrays is None:
-            tables = self.dev.zeros((k * (PAIR_DTYPE.itemsize + EXPERT_WORK_DTYPE.itemsize),), np.uint8)
-            arrays = self.decode_arrays[k, F, D] = (tables, self.dev.zeros((k, F)), self.dev.zeros((k, D)))
-        if self.dev.poison is not None:  # (tests: as fresh arrays are, so a kernel that skips an element fails)
-            for a in arrays[1:]:
-                self.rt.memset32(a.ptr, self.dev.poison, a.nbytes // 4, self.dev.stream)
-        return arrays
-
-    def cover_downloads(self, upto: int | None = None) -> None:
-        """The copy stream waits for the copies down up to `upto` (default: those recorded, that is the
-        earlier steps'; a number past them records first: every copy down so far): their slots are free
-        for copies up, their buffers may be read by them and handed out again."""
-        upto = self.down_recorded if upto is None else upto
-        if upto <= self.down_covered:
-            return
-        if upto > self.down_recorded:
-            self.record_downloads()
-        self.rt.wait(self.dev.copy_stream, self.down_done)
-        self.down_covered = self.down_recorded
-        if self.dirty:
-            kept = []
-            for seq, buf in self.dirty:
-                if seq <= self.down_covered:
-                    self.free.setdefault(buf.nbytes, []).append(buf)
-                else:
-                    kept.append((seq, buf))
-            self.dirty = kept
-        if self.down_buffers:
-            self.down_buffers = {a: v for a, v in self.down_buffers.items() if v[0] > self.down_covered}
-
-    def host_sees_downloads(self, upto: int) -> None:
-        """The host waits for the copies down up to number `upto`, so that their bytes are in its memory
-        before it writes there itself (a pinned buffer handed out again): once per record of `down_done`,
-        which usually follows copies down a step old, done by now."""
-        if upto <= self.down_host_seen:
-            return
-        if upto > self.down_recorded:
-            self.record_downloads()
-        self.rt.event_sync(self.down_done)
-        self.down_host_seen = self.down_recorded
-
-    def record_downloads(self) -> None:
-        """`down_done` after every copy down issued so far."""
-        if self.downloads > self.down_recorded:
-            self.rt.record(self.down_done, self.dev.down_stream)
-            self.down_recorded = self.downloads
-
-    def launched(self) -> None:
-        """Grouped launches were queued: copies into slots may have to wait for them."""
-        self.launches_unsynced = True
-        self.launched_at = self.compute_syncs.n
-
-    def fence_launches(self) -> None:
-        """Before a step's launches or an install: the launches still unsynced get an event to wait for
-        (none if the host has waited for the compute stream since they were queued)."""
-        if self.launches_unsynced and self.compute_syncs.n == self.launched_at:
-            self.rt.record(self.computed, self.dev.stream)
-            self.copies_wait = True
-            self.computed_at = self.launched_at
-        self.launches_unsynced = False
-
-    def copies_must_wait(self) -> bool:
-        """Whether the next copy into a slot waits for `computed` (not if the host has waited for the
-        compute stream since it was recorded)."""
-        if self.copies_wait and self.compute_syncs.n != self.computed_at:
-            self.copies_wait = False
-        return self.copies_wait
-
-    def joins_passed(self) -> int:
-        """The pinned pool's newest join mark that a wait of the host for the compute stream has passed
-        (the compute stream waited for the copies before it), or 0."""
-        now, passed = self.compute_syncs.n, 0
-        while self.joins_pending and self.joins_pending[0][1] < now:
-            passed = self.joins_pending.popleft()[0]
-        return passed
 
 
 @dataclass
@@ -262,13 +116,11 @@ class GpuExperts:
                                       "down": kernels.kernel_name("moe_down", down.qtype, down.tensor),
                                       "down_sum": kernels.kernel_name("moe_down_sum", down.qtype, down.tensor)})  # fmt: skip
         self.resident: dict[Key, DeviceBuffer] = {}
-        self.sides: list[_DeviceSide] = []
+        self.sides: list[DeviceSide] = []
         for d, dev in enumerate(self.devs):
             on_d = [s.nbytes for s, owner in zip(self.slot_layouts, self.device_of_layer) if owner == d]
-            self.sides.append(_DeviceSide(dev, max(on_d, default=SLOT_ALIGN)))
+            self.sides.append(DeviceSide(dev, max(on_d, default=SLOT_ALIGN)))
         self._side_of = [self.sides[d] for d in self.device_of_layer]  # each layer's device side
-        # each layer's parts' spans in a slot (and in a copied-down buffer): (start, end) of gate, up, down
-        self._spans = [tuple((o, o + p.nbytes) for o, p in zip(slot.offsets, layer.parts)) for slot, layer in zip(self.slot_layouts, layers)]
         self.uploads = 0
         self.downloads = 0
         self.direct_uploads = 0  # of those, copied straight from a pinned read buffer (no staging memcpy)
@@ -287,13 +139,13 @@ class GpuExperts:
         self._tell_pool(self.sides[0])
         return self.pool.take(nbytes)
 
-    def _tell_pool(self, side: _DeviceSide) -> None:
+    def _tell_pool(self, side: DeviceSide) -> None:
         """The pinned pool learns which of its join marks a wait for the compute stream has passed."""
         pending = side.joins_pending
         if pending and pending[0][1] < side.compute_syncs.n:  # (asked at every take: the common no, inline)
             self.pool.passed_mark(side.joins_passed())
 
-    def side(self, layer: int) -> _DeviceSide:
+    def side(self, layer: int) -> DeviceSide:
         return self._side_of[layer]
 
     # -- the ExpertDevice interface -----------------------------------------------------------------
@@ -313,7 +165,6 @@ class GpuExperts:
                 side.dirty.append((seq, buf))
             else:
                 side.free.setdefault(buf.nbytes, []).append(buf)
-
 
     def route(self, layer: int, h, k: int) -> np.ndarray:
         """Top-k of `layer`'s router for h, which sits on the previous layer's device."""
@@ -437,7 +288,7 @@ class GpuExperts:
             self.pool.close()
 
     # -- copies -------------------------------------------------------------------------------------
-    def _join_copies(self, side: _DeviceSide) -> None:
+    def _join_copies(self, side: DeviceSide) -> None:
         """The compute stream waits for every copy up issued so far (on the device: the host goes on). The
         pinned pool learns of the point: once the compute stream has been waited for, so have these copies."""
         if side.pending_uploads:
@@ -481,8 +332,7 @@ class GpuExperts:
             side.copies_wait = False
         if self.pool is not None:
             addresses = [contiguous_address(parts[0]), contiguous_address(parts[1]), contiguous_address(parts[2])]
-            start, (up, down) = addresses[0], layout.offsets[1:]
-            end = down + parts[2].nbytes
+            start, (up, down), end = addresses[0], layout.offsets[1:], layout.end
             # the read buffer has the slot's layout (the store's records pad as slots do): one span, one
             # check that the pool pins it, one copy
             whole = addresses[1] == start + up and addresses[2] == start + down
@@ -503,8 +353,7 @@ class GpuExperts:
                 return buf
         host_ptr, view, done = side.staging.take()
         self._pack(view, layout, parts)
-        end = layout.offsets[2] + parts[2].nbytes
-        side.rt.htod(buf.ptr, host_ptr, end, side.dev.copy_stream)
+        side.rt.htod(buf.ptr, host_ptr, layout.end, side.dev.copy_stream)
         side.rt.record(done, side.dev.copy_stream)
         side.pending_uploads += 1
         self.uploads += 1  # experts copied host -> device so far (a device-tier hit copies nothing)
@@ -524,15 +373,14 @@ class GpuExperts:
         the step's copies up: a GPU's copy engines move the two directions at once, and the copies up are
         the step's critical path (on the copy stream, these went first: at the fomoe-rig's tiers 2.7
         experts a step, a link's time as long as the step's copies up). A copy up that writes the slot or
-        reads these bytes waits for it (`_DeviceSide.cover_downloads`): the next step's, by the stream
+        reads these bytes waits for it (`DeviceSide.cover_downloads`): the next step's, by the stream
         order set at its start; one in the same step, by waiting then. Into pinned memory (one device) it
         is not waited for by the host (the host waiting here cost an expert's transfer time per demotion,
         before the step's reads were issued); whoever reads the bytes on the host waits for the down stream
         first (`sync_downloads`). Without a pool (several devices) it is synchronous."""
         side = self._side_of[key[0]]
         layout = self.slot_layouts[key[0]]
-        parts = self.layers[key[0]].parts
-        end = layout.offsets[2] + parts[2].nbytes
+        end = layout.end
         # into pinned memory when there is a pool: the DMA needs no bounce, and a later copy up is direct too
         out = self._pinned(end) if self.pool is not None else np.empty(end, np.uint8)
         if side.pending_uploads:  # an install not yet joined may have filled the slot
@@ -551,7 +399,7 @@ class GpuExperts:
             self._downloaded[slot] = side.downloads
             side.down_buffers[address] = (side.downloads, out)  # held (not handed out again) till covered
         self.downloads += 1
-        (g0, g1), (u0, u1), (d0, d1) = self._spans[key[0]]
+        (g0, g1), (u0, u1), (d0, d1) = layout.spans
         return out[g0:g1], out[u0:u1], out[d0:d1]
 
     # -- arithmetic ---------------------------------------------------------------------------------
