@@ -38,7 +38,7 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.runtime import ggml_buffers
-from fomoepy.runtime.pinned import host_address
+from fomoepy.runtime.pinned import contiguous_address
 from fomoepy.timing import MATMUL
 
 F32 = np.float32
@@ -86,8 +86,8 @@ class SlotMatrix:
             data = np.ascontiguousarray(data)
         if data.nbytes != self.slot_nbytes:
             raise FomoeError(f"expected {self.slot_nbytes} bytes for a slot's matrix, got {data.nbytes}")
-        # (host_address: `.ctypes.data` builds a ctypes object, a microsecond a matrix, three a miss)
-        ggml_buffers.set_tensor(self._views[slot], host_address(data), data.nbytes)
+        # (`.ctypes.data` builds a ctypes object, a microsecond a matrix, three a miss)
+        ggml_buffers.set_tensor(self._views[slot], contiguous_address(data), data.nbytes)
 
     def slot_tensor(self, slot: int):
         """Slot `slot`'s matrix as a 2-D ggml tensor (a view, repacked with the rest where so held)."""
