@@ -1284,12 +1284,9 @@ static PyTypeObject CoreType = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cache_core", "The expert cache's bookkeeping in C.", -1, NULL};
 
 PyMODINIT_FUNC PyInit__cache_core(void) {
-    if (PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    Py_INCREF(&CoreType);
-    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
-        Py_DECREF(&CoreType);
+    if (PyModule_AddType(m, &CoreType) < 0) {  /* (readies the type; added under its tp_name's last part) */
         Py_DECREF(m);
         return NULL;
     }

@@ -446,22 +446,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_driver_calls",
                                     "The hot driver calls through the bindings' C layer.", -1, NULL};
 
 PyMODINIT_FUNC PyInit__driver_calls(void) {
-    if (PyType_Ready(&CallsType) < 0 || PyType_Ready(&LauncherType) < 0) return NULL;
     str_shim = PyUnicode_InternFromString("shim");
     str_current_here = PyUnicode_InternFromString("_current_here");
     str_failed = PyUnicode_InternFromString("_failed");
     if (!str_shim || !str_current_here || !str_failed) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    Py_INCREF(&CallsType);
-    if (PyModule_AddObject(m, "Calls", (PyObject *)&CallsType) < 0) {
-        Py_DECREF(&CallsType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&LauncherType);
-    if (PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0) {
-        Py_DECREF(&LauncherType);
+    if (PyModule_AddType(m, &CallsType) < 0 || PyModule_AddType(m, &LauncherType) < 0) {  /* (each readied) */
         Py_DECREF(m);
         return NULL;
     }

@@ -88,12 +88,9 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host_memory", "Host memory handed around by a MoE step.", -1, methods};
 
 PyMODINIT_FUNC PyInit__host_memory(void) {
-    if (PyType_Ready(&LentType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    Py_INCREF(&LentType);
-    if (PyModule_AddObject(m, "Lent", (PyObject *)&LentType) < 0) {
-        Py_DECREF(&LentType);
+    if (PyModule_AddType(m, &LentType) < 0) {  /* (readies the type) */
         Py_DECREF(m);
         return NULL;
     }
