@@ -109,11 +109,14 @@ def timed(tmp_path_factory) -> dict:
         "LD_LIBRARY_PATH": str(standin), "FOMOE_STANDIN_MODULES": str(standin / "modules"), "FOMOE_STANDIN_NULL": "1",
         "FOMOE_STANDIN_DEVICES": "1", "FOMOE_STANDIN_MEMORY": str(1 << 40),
         "FOMOE_STANDIN_KERNEL_BW": str(KERNEL_BW), "FOMOE_STANDIN_LINK_BW": str(LINK_BW),
+        "FOMOE_STANDIN_TIMELINE": str(tmp_path_factory.mktemp("timeline") / "ops.txt"),
     }  # fmt: skip
     script = SCRIPT.replace("__N__", str(N))
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["timeline"] = [line.split() for line in Path(env["FOMOE_STANDIN_TIMELINE"]).read_text().splitlines()]
+    return out
 
 
 def within(interval: dict, cost: float) -> None:
@@ -146,3 +149,19 @@ def test_two_streams_overlap(timed):
 def test_an_event_wait_orders_the_streams(timed):
     launch = timed["launch"]["bytes"] / KERNEL_BW
     within(timed["ordered"], N / LINK_BW + launch)  # overlapping, it would be max(copy, launch)
+
+
+@pytest.mark.slow
+def test_the_timeline_file_holds_each_op_where_the_device_placed_it(timed):
+    # FOMOE_STANDIN_TIMELINE: <stream> <kind> <submitted> <start> <end> per op, "host W <from> <done>
+    # <returned>" per synchronisation, in steady-clock ns
+    ops = [(stream, kind, *map(int, rest)) for stream, kind, *rest in timed["timeline"] if stream != "host"]
+    waits = [tuple(map(int, rest)) for stream, kind, *rest in timed["timeline"] if stream == "host"]
+    assert all(a <= b <= c for _, _, a, b, c in ops) and all(a <= b <= c for a, b, c in waits)
+    copies = [op for op in ops if op[1] == "U" and (op[4] - op[3]) == pytest.approx(N / LINK_BW * 1e9, rel=1e-6)]
+    launches = [op for op in ops if op[1] == "L" and (op[4] - op[3]) == pytest.approx(timed["launch"]["bytes"] / KERNEL_BW * 1e9, rel=1e-6)]
+    assert len(copies) == 3 and len(launches) == 3  # the copy, the overlapping pair, the ordered pair
+    assert any(op[1] == "D" for op in ops) and any(op[1] == "E" for op in ops)  # the read-back; events
+    assert launches[1][3] < copies[1][4]  # the pair on two streams overlaps
+    assert launches[2][3] == copies[2][4] and launches[2][0] != copies[2][0]  # the event wait: the launch starts as the copy ends
+    assert any(done >= copies[0][4] for _, done, _ in waits)  # a sync waited for the first copy

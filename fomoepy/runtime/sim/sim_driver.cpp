@@ -371,7 +371,7 @@ EXPORT int sim_event_record(void* e, void* s) {
         std::lock_guard<std::mutex> g(ev->m);
         ev->done = ++ev->issued;
         ev->stream = nullptr;
-        ev->when = timing.on ? timed_submit(st, 0.0) : std::chrono::steady_clock::now();
+        ev->when = timing.on ? timed_submit(st, 0.0, 'E') : std::chrono::steady_clock::now();
         return OK;
     }
     Op op;
@@ -454,7 +454,7 @@ EXPORT int sim_memcpy_async(void* dst, const void* src, size_t n, void* s, int k
             return fail(ILLEGAL_ADDRESS, "copy of %zu bytes from %p: outside every device allocation", n, src);
     }
     if (config.null_device) {  // a read-back leaves the host bytes as they were
-        if (timing.on) timed_submit(static_cast<Stream*>(s), n / (kind == 3 ? timing.kernel_bandwidth : timing.link_bandwidth));
+        if (timing.on) timed_submit(static_cast<Stream*>(s), n / (kind == 3 ? timing.kernel_bandwidth : timing.link_bandwidth), "?UDK"[kind & 3]);
         return OK;
     }
     Op op;
@@ -474,7 +474,7 @@ EXPORT int sim_memset_d32_async(void* dst, unsigned value, size_t count, void* s
             return fail(ILLEGAL_ADDRESS, "memset of %zu words at %p: outside every device allocation", count, dst);
     }
     if (config.null_device) {
-        if (timing.on) timed_submit(static_cast<Stream*>(s), 4.0 * count / timing.kernel_bandwidth);
+        if (timing.on) timed_submit(static_cast<Stream*>(s), 4.0 * count / timing.kernel_bandwidth, 'M');
         return OK;
     }
     Op op;
@@ -589,7 +589,7 @@ EXPORT int sim_launch(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned 
     if (config.null_device) {  // checked like a real launch; runs nothing (on the timed device, for a time)
         if (timing.on) {
             const unsigned grid[3] = {gx, gy, gz};
-            timed_submit(st, launch_bytes(k, grid, params) / timing.kernel_bandwidth);
+            timed_submit(st, launch_bytes(k, grid, params) / timing.kernel_bandwidth, 'L');
         }
         return OK;
     }

@@ -38,11 +38,29 @@ Timing timing;
 
 Clock::duration seconds(double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); }
 
+long long ns(Clock::time_point t) { return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count(); }
+
+// FOMOE_STANDIN_TIMELINE=path: every timed op is written there as it is placed, one line each,
+//     <stream> <kind> <submitted ns> <start ns> <end ns>      (kind: L launch, U/D/K copy up/down/on the
+//                                                             device, M memset, E event record)
+//     host W <waiting from ns> <device done ns> <returned ns> (a synchronisation)
+// in steady-clock nanoseconds (Python's time.perf_counter_ns() on Linux), to see what lay on the
+// critical path of a run (who waited for whom).
+FILE* timeline() {
+    static FILE* f = [] {
+        const char* v = getenv("FOMOE_STANDIN_TIMELINE");
+        return v && *v ? fopen(v, "w") : nullptr;
+    }();
+    return f;
+}
+
 // Places an op of `cost` seconds on the stream's timeline; returns when it is done.
-Clock::time_point timed_submit(const Stream* s, double cost) {
+Clock::time_point timed_submit(const Stream* s, double cost, char kind) {
     std::lock_guard<std::mutex> g(timing.m);
     Clock::time_point& end = timing.end[s];
-    end = std::max(Clock::now(), end) + seconds(cost);
+    const Clock::time_point now = Clock::now(), start = std::max(now, end);
+    end = start + seconds(cost);
+    if (FILE* f = timeline()) fprintf(f, "%p %c %lld %lld %lld\n", (const void*)s, kind, ns(now), ns(start), ns(end));
     return end;
 }
 
@@ -74,6 +92,7 @@ void host_wait_until(Clock::time_point when) {
     Clock::time_point now;
     while ((now = Clock::now()) < when) {
     }
+    if (FILE* f = timeline()) fprintf(f, "host W %lld %lld %lld\n", ns(start), ns(when), ns(now));
     timing.waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count();
     timing.late_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(now - when).count();
 }

@@ -20,7 +20,8 @@
 // the host's own calls through the real bindings, bench/host_time.py); with it, FOMOE_STANDIN_KERNEL_BW
 // and FOMOE_STANDIN_LINK_BW (bytes per second, both) make it an emulated-cost device (sim_timing.h:
 // launches take the bytes they read / the kernel rate, copies bytes / the link rate, syncs wait;
-// FOMOE_STANDIN_SPIN_US: how long before the device's time a waiting host stops sleeping and spins).
+// FOMOE_STANDIN_SPIN_US: how long before the device's time a waiting host stops sleeping and spins;
+// FOMOE_STANDIN_TIMELINE: a file each timed op and synchronisation is written to, as it is placed).
 #include "sim_driver.cpp"
 
 #include <dirent.h>
