@@ -105,7 +105,11 @@ class Engine:
                                   download=device.download if device.can_download else None,
                                   buffers=getattr(device, "host_buffer", None))  # fmt: skip
         if not whole:  # a whole tier is filled at load and never misses: its steps skip the cache's plans (ResidentStep)
-            return MoEStep(streamer, device, predicts=self.weights.routers() is not None, timer=self.timer)
+            # the next layer's prediction (its router, computed on every decode step) serves reading ahead
+            # and a recorded trace (its accuracy, for `fomoe plan`) only: without either (--no-prefetch, a
+            # source with no reads in the background) no step pays for it
+            predicts = self.weights.routers() is not None and (streamer.read_ahead is not None or bool(o.trace))
+            return MoEStep(streamer, device, predicts=predicts, timer=self.timer)
         step = ResidentStep(streamer, device, timer=self.timer)
         # filled at load (after a profile's seeds, if any), as llama.cpp repacks its weights at load
         seeded = cache.seed([(layer.layer, e) for layer in layers for e in range(moe.n_expert)])[0]

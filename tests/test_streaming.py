@@ -549,6 +549,21 @@ def test_prefetch_on_and_off_give_the_same_tokens(model):
     assert outs[0] == outs[1]
 
 
+def test_a_step_predicts_the_next_layer_only_where_reading_ahead_or_a_trace_uses_it(model, tmp_path):
+    # the prediction is a router's product on every decode step (on a GPU, a launch of the next layer's
+    # router): paid for reading ahead, or for a trace's record of its accuracy, and nowhere else
+    path, store, tokens, _ = model
+    cases = [({"store": tuple(store)}, True), ({"store": tuple(store), "prefetch": False}, False),
+             ({"store": tuple(store), "prefetch": False, "trace": str(tmp_path / "t.trace")}, True),
+             ({}, False)]  # (the GGUF file itself: a source with no reads in the background, nothing read ahead)
+    for options, predicts in cases:
+        engine = Engine(path, EngineOptions(vram_cache=0, ram_cache=1 << 30, **options))
+        list(engine.generate(tokens[:4], 4, SamplingParams.greedy(), stop_at_eog=False))
+        predicted = engine.experts.streamer.prefetch_stats.predicted
+        engine.close()
+        assert engine.experts.predicts == predicts and (predicted > 0) == predicts, options
+
+
 def test_the_cpu_backend_reads_predicted_experts_ahead_with_no_host_tier(model):
     # the cpu backend's one tier is its device tier (ggml slots): the reads made ahead that the next step
     # chooses are handed to it, as on any backend, and the tokens are the same as without
