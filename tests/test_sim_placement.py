@@ -176,7 +176,8 @@ def test_a_steps_record_splits_its_host_time_at_its_reads():
     start until they were issued and from the last one's landing to its return (fomoe plan overlaps the
     rest with them). Made slow on purpose: finding the experts no tier holds (30 ms) counts before the
     reads; the cache plan (30 ms), made once they are issued, and a device's 30 ms of work before it
-    waits for them count in neither part."""
+    waits for them count in neither part. StepTiming.before_launch: from the start to the device's first
+    launch, after all three (fomoe plan's `[host] before_launch`: the device computes from then)."""
     import time
 
     experts, spec, _ = expert_tiers(0, host=False)
@@ -197,4 +198,5 @@ def test_a_steps_record_splits_its_host_time_at_its_reads():
         assert 0.03 <= r.before_reads < 0.06 and r.before_reads <= r.route + r.plan
         assert 0.0 <= r.after_landed <= r.compute + r.release
         assert r.total - r.before_reads - r.after_landed >= 0.06  # the plan and the device's part beside the reads
+        assert 0.09 <= r.before_launch <= r.route + r.plan + r.compute
     experts.close()

@@ -55,6 +55,9 @@ class StepTiming:
     # while the reads are in flight (fomoe plan's `[host] serial` is their sum)
     before_reads: float = 0.0
     after_landed: float = 0.0
+    # from its start until the device's first launch (a GPU computes the experts it holds from then: fomoe
+    # plan's `[host] before_launch`); 0: a device that does not say
+    before_launch: float = 0.0
 
     @property
     def total(self) -> float:
@@ -67,7 +70,7 @@ class StepExperts:
     `fetched[e]` holds the store bytes of every expert not in the device tier once `landed()` has
     returned; before that, only those at hand (host-tier hits, prefetches handed over)."""
 
-    __slots__ = ("plan", "phase", "fetched", "pending", "_finish", "_done", "failed", "wait_seconds", "landed_at")
+    __slots__ = ("plan", "phase", "fetched", "pending", "_finish", "_done", "failed", "wait_seconds", "landed_at", "launched_at")
 
     def __init__(self, plan, phase: Phase, fetched: dict[int, ExpertBytes], pending: dict, finish: Callable[[], None]):
         self.plan = plan
@@ -79,6 +82,9 @@ class StepExperts:
         self.failed = False  # a read of this step raised: its bytes never came
         self.wait_seconds = 0.0
         self.landed_at = 0.0  # perf_counter time landed() returned: every read of the step was in
+        # perf_counter time the device queued its first work of the step (a GPU's first launch: it computes
+        # from then on, beside the host); 0: a device that does not say
+        self.launched_at = 0.0
 
     def as_they_land(self) -> Iterator[tuple[int, ExpertBytes]]:
         """(expert, bytes) of this step's reads in flight, each as soon as it lands, in the order they

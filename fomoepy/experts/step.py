@@ -110,10 +110,11 @@ class MoEStep:
         if self.records is not None or self.timer is not None:
             wait = experts.wait_seconds
             before, after = s.reads_issued_at - t0, t4 - experts.landed_at
+            launch = experts.launched_at - t0 if experts.launched_at else 0.0
             if waited_inside:  # the device waited among its work
-                timing = StepTiming(layer, t1 - t0, t2 - t1, wait, t3 - t2 - wait, t4 - t3, before, after)
+                timing = StepTiming(layer, t1 - t0, t2 - t1, wait, t3 - t2 - wait, t4 - t3, before, after, launch)
             else:  # it never called landed(): the wait fell after it returned
-                timing = StepTiming(layer, t1 - t0, t2 - t1, wait, t3 - t2, t4 - t3 - wait, before, after)
+                timing = StepTiming(layer, t1 - t0, t2 - t1, wait, t3 - t2, t4 - t3 - wait, before, after, launch)
             if self.records is not None:
                 self.records.append(timing)
             if self.timer is not None:

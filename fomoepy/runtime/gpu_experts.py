@@ -19,6 +19,7 @@ Slot layout, mirrored in the staging buffers so one copy moves an expert:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -212,6 +213,7 @@ class GpuExperts:
         run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, slots, missing if split else None, at_hand)
         launched = 0  # work items launched (split): the table's stretch whose experts are all in slots
         if split:  # what the slots hold computes while the misses are read and copied up
+            experts.launched_at = time.perf_counter()
             self._stages(run, 0, run.tables.n_first)
             launched = run.tables.n_first
         temporary: list[DeviceBuffer] = []
@@ -260,6 +262,7 @@ class GpuExperts:
             self._stages(run, launched, run.tables.n_work)
             self._combine(run)
         else:
+            experts.launched_at = time.perf_counter()  # (every expert in a slot, or none was: all at once)
             self._grouped(run)
         side.launched()
         for buf in temporary:
