@@ -28,13 +28,14 @@ from fomoepy.plan.routing import (
     rates_from_trace,
     synthetic_trace,
 )
-from fomoepy.plan.shapes import SHAPES, model_bytes, model_bytes_from_gguf
+from fomoepy.plan.shapes import MIXES, SHAPES, model_bytes, model_bytes_from_gguf
 from fomoepy.plan.timemodel import (
     GPU_EFFICIENCY,
     Workload,
     fit_efficiency,
     project,
 )
+from fomoepy.quants import row_nbytes
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -82,6 +83,9 @@ def test_gguf_model_bytes_are_the_files_tensors():
     assert m.dense_flops * m.n_layer == pytest.approx(2 * sum(t.shape[0] * t.shape[1] for t in dense), abs=m.n_layer)
     head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
     assert m.head_flops == 2 * head.shape[0] * head.shape[1]
+    # a layer's router (read again by a step's prediction of the next layer), every layer alike here
+    routers = [t.nbytes for n, t in gf.tensors.items() if n.endswith(".ffn_gate_inp.weight")]
+    assert len(routers) == m.n_layer and m.router_bytes == routers[0] == sum(routers) // m.n_layer
 
 
 def test_shape_flops_count_every_dense_matrix():
@@ -91,6 +95,7 @@ def test_shape_flops_count_every_dense_matrix():
     # q (with its gate) + k + v + o, shared expert gate/up/down, router
     params = 2 * q * s.n_embd + 2 * kv * s.n_embd + q * s.n_embd + 3 * s.shared_ff * s.n_embd + s.n_expert * s.n_embd
     assert m.dense_flops == 2 * params
+    assert m.router_bytes == s.n_expert * row_nbytes(MIXES[s.default_mix].router, s.n_embd)
     assert m.expert_flops == 2 * 3 * s.n_embd * s.expert_ff and m.head_flops == 2 * s.vocab * s.n_embd
 
 

@@ -4,6 +4,7 @@ resident compute, copies and host time with its reads, reads made ahead, copies 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from test_plan import FOMOE_CAR_OFF
@@ -12,7 +13,7 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE
 from fomoepy.plan.hardware import hardware_from_dict, load_hardware
 from fomoepy.plan.rates import TierRates
-from fomoepy.plan.timemodel import TERMS
+from fomoepy.plan.timemodel import GPU_EFFICIENCY, TERMS
 from fomoepy.plan.timemodel import project as project_averaged
 
 
@@ -113,15 +114,47 @@ def test_host_time_beside_the_reads_longer_than_the_step_adds_only_its_excess(q3
     assert split.seconds_per_token == pytest.approx(bare.seconds_per_token + n_layer * (host - moe), rel=1e-12)
 
 
+def test_the_device_computes_the_experts_it_holds_from_the_steps_first_launch(q397, fomoe_rig):
+    # [host] before_launch: the cache plan and the device tier's evictions come before a step's first
+    # launch, so the experts the device holds compute from then on, not from the reads' issue: a step of
+    # resident experts takes dense + sync + max(host, before_launch + experts). Unstated, they start at
+    # the end of serial (the reads' issue plus the host's part after the last lands), as before.
+    host, serial = 300e-6, 100e-6
+    rig = fomoe_rig.with_changes(host={"plan": host, "serial": serial, "before_reads": 50e-6})
+    n = q397.model.n_layer
+    for shares in (TierRates(1.0, 0.0, 0.0), TierRates(0.9, 0.1, 0.0)):  # all in slots; some copied up from the host tier
+        unstated = project(q397, rig.with_changes(host={"before_launch": None}), shares, "engine")
+        assert project(q397, rig.with_changes(host={"before_launch": serial}), shares, "engine").seconds_per_token == \
+            pytest.approx(unstated.seconds_per_token, rel=1e-12)
+        t = {name: v / n for name, v in unstated.terms.items()}
+        moe = max(t["experts"], t["copy"] + t["experts"] / q397.model.n_expert_used if t["copy"] else 0.0)
+        for launch in (150e-6, 250e-6, host):
+            p = project(q397, rig.with_changes(host={"before_launch": launch}), shares, "engine")
+            want = n * (t["dense"] + t["sync"] + max(host, launch + moe)) + unstated.terms["head"]
+            assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
+            assert p.seconds_per_token > unstated.seconds_per_token
+    data = {"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "plan": "100 us", "before_launch": "120 us"},
+            "drives": {"count": 1, "bandwidth": "1 GB/s", "latency": "1 us"}}  # fmt: skip
+    with pytest.raises(FomoeError, match=r"before_launch is a part of plan, so at most 100 us; got 120 us"):
+        hardware_from_dict(data, "rig.toml")
+
+
+def predictor_seconds(work, rig) -> float:
+    """Per token, the device's time on the next layer's router, which a decode step reading ahead runs
+    for its prediction (MoEStep.predicts): its bytes at the dense kernels' rate, every layer."""
+    return work.model.n_layer * work.model.router_bytes / (rig.device.bandwidth * GPU_EFFICIENCY)
+
+
 def test_a_read_made_ahead_hides_drive_time_not_the_links(q397, fomoe_rig):
     # the engine reads the next layer's predicted experts during this one but copies them up in their own
-    # step: where the link is the slower side, reading ahead gains nothing
+    # step: where the link is the slower side, reading ahead gains nothing, and costs the prediction
     rig = fomoe_rig.with_changes(host={"serial": None})
     link_bound = TierRates(0.3, 0.6, 0.1)
     layer = {n: t / q397.model.n_layer for n, t in project(q397, rig, link_bound, "engine").terms.items()}
     assert layer["copy"] > layer["disk"]
+    assert q397.model.router_bytes > 0
     assert project(q397, rig, link_bound, "engine", prefetch=0.8).seconds_per_token == pytest.approx(
-        project(q397, rig, link_bound, "engine").seconds_per_token, rel=1e-12)
+        project(q397, rig, link_bound, "engine").seconds_per_token + predictor_seconds(q397, rig), rel=1e-12)
     # where the drive is, it hides up to the step before's compute
     disk_bound = FOMOE_CAR_OFF[0]
     assert project(q397, rig, disk_bound, "engine", prefetch=0.6).seconds_per_token < project(q397, rig, disk_bound, "engine").seconds_per_token
@@ -137,10 +170,12 @@ def test_wrong_guesses_take_the_drives_idle_time_and_only_those_in_flight_delay_
     light, plain = TierRates(0.6, 0.12, 0.28, ahead=0.01), TierRates(0.6, 0.12, 0.28)
     base = project(q397, fomoe_rig, plain, "engine")
     p = project(q397, fomoe_rig, light, "engine")
-    assert p.seconds_per_token == pytest.approx(base.seconds_per_token, rel=1e-9)
+    # (reading ahead, a step predicts: the next layer's router is read on the device)
+    assert p.seconds_per_token == pytest.approx(base.seconds_per_token + predictor_seconds(q397, fomoe_rig), rel=1e-9)
     assert p.wrong_reads == pytest.approx(m.n_layer * k * 0.01 * S / fomoe_rig.drives.bandwidth, rel=1e-12)
     slow = fomoe_rig.with_changes(drives={"bandwidth": 1e9})
     base, p = project(q397, slow, plain, "engine"), project(q397, slow, TierRates(0.6, 0.12, 0.28, ahead=0.3), "engine")
+    base = replace(base, seconds_per_token=base.seconds_per_token + predictor_seconds(q397, slow))
     # the drives get to a guess only in what the last read's copy and FFN leave them: nearly every step
     # routes with the depth's guesses in flight, the one crossing half read, those queued behind it unread
     most = m.n_layer * (DEPTH_PER_DRIVE - 0.5) * S / 1e9

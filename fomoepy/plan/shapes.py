@@ -89,6 +89,7 @@ class ModelBytes:
     expert_flops: int  # multiply-adds x 2 of one expert for one token
     dense_flops: int = 0  # multiply-adds x 2 of a layer's dense matrices for one token
     head_flops: int = 0  # multiply-adds x 2 of the output head for one token
+    router_bytes: int = 0  # of dense_layer_bytes, the router's (a prediction of the next layer reads it again)
 
     @property
     def store_bytes(self) -> int:
@@ -137,6 +138,7 @@ def model_bytes(shape: ModelShape, mix_name: str | None = None) -> ModelBytes:
         expert_flops=2 * 3 * e * f,
         dense_flops=2 * e * (q_rows + 2 * kv_dim + q_dim + 3 * shape.shared_ff + shape.n_expert),
         head_flops=2 * shape.vocab * e,
+        router_bytes=router,
     )
 
 
@@ -177,4 +179,5 @@ def model_bytes_from_gguf(path: str) -> ModelBytes:
         expert_flops=2 * (gate.shape[0] * gate.shape[1] + up.shape[0] * up.shape[1] + down.shape[0] * down.shape[1]),
         dense_flops=round(2 * dense_params / spec.n_layer),
         head_flops=2 * head.shape[0] * head.shape[1],
+        router_bytes=round(sum(t.nbytes for name, t in gf.tensors.items() if name.endswith(".ffn_gate_inp.weight")) / len(layers)),
     )

@@ -3,7 +3,8 @@ combined the way a schedule overlaps them.
 
 Work per MoE layer step for one token (k = experts used, S = bytes of one expert):
 
-    dense     dense weights read by the kernels          dense_bytes / (bandwidth x eff["dense"])
+    dense     dense weights read by the kernels          dense_bytes / (bandwidth x eff["dense"]); reading
+                                                         ahead, the next layer's router too (the prediction)
     experts   k expert FFNs on the compute device        k x compute_bytes / (bandwidth x eff["experts"])
     sync      read back the router's choice              device.sync (GPU), 0 on the CPU
     plan      host bookkeeping of the step               host.plan
@@ -21,8 +22,9 @@ Two schedules combine them:
           at once, striped across the drives
           (one latency, then bytes / (drives x bandwidth)); each miss copied up on the copy stream
           as soon as its read lands, so the fetch is max(disk, copy) plus the last read's copy, while
-          the device computes the experts already resident (launched before any wait on a copy); the
-          copied experts' FFNs follow the last copy. The next layer's guessed experts are read ahead
+          the device computes the experts already resident (launched before any wait on a copy, once
+          the host has made the step's plan: `[host] before_launch` after the routing); the copied
+          experts' FFNs follow the last copy. The next layer's guessed experts are read ahead
           in the drives' time left after the step's own reads (ReadAheadModel). The CPU backends compute on the host: the numpy reference reads, makes ready and
           computes in turn (every term adds up); ggml computes the experts whose store bytes are in
           the host tier while the misses are read, then the misses.
@@ -164,8 +166,11 @@ def project(
     drives = hw.drives
     if n_disk > 0 or rates.ahead > 0:
         _rate(drives.bandwidth, "drive bandwidth")
+    # reading ahead, the engine predicts the next layer's experts on every decode step with that layer's
+    # router (MoEStep.predicts): the device reads the router's bytes once more
+    predicts = gpu and schedule == "engine" and (prefetch > 0 or rates.ahead > 0) and "disk" not in drop
     layer = {
-        "dense": work.dense_compute / (compute_rate * eff["dense"]),
+        "dense": (work.dense_compute + (m.router_bytes if predicts else 0)) / (compute_rate * eff["dense"]),
         "experts": k * work.expert_compute / (compute_rate * eff["experts"]),
         "sync": hw.device.sync if gpu else 0.0,
         # the hardware file's host time is fomoepy's, measured; FOMOE's C host code has its own (stated)
@@ -189,6 +194,12 @@ def project(
     head = 0.0 if "head" in drop else head
 
     one_ffn = layer["experts"] / k
+    host, serial, launch, before = layer["plan"], None, None, 0.0
+    if gpu and schedule == "engine" and hw.host.serial is not None:
+        serial = min(hw.host.serial, host)
+        before = serial if hw.host.before_reads is None else min(serial, hw.host.before_reads)
+        if hw.host.before_launch is not None:
+            launch = min(hw.host.before_launch, host)
     if schedule == "fomoe":
         fetch = max(layer["disk"], layer["copy"])  # the link copies run beside the reads
         hidden = min(prefetch * fetch, layer["dense"] + layer["experts"])
@@ -205,13 +216,24 @@ def project(
         # its copy up is still made in its own step (the engine copies nothing ahead), so the link's time
         # stays whole
         def moe_of(hidden: float, delay: float) -> float:
-            fetch = max(layer["disk"] - hidden + delay + (one_copy if n_disk else 0.0), layer["copy"])
-            # the compute stream runs the slots' experts, then each miss once its copy is done (the host
-            # launches a miss when its copy is issued and the misses before it in the table, those at hand
-            # and then the reads in id order, are too): after the last copy only that expert's work is
-            # left, if each expert computes in less time than the next copy takes (true where the link is
-            # slower than the kernels read; else the layer's compute is the longer term)
-            return max(layer["experts"], fetch + (one_ffn if n_copy else 0.0))
+            reads = layer["disk"] - hidden + delay
+            if launch is None:
+                fetch = max(reads + (one_copy if n_disk else 0.0), layer["copy"])
+                # the compute stream runs the slots' experts, then each miss once its copy is done (the host
+                # launches a miss when its copy is issued and the misses before it in the table, those at hand
+                # and then the reads in id order, are too): after the last copy only that expert's work is
+                # left, if each expert computes in less time than the next copy takes (true where the link is
+                # slower than the kernels read; else the layer's compute is the longer term)
+                return max(layer["experts"], fetch + (one_ffn if n_copy else 0.0))
+            # from the routing, where the host's first launch is stated: the device computes the experts it
+            # holds and the link copies up from that launch on, while the reads (issued `before` it) land;
+            # the last read's copy is issued once it has landed and the host's part after it is made
+            ends = [launch + layer["experts"]]
+            if n_copy:
+                ends.append(launch + layer["copy"] + one_ffn)
+            if n_disk:
+                ends.append(max(before + reads, launch) + (serial - before) + one_copy + one_ffn)
+            return max(ends)
 
         moe = moe_of(0.0, 0.0)
     elif copy_rate:  # numpy reference: read, make ready, compute, in turn
@@ -233,12 +255,11 @@ def project(
         wrong = k * rates.ahead if rates.ahead else (1 - prefetch) * n_disk if prefetch else 0.0
     else:
         wrong = 0.0
-    host, serial = layer["plan"], None
-    if gpu and schedule == "engine" and hw.host.serial is not None:
-        serial = min(hw.host.serial, host)
 
     def step_of(moe: float) -> float:
-        if serial is not None:
+        if launch is not None:  # moe runs from the routing, the host's work beside it
+            step = layer["dense"] + layer["sync"] + max(host, moe)
+        elif serial is not None:
             # the engine issues a step's reads as soon as it is routed (before its plan) and makes most of its copies and
             # launches while they are read: that host time overlaps the step's device work and waits; what
             # comes before the reads and after the last one lands stays in series
