@@ -115,7 +115,7 @@ def child(args: argparse.Namespace) -> dict:
     source = TimedNullStore(layers, rates.drive, rates.latency, rates.drives)
     streamer = ExpertStreamer(source, cache, k, EngineOptions(prefetch=args.prefetch),
                               download=device.download if policy_demotes(policy) else None, buffers=device.host_buffer)  # fmt: skip
-    step = MoEStep(streamer, device)
+    step = MoEStep(streamer, device, predicts=args.prefetch)  # as the engine: a prediction only to read ahead
 
     n_tokens = args.warm + args.tokens
     # the device's routing makes its launches and its one read-back (the router's choice and the next
@@ -131,6 +131,7 @@ def child(args: argparse.Namespace) -> dict:
     in_step = [0.0]  # host seconds inside the steps' windows, less their waits
     serial = [0.0]  # of those, the seconds in series with each step's reads (before them, after the last)
     first = [0.0]  # of those, the seconds before them (the next layer's guesses go to the drives after)
+    launch = [0.0]  # of those, the seconds before the step's first launch (the device computes from then)
     reads_late = [0.0]  # seconds the steps' reads were handed over late (the latest of each step's)
 
     def decode(tokens: range) -> None:
@@ -150,6 +151,7 @@ def child(args: argparse.Namespace) -> dict:
                 # step's before its reads were issued and after the last landed)
                 first[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_reads
                 serial[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_reads + step.records[-1].after_landed
+                launch[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_launch
                 reads_late[0] += source.late_max  # the step waited for its last read: at most this late
                 source.late_max = 0.0
             dev.argmax(dev.linear(h, head))  # the output head and the sampler's read-back
@@ -157,7 +159,7 @@ def child(args: argparse.Namespace) -> dict:
 
     decode(range(args.warm))
     before = cache.stats.summary()
-    step.records, in_step[0], reads_late[0], serial[0], first[0] = [], 0.0, 0.0, 0.0, 0.0
+    step.records, in_step[0], reads_late[0], serial[0], first[0], launch[0] = [], 0.0, 0.0, 0.0, 0.0, 0.0
     w0, late0, reads0, down0, sync_late0 = lib.sim_timed_waited_ns(), source.late, source.reads, device.downloads, lib.sim_timed_late_ns()
     ahead_counts = streamer.read_ahead.counts if streamer.read_ahead is not None else None
     ahead0 = asdict(ahead_counts) if ahead_counts is not None else {}
@@ -179,7 +181,7 @@ def child(args: argparse.Namespace) -> dict:
     # the reads made ahead in the measured tokens: issued, used by their step (among its disk reads), wrong,
     # dropped unread
     ahead = {c: v - ahead0[c] for c, v in asdict(ahead_counts).items()} if ahead_counts is not None else None
-    return {"ahead": ahead, "wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_serial_s": serial[0], "host_before_s": first[0], "late_s": late,
+    return {"ahead": ahead, "wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_serial_s": serial[0], "host_before_s": first[0], "host_launch_s": launch[0], "late_s": late,
             "counts": counts, "prediction_accuracy": streamer.prefetch_stats.accuracy, "by_rank": routing.accuracy_by_rank(), "step_parts_s": parts, "store": store, "demotions": device.downloads - down0, "device": dev.rt.device_name}  # fmt: skip
 
 
@@ -200,7 +202,8 @@ def run_setting(args: argparse.Namespace, rates: EmulatedRates, device_share: fl
 
 def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) -> tuple:
     """fomoe plan's engine schedule and FOMOE's for this run's figures: (tier shares, engine, fomoe, host
-    s/layer and of it in series, (the read-ahead share, reads landed ahead a step measured and projected))."""
+    s/layer, of it in series and before the first launch, (the read-ahead share, reads landed ahead a step
+    measured and projected))."""
     from fomoepy.plan.hardware import load_hardware
     from fomoepy.plan.rates import TierRates
     from fomoepy.plan.shapes import model_bytes, shape_by_name
@@ -219,10 +222,11 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     host = measured["host_step_s"] / steps
     in_series = min(host, measured["host_serial_s"] / steps)
     before_reads = min(in_series, measured["host_before_s"] / steps)
+    before_launch = min(host, measured["host_launch_s"] / steps)
     # the rig, one device (the bench places every layer on one), no stated round trip (the emulated device
     # answers at once; the host's side of a read-back is in `host`), the host time measured here
     hw = load_hardware(rig)
-    hw = hw.with_changes(device={"count": 1, "sync": 0.0, "bandwidth": rates.kernel / GPU_EFFICIENCY}, host={"plan": host, "serial": in_series, "before_reads": before_reads})
+    hw = hw.with_changes(device={"count": 1, "sync": 0.0, "bandwidth": rates.kernel / GPU_EFFICIENCY}, host={"plan": host, "serial": in_series, "before_reads": before_reads, "before_launch": before_launch})
     work = Workload(mb)
     # Reading ahead, the share of the run's disk reads that its step took from a read made ahead is the
     # projection's read-ahead share (`fomoe plan` assumes its predictor's accuracy instead); the wrong
@@ -232,7 +236,7 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     engine = project(work, hw, tier_rates, "engine", prefetch=share, by_rank=tuple(measured["by_rank"]) if prefetch else ())
     # right guesses landed before their step asked, per layer step: measured, and as the projection has it
     landed = (measured["ahead"]["landed"] / steps if prefetch else 0.0, engine.landed_ahead)
-    return shares, engine, project(work, hw, tier_rates, "fomoe"), (host, in_series), (share, landed)
+    return shares, engine, project(work, hw, tier_rates, "fomoe"), (host, in_series, before_launch), (share, landed)
 
 
 def measure(args: argparse.Namespace, rates: EmulatedRates, device_share: float, host_share: float) -> dict:
@@ -262,14 +266,14 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     for name, device_share, host_share in SETTINGS:
         measured = measure(args, rates, device_share, host_share)
-        shares, engine, fomoe, (host, in_series), (ahead_share, landed) = projections(rates, args.rig, measured, args.prefetch)
+        shares, engine, fomoe, (host, in_series, launch), (ahead_share, landed) = projections(rates, args.rig, measured, args.prefetch)
         rows.append({
             "setting": name, "measured_tok_s": measured["tokens"] / measured["wall_s"],
             # the emulation's own lateness (see child) is the busy machine's, not the engine's; this bound
             # leaves it out (an upper bound of it: a late read may not have delayed the step by all of it)
             "measured_less_late_tok_s": measured["tokens"] / (measured["wall_s"] - measured["late_s"]),
             "projected_tok_s": engine.tokens_per_s, "fomoe_schedule_tok_s": fomoe.tokens_per_s,
-            "hit_rates": shares, "host_us_per_layer": host * 1e6, "host_serial_us_per_layer": in_series * 1e6, "emulation_late": measured["late_s"] / measured["wall_s"],
+            "hit_rates": shares, "host_us_per_layer": host * 1e6, "host_serial_us_per_layer": in_series * 1e6, "host_launch_us_per_layer": launch * 1e6, "emulation_late": measured["late_s"] / measured["wall_s"],
             "waits_s": {"device": measured["device_wait_s"], "reads": measured["read_wait_s"]}, "wall_s": measured["wall_s"],
             "host_step_s": measured["host_step_s"], "demotions": measured["demotions"], "store": measured["store"],
             "prediction_accuracy": measured["prediction_accuracy"], "by_rank": measured["by_rank"],
@@ -303,7 +307,7 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
          f"--rig {args.rig}{' --prefetch' if args.prefetch else ''}{' --predictor demo' if args.predictor == 'demo' else ''}{' --policy ' + args.policy if args.policy else ''}` ({SHAPE} shape, {args.vendor} binding over the stand-in "
          f"driver's timed null mode: {rates.describe()}; {policy_text}, {ahead}, one device)"),
         "",
-        ("| setting (device + host) | device | host | disk | demoted | read ahead | host µs / layer (in series with the reads) | emulation late | "
+        ("| setting (device + host) | device | host | disk | demoted | read ahead | host µs / layer (in series with the reads; before the first launch) | emulation late | "
          "measured tok/s (less its lateness) | engine schedule tok/s | projected / measured − 1 | FOMOE's schedule tok/s |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -311,7 +315,7 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
         s = r["hit_rates"]
         lines.append(
             f"| {r['setting']} | {100 * s['device']:.1f}% | {100 * s['host']:.1f}% | {100 * s['disk']:.1f}% | "
-            f"{100 * s['demoted']:.1f}% | {100 * s['ahead']:.1f}% | {r['host_us_per_layer']:.0f} ({r['host_serial_us_per_layer']:.0f}) | "
+            f"{100 * s['demoted']:.1f}% | {100 * s['ahead']:.1f}% | {r['host_us_per_layer']:.0f} ({r['host_serial_us_per_layer']:.0f}; {r['host_launch_us_per_layer']:.0f}) | "
             f"{100 * r['emulation_late']:.1f}% | "
             f"{r['measured_tok_s']:.2f} ({r['measured_less_late_tok_s']:.2f}) | {r['projected_tok_s']:.2f} | "
             f"{100 * (r['projected_tok_s'] / r['measured_tok_s'] - 1):+.1f}% | {r['fomoe_schedule_tok_s']:.2f} |"
@@ -324,7 +328,7 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
          f"measured at {slower} of {len(rows)} settings"),
         ("- host µs / layer: measured in the run as bench/host_time.py times a step (router launch to the step's return), "
          "less its waits for the device and the reads, and of it the part in series with the step's reads (before they are "
-         "issued, after the last lands; the engine schedule overlaps the rest with the step's device work); emulation late: syncs that returned, and reads handed over, after "
+         "issued, after the last lands; the engine schedule overlaps the rest with the step's device work), and the part before its first launch (the device computes the experts it holds from then); emulation late: syncs that returned, and reads handed over, after "
          f"their time (a busy machine's, not the engine's; an upper bound); load average at the end {os.getloadavg()[0]:.2f} (1 min)"),
     ]
     if args.prefetch:

@@ -85,7 +85,8 @@ def test_the_gpu_engines_host_time_beside_its_reads_overlaps_them(q397, fomoe_ri
     # host time per layer = serial (before the reads are issued, after the last lands) + the rest (copies
     # and launches made while the reads are in flight): a step takes serial + max(rest, the MoE half's work)
     host = 300e-6
-    rig = fomoe_rig.with_changes(host={"plan": host, "serial": None})
+    # (the experts a step holds computing from the end of serial: the first launch's time unstated)
+    rig = fomoe_rig.with_changes(host={"plan": host, "serial": None, "before_launch": None})
     for shares in (FOMOE_CAR_OFF[0], TierRates(0.95, 0.05, 0.0)):  # fetch bound, then compute bound
         base = project(q397, rig, shares, "engine")
         n_layer = q397.model.n_layer
@@ -109,7 +110,7 @@ def test_host_time_beside_the_reads_longer_than_the_step_adds_only_its_excess(q3
     bare = project(q397, fomoe_rig.with_changes(host={"plan": 0.0}), shares, "engine")
     moe = (bare.seconds_per_token - bare.terms["head"] - bare.terms["dense"] - bare.terms["sync"]) / n_layer
     host = 3 * moe
-    split = project(q397, fomoe_rig.with_changes(host={"plan": host, "serial": moe}), shares, "engine")
+    split = project(q397, fomoe_rig.with_changes(host={"plan": host, "serial": moe, "before_launch": None}), shares, "engine")
     # serial (moe) + max(2 moe, moe): three moe of host time a step, the device's work under it
     assert split.seconds_per_token == pytest.approx(bare.seconds_per_token + n_layer * (host - moe), rel=1e-12)
 
