@@ -410,21 +410,24 @@ def test_a_steps_reads_are_issued_before_its_plan_is_made(model):
 
 def test_a_steps_routing_record_and_next_guess_are_made_while_its_reads_are_in_flight(model):
     # The part of a step in series with its reads ends once they are issued: the usage counts, the trace
-    # and the next layer's prediction, which the reads do not depend on, come after the submits.
+    # and the next layer's prediction, which the reads do not depend on, come after the submits; the
+    # guesses go to the drives then too, before the step's cache plan (a drive with none of the step's
+    # own reads starts on them at once).
     path, store, tokens, _ = model
     engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=0, prefetch=True))
     streamer = engine.experts.streamer
     events = []
-    real_submit, real_note, real_predict = streamer.source.submit, streamer.note, streamer.predict
+    real_submit, real_note, real_predict, real_plan = streamer.source.submit, streamer.note, streamer.predict, streamer.cache.plan
     streamer.source.submit = lambda layer, expert, *a, **kw: events.append(("read", layer)) or real_submit(layer, expert, *a, **kw)
     streamer.note = lambda layer, *a: events.append(("note", layer)) or real_note(layer, *a)
     streamer.predict = lambda layer, ids: events.append(("predict", layer - 1)) or real_predict(layer, ids)
+    streamer.cache.plan = lambda layer, *a, **kw: events.append(("plan", layer)) or real_plan(layer, *a, **kw)
     state = engine.new_state()
     got = np.stack([engine.decode_token(state, int(t)) for t in tokens[:3]])
-    del streamer.source.submit, streamer.note, streamer.predict
+    del streamer.source.submit, streamer.note, streamer.predict, streamer.cache.plan
     noted = [i for i, e in enumerate(events) if e[0] == "note"]
     assert len(noted) == 3 * engine.spec.n_layer
-    read_first = 0
+    read_first = guessed = 0
     for i, end in zip(noted, noted[1:] + [len(events)]):
         layer = events[i][1]
         read_first += ("read", layer) in events[:i]
@@ -432,7 +435,10 @@ def test_a_steps_routing_record_and_next_guess_are_made_while_its_reads_are_in_f
         assert ("read", layer) not in after  # the step's own reads all went out before its record
         if layer + 1 < engine.spec.n_layer:
             assert ("predict", layer) in after  # and its guess of the next layer's experts after it
-    assert read_first > 0, "no step read a miss: the test proves nothing"
+            if ("read", layer + 1) in after:  # a guess read ahead: issued before the step's plan
+                guessed += 1
+                assert after.index(("read", layer + 1)) < after.index(("plan", layer))
+    assert read_first > 0 and guessed > 0, "no step read a miss, or none a guess: the test proves nothing"
     engine.close()
     plain = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=0, prefetch=False))
     state = plain.new_state()

@@ -304,6 +304,9 @@ class ExpertStreamer:
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
         if beside is not None:
             beside()
+        # the next layer's guesses (predicted in `beside`) go to the drives next, behind this step's reads in
+        # the pool: a drive with no read of this step's starts on them now, not after the plan below
+        self._issue_prefetch()
         plan = self.cache.plan(layer, ids, self._sequences_of(rows))
         disk = [item.expert for item in plan.items if item.source is Source.DISK]
         if disk != sorted([*reads, *fetched]):  # (fetched: so far, the reads made ahead that landed)
@@ -320,7 +323,6 @@ class ExpertStreamer:
         # longer wait), before the backend frees the evicted device slots
         for key in plan.demotions:
             self.host_slots[key] = self._download(key)  # type: ignore[misc]
-        self._issue_prefetch()  # behind this step's reads in the pool, overlapping its compute
         return plan, fetched, reads
 
     def _submit(self, layer: int, expert: int) -> InFlight:
