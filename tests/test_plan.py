@@ -351,6 +351,23 @@ def test_measure_replaces_host_and_drive_figures_and_leaves_no_file(tmp_path, mo
     assert hw.drives.bandwidth != rig.drives.bandwidth and hw.host.matvec != rig.host.matvec
 
 
+def test_measure_on_a_model_takes_its_host_time_and_slot_fills_from_the_engine(tmp_path, monkeypatch):
+    # given a model (and DIR holding its store), --measure runs the cpu backend on it: the host's own time
+    # per layer step, and the rate at which it sets a miss into its tier's slots (the `fill` term)
+    from conftest import ORACLE
+
+    from fomoepy.experts.store_writer import prepare_store
+    from fomoepy.plan import measure
+
+    monkeypatch.setattr(measure, "SCRATCH_BYTES", 8 << 20)
+    store = tmp_path / "store"
+    prepare_store(ORACLE / "qwen3moe_q4_k_m.gguf", [store], progress=False)
+    rig = load_hardware("cpu-only-64g")
+    hw, notes = measure.measured(rig, str(store), str(ORACLE / "qwen3moe_q4_k_m.gguf"))
+    assert rig.host.fill == 0.0 and hw.host.fill > 0 and hw.host.plan > 0 and hw.host.plan != rig.host.plan
+    assert f"slot fills {hw.host.fill / 1e9:.2f} GB/s" in notes[-1] and ".fomoe-plan-measure.tmp" not in {p.name for p in store.iterdir()}
+
+
 def test_png_plots_every_registered_policy(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"

@@ -1,5 +1,6 @@
 """`fomoe plan --measure DIR`: this machine's host and drive figures from short measurements, and, for a
-model file, the host's own time per layer step as the engine spends it (`host.plan`).
+model file, the host's own time per layer step as the engine spends it (`host.plan`) and the rate at
+which the cpu backend sets a miss into its tier's slots (`host.fill`).
 
 Each figure is the median of a few passes. The drive is measured in DIR (on the drive the store
 would live on) with O_DIRECT reads of a scratch file, so the page cache does not answer for it; the
@@ -95,12 +96,13 @@ def drive_figures(directory: str) -> tuple[dict, list[str]]:
     return {"bandwidth": bandwidth, "latency": latency}, notes
 
 
-def host_step_seconds(model: str, store: str | None = None, threads: int | None = None, tokens: int = 48, warm: int = 32) -> float:
-    """Seconds of the host's own work per layer step of a decode on `model` with the cpu backend (what
-    `--profile-timing` reports as `host`: the step's time less ggml's products and the waits for expert
-    reads), with the host tier at a quarter of the experts, as bench/host_time.py measures it; reading
-    the experts from `store` when given (its reader pool and host-tier admissions are host work too).
-    The first `warm` tokens fill the tiers and are not counted."""
+def engine_figures(model: str, store: str | None = None, threads: int | None = None, tokens: int = 48, warm: int = 32) -> tuple[float, float]:
+    """(seconds of the host's own work per layer step, store bytes/s set into the tier's slots) of a decode
+    on `model` with the cpu backend. The first is what `--profile-timing` reports as `host`: the step's
+    time less ggml's products and the waits for expert reads, with the host tier at a quarter of the
+    experts, as bench/host_time.py measures it; reading the experts from `store` when given (its reader
+    pool and host-tier admissions are host work too). The first `warm` tokens fill the tiers and are not
+    counted. The second is the backend's making ready of a miss (slot_fill_rate), on the same engine."""
     from fomoepy.engine import Engine, EngineOptions
 
     stores = (store,) if store else ()
@@ -119,7 +121,8 @@ def host_step_seconds(model: str, store: str | None = None, threads: int | None 
                 before = (sum(timer.total), sum(timer.matmul), sum(timer.io_wait), sum(timer.steps))
             token = int(np.argmax(engine.decode_token(state, token)))
         total, matmul, wait, steps = (sum(timer.total), sum(timer.matmul), sum(timer.io_wait), sum(timer.steps))
-        return ((total - before[0]) - (matmul - before[1]) - (wait - before[2])) / max(1, steps - before[3])
+        host = ((total - before[0]) - (matmul - before[1]) - (wait - before[2])) / max(1, steps - before[3])
+        return host, slot_fill_rate(engine)
     finally:
         engine.close()
 
@@ -146,10 +149,13 @@ def measured(hw: Hardware, directory: str, model: str | None = None) -> tuple[Ha
     host = host_figures()
     if model is not None:
         store = directory if (Path(directory) / "fomoe-store.manifest").exists() else None
-        host["plan"] = host_step_seconds(model, store)
+        # the host's time per step, and the cpu backend's setting of each miss into a tier slot (its copy
+        # up: a term of its own, after the step's reads land), both on the model as the engine runs it
+        host["plan"], host["fill"] = engine_figures(model, store)
         host["serial"] = None  # measured whole: the cpu backend's step is not split at its reads
         where = f"{Path(model).name}, experts from the store in {directory}" if store else Path(model).name
-        notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us, measured on {where} (cpu backend)")
+        notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us and slot fills {host['fill'] / 1e9:.2f} GB/s, "
+                     f"measured on {where} (cpu backend)")  # fmt: skip
     else:
         notes.append(f"host time per layer step {hw.host.plan * 1e6:.0f} us, as the hardware file states it")
     return hw.with_changes(host=host, drives=drive), notes
