@@ -240,6 +240,41 @@ def test_experts_in_slots_are_computed_before_a_missing_experts_copy_is_issued(d
     step.close()
 
 
+@pytest.mark.parametrize("ids", [[1, 4, 9, 12], [4, 12, 13, 14]])
+def test_the_experts_in_slots_are_launched_before_the_steps_cache_plan(ids, deferred):
+    """A decode step's experts in slots (4 and 12, then all four) are launched as soon as its reads are
+    issued, before its cache plan and evictions: the device computes them from there, not from the end
+    of the host's plan (GpuExperts.begin). The misses' rows of the tables, which that launch leaves
+    empty, are filled before their own launches: the output is the all-in-slots step's, bit for bit."""
+    step, spec, source = layer0_step(device_slots=8)
+    run(step, *step_input(spec, [[4, 12, 13, 14]], seed=1))  # 4, 12, 13, 14 into slots
+    events: list[str] = []
+    items: list[int] = []  # the work items of each gate/up launch (its grid's second dimension)
+    expert_launches(step.device.dev, events)
+    logged = step.device.dev.launch
+
+    def launch(name, grid, *args, **kw):
+        if name.startswith("moe_gate_up"):
+            items.append(grid[1])
+        return logged(name, grid, *args, **kw)
+
+    step.device.dev.launch = launch
+    cache = step.streamer.cache
+    real_plan = cache.plan
+    cache.plan = lambda *a, **kw: events.append("plan") or real_plan(*a, **kw)
+    h, exact = step_input(spec, [ids], seed=2)
+    try:
+        got = run(step, h, exact)
+    finally:
+        del step.device.dev.launch, cache.plan
+    assert events.index("plan") >= 2 and all(name.startswith("moe_") for name in events[: events.index("plan")])
+    whole = all(e in (4, 12, 13, 14) for e in ids)
+    assert events.index("plan") == (len(events) - 1 if whole else 2)  # every stage before it, or the slots' two
+    assert sum(items) == len(ids)  # each expert's work item launched once: the slots' by begin alone
+    assert np.array_equal(got, all_in_slots(spec, h, exact))
+    step.close()
+
+
 def test_a_missing_expert_is_computed_once_copied_while_a_later_read_is_still_held(deferred):
     """A decode step with two experts in slots and two read from disk, 1 and 9, the read of 9 held: once
     1 has landed and been copied up, its gate/up and down are launched and run (a sync of the compute

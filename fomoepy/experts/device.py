@@ -10,6 +10,8 @@ what each tier keeps. A device only holds its tier's experts in its own form and
     route(layer, h, k)        the top-k ids of `layer`'s router for h: the next layer's prediction
     compute(layer, h, ids, weights, experts)   Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]), filling
                               the tier with the plan's admissions as their bytes land
+    begin(layer, h, ids, weights, reading)     optional: a decode step's experts the device holds,
+                              launched before the cache plan (compute then does the rest)
 
 `experts` (StepExperts) says where each selected expert's bytes are: already in the device tier,
 at hand in host memory, or still being read. The device decides the order: it may compute what it
@@ -147,6 +149,10 @@ class ExpertDevice(Protocol):
 
     # optional: route_ahead(layer, h, logits, gating, k) -> (Routing, next layer's ids or None), the step's
     # routing and the next layer's prediction in one device round trip (GpuExperts)
+
+    # optional: begin(layer, h, ids, weights, reading) -> the perf_counter time of a launch (0.0: none), a
+    # decode step's experts the device holds launched once its reads are issued, before the cache plan
+    # (which never evicts the step's own experts); `reading`: the experts still being read (GpuExperts)
 
     def compute(self, layer: int, h: Any, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> Any: ...
 

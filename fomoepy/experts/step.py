@@ -81,7 +81,12 @@ class MoEStep:
             h = h[rows]
         t1 = time.perf_counter()
 
-        def beside() -> None:  # while the step's reads are in flight: the routing's record, the next layer's guesses
+        begin = getattr(device, "begin", None) if self.phase is Phase.DECODE else None
+        launched = [0.0]
+
+        def beside(reading) -> None:  # while the step's reads are in flight: the first launch, the routing's record, the next layer's guesses
+            if begin is not None:  # the experts the device holds compute from here, before the plan
+                launched[0] = begin(layer, h, ids, weights, reading)
             s.note(layer, exact, rows)
             if self._predicting(layer):
                 ahead, self._ahead = self._ahead, None
@@ -91,6 +96,7 @@ class MoEStep:
         for victim in plan.device_evictions:
             device.evict(victim)
         experts = StepExperts(plan, self.phase, fetched, reads, lambda: s.finish_acquire(plan, fetched, reads))
+        experts.launched_at = launched[0]
         t2 = time.perf_counter()
         try:
             out = device.compute(layer, h, ids, weights, experts)
