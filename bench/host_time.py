@@ -18,7 +18,8 @@ making ready, as a copy up is a GPU's) and the time blocked on reads.
 Prints median and p90 µs per step; on the GPU path also the median of its part in series with the
 step's reads (before they are issued, after the last lands: `[host] serial` in a rig file; the part
 before them is `[host] before_reads`), of the part before the step's first launch (`[host] before_launch`:
-the device computes the experts it holds from then), split into
+the device computes the experts it holds from then) and before its copies up (`[host] before_copies`:
+they start after its cache plan), split into
 routing (the router's launches and read-back, CAR), plan (the reads issued; then, while they are in
 flight, the usage counts, the trace and the next layer's prediction; the cache plan and policy, host
 bytes), binding calls (every driver call's time, counted) and the rest of Python. The GPU path runs
@@ -200,6 +201,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
     # from the router's launch to the step's first launch: the device computes the experts it holds from
     # then on (`[host] before_launch`)
     launch_us = float(np.median([(s[1] + s[2].before_launch) * 1e6 for s in split]))
+    # to the step's device part after its plan: its copies up start then (`[host] before_copies`)
+    copies_us = float(np.median([(s[1] + s[2].route + s[2].plan) * 1e6 for s in split]))
     plan_us = float(np.median([(s[2].plan + s[2].wait) * 1e6 for s in split]))
     binding_us = float(np.median([s[4] * 1e6 for s in split]))
     calls_per_step = float(np.median([s[3] for s in split]))
@@ -219,6 +222,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
         "serial_median_us": serial_us,
         "before_reads_median_us": before_us,
         "before_launch_median_us": launch_us,
+        "before_copies_median_us": copies_us,
         "split_median_us": {"total (instrumented)": total_split, "routing": route_us, "plan": plan_us,
                             "binding calls": binding_us, "calls per step": calls_per_step,
                             "staging copies (mean)": pack_us},
@@ -348,7 +352,7 @@ def gpu_split(gpu: dict) -> str:
     g = gpu["split_median_us"]
     rest = g["total (instrumented)"] - g["routing"] - g["plan"] - g["binding calls"]
     return (f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); "
-            f"before the first launch {gpu['before_launch_median_us']:.1f}; routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls {g['binding calls']:.1f} ({g['calls per step']:.0f} calls), "
+            f"before the first launch {gpu['before_launch_median_us']:.1f}, before the copies up {gpu['before_copies_median_us']:.1f}; routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls {g['binding calls']:.1f} ({g['calls per step']:.0f} calls), "
             f"staging copies {g['staging copies (mean)']:.1f} (mean), rest {rest:.1f} (instrumented total {g['total (instrumented)']:.1f}); "
             f"device hits {gpu['tiers']['device_hit']:.1%}, host {gpu['tiers']['host_hit']:.1%}")  # fmt: skip
 
@@ -389,7 +393,7 @@ def report_real(gpu: dict, args: argparse.Namespace) -> str:
         gpu_cells(gpu, "binding, real driver") + f"less the waits for the device (instrumented) {gpu['less_waits_median_us']:.1f} median, {gpu['less_waits_p90_us']:.1f} p90 "
         f"(waits {gpu['waits_median_us']:.1f}); "
         f"in series with the reads {gpu['serial_median_us']:.1f} (before they are issued {gpu['before_reads_median_us']:.1f}); "
-        f"before the first launch {gpu['before_launch_median_us']:.1f}; routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls {g['binding calls']:.1f} "
+        f"before the first launch {gpu['before_launch_median_us']:.1f}, before the copies up {gpu['before_copies_median_us']:.1f}; routing {g['routing']:.1f}, plan {g['plan']:.1f}, binding calls {g['binding calls']:.1f} "
         f"({g['calls per step']:.0f} calls), staging copies {g['staging copies (mean)']:.1f} (mean); "
         f"uploads {gpu['uploads_per_step']:.2f} a step ({gpu['direct_uploads']} direct from pinned reads); "
         f"device hits {gpu['tiers']['device_hit']:.1%}, host {gpu['tiers']['host_hit']:.1%} |",

@@ -132,6 +132,7 @@ def child(args: argparse.Namespace) -> dict:
     serial = [0.0]  # of those, the seconds in series with each step's reads (before them, after the last)
     first = [0.0]  # of those, the seconds before them (the next layer's guesses go to the drives after)
     launch = [0.0]  # of those, the seconds before the step's first launch (the device computes from then)
+    copies = [0.0]  # of those, the seconds before the step's device part after its plan (its copies up start)
     reads_late = [0.0]  # seconds the steps' reads were handed over late (the latest of each step's)
 
     def decode(tokens: range) -> None:
@@ -152,6 +153,7 @@ def child(args: argparse.Namespace) -> dict:
                 first[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_reads
                 serial[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_reads + step.records[-1].after_landed
                 launch[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_launch
+                copies[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].route + step.records[-1].plan
                 reads_late[0] += source.late_max  # the step waited for its last read: at most this late
                 source.late_max = 0.0
             dev.argmax(dev.linear(h, head))  # the output head and the sampler's read-back
@@ -159,7 +161,7 @@ def child(args: argparse.Namespace) -> dict:
 
     decode(range(args.warm))
     before = cache.stats.summary()
-    step.records, in_step[0], reads_late[0], serial[0], first[0], launch[0] = [], 0.0, 0.0, 0.0, 0.0, 0.0
+    step.records, in_step[0], reads_late[0], serial[0], first[0], launch[0], copies[0] = [], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     w0, late0, reads0, down0, sync_late0 = lib.sim_timed_waited_ns(), source.late, source.reads, device.downloads, lib.sim_timed_late_ns()
     ahead_counts = streamer.read_ahead.counts if streamer.read_ahead is not None else None
     ahead0 = asdict(ahead_counts) if ahead_counts is not None else {}
@@ -181,7 +183,7 @@ def child(args: argparse.Namespace) -> dict:
     # the reads made ahead in the measured tokens: issued, used by their step (among its disk reads), wrong,
     # dropped unread
     ahead = {c: v - ahead0[c] for c, v in asdict(ahead_counts).items()} if ahead_counts is not None else None
-    return {"ahead": ahead, "wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_serial_s": serial[0], "host_before_s": first[0], "host_launch_s": launch[0], "late_s": late,
+    return {"ahead": ahead, "wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_serial_s": serial[0], "host_before_s": first[0], "host_launch_s": launch[0], "host_copies_s": copies[0], "late_s": late,
             "counts": counts, "prediction_accuracy": streamer.prefetch_stats.accuracy, "by_rank": routing.accuracy_by_rank(), "step_parts_s": parts, "store": store, "demotions": device.downloads - down0, "device": dev.rt.device_name}  # fmt: skip
 
 
@@ -223,10 +225,11 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     in_series = min(host, measured["host_serial_s"] / steps)
     before_reads = min(in_series, measured["host_before_s"] / steps)
     before_launch = min(host, measured["host_launch_s"] / steps)
+    before_copies = min(host, measured["host_copies_s"] / steps)
     # the rig, one device (the bench places every layer on one), no stated round trip (the emulated device
     # answers at once; the host's side of a read-back is in `host`), the host time measured here
     hw = load_hardware(rig)
-    hw = hw.with_changes(device={"count": 1, "sync": 0.0, "bandwidth": rates.kernel / GPU_EFFICIENCY}, host={"plan": host, "serial": in_series, "before_reads": before_reads, "before_launch": before_launch})
+    hw = hw.with_changes(device={"count": 1, "sync": 0.0, "bandwidth": rates.kernel / GPU_EFFICIENCY}, host={"plan": host, "serial": in_series, "before_reads": before_reads, "before_launch": before_launch, "before_copies": before_copies})
     work = Workload(mb)
     # Reading ahead, the share of the run's disk reads that its step took from a read made ahead is the
     # projection's read-ahead share (`fomoe plan` assumes its predictor's accuracy instead); the wrong

@@ -123,20 +123,28 @@ def test_the_device_computes_the_experts_it_holds_from_the_steps_first_launch(q3
     host, serial = 300e-6, 100e-6
     rig = fomoe_rig.with_changes(host={"plan": host, "serial": serial, "before_reads": 50e-6})
     n = q397.model.n_layer
-    for shares in (TierRates(1.0, 0.0, 0.0), TierRates(0.9, 0.1, 0.0)):  # all in slots; some copied up from the host tier
+    # all in slots; some copied up from the host tier; half of them (the link's chain the longer)
+    for shares in (TierRates(1.0, 0.0, 0.0), TierRates(0.9, 0.1, 0.0), TierRates(0.5, 0.5, 0.0)):
         unstated = project(q397, rig.with_changes(host={"before_launch": None}), shares, "engine")
         assert project(q397, rig.with_changes(host={"before_launch": serial}), shares, "engine").seconds_per_token == \
             pytest.approx(unstated.seconds_per_token, rel=1e-12)
         t = {name: v / n for name, v in unstated.terms.items()}
-        moe = max(t["experts"], t["copy"] + t["experts"] / q397.model.n_expert_used if t["copy"] else 0.0)
+        copied = t["copy"] + t["experts"] / q397.model.n_expert_used if t["copy"] else 0.0  # the link's chain
         for launch in (150e-6, 250e-6, host):
             p = project(q397, rig.with_changes(host={"before_launch": launch}), shares, "engine")
-            want = n * (t["dense"] + t["sync"] + max(host, launch + moe)) + unstated.terms["head"]
+            want = n * (t["dense"] + t["sync"] + max(host, launch + max(t["experts"], copied))) + unstated.terms["head"]
             assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
             assert p.seconds_per_token > unstated.seconds_per_token
+            # [host] before_copies: the copies up start after the step's plan, later than its first launch
+            p = project(q397, rig.with_changes(host={"before_launch": launch, "before_copies": host}), shares, "engine")
+            want = n * (t["dense"] + t["sync"] + max(host, launch + t["experts"], host + copied)) + unstated.terms["head"]
+            assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
     data = {"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "plan": "100 us", "before_launch": "120 us"},
             "drives": {"count": 1, "bandwidth": "1 GB/s", "latency": "1 us"}}  # fmt: skip
     with pytest.raises(FomoeError, match=r"before_launch is a part of plan, so at most 100 us; got 120 us"):
+        hardware_from_dict(data, "rig.toml")
+    data["host"] = data["host"] | {"before_launch": "50 us", "before_copies": "130 us"}
+    with pytest.raises(FomoeError, match=r"before_copies is a part of plan, so at most 100 us; got 130 us"):
         hardware_from_dict(data, "rig.toml")
 
 

@@ -22,6 +22,8 @@
                                  # guesses are read after them); optional, default all of serial
     before_launch = "500 us"     # of plan, the part before the step's first expert launch (the GPU computes the
                                  # experts it holds from then); optional, default serial
+    before_copies = "600 us"     # of plan, the part before the step's copies up begin (after its cache plan);
+                                 # optional, default before_launch
     flops = "1 TFLOPS"           # CPU backend: its quantised products at prompt batch sizes; optional
     fill = "2 GB/s"              # cpu backend: store bytes per second set into its tier's slots (in their form), per
                                  # expert read from the drive; optional, default none
@@ -111,6 +113,10 @@ class Host:
     # evictions come first). None: `serial` (as if they started once the reads were issued and the host's
     # part after the last landing was made)
     before_launch: float | None = None
+    # of `plan`, the seconds from the routing to the step's device part after its cache plan: its copies
+    # up start then (the plan says which slots they fill), and the launches of what they copy. None:
+    # `before_launch` (a step that launches nothing before its plan)
+    before_copies: float | None = None
     # store bytes/s the cpu (ggml) backend sets into its tier's slots (in their form: plain or repacked), per expert
     # read from the drive (its "copy up"; 0: none, it computes store bytes in place)
     fill: float = 0.0
@@ -141,14 +147,14 @@ class Hardware:
 _FIELDS = {
     "device": {"count": int, "memory": "size", "bandwidth": "rate", "link": "rate", "sync": "time", "flops": "flops"},
     "host": {"memory": "size", "bandwidth": "rate", "matvec": "rate", "make_ready": "rate", "plan": "time", "flops": "flops",
-             "serial": "time", "before_reads": "time", "before_launch": "time", "fill": "rate"},
+             "serial": "time", "before_reads": "time", "before_launch": "time", "before_copies": "time", "fill": "rate"},
     "drives": {"count": int, "bandwidth": "rate", "latency": "time"},
 }
 _DEFAULTS = {
     "device": {"count": 0, "memory": 0, "bandwidth": 0.0, "link": 0.0, "sync": 0.0, "flops": 0.0},
     # a file without `plan` gets the GPU path's measured host time per MoE layer step (bench/host_time.py,
     # the 397B shape, the default policy, on a 2-core AVX2 machine: bench/RESULTS.md)
-    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "serial": None, "before_reads": None, "before_launch": None, "fill": 0.0},
+    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "serial": None, "before_reads": None, "before_launch": None, "before_copies": None, "fill": 0.0},
     "drives": {},
 }
 
@@ -194,9 +200,10 @@ def hardware_from_dict(data: dict, source: str) -> Hardware:
     if host["before_reads"] is not None and host["before_reads"] > (host["plan"] if host["serial"] is None else host["serial"]):
         raise FomoeError(f"{source}: [host] before_reads is a part of serial, so at most "
                          f"{(host['plan'] if host['serial'] is None else host['serial']) * 1e6:.0f} us; got {host['before_reads'] * 1e6:.0f} us")  # fmt: skip
-    if host["before_launch"] is not None and host["before_launch"] > host["plan"]:
-        raise FomoeError(f"{source}: [host] before_launch is a part of plan, so at most {host['plan'] * 1e6:.0f} us; "
-                         f"got {host['before_launch'] * 1e6:.0f} us")  # fmt: skip
+    for key in ("before_launch", "before_copies"):
+        if host[key] is not None and host[key] > host["plan"]:
+            raise FomoeError(f"{source}: [host] {key} is a part of plan, so at most {host['plan'] * 1e6:.0f} us; "
+                             f"got {host[key] * 1e6:.0f} us")  # fmt: skip
     return Hardware(str(data.get("name", source)), Device(**sections["device"]), Host(**host), Drives(**sections["drives"]))
 
 
