@@ -75,17 +75,18 @@ class HeldSource:
         return getattr(self.source, name)
 
 
-def layer0_step(device_slots: int):
+def layer0_step(device_slots: int, host_experts: int = 0):
     """The MoE step over the first oracle model's layer 0 with GpuExperts on the simulated device, a
-    device tier of `device_slots` experts, no host tier, every read through a HeldSource."""
+    device tier of `device_slots` experts, a host tier of `host_experts` (none by default), every read
+    through a HeldSource."""
     from fomoepy.runtime.gpu_experts import GpuExperts, gpu_expert_nbytes
 
     gf = GGUFFile(ORACLE / f"{NAME}.gguf")
     spec = ModelSpec.from_gguf(gf)
     source = HeldSource(GGUFExpertSource(gf, spec))
     unit = [gpu_expert_nbytes(layer) for layer in source.layers]
-    cache = ExpertCache(spec.moe.n_expert, [layer.expert_nbytes for layer in source.layers], unit[0] * device_slots, 0,
-                        device_expert_bytes=unit)  # fmt: skip
+    cache = ExpertCache(spec.moe.n_expert, [layer.expert_nbytes for layer in source.layers], unit[0] * device_slots,
+                        source.layers[0].expert_nbytes * host_experts, device_expert_bytes=unit)  # fmt: skip
     device = GpuExperts(source.layers, sim_backend())
     streamer = ExpertStreamer(source, cache, spec.moe.n_expert_used, EngineOptions(prefetch=False))
     return MoEStep(streamer, device, predicts=False), spec, source
@@ -271,6 +272,40 @@ def test_the_experts_in_slots_are_launched_before_the_steps_cache_plan(ids, defe
     whole = all(e in (4, 12, 13, 14) for e in ids)
     assert events.index("plan") == (len(events) - 1 if whole else 2)  # every stage before it, or the slots' two
     assert sum(items) == len(ids)  # each expert's work item launched once: the slots' by begin alone
+    assert np.array_equal(got, all_in_slots(spec, h, exact))
+    step.close()
+
+
+@pytest.mark.parametrize("ids", [[1, 9, 13, 14], [1, 4, 9, 13]])
+def test_the_experts_at_hand_are_copied_up_before_the_steps_cache_plan(ids, deferred):
+    """A decode step's experts whose bytes the host tier holds (13 and 14; then 13, beside 4 in a slot)
+    are copied up into free slots as soon as its reads are issued, before its cache plan
+    (GpuExperts.begin): the link starts on them there, not after the plan. The output is the
+    all-in-slots step's, bit for bit."""
+    step, spec, source = layer0_step(device_slots=2, host_experts=8)
+    run(step, *step_input(spec, [[4, 12, 13, 14]], seed=1))  # 4 and 12 into slots, all four into the host tier
+    streamer, device = step.streamer, step.device
+    at_hand = [e for e in ids if (0, e) in streamer.host_slots and (0, e) not in device.resident]
+    assert at_hand, "no expert of the step is at hand: the test proves nothing"
+    held = [e for e in ids if (0, e) in device.resident]
+    dev, rt = device.dev, device.dev.rt
+    events: list[str] = []
+    real_htod, real_plan = rt.htod, streamer.cache.plan
+
+    def htod(dst, src, nbytes, stream):
+        if stream is dev.copy_stream:
+            events.append("copy up")
+        return real_htod(dst, src, nbytes, stream)
+
+    rt.htod = htod
+    streamer.cache.plan = lambda *a, **kw: events.append("plan") or real_plan(*a, **kw)
+    h, exact = step_input(spec, [ids], seed=2)
+    try:
+        got = run(step, h, exact)
+    finally:
+        del rt.htod, streamer.cache.plan
+    assert events[: len(at_hand) + 1] == ["copy up"] * len(at_hand) + ["plan"]
+    assert events.count("copy up") == len(ids) - len(held)  # each expert not held copied up once
     assert np.array_equal(got, all_in_slots(spec, h, exact))
     step.close()
 

@@ -135,10 +135,23 @@ def test_the_device_computes_the_experts_it_holds_from_the_steps_first_launch(q3
             want = n * (t["dense"] + t["sync"] + max(host, launch + max(t["experts"], copied))) + unstated.terms["head"]
             assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
             assert p.seconds_per_token > unstated.seconds_per_token
-            # [host] before_copies: the copies up start after the step's plan, later than its first launch
+            # [host] before_copies: a read's copy up starts after the step's plan; those at hand (all here)
+            # go up from the first launch
             p = project(q397, rig.with_changes(host={"before_launch": launch, "before_copies": host}), shares, "engine")
-            want = n * (t["dense"] + t["sync"] + max(host, launch + t["experts"], host + copied)) + unstated.terms["head"]
             assert p.seconds_per_token == pytest.approx(want, rel=1e-12)
+    # a read copied up once it has landed and the step's plan is made ([host] before_copies): on a drive
+    # that lands it at once, the plan's end is what the read's copy waits for
+    fast = fomoe_rig.with_changes(host={"plan": 600e-6, "serial": 100e-6, "before_reads": 50e-6, "before_launch": 100e-6},
+                                  drives={"bandwidth": 1e15, "latency": 1e-9})  # fmt: skip
+    shares = TierRates(0.9, 0.0, 0.1)  # one miss a step
+    for copies in (100e-6, 600e-6):
+        p = project(q397, fast.with_changes(host={"before_copies": copies}), shares, "engine")  # (the step at the average misses)
+        t = {name: v / n for name, v in p.terms.items()}
+        one_copy, one_ffn = t["copy"], t["experts"] / q397.model.n_expert_used
+        chains = (600e-6, 100e-6 + t["experts"], 100e-6 + t["copy"] + one_ffn,
+                  max(50e-6 + t["disk"], copies) + (100e-6 - 50e-6) + one_copy + one_ffn)
+        assert p.seconds_per_token == pytest.approx(n * (t["dense"] + t["sync"] + max(chains)) + p.terms["head"], rel=1e-12)
+        assert (max(chains) == chains[3]) == (copies == 600e-6)  # the read's chain binds only when it waits for the plan
     data = {"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "plan": "100 us", "before_launch": "120 us"},
             "drives": {"count": 1, "bandwidth": "1 GB/s", "latency": "1 us"}}  # fmt: skip
     with pytest.raises(FomoeError, match=r"before_launch is a part of plan, so at most 100 us; got 120 us"):

@@ -10,8 +10,9 @@ what each tier keeps. A device only holds its tier's experts in its own form and
     route(layer, h, k)        the top-k ids of `layer`'s router for h: the next layer's prediction
     compute(layer, h, ids, weights, experts)   Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]), filling
                               the tier with the plan's admissions as their bytes land
-    begin(layer, h, ids, weights, reading)     optional: a decode step's experts the device holds,
-                              launched before the cache plan (compute then does the rest)
+    begin(layer, h, ids, weights, at_hand)     optional: a decode step's experts the device holds
+                              launched, those at hand copied up, before the cache plan (compute
+                              then does the rest)
 
 `experts` (StepExperts) says where each selected expert's bytes are: already in the device tier,
 at hand in host memory, or still being read. The device decides the order: it may compute what it
@@ -57,8 +58,9 @@ class StepTiming:
     # while the reads are in flight (fomoe plan's `[host] serial` is their sum)
     before_reads: float = 0.0
     after_landed: float = 0.0
-    # from its start until the device's first launch (a GPU computes the experts it holds from then: fomoe
-    # plan's `[host] before_launch`); 0: a device that does not say
+    # from its start until the device's first work of it, a launch or a copy up (a GPU computes the experts
+    # it holds and copies up those at hand from then: fomoe plan's `[host] before_launch`); 0: a device
+    # that does not say
     before_launch: float = 0.0
 
     @property
@@ -84,8 +86,8 @@ class StepExperts:
         self.failed = False  # a read of this step raised: its bytes never came
         self.wait_seconds = 0.0
         self.landed_at = 0.0  # perf_counter time landed() returned: every read of the step was in
-        # perf_counter time the device queued its first work of the step (a GPU's first launch: it computes
-        # from then on, beside the host); 0: a device that does not say
+        # perf_counter time the device queued its first work of the step (a GPU's first launch or copy up: it
+        # works from then on, beside the host); 0: a device that does not say
         self.launched_at = 0.0
 
     def as_they_land(self) -> Iterator[tuple[int, ExpertBytes]]:
@@ -150,9 +152,9 @@ class ExpertDevice(Protocol):
     # optional: route_ahead(layer, h, logits, gating, k) -> (Routing, next layer's ids or None), the step's
     # routing and the next layer's prediction in one device round trip (GpuExperts)
 
-    # optional: begin(layer, h, ids, weights, reading) -> the perf_counter time of a launch (0.0: none), a
-    # decode step's experts the device holds launched once its reads are issued, before the cache plan
-    # (which never evicts the step's own experts); `reading`: the experts still being read (GpuExperts)
+    # optional: begin(layer, h, ids, weights, at_hand) -> the perf_counter time of a launch (0.0: none), a
+    # decode step's experts the device holds launched, and those at hand (expert -> bytes) copied up, once
+    # its reads are issued, before the cache plan (which never evicts the step's own experts) (GpuExperts)
 
     def compute(self, layer: int, h: Any, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> Any: ...
 

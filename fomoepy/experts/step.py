@@ -84,9 +84,9 @@ class MoEStep:
         begin = getattr(device, "begin", None) if self.phase is Phase.DECODE else None
         launched = [0.0]
 
-        def beside(reading) -> None:  # while the step's reads are in flight: the first launch, the routing's record, the next layer's guesses
-            if begin is not None:  # the experts the device holds compute from here, before the plan
-                launched[0] = begin(layer, h, ids, weights, reading)
+        def beside(at_hand) -> None:  # while the step's reads are in flight: the first launch, the routing's record, the next layer's guesses
+            if begin is not None:  # the experts the device holds compute from here, those at hand are copied up
+                launched[0] = begin(layer, h, ids, weights, at_hand)
             s.note(layer, exact, rows)
             if self._predicting(layer):
                 ahead, self._ahead = self._ahead, None

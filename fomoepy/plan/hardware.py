@@ -21,8 +21,8 @@
     before_reads = "400 us"      # of serial, the part before the step's reads are issued (the next layer's
                                  # guesses are read after them); optional, default all of serial
     before_launch = "500 us"     # of plan, the part before the step's first expert launch (the GPU computes the
-                                 # experts it holds from then); optional, default serial
-    before_copies = "600 us"     # of plan, the part before the step's copies up begin (after its cache plan);
+                                 # experts it holds, and copies up those at hand, from then); optional, default serial
+    before_copies = "600 us"     # of plan, the part before the step's reads are copied up (after its cache plan);
                                  # optional, default before_launch
     flops = "1 TFLOPS"           # CPU backend: its quantised products at prompt batch sizes; optional
     fill = "2 GB/s"              # cpu backend: store bytes per second set into its tier's slots (in their form), per
@@ -109,13 +109,11 @@ class Host:
     # after them (fomoepy.experts.read_ahead), so they shorten the guesses' window. None: all of `serial`
     before_reads: float | None = None
     # of `plan`, the seconds from the routing to the step's first expert launch: the device computes the
-    # experts it holds, and copies up those at hand, only from then (the cache plan and the device tier's
-    # evictions come first). None: `serial` (as if they started once the reads were issued and the host's
-    # part after the last landing was made)
+    # experts it holds, and copies up those at hand, only from then. None: `serial` (as if they started
+    # once the reads were issued and the host's part after the last landing was made)
     before_launch: float | None = None
-    # of `plan`, the seconds from the routing to the step's device part after its cache plan: its copies
-    # up start then (the plan says which slots they fill), and the launches of what they copy. None:
-    # `before_launch` (a step that launches nothing before its plan)
+    # of `plan`, the seconds from the routing to the step's device part after its cache plan: the copies up
+    # of its reads start then (the plan says which slots they fill). None: `before_launch`
     before_copies: float | None = None
     # store bytes/s the cpu (ggml) backend sets into its tier's slots (in their form: plain or repacked), per expert
     # read from the drive (its "copy up"; 0: none, it computes store bytes in place)

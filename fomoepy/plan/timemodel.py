@@ -23,8 +23,8 @@ Two schedules combine them:
           (one latency, then bytes / (drives x bandwidth)); each miss copied up on the copy stream
           as soon as its read lands, so the fetch is max(disk, copy) plus the last read's copy, while
           the device computes the experts already resident (launched before any wait on a copy, once
-          the step's reads are issued: `[host] before_launch` after the routing), and copies up from its plan on
-          (`[host] before_copies`, where the slots they fill are known); the copied
+          the step's reads are issued: `[host] before_launch` after the routing, when those at hand are
+          copied up too), and copies up the reads from its plan on (`[host] before_copies`); the copied
           experts' FFNs follow the last copy. The next layer's guessed experts are read ahead
           in the drives' time left after the step's own reads (ReadAheadModel). The CPU backends compute on the host: the numpy reference reads, makes ready and
           computes in turn (every term adds up); ggml computes the experts whose store bytes are in
@@ -201,8 +201,9 @@ def project(
         before = serial if hw.host.before_reads is None else min(serial, hw.host.before_reads)
         if hw.host.before_launch is not None:
             launch = min(hw.host.before_launch, host)
-            # the copies up start once the plan has said which slots they fill (the device's part of the
-            # step), which may come after the first launch (the experts the device holds go first)
+            # a read's copy up starts once the plan has said which slot it fills (the device's part of the
+            # step after the plan), which may come after the first launch (the experts the device holds,
+            # and the copies of those at hand, go first)
             copies = launch if hw.host.before_copies is None else max(launch, min(hw.host.before_copies, host))
     if schedule == "fomoe":
         fetch = max(layer["disk"], layer["copy"])  # the link copies run beside the reads
@@ -230,12 +231,12 @@ def project(
                 # slower than the kernels read; else the layer's compute is the longer term)
                 return max(layer["experts"], fetch + (one_ffn if n_copy else 0.0))
             # from the routing, where the host's first launch is stated: the device computes the experts it
-            # holds from that launch on and the link copies up from the step's device part on, while the
-            # reads (issued `before` them) land; the last read's copy is issued once it has landed and the
-            # host's part after it is made
+            # holds and the link copies up those at hand from that launch on, while the reads (issued
+            # `before` them) land; a read's copy is issued once it has landed and the step's device part
+            # after its plan has begun (`copies`), the last one's once the host's part after it is made
             ends = [launch + layer["experts"]]
             if n_copy:
-                ends.append(copies + layer["copy"] + one_ffn)
+                ends.append(launch + layer["copy"] + one_ffn)
             if n_disk:
                 ends.append(max(before + reads, copies) + (serial - before) + one_copy + one_ffn)
             return max(ends)

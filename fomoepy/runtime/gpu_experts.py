@@ -20,7 +20,6 @@ Slot layout, mirrored in the staging buffers so one copy moves an expert:
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,13 +89,14 @@ class _Launch:
 
 @dataclass
 class _Begun:
-    """A decode step's launch made before its cache plan (GpuExperts.begin): the experts the device held
-    then, launched; those at hand then (after them in the tables), and the launch."""
+    """A decode step's work made before its cache plan (GpuExperts.begin): the experts the device held
+    then, launched; those at hand then (after them in the tables), copied up; the launch."""
 
     layer: int
     held: list[int]
     at_hand: list[int]
-    run: _Launch
+    run: _Launch | None  # (None: nothing held, nothing launched)
+    copied: dict[int, DeviceBuffer]  # those at hand, copied up into these slots
 
 
 class GpuExperts:
@@ -199,34 +199,43 @@ class GpuExperts:
             exact, ahead = dev.route_many([(logits, gating, k), (dev.linear(h, self.routers[layer + 1]), "softmax", k)])
         return exact, None if ahead is None else ahead.ids
 
-    def begin(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, reading: Collection[int]) -> float:
-        """A decode step's first launch, made as soon as its reads are issued, before its cache plan and
-        evictions (which never evict the step's own experts): the experts the device tier holds compute
-        from here on, not from the end of the plan (about 120 µs of host time later at the 397B shape).
-        The step's tables are uploaded with no slot yet for the others (those at hand, by `reading`'s
-        complement, after the held ones, then the reads in id order, as compute orders them); compute
-        uploads them again with the slots its copies fill, before any launch that reads those rows.
-        Where every expert is held the whole step is launched here. Returns the perf_counter time of the
-        launch (0.0: none made, nothing held)."""
+    def begin(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, at_hand: dict[int, ExpertBytes]) -> float:
+        """A decode step's device work that need not wait for its cache plan, made as soon as its reads are
+        issued: the plan and its evictions never touch the step's own experts. The experts the device tier
+        holds are launched (they compute from here on, not from the end of the plan, about 120 µs of host
+        time later at the 397B shape), and those whose bytes are at hand (host-tier hits, reads made ahead
+        that landed) are copied up into free slots (the link starts on them here too). The step's tables
+        go up with no slot yet for the reads; compute, given the plan, uploads them again with every slot
+        and makes the rest. A slot taken here before the plan's evictions free their room may be one
+        beyond the tier: at most one step's experts at hand, given back to the free slots by the evictions.
+        Where every expert is held the whole step is launched here. Returns the perf_counter time of its
+        first launch or copy (0.0: none made, nothing held or at hand)."""
         if ids.shape[0] != 1:  # (a decode step: one row)
             return 0.0
         row = ids[0].tolist()
         held = [e for e in row if (layer, e) in self.resident]
-        if not held:
+        early = [e for e in row if e in at_hand and (layer, e) not in self.resident]
+        if not held and not early:
             return 0.0
         side = self._side_of[layer]
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
+        side.cover_downloads()  # the earlier steps' copies down (the slots and buffers these copies may reuse)
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
-        missing = {e: False for e in row if (layer, e) not in self.resident}
-        at_hand = [e for e in missing if e not in reading]
-        ptrs = {e: self.resident[(layer, e)].ptr for e in held} | dict.fromkeys(missing, 0)
-        run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, ptrs, missing or None, at_hand)
-        launched_at = time.perf_counter()
-        if missing:
-            self._stages(run, 0, run.tables.n_first)
-        else:
-            self._grouped(run)
-        self._begun = _Begun(layer, held, at_hand, run)
+        launched_at, run = 0.0, None
+        if held:
+            missing = {e: False for e in row if (layer, e) not in self.resident}
+            ptrs = {e: self.resident[(layer, e)].ptr for e in held} | dict.fromkeys(missing, 0)
+            run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, ptrs, missing or None, early)
+            launched_at = time.perf_counter()
+            if missing:
+                self._stages(run, 0, run.tables.n_first)
+            else:
+                self._grouped(run)
+        copied = {}
+        for e in early:  # (after the launch: the compute stream is busy first)
+            launched_at = launched_at or time.perf_counter()
+            copied[e] = self._upload(layer, at_hand[e], self._take_slot(layer))
+        self._begun = _Begun(layer, held, early, run, copied)
         return launched_at
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
@@ -241,8 +250,11 @@ class GpuExperts:
         plan = experts.plan
         side = self._side_of[layer]
         begun, self._begun = self._begun, None
-        if begun is not None and begun.layer != layer:  # (a step that failed after its begin: its launch is moot)
+        if begun is not None and begun.layer != layer:  # (a step that failed after its begin: its work is moot)
+            for buf in begun.copied.values():
+                side.free.setdefault(buf.nbytes, []).append(buf)
             begun = None
+        copied = begun.copied if begun is not None else {}
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
         side.cover_downloads()  # the earlier steps' copies down (this step's, issued since, go on beside its copies up)
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
@@ -250,12 +262,15 @@ class GpuExperts:
         missing: dict[int, bool] = {}  # expert -> whether its slot joins the device tier (to_device)
         for item in plan.items:
             buf = self.resident.get((layer, item.expert))
-            if buf is None:  # the slot its copy will fill, taken now so that one table names every slot
-                buf = self._take_slot(layer)
+            if buf is None:  # the slot its copy fills (begin's, or taken now so that one table names every slot)
+                buf = copied.get(item.expert) or self._take_slot(layer)
                 missing[item.expert] = item.to_device
             slots[item.expert] = buf
+        for e, buf in copied.items():  # (none: begin copies only the step's experts the plan reads from the host)
+            if slots.get(e) is not buf:
+                raise RuntimeError(f"layer {layer}: expert {e} was copied up before the plan, which did not take it")
         split = len(missing) not in (0, len(slots))
-        if begun is not None:
+        if begun is not None and begun.run is not None:
             if any(e in missing for e in begun.held) or len(begun.held) + len(missing) != len(slots):
                 raise RuntimeError(f"layer {layer}: the experts launched before the plan {begun.held} are not the ones its "
                                    f"device tier holds now {sorted(set(slots) - set(missing))}")  # fmt: skip
@@ -283,7 +298,8 @@ class GpuExperts:
 
         def place(expert: int, parts: ExpertBytes) -> None:
             buf = slots[expert]
-            self._upload(layer, parts, buf)
+            if expert not in copied:  # (begin copied those at hand then)
+                self._upload(layer, parts, buf)
             if missing.pop(expert):
                 self.resident[(layer, expert)] = buf
             else:
