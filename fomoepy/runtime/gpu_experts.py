@@ -212,9 +212,17 @@ class GpuExperts:
         first launch or copy (0.0: none made, nothing held or at hand)."""
         if ids.shape[0] != 1:  # (a decode step: one row)
             return 0.0
-        row = ids[0].tolist()
-        held = [e for e in row if (layer, e) in self.resident]
-        early = [e for e in row if e in at_hand and (layer, e) not in self.resident]
+        resident = self.resident
+        held, early, ptrs = [], [], {}  # (one pass: a decode step's host time is counted in microseconds)
+        for e in ids[0].tolist():
+            buf = resident.get((layer, e))
+            if buf is not None:
+                held.append(e)
+                ptrs[e] = buf.ptr
+            else:
+                ptrs[e] = 0  # (its row of the tables waits for compute, which knows its slot)
+                if e in at_hand:
+                    early.append(e)
         if not held and not early:
             return 0.0
         side = self._side_of[layer]
@@ -223,11 +231,10 @@ class GpuExperts:
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
         launched_at, run = 0.0, None
         if held:
-            missing = {e: False for e in row if (layer, e) not in self.resident}
-            ptrs = {e: self.resident[(layer, e)].ptr for e in held} | dict.fromkeys(missing, 0)
-            run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, ptrs, missing or None, early)
+            split = len(held) < len(ptrs)
+            run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, ptrs, held if split else None, early)
             launched_at = time.perf_counter()
-            if missing:
+            if split:
                 self._stages(run, 0, run.tables.n_first)
             else:
                 self._grouped(run)
@@ -288,7 +295,7 @@ class GpuExperts:
         else:
             at_hand = [e for e in missing if e in experts.fetched]
             run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, {e: buf.ptr for e, buf in slots.items()},
-                                missing if split else None, at_hand)  # fmt: skip
+                                [e for e in slots if e not in missing] if split else None, at_hand)  # fmt: skip
             launched = 0  # work items launched (split): the table's stretch whose experts are all in slots
             if split:  # what the slots hold computes while the misses are read and copied up
                 experts.launched_at = time.perf_counter()
@@ -486,23 +493,22 @@ class GpuExperts:
 
     # -- arithmetic ---------------------------------------------------------------------------------
     def _prepare(self, layer: int, h: DeviceArray, ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int],
-                 missing: dict[int, bool] | None, at_hand: list[int]) -> _Launch:  # fmt: skip
-        """The step's tables, in one upload, and its arrays. `missing`: when given, the experts not in
-        it (their slots are filled already) get the first work items, to be launched on their own, and
-        those `at_hand` (copied before any read lands) the next ones."""
+                 first: list[int] | None, at_hand: list[int]) -> _Launch:  # fmt: skip
+        """The step's tables, in one upload, and its arrays. `first`: when given (a step split between the
+        experts in slots and those copied up), they get the first work items, to be launched on their own,
+        and those `at_hand` (copied before any read lands) the next ones."""
         gate_m, _, down_m = self.layers[layer].parts
         T, k = ids.shape
         F, D = gate_m.shape[0], down_m.shape[0]
-        first = [e for e in slot_ptr if e not in missing] if missing is not None else ()
-        tables = build_tables(ids, weights, slot_ptr, self.slot_layouts[layer].offsets, first, at_hand if missing is not None else ())
+        tables = build_tables(ids, weights, slot_ptr, self.slot_layouts[layer].offsets, first or (), at_hand if first is not None else ())
         side = self._side_of[layer]
         dev = side.dev
         if T == 1:  # a decode step: its tables and intermediate arrays are the side's, reused (decode_scratch)
             on_device, act, part = side.decode_scratch(k, F, D)
-            run = _Launch(layer, tables, on_device, h, act, part if missing is not None else None, dev.empty((T, D)))
+            run = _Launch(layer, tables, on_device, h, act, part if first is not None else None, dev.empty((T, D)))
             self._upload_tables(side, run)
             return run
-        part = dev.empty((T * k, D)) if missing is not None or T > DOWN_SUM_MAX_TOKENS else None
+        part = dev.empty((T * k, D)) if first is not None or T > DOWN_SUM_MAX_TOKENS else None
         return _Launch(layer, tables, dev.upload(tables.host), h, dev.empty((T * k, F)), part, dev.empty((T, D)))
 
     def _tables(self, ids: np.ndarray, weights: np.ndarray, slots: dict[int, DeviceBuffer], first: list[int], then: list[int],
