@@ -298,9 +298,9 @@ class GpuExperts:
                                 [e for e in slots if e not in missing] if split else None, at_hand)  # fmt: skip
             launched = 0  # work items launched (split): the table's stretch whose experts are all in slots
             if split:  # what the slots hold computes while the misses are read and copied up
-                experts.launched_at = time.perf_counter()
+                experts.launched_at = experts.launched_at or time.perf_counter()  # (begin's copies may have come first)
                 self._stages(run, 0, run.tables.n_first)
-            launched = run.tables.n_first
+                launched = run.tables.n_first
         temporary: list[DeviceBuffer] = []
 
         def place(expert: int, parts: ExpertBytes) -> None:
@@ -348,7 +348,7 @@ class GpuExperts:
             self._stages(run, launched, run.tables.n_work)
             self._combine(run)
         else:
-            experts.launched_at = time.perf_counter()  # (every expert in a slot, or none was: all at once)
+            experts.launched_at = experts.launched_at or time.perf_counter()  # (every expert in a slot, or none was: all at once)
             self._grouped(run)
         side.launched()
         for buf in temporary:
@@ -373,6 +373,7 @@ class GpuExperts:
             side.decode_arrays.clear()
         self.resident.clear()
         self._downloaded.clear()
+        self._begun = None
         if self.pool is not None:
             self.pool.close()
 
