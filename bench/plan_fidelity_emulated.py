@@ -182,9 +182,25 @@ def child(args: argparse.Namespace) -> dict:
     parts = {p: sum(getattr(r, p) for r in step.records) for p in ("route", "plan", "wait", "compute", "release")}
     # the reads made ahead in the measured tokens: issued, used by their step (among its disk reads), wrong,
     # dropped unread
-    ahead = {c: v - ahead0[c] for c, v in asdict(ahead_counts).items()} if ahead_counts is not None else None
+    ahead = {c: _less(v, ahead0[c]) for c, v in asdict(ahead_counts).items()} if ahead_counts is not None else None
     return {"ahead": ahead, "wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_serial_s": serial[0], "host_before_s": first[0], "host_launch_s": launch[0], "host_copies_s": copies[0], "late_s": late,
             "counts": counts, "prediction_accuracy": streamer.prefetch_stats.accuracy, "by_rank": routing.accuracy_by_rank(), "step_parts_s": parts, "store": store, "demotions": device.downloads - down0, "device": dev.rt.device_name}  # fmt: skip
+
+
+def _less(now, before):
+    """A count since `before`; per position, position by position."""
+    if isinstance(now, list):
+        return [n - (before[i] if i < len(before) else 0) for i, n in enumerate(now)]
+    return now - before
+
+
+def reading_order_accuracy(ahead: dict) -> tuple[float, ...]:
+    """The share of the guesses read at each position of the reading order that their step took, over the
+    positions read at least a tenth as often as the first: what the read-ahead model's `by_rank` is (the
+    guesses read are those no tier holds, which the tiers make less likely than the predictor's own
+    first choices)."""
+    read, used = ahead["read_at"], ahead["used_at"]
+    return tuple(u / r for r, u in zip(read, used) if read and r >= 0.1 * read[0] and r > 0)
 
 
 def run_setting(args: argparse.Namespace, rates: EmulatedRates, device_share: float, host_share: float) -> dict:
@@ -235,8 +251,8 @@ def projections(rates: EmulatedRates, rig: str, measured: dict, prefetch: bool) 
     # projection's read-ahead share (`fomoe plan` assumes its predictor's accuracy instead); the wrong
     # guesses read are `ahead`. FOMOE's schedule reads none ahead.
     share = measured["ahead"]["used"] / measured["counts"]["disk"] if prefetch and measured["counts"]["disk"] else 0.0
-    # the emulated predictor's accuracy at each rank, as the run counted it (the order the engine reads in)
-    engine = project(work, hw, tier_rates, "engine", prefetch=share, by_rank=tuple(measured["by_rank"]) if prefetch else ())
+    # the share of right guesses along the order the engine read them in, as the run counted it
+    engine = project(work, hw, tier_rates, "engine", prefetch=share, by_rank=reading_order_accuracy(measured["ahead"]) if prefetch else ())
     # right guesses landed before their step asked, per layer step: measured, and as the projection has it
     landed = (measured["ahead"]["landed"] / steps if prefetch else 0.0, engine.landed_ahead)
     return shares, engine, project(work, hw, tier_rates, "fomoe"), (host, in_series, before_launch), (share, landed)
@@ -281,6 +297,7 @@ def main(args: argparse.Namespace) -> int:
             "host_step_s": measured["host_step_s"], "demotions": measured["demotions"], "store": measured["store"],
             "prediction_accuracy": measured["prediction_accuracy"], "by_rank": measured["by_rank"],
             "read_ahead": measured["ahead"], "read_ahead_share": ahead_share,
+            "reading_order_accuracy": reading_order_accuracy(measured["ahead"]) if args.prefetch else [],
             # right guesses landed before their step asked, per step: measured, and as the projection has it
             "landed_ahead": landed,
             "terms_ms_per_token": {t: v * 1e3 for t, v in engine.terms.items()}, "device": measured["device"],
@@ -342,7 +359,8 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
                       f"{r['read_ahead']['landed']} of them landed before it asked: {r['landed_ahead'][0]:.2f} a step, "
                       f"projected {r['landed_ahead'][1]:.2f}), {r['read_ahead']['wasted']} wrong "
                       f"({r['read_ahead']['in_the_way']} still in flight when their layer routed), "
-                      f"{r['read_ahead']['skipped']} dropped unread"
+                      f"{r['read_ahead']['skipped']} dropped unread; right along the reading order (the projection's "
+                      f"accuracy by position) {', '.join(f'{100 * a:.0f}' for a in r['reading_order_accuracy'])} %"
                       for r in rows)]  # fmt: skip
     return "\n".join(lines)
 

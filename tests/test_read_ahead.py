@@ -68,6 +68,11 @@ def test_take_hands_over_the_chosen_reads_and_drops_the_other_guesses():
     assert drive.issued == [(4, 9), (4, 1)]  # 7 and 3 were dropped unread
     c = ahead.counts
     assert (c.issued, c.used, c.wasted, c.skipped) == (2, 1, 1, 2) and ahead.in_flight == 0
+    # by position in the reading order: 9 (first, wrong) and 1 (second, taken) were read
+    assert (c.read_at, c.used_at) == ([1, 1], [0, 1])
+    ahead.queue(5, [2, 4])
+    ahead.take(5, [2])
+    assert (c.read_at, c.used_at) == ([2, 2], [1, 1])
 
 
 def test_guesses_for_a_step_that_never_came_do_not_linger():

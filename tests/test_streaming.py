@@ -612,7 +612,7 @@ def test_a_read_made_ahead_that_has_landed_is_at_hand_for_its_step(model):
     streamer = engine.experts.streamer
     streamer.predict(1, np.array([[2]]))
     streamer.release(streamer.acquire(0, np.array([[5]]))[0])
-    (guess,) = streamer.read_ahead._issued.values()
+    ((guess, _),) = streamer.read_ahead._issued.values()  # (the read, its position in the reading order)
     guess.result(timeout=10)
     plan, fetched, reads = streamer.start_acquire(1, np.array([[2]]))
     assert 2 in fetched and 2 not in reads and {i.source.value for i in plan.items} == {"disk"}

@@ -18,7 +18,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fomoepy.experts.policy import Key
@@ -40,6 +40,12 @@ class ReadAheadCounts:
     wasted: int = 0  # of those, not chosen there (drive time spent on a wrong guess)
     in_the_way: int = 0  # of those wasted, still in flight when their layer routed (its reads queue behind them)
     skipped: int = 0  # guesses dropped unread: their layer's routing came first
+    # by position in the order the guesses were read (a step's guesses no tier holds, most confident
+    # first): how many were read there, and how many of those their step took. Where the tiers hold the
+    # likeliest guesses, the ones read are right less often than the predictor's first choices are
+    # (`fomoe plan`'s read-ahead model takes the share of right ones along this order)
+    read_at: list[int] = field(default_factory=list)
+    used_at: list[int] = field(default_factory=list)
 
 
 class ReadAhead:
@@ -65,7 +71,7 @@ class ReadAhead:
         self._submitting: set[Key] = set()  # popped from the queue, their read not yet filed
         self._waiting = 0  # takes waiting for one of those to be filed
         self._queued: deque[tuple[Key, Any]] = deque()  # guesses not yet issued, in order, each with what it needs
-        self._issued: dict[Key, InFlight] = {}  # issued guesses no step has taken yet
+        self._issued: dict[Key, tuple[InFlight, int]] = {}  # issued guesses no step has taken yet, with their position
         self._in_flight = 0  # issued reads not landed (taken or not: they hold the drive either way)
         self._closed = False
 
@@ -73,7 +79,8 @@ class ReadAhead:
         """Read these guesses for `layer` (most confident first) as the drives free up. Guesses for another
         layer still queued are dropped: a read made ahead is worth it for the next step only."""
         prepare = self._prepare or (lambda layer, expert: None)
-        guesses = deque(((layer, int(e)), prepare(layer, int(e))) for e in experts)  # on the calling thread
+        # (key, what its read needs, its position in the reading order), made on the calling thread
+        guesses = deque(((layer, int(e)), prepare(layer, int(e)), i) for i, e in enumerate(experts))
         with self._lock:
             self.counts.skipped += len(self._queued)
             self._queued = guesses
@@ -102,15 +109,21 @@ class ReadAhead:
                 else:
                     kept.append(guess)
             self._queued = kept
+            c = self.counts
             for key in [k for k in self._issued if k[0] == layer]:
-                future = self._issued.pop(key)
+                future, at = self._issued.pop(key)
+                if at >= len(c.read_at):
+                    c.read_at += [0] * (at + 1 - len(c.read_at))
+                    c.used_at += [0] * (at + 1 - len(c.used_at))
+                c.read_at[at] += 1
                 if key[1] in wanted:
                     taken[key[1]] = future
-                    self.counts.used += 1
-                    self.counts.landed += future.done()
+                    c.used += 1
+                    c.used_at[at] += 1
+                    c.landed += future.done()
                 else:
-                    self.counts.wasted += 1
-                    self.counts.in_the_way += not future.done()
+                    c.wasted += 1
+                    c.in_the_way += not future.done()
         return taken
 
     @property
@@ -122,7 +135,7 @@ class ReadAhead:
             with self._lock:
                 if self._closed or self._in_flight >= self.depth or not self._queued:
                     return
-                key, prepared = self._queued.popleft()
+                key, prepared, at = self._queued.popleft()
                 self._in_flight += 1
                 self.counts.issued += 1
                 self._submitting.add(key)
@@ -137,7 +150,7 @@ class ReadAhead:
                     if future is None:  # the store refused it (closed): nothing is in flight for it
                         self._in_flight -= 1
                     else:
-                        self._issued[key] = future
+                        self._issued[key] = (future, at)
                         # landed already (a null or cached read): the drive is free, and the loop goes on
                         # with no callback to make
                         landed = future.done()
