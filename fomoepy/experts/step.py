@@ -84,8 +84,13 @@ class MoEStep:
         begin = getattr(device, "begin", None) if self.phase is Phase.DECODE else None
         launched = [0.0]
 
-        def beside(at_hand) -> None:  # while the step's reads are in flight: the first launch, the routing's record, the next layer's guesses
-            if begin is not None:  # the experts the device holds compute from here, those at hand are copied up
+        def beside(fetched, reads) -> None:  # while the step's reads are in flight: the first launch, the routing's record, the next layer's guesses
+            if begin is not None:  # the experts the device holds compute from here, those at hand (landed, the host tier's) are copied up
+                host = s.host_slots
+                at_hand = dict(fetched)
+                for e in ids.ravel().tolist():
+                    if e not in reads and e not in at_hand and (layer, e) in host:
+                        at_hand[e] = host[(layer, e)]
                 launched[0] = begin(layer, h, ids, weights, at_hand)
             s.note(layer, exact, rows)
             if self._predicting(layer):

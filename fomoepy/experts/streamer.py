@@ -1,7 +1,7 @@
 """ExpertStreamer: the host side of the MoE step (fomoepy.experts.step.MoEStep), which drives it:
 
     ids, weights = streamer.substitute(layer, exact)     # cache-aware routing: what the step reads
-    plan, fetched, reads = streamer.start_acquire(layer, ids, beside=lambda at_hand: streamer.note(layer, exact))
+    plan, fetched, reads = streamer.start_acquire(layer, ids, beside=lambda fetched, reads: streamer.note(layer, exact))
                                                       # reads issued; beside them the trace and profile
                                                       # counts (note); then the cache plan, host bytes
     ... the device computes, filling its tier for plan items with to_device ...
@@ -273,7 +273,7 @@ class ExpertStreamer:
         return plan, self.finish_acquire(plan, fetched, reads)
 
     def start_acquire(self, layer: int, ids: np.ndarray, rows: slice | None = None,
-                      beside: Callable[[dict[int, ExpertBytes]], None] | None = None) -> tuple[Plan, dict[int, ExpertBytes], dict[int, InFlight | None]]:  # fmt: skip
+                      beside: Callable[[dict[int, ExpertBytes], dict[int, InFlight | None]], None] | None = None) -> tuple[Plan, dict[int, ExpertBytes], dict[int, InFlight | None]]:  # fmt: skip
         """acquire's first half: the plan, the bytes at hand (host hits, prefetches handed over) and the
         reads in flight, so a backend can compute the experts at hand while the others are read. The
         caller must then call finish_acquire, before anything else of this streamer's. rows: the step's
@@ -282,8 +282,8 @@ class ExpertStreamer:
         The step's reads go out first, before its plan: they are the experts neither tier holds, which the
         tiers' state already says (the plan's disk items are exactly those), so the drives' latency starts
         before the plan's eviction walks and the commit, which then run while the reads are in flight. So
-        does `beside(at_hand)`, when given, with the bytes of the step's experts that are here (the host
-        tier's, reads made ahead that landed; any the device tier holds too): work of the step's that its
+        does `beside(fetched, reads)`, when given, with the bytes at hand so far (reads made ahead that
+        landed; the host tier's are in `host_slots`) and the reads in flight: work of the step's that its
         reads do not wait for (MoEStep's first launch of the experts the device holds and copies up of those
         at hand, its record of the routing and the next layer's prediction), made before the plan."""
         self._collect_backfill()
@@ -304,12 +304,8 @@ class ExpertStreamer:
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
-        if beside is not None:  # given the step's experts whose bytes are here (not being read): the host tier's, landed ones
-            at_hand = dict(fetched)
-            for e in experts:
-                if e not in reads and e not in at_hand and (layer, e) in self.host_slots:
-                    at_hand[e] = self.host_slots[(layer, e)]
-            beside(at_hand)
+        if beside is not None:
+            beside(fetched, reads)
         # the next layer's guesses (predicted in `beside`) go to the drives next, behind this step's reads in
         # the pool: a drive with no read of this step's starts on them now, not after the plan below
         self._issue_prefetch()
