@@ -36,6 +36,27 @@ def fomoe_rig():
     return load_hardware("fomoe-rig")
 
 
+STREAMED_MODELS = ["qwen3moe_q4_k_m", "qwen35moe_q4_k"]
+
+
+@pytest.fixture(scope="session", params=STREAMED_MODELS)
+def streamed_model(request, tmp_path_factory):
+    """An oracle model with its expert store striped over two directories, for the streaming tests:
+    (the model file, the store's directories, the oracle's tokens, the all-resident engine's logits)."""
+    import numpy as np
+
+    from fomoepy.engine import Engine, EngineOptions
+    from fomoepy.experts.store_writer import prepare_store
+
+    name = request.param
+    path = ORACLE / f"{name}.gguf"
+    store = tmp_path_factory.mktemp(f"store-{name}")
+    prepare_store(path, [store / "a", store / "b"], progress=False)
+    tokens = np.load(ORACLE / f"{name}.tokens.npy")
+    resident = Engine(path, EngineOptions()).logits(tokens)  # every expert compute-ready
+    return path, [str(store / "a"), str(store / "b")], tokens, resident
+
+
 _engines: dict = {}
 
 

@@ -6,7 +6,7 @@ and names what let it go: the awaited event, or running out of patience (the sch
   - experts already in device slots are computed (both stages) before any missing expert's copy is issued;
   - a step that splits its experts that way computes the bits one launch over all of them computes;
   - the next layer's predicted reads are issued before this layer's expert kernels and are still in
-    flight when those kernels run (the CPU path's twin: test_streaming.py).
+    flight when those kernels run (the CPU path's twin: test_streaming_reads.py).
 """
 
 from __future__ import annotations
