@@ -85,13 +85,8 @@ class MoEStep:
         launched = [0.0]
 
         def beside(fetched, reads) -> None:  # while the step's reads are in flight: the first launch, the routing's record, the next layer's guesses
-            if begin is not None:  # the experts the device holds compute from here, those at hand (landed, the host tier's) are copied up
-                host = s.host_slots
-                at_hand = dict(fetched)
-                for e in ids.ravel().tolist():
-                    if e not in reads and e not in at_hand and (layer, e) in host:
-                        at_hand[e] = host[(layer, e)]
-                launched[0] = begin(layer, h, ids, weights, at_hand)
+            if begin is not None:  # the experts the device holds compute from here, those at hand are copied up
+                launched[0] = begin(layer, h, ids, weights, s.at_hand(layer, ids, fetched, reads))
             s.note(layer, exact, rows)
             if self._predicting(layer):
                 ahead, self._ahead = self._ahead, None

@@ -327,6 +327,16 @@ class ExpertStreamer:
             self.host_slots[key] = self._download(key)  # type: ignore[misc]
         return plan, fetched, reads
 
+    def at_hand(self, layer: int, ids: np.ndarray, fetched: dict[int, ExpertBytes], reads: dict) -> dict[int, ExpertBytes]:
+        """The bytes of a step's experts that are here before its plan (start_acquire's `beside`): the reads
+        made ahead that landed (`fetched`) and the host tier's (as its plan will call them), not those
+        still being read (`reads`). Any the device tier holds too are among them: the device skips those."""
+        at_hand, host = dict(fetched), self.host_slots
+        for e in np.asarray(ids).ravel().tolist():
+            if e not in reads and e not in at_hand and (layer, e) in host:
+                at_hand[e] = host[(layer, e)]
+        return at_hand
+
     def _submit(self, layer: int, expert: int) -> InFlight:
         return self._submit_into(layer, expert, self._read_buffer(layer) if self._read_buffer is not None else None)
 

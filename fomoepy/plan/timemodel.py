@@ -195,7 +195,7 @@ def project(
     head = 0.0 if "head" in drop else head
 
     one_ffn = layer["experts"] / k
-    host, serial, launch, before = layer["plan"], None, None, 0.0
+    host, serial, launch, copies, before = layer["plan"], None, None, None, 0.0
     if gpu and schedule == "engine" and hw.host.serial is not None:
         serial = min(hw.host.serial, host)
         before = serial if hw.host.before_reads is None else min(serial, hw.host.before_reads)
