@@ -195,12 +195,12 @@ def _less(now, before):
 
 
 def reading_order_accuracy(ahead: dict) -> tuple[float, ...]:
-    """The share of the guesses read at each position of the reading order that their step took, over the
-    positions read at least a tenth as often as the first: what the read-ahead model's `by_rank` is (the
-    guesses read are those no tier holds, which the tiers make less likely than the predictor's own
-    first choices)."""
-    read, used = ahead["read_at"], ahead["used_at"]
-    return tuple(u / r for r, u in zip(read, used) if read and r >= 0.1 * read[0] and r > 0)
+    """The run's share of right guesses along its reading order (ReadAheadCounts.along_reading_order, from
+    the counts the child sent): what the read-ahead model's `by_rank` is (the guesses read are those no tier
+    holds, which the tiers make less likely than the predictor's own first choices)."""
+    from fomoepy.experts.read_ahead import ReadAheadCounts
+
+    return ReadAheadCounts(read_at=ahead["read_at"], used_at=ahead["used_at"]).along_reading_order()
 
 
 def run_setting(args: argparse.Namespace, rates: EmulatedRates, device_share: float, host_share: float) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from fomoepy.plan.hardware import (
 )
 from fomoepy.plan.rates import TierRates, parse_hit_rates
 from fomoepy.plan.routing import (
+    MEMORY_MATCH,
     RoutingFit,
     fit_routing,
     popularity_seed,
@@ -394,60 +396,92 @@ def test_the_readme_plan_example_is_what_the_command_prints(capsys):
     assert capsys.readouterr().out == quoted
 
 
-def test_the_engine_schedule_reads_ahead_at_the_measured_accuracy_and_prints_fomoes_beside_it(capsys, tmp_path):
-    from fomoepy.experts.trace import TraceHeader, TraceWriter, read_trace
+def _guessing_trace(path, guess):
+    """2 layers of 8 experts, top-2: token t takes t and t+1 (mod 8) at both layers; layer 1's prediction
+    (made during layer 0) is guess(t)."""
+    from fomoepy.experts.trace import TraceHeader, TraceWriter
+
+    with TraceWriter(path, TraceHeader(2, 8, 2, (100, 100))) as w:
+        for t in range(4):
+            for layer in range(2):
+                w.write(t, layer, np.array([[t % 8, (t + 1) % 8]]), np.full((1, 2), 0.5, np.float32),
+                        predicted=np.array(guess(t)) if layer else None)  # fmt: skip
+    return str(path)
+
+
+def test_the_engine_schedule_reads_ahead_what_its_predictions_replayed_through_the_tiers_read(capsys, tmp_path, monkeypatch):
+    from fomoepy.experts.trace import read_trace
     from fomoepy.plan.commands import PREDICTION_TRACE
 
-    argv = ["plan", "--shape", "qwen3.5-397b-a17b", "--hardware", "fomoe-rig", "--hit-rates", "60,12,28"]
-    assert main(argv + ["--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    shipped, n = read_trace(PREDICTION_TRACE).prediction_accuracy()
-    assert out["prefetch"]["share"] == shipped and f"{n} predictions" in out["prefetch"]["source"] and 0 < shipped < 1
-    ours, theirs = out["projection"]["tokens_per_s"], out["fomoe_schedule"]["tokens_per_s"]
-    assert main(argv + ["--json", "--prefetch", "0"]) == 0
+    argv = ["plan", "--shape", "qwen3.5-397b-a17b", "--hardware", "fomoe-rig", "--json", "--hit-rates"]
+    shipped = read_trace(PREDICTION_TRACE)
+    by_rank = shipped.prediction_accuracy_by_rank()
+    runs = {}
+    for rates in ("0,0,100", "60,12,28", "80,15,5"):
+        assert main(argv + [rates]) == 0
+        runs[rates] = json.loads(capsys.readouterr().out)
+    cold, rig, warm = (runs[r]["prefetch"] for r in runs)
+    assert cold["by_rank"] == rig["by_rank"] == by_rank and f"({sum(len(r.predicted) for r in shipped.records if r.predicted is not None)} guesses)" in rig["source"]
+    # no tier: every guess is read, in the predictor's order; the more the tiers serve, the more of the
+    # likeliest guesses they hold, and the fewer of those read are right
+    assert cold["along"] == pytest.approx(by_rank, rel=1e-12)  # the same counts, divided in another order
+    assert cold["along"][0] > rig["along"][0] > warm["along"][0]
+    served = float(re.search(r"serving ([0-9.]+) % of accesses", rig["source"]).group(1))
+    assert abs(served - 72) <= 100 * MEMORY_MATCH  # the replay's tiers sized to serve 60 + 12 %
+    for r in (cold, rig, warm):
+        assert 0 < r["share"] < 1 and r["wrong"] > 0
+    ours, theirs = runs["60,12,28"]["projection"]["tokens_per_s"], runs["60,12,28"]["fomoe_schedule"]["tokens_per_s"]
+    assert main(argv + ["60,12,28", "--prefetch", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["projection"]["tokens_per_s"] < ours  # the reads ahead count
-    assert main(argv) == 0
-    assert f"FOMOE's schedule, same figures: {theirs:.2f} tok/s; ours {ours:.2f}" in capsys.readouterr().out
-    # a trace that records predictions is measured on its own: every prediction right here
-    path = tmp_path / "p.trace"
-    with TraceWriter(path, TraceHeader(2, 8, 2, (100, 100))) as w:
-        for t in range(4):
-            for layer in range(2):
-                ids = np.array([[t % 8, (t + 1) % 8]])
-                w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=ids[0] if layer else None)
-    assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in p.trace; by rank 100, 100 %",
-                                                          "by_rank": [1.0, 1.0]}
+    assert main(argv[:-2] + ["--hit-rates", "60,12,28"]) == 0
+    printed = capsys.readouterr().out
+    assert f"FOMOE's schedule, same figures: {theirs:.2f} tok/s; ours {ours:.2f}" in printed
+    assert f"reads a layer ahead: {100 * rig['share']:.0f} % of misses (the engine's next-layer predictions in demo-predictions.trace" in printed
 
-    # the accuracy by rank: the first guess (read first) right, the second never
-    path = tmp_path / "r.trace"
-    with TraceWriter(path, TraceHeader(2, 8, 2, (100, 100))) as w:
-        for t in range(4):
-            for layer in range(2):
-                ids = np.array([[t % 8, (t + 1) % 8]])
-                w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=np.array([t % 8, (t + 5) % 8]) if layer else None)
-    trace = read_trace(path)
-    assert trace.prediction_accuracy() == (0.5, 8) and trace.prediction_accuracy_by_rank() == [1.0, 0.0]
-    assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
-    ranked = json.loads(capsys.readouterr().out)
-    ahead = ranked["prefetch"]
-    assert ahead["source"].endswith("; by rank 100, 0 %") and ahead["by_rank"] == [1.0, 0.0]
-    # the engine reads the first guesses first: right where this predictor is, they land before the wrong
-    # ones take the drives, where a predictor as accurate at every rank lands fewer in the same window
-    path = tmp_path / "f.trace"
-    with TraceWriter(path, TraceHeader(2, 8, 2, (100, 100))) as w:
-        for t in range(4):
-            for layer in range(2):
-                ids = np.array([[t % 8, (t + 1) % 8]])
-                guess = np.array([(t + 5) % 8, (t + 1) % 8] if t % 2 else [t % 8, (t + 6) % 8])
-                w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=guess if layer else None)
-    argv = ["plan", "--shape", "qwen3.5-397b-a17b", "--hardware", "fomoe-rig", "--json"]
-    assert main(argv + ["--trace", str(path)]) == 0
-    flat = json.loads(capsys.readouterr().out)
-    assert flat["prefetch"]["by_rank"] == [0.5, 0.5] and flat["prefetch"]["share"] == ahead["share"] == 0.5
-    assert main(argv + ["--trace", str(tmp_path / "r.trace")]) == 0
-    ranked = json.loads(capsys.readouterr().out)["projection"]
-    assert ranked["landed_ahead"] > flat["projection"]["landed_ahead"] and ranked["tokens_per_s"] > flat["projection"]["tokens_per_s"]
+    # a trace that records predictions is replayed on its own. The first guess always right, the second
+    # never: with tiers that hold what was read, the first guess is held from the second token on (taken
+    # as t + 1 the token before), so the reading order starts with the wrong one
+    ranked = _guessing_trace(tmp_path / "r.trace", lambda t: [t % 8, (t + 5) % 8])
+    argv = ["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", ranked, "--json"]
+    assert main(argv) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    ahead = replayed["prefetch"]
+    assert ahead["by_rank"] == [1.0, 0.0] and ahead["along"] == [1 / 3, 0.0]
+    # of the 10 misses (5 a layer: 0 and 1, then one new expert a token), layer 1's first, at token 0, was
+    # read ahead right; layer 0's have no layer before them to be guessed in. 3 wrong guesses were read
+    assert ahead["share"] == 0.1 and ahead["wrong"] == 0.3
+    # the projection takes the replay's figures: its reading order's accuracy, and the wrong guesses it read
+    # as the drives' extra reads (not the 1 - share a miss that a share given alone implies)
+    from fomoepy.plan import commands
+
+    calls = []
+
+    def spy(work, hw, rates, schedule, **kw):
+        calls.append((rates, kw))
+        return project(work, hw, rates, schedule, **kw)
+
+    monkeypatch.setattr(commands, "project", spy)
+    assert main(argv) == 0
+    rates, kw = calls[0]
+    assert json.loads(capsys.readouterr().out)["projection"] == replayed["projection"]
+    assert kw["prefetch"] == 0.1 and kw["by_rank"] == (1 / 3, 0.0) and rates.ahead == pytest.approx(0.3 * rates.disk, rel=1e-12)
+
+
+def test_the_first_guesses_read_being_right_lands_more_ahead_than_guesses_alike_along_the_order(capsys, tmp_path):
+    # the engine reads its most confident guesses no tier holds first: where those are the right ones, they
+    # land before the wrong ones take the drives; a predictor as often right at every position of its
+    # reading order lands fewer in the same window. (Neither guess of either trace is held when it is made:
+    # t + 1 is the token's new expert, t + 6 is taken by no token.)
+    first = _guessing_trace(tmp_path / "first.trace", lambda t: [(t + 1) % 8, (t + 6) % 8])
+    alike = _guessing_trace(tmp_path / "alike.trace", lambda t: [(t + 6) % 8, (t + 1) % 8] if t % 2 else [(t + 1) % 8, (t + 6) % 8])
+    runs = {}
+    for name, path in (("first", first), ("alike", alike)):
+        assert main(["plan", "--shape", "qwen3.5-397b-a17b", "--hardware", "fomoe-rig", "--json", "--trace", path]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert runs["first"]["prefetch"]["along"][0] > runs["alike"]["prefetch"]["along"][0]
+    assert runs["first"]["prefetch"]["share"] == runs["alike"]["prefetch"]["share"] > 0
+    assert runs["first"]["projection"]["landed_ahead"] > runs["alike"]["projection"]["landed_ahead"]
+    assert runs["first"]["projection"]["tokens_per_s"] > runs["alike"]["projection"]["tokens_per_s"]
 
 
 def test_a_trace_replay_counts_the_demotions_of_a_demoting_policy():
@@ -460,7 +494,7 @@ def test_a_trace_replay_counts_the_demotions_of_a_demoting_policy():
 
 def test_a_replayed_trace_that_read_ahead_projects_its_reads_ahead_at_its_accuracy(capsys, tmp_path):
     # a run's reads made ahead never changed its tiers (they are disk reads made early), so the replay's
-    # misses are all there and the projection reads its predictor's share of them ahead
+    # misses are all there, and every one of layer 1's (5 of the 10) was read ahead by a right guess
     from fomoepy.experts.trace import TraceHeader, TraceWriter
 
     path = tmp_path / "ahead.trace"
@@ -470,5 +504,6 @@ def test_a_replayed_trace_that_read_ahead_projects_its_reads_ahead_at_its_accura
                 ids = np.array([[t % 8, (t + 1) % 8]])
                 w.write(t, layer, ids, np.full((1, 2), 0.5, np.float32), predicted=ids[0] if layer else None)
     assert main(["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["prefetch"] == {"share": 1.0, "source": "the engine's next-layer prediction accuracy, measured: 8 predictions in ahead.trace; by rank 100, 100 %",
-                                                          "by_rank": [1.0, 1.0]}
+    ahead = json.loads(capsys.readouterr().out)["prefetch"]
+    assert (ahead["share"], ahead["wrong"], ahead["along"], ahead["by_rank"]) == (0.5, 0.0, [1.0, 1.0], [1.0, 1.0])
+    assert ahead["source"].startswith("the engine's next-layer predictions in ahead.trace (8 guesses)")

@@ -190,6 +190,35 @@ def test_car_replay_reports_a_substitution_rate(tmp_path):
         simulate(no_probs, (100, 100, 100), 600, 0, car=CarConfig(threshold=0.3))
 
 
+def _guessing_trace(path):
+    """2 layers of 8 experts, top-2; token t takes t and t+1 (mod 8) at both layers, and layer 1's
+    prediction (made during layer 0) is [t, t+5]: its first guess always right, its second never."""
+    with TraceWriter(path, TraceHeader(2, 8, 2, (100, 100))) as w:
+        for t in range(4):
+            for layer in range(2):
+                w.write(t, layer, np.array([[t % 8, (t + 1) % 8]]), np.full((1, 2), 0.5, np.float32),
+                        predicted=np.array([t % 8, (t + 5) % 8]) if layer else None)  # fmt: skip
+    return read_trace(path)
+
+
+def test_a_replay_counts_the_guesses_no_tier_holds_when_the_step_before_reads_them(tmp_path):
+    trace = _guessing_trace(tmp_path / "g.trace")
+    # no tiers: every guess is read, in the predictor's order; the counts follow its ranks
+    none = simulate(trace, (100, 100), 0, 0, "lru").ahead
+    assert (none.read_at, none.used_at, none.issued, none.used, none.wasted) == ([4, 4], [4, 0], 8, 4, 4)
+    assert none.along_reading_order() == (1.0, 0.0)
+    # tiers that hold everything once read: after token 0, guess t is held (layer 1 took it as t + 1 the
+    # token before) and only t + 5 is read, first: the reading order's first guess is right a third of the
+    # time where the predictor's first is always right; at token 3, 0 is held too (taken at token 0)
+    held = simulate(trace, (100, 100), 0, 10_000, "lru").ahead
+    assert (held.read_at, held.used_at) == ([3, 1], [1, 0]) and held.along_reading_order() == (1 / 3, 0.0)
+    # two experts' room, lru: the engine looks before the step's own access (layer 0 then evicts layer 1's
+    # pair); looking after it would find nothing of layer 1 held and read both guesses every token
+    two = simulate(trace, (100, 100), 0, 200, "lru").ahead
+    assert (two.read_at, two.used_at) == ([4, 1], [1, 0])
+    assert simulate(read_trace(write_trace(tmp_path / "n.trace", n_tokens=4)), (100, 100, 100), 0, 0).ahead is None
+
+
 # -- the command -----------------------------------------------------------------------------------
 
 

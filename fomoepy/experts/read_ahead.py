@@ -47,6 +47,21 @@ class ReadAheadCounts:
     read_at: list[int] = field(default_factory=list)
     used_at: list[int] = field(default_factory=list)
 
+    def count_read(self, at: int, used: bool) -> None:
+        """One guess read at position `at` of its step's reading order, taken by its step or not."""
+        if at >= len(self.read_at):
+            self.read_at += [0] * (at + 1 - len(self.read_at))
+            self.used_at += [0] * (at + 1 - len(self.used_at))
+        self.read_at[at] += 1
+        self.used_at[at] += used
+
+    def along_reading_order(self) -> tuple[float, ...]:
+        """The share of the guesses read at each position of the reading order that their step took, over
+        the positions read at least a tenth as often as the first (fewer are noise): what `fomoe plan`'s
+        read-ahead model takes as the density of right guesses along the order its reads are made in."""
+        read, used = self.read_at, self.used_at
+        return tuple(u / r for r, u in zip(read, used) if r > 0 and r >= 0.1 * read[0])
+
 
 class ReadAhead:
     """Feeds guesses to `submit(layer, expert, prepared) -> a read in flight` at most `depth` at a time.
@@ -112,14 +127,10 @@ class ReadAhead:
             c = self.counts
             for key in [k for k in self._issued if k[0] == layer]:
                 future, at = self._issued.pop(key)
-                if at >= len(c.read_at):
-                    c.read_at += [0] * (at + 1 - len(c.read_at))
-                    c.used_at += [0] * (at + 1 - len(c.used_at))
-                c.read_at[at] += 1
+                c.count_read(at, key[1] in wanted)
                 if key[1] in wanted:
                     taken[key[1]] = future
                     c.used += 1
-                    c.used_at[at] += 1
                     c.landed += future.done()
                 else:
                     c.wasted += 1

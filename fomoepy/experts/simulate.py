@@ -25,6 +25,7 @@ from fomoepy.experts.belady import BeladyResult, belady
 from fomoepy.experts.car import CarConfig, CarStats, cache_aware_route
 from fomoepy.experts.fast_cache import make_cache
 from fomoepy.experts.policy import DEFAULT_POLICY, Key, PolicyOptions, make_policy
+from fomoepy.experts.read_ahead import ReadAheadCounts
 from fomoepy.experts.sizes import format_size
 from fomoepy.experts.trace import Trace
 
@@ -37,6 +38,9 @@ class SimResult:
     summary: dict  # CacheStats.summary()
     car: CarStats | None
     seeded: tuple[tuple[Key, ...], tuple[Key, ...]] = ((), ())  # what start-up put in device, host
+    # the next layer's guesses a replay of a trace with predictions would read (issued, used, wasted and by
+    # position in the reading order; none lands late or is skipped here: a replay has no clock)
+    ahead: ReadAheadCounts | None = None
 
     @property
     def device_hit_rate(self) -> float:
@@ -76,8 +80,11 @@ def simulate(
     """Replay trace; `seed` (e.g. profile.seed_order) fills VRAM then DRAM first, and with a
     `*-pinned` policy the seeded keys filling the first `pin_fraction` of each tier are pinned.
     `device_expert_bytes`: one expert's size in the device tier's form, when it is not the store's (the
-    CPU backend's compute-ready float32). The engine's reads made ahead (a trace's read_ahead) are not
-    replayed: the cache counts them as the disk reads they are (fomoepy.experts.read_ahead)."""
+    CPU backend's compute-ready float32). The engine's reads made ahead are not admitted early: the cache
+    counts them as the disk reads they are (fomoepy.experts.read_ahead). Where the trace's records carry
+    the predictions made for them, `ahead` counts the guesses the engine reads: a step's prediction of the
+    next layer, less what either tier holds at that step (before its own access, as the engine queues its
+    guesses once its reads are issued, before its plan), in the predictor's order."""
     header = trace.header
     seed = list(seed)
     cache = make_cache(
@@ -93,8 +100,15 @@ def simulate(
     car_stats = CarStats() if car is not None and car.enabled else None
     if car_stats is not None and not trace.has_probs:
         raise FomoeError("replaying cache-aware routing needs a trace recorded with full probabilities")
-    for record in trace.records:
+    records = trace.records
+    ahead = ReadAheadCounts() if any(r.predicted is not None for r in records) else None
+    guessed: list[int] = []  # the guesses read for this record, made during the record before it
+    for i, record in enumerate(records):
         cache.tick(max(0, (record.token if record.now is None else record.now) - cache.now))
+        after = records[i + 1] if i + 1 < len(records) else None
+        reading = []
+        if ahead is not None and after is not None and after.predicted is not None and after.layer == record.layer + 1:
+            reading = cache.uncached(after.layer, after.predicted.tolist())
         ids = record.ids
         if car_stats is not None:
             weights = record.scores / record.scores.sum(axis=-1, keepdims=True)
@@ -111,8 +125,17 @@ def simulate(
             car_stats.record(record.layer, result)
             ids = result.ids
         cache.access(record.layer, ids, record.sequences)
+        if guessed:
+            taken = set(np.asarray(ids).ravel().tolist())
+            for at, expert in enumerate(guessed):
+                ahead.count_read(at, expert in taken)  # type: ignore[union-attr]
+            ahead.issued += len(guessed)  # type: ignore[union-attr]
+            ahead.used += sum(e in taken for e in guessed)  # type: ignore[union-attr]
+        guessed = reading
+    if ahead is not None:
+        ahead.wasted = ahead.issued - ahead.used
     return SimResult(
-        policy, device_bytes, host_bytes, cache.stats.summary(), car_stats, (tuple(seeded[0]), tuple(seeded[1]))
+        policy, device_bytes, host_bytes, cache.stats.summary(), car_stats, (tuple(seeded[0]), tuple(seeded[1])), ahead
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fomoepy.errors import FomoeError
@@ -19,6 +19,7 @@ from fomoepy.plan.routing import (
     load_traces,
     popularity_seed,
     rates_from_trace,
+    read_ahead_from_trace,
     synthetic_trace,
 )
 from fomoepy.plan.shapes import (
@@ -60,8 +61,8 @@ def register(sub) -> None:
     p.add_argument("--efficiency", help="kernel efficiency per family, e.g. dense=0.5,experts=0.4 or one number")
     p.add_argument("--prefetch", type=float, default=None,
                    help="share of misses read ahead off the critical path (default, engine schedule: the engine's "
-                        "measured next-layer prediction accuracy, from --trace if it records predictions, else the "
-                        "demo model's; FOMOE's schedule reads nothing ahead)")  # fmt: skip
+                        "next-layer predictions replayed through tiers that serve the projection's hit rates, from "
+                        "--trace if it records predictions, else the demo model's; FOMOE's schedule reads nothing ahead)")  # fmt: skip
     p.add_argument("--drop", default="", help=f"zero these terms to see what they cost ({', '.join(TERMS)})")
     p.add_argument("--sweep", help="vram=8G,16G | ram=32G,64G | policy=lru,lfu-decay|all | car=0.2,0.35")
     p.add_argument("--what-if", action="store_true", help="rank upgrades: a drive, 2x RAM, 2x VRAM, a GPU")
@@ -87,6 +88,19 @@ def _efficiency(text: str | None) -> dict | None:
     return out
 
 
+@dataclass(frozen=True)
+class ReadAhead:
+    """The engine schedule's reads a layer ahead, as a projection takes them: `share` of the misses read
+    ahead by a right guess; where it comes from; the share of right guesses along the reading order and the
+    wrong ones read per miss, where a replay counted them; the predictor's own accuracy by rank."""
+
+    share: float
+    source: str
+    along: tuple[float, ...] = ()
+    wrong: float | None = None
+    by_rank: tuple[float, ...] = ()
+
+
 class Planner:
     """Everything one `fomoe plan` run varies: capacity, policy, CAR threshold, hardware."""
 
@@ -106,23 +120,30 @@ class Planner:
             raise FomoeError(f"--drop: unknown term {unknown[0]!r}; expected some of {', '.join(TERMS)}")
         self.drop = drop
         self.efficiency = _efficiency(args.efficiency)
-        self.prefetch, self.prefetch_source, self.prefetch_by_rank = self._prefetch()
+        # the trace whose recorded predictions the engine schedule's reads ahead are replayed from
+        self.predictions = self.trace if self.trace is not None and self.trace.prediction_accuracy() else None
+        self._replays: dict[tuple[float, float], ReadAhead] = {}
 
-    def _prefetch(self) -> tuple[float, str, list[float]]:
-        """The share of misses read a layer ahead, where it comes from, and the measured accuracy by rank
-        (the order guesses are read in; [] where none was measured)."""
+    def read_ahead(self, hw: Hardware, rates: TierRates) -> ReadAhead:
+        """The share of misses read ahead by a right guess, and how: given (--prefetch), none (FOMOE's
+        schedule), or the engine's predictions replayed through tiers that serve as many accesses as `rates`
+        say (the guesses read are those no tier holds: the more the tiers hold, the fewer of the likeliest)."""
         a = self.args
         if a.prefetch is not None:
-            return a.prefetch, "given", []
+            return ReadAhead(a.prefetch, "given")
         if a.schedule != "engine":
-            return 0.0, "FOMOE's schedule reads nothing ahead", []
-        trace = self.trace if self.trace is not None and self.trace.prediction_accuracy() else load_traces([str(PREDICTION_TRACE)])[0]
-        accuracy, n = trace.prediction_accuracy()  # type: ignore[misc]  (counted once per trace)
-        where = Path(trace.path).name
-        # how much the first guesses (read first) are right more often than the last
-        by_rank = trace.prediction_accuracy_by_rank()
-        ranks = ", ".join(f"{100 * r:.0f}" for r in by_rank[:10])
-        return accuracy, f"the engine's next-layer prediction accuracy, measured: {n} predictions in {where}; by rank {ranks} %", by_rank
+            return ReadAhead(0.0, "FOMOE's schedule reads nothing ahead")
+        device, host = self.capacity(hw).shares(self.work.model)
+        memory = rates.device + rates.host + rates.substituted
+        split = device / (device + host) if device + host else 0.0
+        key = (round(memory, 6), round(split, 6))
+        if key not in self._replays:
+            if self.predictions is None:
+                self.predictions = load_traces([str(PREDICTION_TRACE)])[0]
+            replay = read_ahead_from_trace(self.predictions, memory, split, a.policy)
+            by_rank = tuple(self.predictions.prediction_accuracy_by_rank())
+            self._replays[key] = ReadAhead(replay.share, replay.line(), replay.along, replay.wrong, by_rank)
+        return self._replays[key]
 
     def capacity(self, hw: Hardware, vram: int | None = None, ram: int | None = None) -> Capacity:
         cap = capacity_for(self.work.model, hw)
@@ -148,9 +169,11 @@ class Planner:
         return replace(r, source=r.source + "; " + self.fit.line() + ", tiers warm-started by popularity")
 
     def project(self, hw: Hardware, rates: TierRates):
-        a = self.args
-        return project(self.work, hw, rates, a.schedule, efficiency=self.efficiency, prefetch=self.prefetch,
-                       by_rank=tuple(self.prefetch_by_rank), drop=self.drop)  # fmt: skip
+        ahead = self.read_ahead(hw, rates)
+        if ahead.wrong is not None and not rates.ahead:  # the wrong guesses the replay read, per access
+            rates = replace(rates, ahead=min(1.0, ahead.wrong * rates.disk))
+        return project(self.work, hw, rates, self.args.schedule, efficiency=self.efficiency, prefetch=ahead.share,
+                       by_rank=ahead.along, drop=self.drop)  # fmt: skip
 
     def fomoe_schedule(self, hw: Hardware, rates: TierRates):
         """FOMOE's schedule under the same figures (it reads nothing ahead), to print beside ours."""
@@ -263,6 +286,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cap = planner.capacity(hw)
     rates = planner.rates(cap)
     p = planner.project(hw, rates)
+    ahead_taken = planner.read_ahead(hw, rates)
     # FOMOE is a GPU system: its schedule is printed beside ours on a rig with GPUs
     theirs = planner.fomoe_schedule(hw, rates) if args.schedule == "engine" and hw.device.count else None
     sweep = _sweep(planner, hw, cap, args.sweep) if args.sweep else []
@@ -277,7 +301,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "capacity": asdict(cap),
             "routing": rates.as_dict(),
             "projection": p.as_dict(),
-            "prefetch": {"share": planner.prefetch, "source": planner.prefetch_source, "by_rank": planner.prefetch_by_rank},
+            "prefetch": asdict(ahead_taken),
             "fomoe_schedule": theirs.as_dict() if theirs is not None else None,
             "sweep": [{"setting": s, "routing": r.as_dict(), "projection": q.as_dict()} for s, r, q in sweep],
             "what_if": [{"upgrade": n, "routing": r.as_dict(), "projection": q.as_dict(), "gain": g} for n, r, q, g in what_if],
@@ -286,8 +310,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(describe(work, hw, hw_source, rates, p, cap))
-    ahead = f"reads a layer ahead: {100 * planner.prefetch:.0f} % of misses ({planner.prefetch_source})"
-    if planner.prefetch and p.backend == "gpu" and args.schedule == "engine":
+    ahead = f"reads a layer ahead: {100 * ahead_taken.share:.0f} % of misses ({ahead_taken.source})"
+    if ahead_taken.share and p.backend == "gpu" and args.schedule == "engine":
         # what the drives make of it: the right guesses that land before their step, the wrong ones' time
         misses = m.n_expert_used * rates.disk
         ahead += (f"; {p.landed_ahead:.2f} of a layer's {misses:.2f} misses land before their step asks, the wrong "

@@ -9,12 +9,14 @@ projected model's store. The report says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.cache import PIN_FRACTION
 from fomoepy.experts.car import CarConfig
+from fomoepy.experts.read_ahead import ReadAheadCounts
 from fomoepy.experts.simulate import SimResult, simulate
 from fomoepy.experts.trace import (
     Trace,
@@ -62,6 +64,64 @@ def rates_from_trace(
         f"{what}: {trace.n_tokens} tokens, {policy}{car_text}, tiers at "
         f"{100 * device_share:.1f}% + {100 * host_share:.1f}% of the experts",
     )
+
+
+@dataclass(frozen=True)
+class ReadAheadReplay:
+    """What the engine's reads a layer ahead would do, from a trace's recorded predictions replayed
+    through the tiers: of a step's misses, the share read ahead by a right guess; the wrong guesses read
+    per miss; and the share of right guesses along the reading order (the guesses no tier holds, most
+    confident first)."""
+
+    share: float
+    wrong: float
+    along: tuple[float, ...]
+    memory: float  # the share of accesses the replay's tiers served (device or host)
+    tiers: float  # the tiers' size in the replay, a share of the trace's expert bytes
+    predictions: int
+    path: str
+
+    def line(self) -> str:
+        along = ", ".join(f"{100 * a:.0f}" for a in self.along)
+        return (f"the engine's next-layer predictions in {Path(self.path).name or 'the trace'} ({self.predictions} "
+                f"guesses) replayed through tiers of {100 * self.tiers:.1f} % of its experts, serving "
+                f"{100 * self.memory:.1f} % of accesses: the guesses no tier holds are right {along} % along the "
+                f"order they are read in, {self.wrong:.2f} wrong ones read a miss")  # fmt: skip
+
+
+# the replay's tiers are sized until they serve the projection's share of accesses this closely: half the
+# rounding of hit rates given in whole percents
+MEMORY_MATCH = 0.005
+
+
+def read_ahead_from_trace(trace: Trace, memory: float, device_fraction: float, policy: str) -> ReadAheadReplay:
+    """Replay `trace`'s predictions with the tiers sized (device `device_fraction` of them) to serve
+    `memory` of its accesses, as the projected tiers do: which guesses are read is what neither tier holds,
+    so the reading order's accuracy depends on how much the tiers hold, not on how big they are. The tiers'
+    size is found by bisection (a replay of a few thousand steps takes some 20 ms)."""
+    sizes = expert_sizes(trace.header) if trace.header.expert_bytes else (1 << 20,) * trace.header.n_layer
+    total = sum(sizes) * trace.header.n_expert
+
+    def replay(tiers: float):
+        device = int(tiers * device_fraction * total)
+        return simulate(trace, sizes, device, int(tiers * total) - device, policy)
+
+    low, high = 0.0, 1.0
+    result = replay(0.0)
+    for _ in range(20):  # the tiers' size to 2^-20 of the trace's experts: finer than one expert
+        if abs(result.memory_hit_rate - memory) <= MEMORY_MATCH:
+            break
+        tiers = (low + high) / 2
+        result = replay(tiers)
+        low, high = (tiers, high) if result.memory_hit_rate < memory else (low, tiers)
+    ahead: ReadAheadCounts | None = result.ahead
+    if ahead is None:
+        raise FomoeError(f"{trace.path or 'the trace'} records no predictions to replay")
+    disk = result.summary["disk"]["reads"]
+    tiers = (result.device_bytes + result.host_bytes) / total
+    predicted = sum(len(r.predicted) for r in trace.records if r.predicted is not None)
+    return ReadAheadReplay(ahead.used / disk if disk else 0.0, ahead.wasted / disk if disk else 0.0,
+                           ahead.along_reading_order(), result.memory_hit_rate, tiers, predicted, trace.path)
 
 
 @dataclass(frozen=True)
