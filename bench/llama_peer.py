@@ -6,6 +6,7 @@ in the other build's code and crash. The benchmarks call `run` and get what the 
 
     python bench/llama_peer.py MODEL THREADS N_DECODE [--no-repack] < prompt-token-ids.json
     python bench/llama_peer.py MODEL THREADS N_DECODE --batched < [prompt-token-ids, ...].json
+    python bench/llama_peer.py MODEL THREADS ROUNDS --scored FIRST < chunk-token-ids.json
 """
 
 from __future__ import annotations
@@ -152,13 +153,56 @@ def measure_batched(path: str, prompts: list[list[int]], n_decode: int, threads:
     return {"decode": n_seq * n_decode / seconds, "tokens": out}
 
 
+def run_scored(path: Path, chunk: np.ndarray, first: int, threads: int, rounds: int = 2) -> float | str:
+    """llama.cpp's tok/s over a perplexity chunk evaluated as one batch with the output head on the rows
+    from `first` on (the rows a perplexity scores), in a child; or why it did not run."""
+    cmd = [sys.executable, __file__, str(path), str(threads), str(rounds), "--scored", str(first)]
+    result = _child(cmd, [int(t) for t in chunk])
+    return result if isinstance(result, str) else result["scored"]
+
+
+def measure_scored(path: str, chunk: list[int], first: int, threads: int, rounds: int) -> dict:
+    """The chunk as one llama_decode from an empty cache, logits for rows first.. only: what
+    llama-perplexity's batch computes (it asks for every row's; the rows before `first` it never
+    scores), timed over `rounds` passes after an untimed one (the weights paged in, the threads up)."""
+    import llama_cpp.llama_cpp as api
+
+    api.llama_backend_init()
+    model = api.llama_model_load_from_file(path.encode(), api.llama_model_default_params())
+    params = api.llama_context_default_params()
+    params.n_ctx = len(chunk) + 8
+    params.n_batch = params.n_ubatch = len(chunk)
+    params.n_threads = params.n_threads_batch = threads
+    ctx = api.llama_init_from_model(model, params)
+    batch = api.llama_batch_init(len(chunk), 0, 1)
+    batch.n_tokens = len(chunk)
+    for i, t in enumerate(chunk):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, i >= first
+        batch.seq_id[i][0] = 0
+    seconds = 0.0
+    for r in range(rounds + 1):
+        api.llama_memory_clear(api.llama_get_memory(ctx), True)  # every pass from an empty cache, as a chunk is
+        t0 = time.perf_counter()
+        if api.llama_decode(ctx, batch) != 0:
+            raise SystemExit("llama_decode failed")
+        if r:
+            seconds += time.perf_counter() - t0
+    api.llama_batch_free(batch)
+    api.llama_free(ctx)
+    api.llama_model_free(model)
+    return {"scored": rounds * len(chunk) / seconds}
+
+
 if __name__ == "__main__":
     try:
         import llama_cpp  # noqa: F401
     except ImportError as e:
         sys.exit(f"{e}; pip install -e '.[bench]'")
     model, n_threads, decode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    if "--batched" in sys.argv[4:]:
+    if "--scored" in sys.argv[4:]:
+        first = int(sys.argv[sys.argv.index("--scored") + 1])
+        print(json.dumps(measure_scored(model, json.load(sys.stdin), first, n_threads, decode)))
+    elif "--batched" in sys.argv[4:]:
         print(json.dumps(measure_batched(model, json.load(sys.stdin), decode, n_threads)))
     else:
         print(json.dumps(measure(model, json.load(sys.stdin), decode, n_threads, "--no-repack" in sys.argv[4:])))

@@ -13,10 +13,11 @@ the largest logit at the median, llama.cpp's prefill against its own decode 1.6 
 hand, not a recorded bench), and so do the PPLs.
 
 Beside them, llama.cpp (llama-cpp-python, the `bench` extra) on the same file and threads in the same
-run: the text's first chunk as one prompt, then as many tokens decoded one at a time. Its prompt/token
-ratio is the peer's own gain from many rows over one on this CPU (an upper bound of its batched
-perplexity's: its prompt computes the last row's logits only, ours every scored row's), against which
-the batched pass's ratio is to be read.
+run: the text's first chunk as one batch with the output head on the rows a perplexity scores (from
+n_ctx/2 on, as ours; `llama-perplexity` asks for every row's), the same work as our batched pass; then
+the chunk as one prompt (the last row's logits only) and as many tokens decoded one at a time. Its
+prompt/token ratio is the peer's own gain from many rows over one on this CPU (an upper bound of its
+batched perplexity's), against which the batched pass's ratio is to be read.
 
 "in ggml's products" is the share of each row's evaluation time spent inside ggml's graph
 computations (fomoepy.timing.MATMUL: every product of the cpu backend, dense and routed); the rest
@@ -97,10 +98,13 @@ def main() -> int:
     text = Path(args.text).read_text(encoding="utf-8")
     chunk = np.asarray(engine.tokenizer.encode(text, add_special=False, parse_special=False)[: args.ctx])
     peer = llama_peer.run(model, chunk, args.ctx, threads)
+    scored = llama_peer.run_scored(model, chunk, args.ctx // 2, threads)
     if isinstance(peer, str):
         rows.append(f"| llama.cpp | {peer} | | | |")
     else:
-        rows += [f"| llama.cpp, same file and threads: the chunk as one prompt | 1 | {peer[0]:.1f} | | |",
+        same = scored if isinstance(scored, str) else f"{scored:.1f}"
+        rows += [f"| llama.cpp, same file and threads: the chunk as one batch, output head on the scored rows (our batched pass's work) | 1 | {same} | | |",
+                 f"| llama.cpp: the chunk as one prompt (the last row's logits only) | 1 | {peer[0]:.1f} | | |",
                  f"| llama.cpp: as many tokens decoded one at a time | {args.ctx} | {peer[1]:.1f} | | |"]  # fmt: skip
     header = (
         f"### ppl_speed — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
@@ -113,6 +117,10 @@ def main() -> int:
         "| evaluation | eval calls per chunk | tok/s | in ggml's products | PPL |\n|---|---|---|---|---|\n"
     )
     footer = f"\nbatched / token by token: {batched[0] / stepped[0]:.1f}x"
+    if isinstance(scored, float):
+        footer += f"; batched / llama.cpp's same pass: {batched[0] / scored:.2f}x"
+        if not isinstance(peer, str):  # the peer's own gain from many rows over one, on the same work as ours
+            footer += f"; llama.cpp's same pass / its tokens one at a time: {scored / peer[1]:.1f}x"
     if not isinstance(peer, str):
         # its prompt computes the last row's logits only, ours every scored row's: its ratio is the larger
         footer += f"; llama.cpp's prompt / its tokens one at a time, same CPU and threads: {peer[0] / peer[1]:.1f}x"
