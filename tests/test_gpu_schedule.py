@@ -6,9 +6,7 @@ and names what let it go: the awaited event, or running out of patience (the sch
   - experts already in device slots are computed (both stages) before any missing expert's copy is issued;
   - a step that splits its experts that way computes the bits one launch over all of them computes;
   - the next layer's predicted reads are issued before this layer's expert kernels and are still in
-    flight when those kernels run (the CPU path's twin: test_streaming_reads.py);
-  - those that have landed by the end of the layer's step are copied up then, and the next step launches
-    the ones it chose before its plan, with no copy of theirs.
+    flight when those kernels run (the CPU path's twin: test_streaming_reads.py).
 """
 
 from __future__ import annotations
@@ -394,87 +392,4 @@ def test_a_prefetched_read_is_issued_before_the_layers_expert_kernels_and_in_fli
     assert events.index(prefetches[0]) < first_launch  # issued before layer il's expert kernels
     assert source.released_by == "the compute stream ran the layer's kernels"  # and in flight while they ran
     assert np.array_equal(got, want)  # prefetch changes what is read when, never the result
-    engine.close()
-
-
-def test_the_next_layers_landed_guesses_are_copied_up_during_this_layer_and_launched_with_the_held(tmp_path, deferred):
-    """The GPU path of the engine, decoding from a device tier too small to keep anything (every expert
-    streamed through a slot that is free again after its step), the reads ahead landing as they are made:
-    at the end of layer L's step, after its launches, the guesses for layer L+1 whose reads have landed
-    are copied up into free slots (GpuExperts.copy_ahead). Layer L+1's step then launches the ones it
-    chose before its cache plan, with no copy of theirs in its step: it copies up only its other
-    experts. Under deferred streams a launch that did not wait for a copy made ahead would read an
-    unfilled slot: the logits are the ones decoded with nothing read ahead, bit for bit."""
-    from fomoepy.engine import Engine
-    from fomoepy.experts.reads import Read
-    from fomoepy.experts.store_writer import prepare_store
-
-    store = tmp_path / "store"
-    prepare_store(ORACLE / f"{NAME}.gguf", [store], progress=False)
-    options = {"backend": "sim", "store": (str(store),), "vram_cache": 0, "ram_cache": 0}
-    tokens = [int(t) for t in np.load(ORACLE / f"{NAME}.tokens.npy")[:4]]
-
-    def decode(engine):
-        state = engine.new_state()
-        return [engine.eval(state, [t], phase=Phase.DECODE) for t in tokens]
-
-    plain = Engine(ORACLE / f"{NAME}.gguf", EngineOptions(**options, prefetch=False))
-    want = decode(plain)
-    plain.close()
-
-    engine = Engine(ORACLE / f"{NAME}.gguf", EngineOptions(**options))
-    step, streamer = engine.experts, engine.experts.streamer
-    device, dev = step.device, step.device.dev
-    source = streamer.source
-    events: list[tuple] = []
-    layer = [-1]  # the step under way
-    real = {"substitute": streamer.substitute, "plan": streamer.cache.plan, "htod": dev.rt.htod, "ahead": device.copy_ahead}
-
-    def substitute(il, exact, rows=None):  # a step's first call into the streamer
-        layer[0] = il
-        events.append(("step", il, tuple(exact.ids[0].tolist())))
-        return real["substitute"](il, exact, rows)
-
-    def submit(il, expert, out=None):  # every read lands as it is made: what has landed is deterministic
-        return Read.landed(source.read_into(il, expert, out))
-
-    def htod(dst, src, nbytes, stream):
-        if stream is dev.copy_stream:
-            events.append(("copy up", layer[0]))
-        return real["htod"](dst, src, nbytes, stream)
-
-    def copy_ahead(il, landed):
-        events.append(("copy ahead", il))
-        real["ahead"](il, landed)
-        copied = device._ahead  # (the slots it filled, by expert: the device's own record)
-        events.append(("copied ahead", il, tuple(sorted(copied[1])) if copied is not None else ()))
-
-    streamer.substitute, source.submit, dev.rt.htod, device.copy_ahead = substitute, submit, htod, copy_ahead
-    streamer.cache.plan = lambda *a, **kw: events.append(("plan", layer[0])) or real["plan"](*a, **kw)
-    log: list[str] = []
-    expert_launches(dev, log, lambda name: events.append(("launch", layer[0])))
-    try:
-        got = decode(engine)
-    finally:
-        del dev.launch, dev.rt.htod, streamer.cache.plan
-    starts = [i for i, e in enumerate(events) if e[0] == "step"] + [len(events)]
-    segments = [events[a:b] for a, b in zip(starts, starts[1:])]  # each step's events, in order
-    checked = 0
-    for seg, after in zip(segments, segments[1:]):
-        ahead = [i for i, e in enumerate(seg) if e[0] == "copy ahead"]
-        if not ahead:
-            continue
-        il, guesses = next(e for e in seg[ahead[0] :] if e[0] == "copied ahead")[1:]
-        assert il == seg[0][1] + 1 and after[0][1] == il  # the next layer's guesses, copied before it routes
-        assert ("launch", il - 1) in seg[: ahead[0]]  # after this layer's launches
-        assert sum(1 for e in seg[ahead[0] :] if e[0] == "copy up") == len(guesses)  # each copied up once, then
-        chosen = [e for e in after[0][2] if e in guesses]
-        mark = next((i for i, e in enumerate(after) if e[0] == "copy ahead"), len(after))
-        own_copies = sum(1 for e in after[:mark] if e[0] == "copy up")
-        assert own_copies <= len(after[0][2]) - len(chosen)  # no chosen guess is copied up in its own step
-        if chosen:  # launched with the held, before the step's plan
-            assert ("launch", il) in after[: after.index(("plan", il))]
-            checked += 1
-    assert checked, "no guess copied ahead was chosen: the test proves nothing"
-    assert all(np.array_equal(g, w) for g, w in zip(got, want))
     engine.close()

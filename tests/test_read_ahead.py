@@ -75,18 +75,6 @@ def test_take_hands_over_the_chosen_reads_and_drops_the_other_guesses():
     assert (c.read_at, c.used_at) == ([2, 2], [1, 1])
 
 
-def test_the_landed_guesses_of_a_layer_are_its_reads_done_whole_and_stay_until_taken():
-    drive = Drive()
-    ahead = ReadAhead(drive.submit, depth=3)
-    ahead.queue(4, [9, 1, 7, 3])
-    drive.land(4, 9)  # 9 lands, 1 fails, 7 is in flight, 3 (issued once 9 landed) too
-    drive.futures[(4, 1)].set_exception(OSError("a bad sector"))
-    assert ahead.landed(4) == {9: ("bytes of", 4, 9)} and ahead.landed(5) == {}
-    assert ahead.counts.used == 0  # asking counts nothing: the step's take does
-    assert ahead.take(4, [9, 7]) == {9: drive.futures[(4, 9)], 7: drive.futures[(4, 7)]}
-    assert ahead.landed(4) == {}  # taken or dropped: none left
-
-
 def test_guesses_for_a_step_that_never_came_do_not_linger():
     drive = Drive()
     ahead = ReadAhead(drive.submit, depth=4)

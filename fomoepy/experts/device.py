@@ -13,8 +13,6 @@ what each tier keeps. A device only holds its tier's experts in its own form and
     begin(layer, h, ids, weights, at_hand)     optional: a decode step's experts the device holds
                               launched, those at hand copied up, before the cache plan (compute
                               then does the rest)
-    copy_ahead(layer, landed) optional: the next layer's guesses whose reads landed, copied up into
-                              free slots while this layer computes
 
 `experts` (StepExperts) says where each selected expert's bytes are: already in the device tier,
 at hand in host memory, or still being read. The device decides the order: it may compute what it
@@ -157,10 +155,6 @@ class ExpertDevice(Protocol):
     # optional: begin(layer, h, ids, weights, at_hand) -> the perf_counter time of a launch (0.0: none), a
     # decode step's experts the device holds launched, and those at hand (expert -> bytes) copied up, once
     # its reads are issued, before the cache plan (which never evicts the step's own experts) (GpuExperts)
-
-    # optional: copy_ahead(layer, landed), the next layer's guesses whose reads have landed (expert -> bytes)
-    # copied up into free slots at the end of the step before it: its begin launches those it chose with the
-    # experts the tier holds, and frees the others' slots (GpuExperts)
 
     def compute(self, layer: int, h: Any, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> Any: ...
 

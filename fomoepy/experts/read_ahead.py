@@ -137,13 +137,6 @@ class ReadAhead:
                     c.in_the_way += not future.done()
         return taken
 
-    def landed(self, layer: int) -> dict[int, Any]:
-        """The guesses for `layer` whose reads have landed whole, by expert (their bytes): what a device may
-        copy up before that layer routes. They stay the read-ahead's until `take`, which counts them."""
-        with self._lock:
-            reads = [(key[1], read) for key, (read, _) in self._issued.items() if key[0] == layer]
-        return {e: read.result() for e, read in reads if read.done() and read.exception() is None}
-
     @property
     def in_flight(self) -> int:
         return self._in_flight

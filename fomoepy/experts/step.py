@@ -71,10 +71,6 @@ class MoEStep:
     def _predicting(self, layer: int) -> bool:
         return self.phase is Phase.DECODE and self.predicts and layer + 1 < self.streamer.n_layer
 
-    def _copying_ahead(self, layer: int) -> bool:
-        """A decode step whose device copies up the next layer's landed guesses (a GPU's: its slots)."""
-        return self._predicting(layer) and self.streamer.read_ahead is not None and hasattr(self.device, "copy_ahead")
-
     def __call__(self, layer: int, h: Any, exact: Routing, rows: slice | None = None) -> Any:
         """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]; of the
         rows `rows` only where given (every row is routed, counted and traced; those are computed)."""
@@ -116,10 +112,6 @@ class MoEStep:
                     # later step takes them for held (and what the device installed of them goes too)
                     for key in s.abort(plan):
                         device.evict(key)
-        if self._copying_ahead(layer):  # the next layer's guesses that landed go up while this layer computes
-            landed = s.landed_ahead(layer + 1)
-            if landed:
-                device.copy_ahead(layer + 1, landed)
         t4 = time.perf_counter()
         if self.records is not None or self.timer is not None:
             wait = experts.wait_seconds

@@ -337,11 +337,6 @@ class ExpertStreamer:
                 at_hand[e] = host[(layer, e)]
         return at_hand
 
-    def landed_ahead(self, layer: int) -> dict[int, ExpertBytes]:
-        """The guesses for `layer` read ahead that have landed, by expert: a device may copy them up before
-        that layer routes (the step then takes those it chose as the disk reads they are)."""
-        return self.read_ahead.landed(layer) if self.read_ahead is not None else {}
-
     def _submit(self, layer: int, expert: int) -> InFlight:
         return self._submit_into(layer, expert, self._read_buffer(layer) if self._read_buffer is not None else None)
 

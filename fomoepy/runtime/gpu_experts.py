@@ -10,8 +10,7 @@ stream waits on an event, not the host. The experts already in slots are compute
 and down stages, launched before any wait on the copies), then each stretch of copied ones as soon as
 its copies are issued, then one combine of every pair (the same sums as one launch over all of them:
 moe_tables.py). A demoting policy's evictees are copied device → host on a third stream, beside the
-copies up. The next layer's guesses read ahead that have landed by the end of a step are copied up then
-into free slots (copy_ahead): the next step launches those it chose with the experts the tier holds. What says when a slot, a pinned or a staging buffer may be touched again is each device's
+copies up. What says when a slot, a pinned or a staging buffer may be touched again is each device's
 bookkeeping (fomoepy.runtime.gpu_sides.DeviceSide).
 Slot layout, mirrored in the staging buffers so one copy moves an expert:
 
@@ -91,15 +90,13 @@ class _Launch:
 @dataclass
 class _Begun:
     """A decode step's work made before its cache plan (GpuExperts.begin): the experts the device held
-    then, launched (among them those copied up during the step before, `ahead`); those at hand then (after
-    them in the tables), copied up; the launch."""
+    then, launched; those at hand then (after them in the tables), copied up; the launch."""
 
     layer: int
     held: list[int]
     at_hand: list[int]
     run: _Launch | None  # (None: nothing held, nothing launched)
-    copied: dict[int, DeviceBuffer]  # those at hand and those copied ahead, in these slots
-    ahead: list[int]  # of `held`, the guesses copied up during the step before (the plan reads them from disk)
+    copied: dict[int, DeviceBuffer]  # those at hand, copied up into these slots
 
 
 class GpuExperts:
@@ -148,8 +145,6 @@ class GpuExperts:
         self._downloaded: dict[int, int] = {}  # slot address -> the copy down that read it (until evicted)
         self.host_buffer = self._pinned if self.pool is not None else None
         self._begun: _Begun | None = None  # the step begun before its plan, until its compute
-        # the next layer's guesses copied up during this step (copy_ahead), by expert, until its begin
-        self._ahead: tuple[int, dict[int, DeviceBuffer]] | None = None
 
     def _pinned(self, nbytes: int) -> np.ndarray:
         """A buffer of the pinned pool (one device), the pool first told which of its join marks a wait
@@ -215,31 +210,25 @@ class GpuExperts:
         beyond the tier: at most one step's experts at hand, given back to the free slots by the evictions.
         Where every expert is held the whole step is launched here. Returns the perf_counter time of its
         first launch or copy (0.0: none made, nothing held or at hand)."""
-        ahead = self._take_ahead(layer)
         if ids.shape[0] != 1:  # (a decode step: one row)
-            self._free_slots(layer, ahead.values())
             return 0.0
         resident = self.resident
-        held, early, ptrs, chosen = [], [], {}, {}  # (one pass: a decode step's host time is counted in microseconds)
+        held, early, ptrs = [], [], {}  # (one pass: a decode step's host time is counted in microseconds)
         for e in ids[0].tolist():
-            buf = resident.get((layer, e)) or ahead.pop(e, None)
-            if buf is not None:  # in a slot: the tier's, or copied up during the step before
+            buf = resident.get((layer, e))
+            if buf is not None:
                 held.append(e)
                 ptrs[e] = buf.ptr
-                if (layer, e) not in resident:
-                    chosen[e] = buf
             else:
                 ptrs[e] = 0  # (its row of the tables waits for compute, which knows its slot)
                 if e in at_hand:
                     early.append(e)
-        if ahead:  # the guesses this step did not choose: their slots are free again (before any is taken)
-            self._free_slots(layer, ahead.values())
         if not held and not early:
             return 0.0
         side = self._side_of[layer]
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
         side.cover_downloads()  # the earlier steps' copies down (the slots and buffers these copies may reuse)
-        self._join_copies(side)  # copies queued outside a step (install, copy_ahead) land before any slot is read
+        self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
         launched_at, run = 0.0, None
         if held:
             split = len(held) < len(ptrs)
@@ -249,47 +238,12 @@ class GpuExperts:
                 self._stages(run, 0, run.tables.n_first)
             else:
                 self._grouped(run)
-        copied = dict(chosen)
+        copied = {}
         for e in early:  # (after the launch: the compute stream is busy first)
             launched_at = launched_at or time.perf_counter()
             copied[e] = self._upload(layer, at_hand[e], self._take_slot(layer))
-        self._begun = _Begun(layer, held, early, run, copied, list(chosen))
+        self._begun = _Begun(layer, held, early, run, copied)
         return launched_at
-
-    def copy_ahead(self, layer: int, landed: dict[int, ExpertBytes]) -> None:
-        """The next layer's guesses whose reads have landed (`landed`, expert -> bytes in pinned read
-        buffers), copied up at the end of the step before it, on the copy stream, into slots that are free
-        (none is made for them: a guess never takes memory the tier or a step needs): that layer's begin
-        launches those it chose with the experts the tier holds, no copy of theirs left in its step, and
-        frees the others' slots. Without a pinned pool (several devices) a copy would be a host memcpy of
-        the expert first: none is made."""
-        if self.pool is None:
-            return
-        if self._ahead is not None and self._ahead[0] != layer:
-            self._free_slots(self._ahead[0], self._take_ahead(self._ahead[0]).values())
-        ahead = self._ahead[1] if self._ahead is not None else {}
-        free = self._side_of[layer].free.get(self.slot_layouts[layer].nbytes)
-        for e, parts in landed.items():
-            if not free:
-                break
-            if e not in ahead and (layer, e) not in self.resident:
-                ahead[e] = self._upload(layer, parts, free.pop())
-        self._ahead = (layer, ahead) if ahead else None
-
-    def _take_ahead(self, layer: int) -> dict[int, DeviceBuffer]:
-        """The guesses copied up for `layer` (now its own); those copied for another are freed."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return {}
-        if ahead[0] != layer:  # (a step that never came, or not as a decode step)
-            self._free_slots(ahead[0], ahead[1].values())
-            return {}
-        return ahead[1]
-
-    def _free_slots(self, layer: int, bufs) -> None:
-        free = self._side_of[layer].free
-        for buf in bufs:
-            free.setdefault(buf.nbytes, []).append(buf)
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
         """h [T, D], ids/weights [T, k] → [T, D] on the device. The experts already in slots are launched
@@ -307,8 +261,6 @@ class GpuExperts:
             for buf in begun.copied.values():
                 side.free.setdefault(buf.nbytes, []).append(buf)
             begun = None
-        if self._ahead is not None:  # guesses copied up for a step that came without a begin: moot
-            self._free_slots(self._ahead[0], self._take_ahead(self._ahead[0]).values())
         copied = begun.copied if begun is not None else {}
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
         side.cover_downloads()  # the earlier steps' copies down (this step's, issued since, go on beside its copies up)
@@ -324,24 +276,14 @@ class GpuExperts:
         for e, buf in copied.items():  # (none: begin copies only the step's experts the plan reads from the host)
             if slots.get(e) is not buf:
                 raise RuntimeError(f"layer {layer}: expert {e} was copied up before the plan, which did not take it")
-        temporary: list[DeviceBuffer] = []
+        split = len(missing) not in (0, len(slots))
         if begun is not None and begun.run is not None:
-            ahead = begun.ahead
-            if (any(e in missing and e not in ahead for e in begun.held) or not all(e in missing for e in ahead)
-                    or len(begun.held) - len(ahead) + len(missing) != len(slots)):  # fmt: skip
+            if any(e in missing for e in begun.held) or len(begun.held) + len(missing) != len(slots):
                 raise RuntimeError(f"layer {layer}: the experts launched before the plan {begun.held} are not the ones its "
-                                   f"device tier holds now {sorted(set(slots) - set(missing))} and those copied ahead {ahead}")  # fmt: skip
-            for e in ahead:  # launched by begin from the slot copied up during the step before
-                if missing.pop(e):
-                    self.resident[(layer, e)] = slots[e]
-                else:
-                    temporary.append(slots[e])  # streamed through a slot that is free again after this layer
-        split = len(missing) not in (0, len(slots))  # some experts in slots (those copied ahead among them), some not
-        if begun is not None and begun.run is not None:
+                                   f"device tier holds now {sorted(set(slots) - set(missing))}")  # fmt: skip
             run = begun.run
             if not missing:  # the whole step was launched by begin
                 side.launched()
-                self._free_slots(layer, temporary)
                 side.record_downloads()
                 experts.landed()
                 return run.out
@@ -359,6 +301,7 @@ class GpuExperts:
                 experts.launched_at = experts.launched_at or time.perf_counter()  # (begin's copies may have come first)
                 self._stages(run, 0, run.tables.n_first)
                 launched = run.tables.n_first
+        temporary: list[DeviceBuffer] = []
 
         def place(expert: int, parts: ExpertBytes) -> None:
             buf = slots[expert]
@@ -431,7 +374,6 @@ class GpuExperts:
         self.resident.clear()
         self._downloaded.clear()
         self._begun = None
-        self._ahead = None
         if self.pool is not None:
             self.pool.close()
 
