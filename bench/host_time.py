@@ -90,7 +90,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
                         int(HOST_SHARE * store_bytes), make_policy(policy), make_policy(policy), device_expert_bytes=unit)  # fmt: skip
     source = NullStore(layers)
     streamer = ExpertStreamer(source, cache, k, download=device.download if policy_demotes(policy) else None,
-                              buffers=device.host_buffer)  # as the engine builds it (fomoepy.engine)
+                              buffers=device.host_buffer, read_ahead_pays=device.read_ahead_pays)  # as the engine builds it (fomoepy.engine)
     step = MoEStep(streamer, device)
 
     n_tokens = args.warm + args.tokens

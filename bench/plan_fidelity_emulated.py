@@ -114,7 +114,8 @@ def child(args: argparse.Namespace) -> dict:
                         int(args.host_share * store_bytes), make_policy(policy), make_policy(policy), device_expert_bytes=unit)  # fmt: skip
     source = TimedNullStore(layers, rates.drive, rates.latency, rates.drives)
     streamer = ExpertStreamer(source, cache, k, EngineOptions(prefetch=args.prefetch),
-                              download=device.download if policy_demotes(policy) else None, buffers=device.host_buffer)  # fmt: skip
+                              download=device.download if policy_demotes(policy) else None, buffers=device.host_buffer,
+                              read_ahead_pays=device.read_ahead_pays)  # fmt: skip
     step = MoEStep(streamer, device, predicts=args.prefetch)  # as the engine: a prediction only to read ahead
 
     n_tokens = args.warm + args.tokens
@@ -184,7 +185,8 @@ def child(args: argparse.Namespace) -> dict:
     # dropped unread
     ahead = {c: _less(v, ahead0[c]) for c, v in asdict(ahead_counts).items()} if ahead_counts is not None else None
     return {"ahead": ahead, "wall_s": wall, "tokens": args.tokens, "device_wait_s": device_wait, "read_wait_s": read_wait, "host_step_s": in_step[0], "host_serial_s": serial[0], "host_before_s": first[0], "host_launch_s": launch[0], "host_copies_s": copies[0], "late_s": late,
-            "counts": counts, "prediction_accuracy": streamer.prefetch_stats.accuracy, "by_rank": routing.accuracy_by_rank(), "step_parts_s": parts, "store": store, "demotions": device.downloads - down0, "device": dev.rt.device_name}  # fmt: skip
+            "counts": counts, "prediction_accuracy": streamer.prefetch_stats.accuracy, "by_rank": routing.accuracy_by_rank(), "step_parts_s": parts, "store": store, "demotions": device.downloads - down0, "device": dev.rt.device_name,
+            "gate": {k: v for k, v in streamer.stats()["prefetch"].items() if k in ("reading", "right_share", "turned", "guessed", "guessed_right")}}  # fmt: skip
 
 
 def _less(now, before):
@@ -299,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
             "read_ahead": measured["ahead"], "read_ahead_share": ahead_share,
             "reading_order_accuracy": reading_order_accuracy(measured["ahead"]) if args.prefetch else [],
             # right guesses landed before their step asked, per step: measured, and as the projection has it
-            "landed_ahead": landed,
+            "landed_ahead": landed, "gate": measured["gate"],
             "terms_ms_per_token": {t: v * 1e3 for t, v in engine.terms.items()}, "device": measured["device"],
         })  # fmt: skip
     if args.json:
@@ -362,6 +364,11 @@ def table(rows: list[dict], rates: EmulatedRates, args: argparse.Namespace) -> s
                       f"{r['read_ahead']['skipped']} dropped unread; right along the reading order (the projection's "
                       f"accuracy by position) {', '.join(f'{100 * a:.0f}' for a in r['reading_order_accuracy'])} %"
                       for r in rows)]  # fmt: skip
+        lines += [("- the engine's gate on reading ahead (off while fewer of the guesses it would read are right than pay "
+                   "on the GPU schedule; one token in eight still predicts, scored as if read): ") + "; ".join(
+                      f"{r['setting']}: {'reading' if r['gate']['reading'] else 'off'} at the end, "
+                      f"{100 * r['gate']['guessed_right'] / max(1, r['gate']['guessed']):.0f}% of {r['gate']['guessed']} guesses right, "
+                      f"turned {r['gate']['turned']} time(s)" for r in rows if r["gate"])]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -103,7 +103,8 @@ class Engine:
         )  # fmt: skip
         streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace,
                                   download=device.download if device.can_download else None,
-                                  buffers=getattr(device, "host_buffer", None))  # fmt: skip
+                                  buffers=getattr(device, "host_buffer", None),
+                                  read_ahead_pays=getattr(device, "read_ahead_pays", None))  # fmt: skip
         if not whole:  # a whole tier is filled at load and never misses: its steps skip the cache's plans (ResidentStep)
             # the next layer's prediction (its router, computed on every decode step) serves reading ahead
             # and a recorded trace (its accuracy, for `fomoe plan`) only: without either (--no-prefetch, a

@@ -393,3 +393,36 @@ def test_a_prefetched_read_is_issued_before_the_layers_expert_kernels_and_in_fli
     assert source.released_by == "the compute stream ran the layer's kernels"  # and in flight while they ran
     assert np.array_equal(got, want)  # prefetch changes what is read when, never the result
     engine.close()
+
+
+def test_a_gpu_engine_gates_its_reads_ahead_and_predicts_only_on_sampled_tokens_while_they_are_off(tmp_path):
+    """The engine gives a GPU device's step the gate of the GPU schedule (reading ahead turned off where its
+    guesses are right too seldom to pay); while it is off, a decode token's steps launch the next layer's
+    router (route_ahead's second routing) only on the tokens the gate samples."""
+    from fomoepy.engine import Engine
+    from fomoepy.experts.read_ahead import GPU_READ_AHEAD_PAYS
+    from fomoepy.experts.store_writer import prepare_store
+
+    store = tmp_path / "store"
+    prepare_store(ORACLE / f"{NAME}.gguf", [store], progress=False)
+    engine = Engine(ORACLE / f"{NAME}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=0, ram_cache=0))
+    gate, device = engine.experts.streamer.gate, engine.experts.device
+    assert gate is not None and gate.pays_above == GPU_READ_AHEAD_PAYS
+    gate.reading, gate.sample = False, 4
+    real, predictions = device.route_ahead, []
+
+    def route_ahead(layer, h, logits, gating, k):
+        predictions[-1] += 1
+        return real(layer, h, logits, gating, k)
+
+    device.route_ahead = route_ahead
+    state = engine.new_state()
+    sampled = []
+    for t in np.load(ORACLE / f"{NAME}.tokens.npy")[:8]:
+        sampled.append(gate.predicting)
+        predictions.append(0)
+        engine.eval(state, [int(t)], phase=Phase.DECODE)
+    n_layer = engine.spec.n_layer
+    assert sampled.count(True) == 2 and predictions == [n_layer - 1 if s else 0 for s in sampled]
+    assert engine.experts.streamer.read_ahead.counts.issued == 0  # nothing read ahead while off
+    engine.close()

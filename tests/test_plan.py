@@ -442,7 +442,8 @@ def test_the_engine_schedule_reads_ahead_what_its_predictions_replayed_through_t
     # never: with tiers that hold what was read, the first guess is held from the second token on (taken
     # as t + 1 the token before), so the reading order starts with the wrong one
     ranked = _guessing_trace(tmp_path / "r.trace", lambda t: [t % 8, (t + 5) % 8])
-    argv = ["plan", "--shape", "qwen3-30b-a3b", "--hardware", "fomoe-rig", "--trace", ranked, "--json"]
+    # (a rig with no GPU: the GPU engine's gate would not read ahead at this predictor's 25 %, below)
+    argv = ["plan", "--shape", "qwen3-30b-a3b", "--hardware", "cpu-only-64g", "--trace", ranked, "--json"]
     assert main(argv) == 0
     replayed = json.loads(capsys.readouterr().out)
     ahead = replayed["prefetch"]
@@ -465,6 +466,13 @@ def test_the_engine_schedule_reads_ahead_what_its_predictions_replayed_through_t
     rates, kw = calls[0]
     assert json.loads(capsys.readouterr().out)["projection"] == replayed["projection"]
     assert kw["prefetch"] == 0.1 and kw["by_rank"] == (1 / 3, 0.0) and rates.ahead == pytest.approx(0.3 * rates.disk, rel=1e-12)
+    # on a GPU rig the engine's gate stops reading ahead where a quarter of the guesses read are right
+    # (1 of the 4 read): the projection reads nothing ahead and says why
+    assert ahead["right"] == 0.25
+    argv[argv.index("cpu-only-64g")] = "fomoe-rig"
+    assert main(argv) == 0
+    gated = json.loads(capsys.readouterr().out)["prefetch"]
+    assert gated["share"] == 0.0 and gated["source"].startswith("the engine reads nothing ahead: 25 % of the guesses")
 
 
 def test_the_first_guesses_read_being_right_lands_more_ahead_than_guesses_alike_along_the_order(capsys, tmp_path):

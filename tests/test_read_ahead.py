@@ -147,3 +147,30 @@ def test_what_a_read_needs_is_made_on_the_queuing_thread_and_the_read_issued_on_
     me = threading.get_ident()
     assert made == [me, me] and used[0] == (("buffer for", 7), me)
     assert used[1][0] == ("buffer for", 8) and used[1][1] == landing.ident
+
+
+def test_the_gate_turns_reading_ahead_off_below_the_share_that_pays_and_on_again_above_it():
+    from fomoepy.experts.read_ahead import ReadAheadGate
+
+    gate = ReadAheadGate(0.44, window=100, sample=4)
+    assert gate.margin == pytest.approx(2 * (0.44 * 0.56 / 100) ** 0.5)  # two standard errors of a window's share
+    assert gate.reading and gate.predicting
+    gate.score(60, 20)
+    assert gate.reading and gate.share is None  # no verdict before a window's guesses
+    gate.score(40, 20)  # 40 % right over the window: below the line, not by the margin
+    assert gate.reading and gate.share == 0.40
+    gate.score(100, 30)  # 30 %: off
+    assert not gate.reading and gate.turned == 1
+    # while off, one decode token in four still predicts (and is scored as if read)
+    predicting = []
+    for _ in range(8):
+        predicting.append(gate.predicting)
+        gate.tick()
+    assert predicting == [True, False, False, False] * 2
+    gate.score(100, 48)  # 48 %: above the line, not by the margin: stays off
+    assert not gate.reading
+    gate.score(100, 60)
+    assert gate.reading and gate.turned == 2 and (gate.guessed, gate.right) == (400, 178)
+    assert gate.keeps_reading(0.40) and not gate.keeps_reading(0.30)  # a gate that starts on, at a steady share
+    with pytest.raises(ValueError):
+        ReadAheadGate(1.0)

@@ -348,3 +348,46 @@ def test_a_read_made_ahead_that_has_landed_is_at_hand_for_its_step(model):
     streamer.release(plan)
     assert all(np.array_equal(a, b) for a, b in zip(fetched[2], streamer.source.read(1, 2)))
     engine.close()
+
+
+def test_a_predictor_whose_guesses_do_not_pay_stops_reading_ahead_and_a_better_one_starts_it_again(model):
+    """The streamer's gate (fomoepy.experts.read_ahead.ReadAheadGate), on a small window: guesses its step
+    never reads turn reading ahead off after a window (no read ahead is issued after it, the prediction is
+    made on one token in `sample` only, and still scored); guesses its step reads turn it back on. No
+    tier: every guess is one no tier holds."""
+    from fomoepy.experts.read_ahead import ReadAheadGate
+
+    path, store, _, _ = model
+    engine = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=0))
+    streamer = engine.experts.streamer
+    assert streamer.gate is None  # the cpu backend's schedule: reading ahead is never turned off
+    gate = streamer.gate = ReadAheadGate(0.44, window=8, sample=4)
+    chosen = np.array([[0, 1]])
+
+    def token(guess) -> bool:
+        """One decode token over layers 0 and 1 (layer 1 chooses 0 and 1); whether it predicted layer 1."""
+        streamer.begin_step()
+        predicted = streamer.wants_prediction()
+        if predicted:
+            streamer.predict(1, np.array([guess]))
+        for layer in (0, 1):
+            plan, _ = streamer.acquire(layer, chosen)
+            streamer.release(plan)
+        streamer.end_step(1)
+        return predicted
+
+    wrong = [token([4, 5, 6, 7]) for _ in range(2)]  # 8 guesses, none read by their step: off
+    assert wrong == [True, True] and not gate.reading and gate.share == 0.0
+    issued = streamer.read_ahead.counts.issued
+    assert issued == 8
+    off = [token([4, 5, 6, 7]) for _ in range(8)]
+    assert off == [False, False, True, False] * 2  # sampled (the gate counts tokens from its start): still scored
+    assert streamer.read_ahead.counts.issued == issued and gate.guessed == 16  # none read, still scored
+    for _ in range(8):
+        token([0, 1, 6, 7])  # half of them read by their step: 50 %, not on yet
+    assert not gate.reading
+    for _ in range(16):
+        token([1, 0])  # all of them
+    assert gate.reading and gate.turned == 2
+    assert streamer.read_ahead.counts.issued > issued  # reading ahead again
+    engine.close()

@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 # drive that serves one read at a time busy (one's bytes cross while the next one's latency passes) and
 # bound a demand read's wait behind guesses to two reads
 DEPTH_PER_DRIVE = 2
+# the share of the guesses read ahead (the next layer's no tier holds) that must be right for reading ahead
+# to pay on the GPU schedule (fomoepy.runtime.gpu_experts): a wrong one still in flight when its layer
+# routes holds the drive from that step's own reads. Measured on the emulated fomoe-rig (bench/plan_fidelity.py --emulated's child, the
+# 397B shape, a predictor right at every rank alike, tok/s read ahead against not): break-even at 0.42,
+# 0.42 and 0.46 of the guesses right at the three tier settings (40+30 %, 11.3+12.9 %, 4+4 %); below it
+# reading ahead cost up to 19 % (0.12 right), above it gained up to 11 % (0.57 right)
+GPU_READ_AHEAD_PAYS = 0.44
 
 
 @dataclass
@@ -61,6 +68,61 @@ class ReadAheadCounts:
         read-ahead model takes as the density of right guesses along the order its reads are made in."""
         read, used = self.read_at, self.used_at
         return tuple(u / r for r, u in zip(read, used) if r > 0 and r >= 0.1 * read[0])
+
+
+class ReadAheadGate:
+    """Whether reading ahead pays, judged from the guesses themselves: of the next layer's guesses no tier
+    held when they were made (what reading ahead reads), the share its step then read from disk. A wrong
+    guess in flight when its layer routes holds the drive from that step's own reads, so below some share
+    reading ahead costs more than it saves: `pays_above` is that share for the device's schedule (for a GPU,
+    measured on the emulated device: GPU_READ_AHEAD_PAYS).
+
+    Each `window` guesses scored give a verdict, with a margin of two standard errors of a window's share
+    (sqrt(p (1 - p) / window) at p = pays_above) either side, so that a predictor near the line does not
+    turn reading on and off window by window. While it is off, a prediction is still made on one decode
+    token in `sample` (its router costs a launch a step) and scored as if read: a predictor that improves
+    (another text, a warmer context) turns reading ahead back on."""
+
+    def __init__(self, pays_above: float, window: int = 512, sample: int = 8):
+        if not 0.0 <= pays_above < 1.0 or window < 1 or sample < 1:
+            raise ValueError(f"read-ahead gate: pays_above in [0, 1), window and sample >= 1; got {pays_above}, {window}, {sample}")
+        self.pays_above, self.window, self.sample = pays_above, window, sample
+        self.margin = 2.0 * (pays_above * (1.0 - pays_above) / window) ** 0.5
+        self.reading = True
+        self.share: float | None = None  # the last window's share of guesses read right
+        self.turned = 0  # times reading ahead was turned off or on
+        self._guessed = self._right = 0
+        self.guessed = self.right = 0  # all scored so far
+        self._tokens = 0
+
+    def keeps_reading(self, share: float) -> bool:
+        """Whether a gate that starts reading ahead goes on reading at a steady `share` of guesses right."""
+        return share >= self.pays_above - self.margin
+
+    @property
+    def predicting(self) -> bool:
+        """Whether this token's steps predict the next layer: always while reading ahead, else sampled."""
+        return self.reading or self._tokens % self.sample == 0
+
+    def tick(self) -> None:
+        self._tokens += 1
+
+    def score(self, guessed: int, right: int) -> None:
+        """A step's guesses no tier held (`guessed`), of which its step read `right` from disk."""
+        self._guessed += guessed
+        self._right += right
+        self.guessed += guessed
+        self.right += right
+        if self._guessed < self.window:
+            return
+        self.share = self._right / self._guessed
+        self._guessed = self._right = 0
+        reading = self.share > self.pays_above + self.margin if not self.reading else self.share >= self.pays_above - self.margin
+        if reading != self.reading:
+            self.reading = reading
+            self.turned += 1
+            log.info("reading ahead %s: %.0f %% of the guesses no tier held were right (it pays above %.0f %%)",
+                     "on" if reading else "off", 100 * self.share, 100 * self.pays_above)  # fmt: skip
 
 
 class ReadAhead:

@@ -34,6 +34,7 @@ class MoEStep:
         self.streamer = streamer
         self.device = device
         self.predicts = predicts
+        self._predicts_now = predicts  # (begin_step asks the streamer each pass)
         self.timer = timer
         self.layers = streamer.layers
         self.phase = Phase.PREFILL
@@ -47,6 +48,8 @@ class MoEStep:
         one sequence)."""
         self.phase = phase
         self.streamer.begin_step(sequences)
+        # (asked once a pass: whether reading ahead, which uses the prediction, is on for now)
+        self._predicts_now = self.predicts and self.streamer.wants_prediction()
 
     def end_step(self, n_tokens: int) -> None:
         """The forward pass is done: a decode step (one row per sequence) is one tick of the policies' time,
@@ -69,7 +72,7 @@ class MoEStep:
         return None
 
     def _predicting(self, layer: int) -> bool:
-        return self.phase is Phase.DECODE and self.predicts and layer + 1 < self.streamer.n_layer
+        return self.phase is Phase.DECODE and self._predicts_now and layer + 1 < self.streamer.n_layer
 
     def __call__(self, layer: int, h: Any, exact: Routing, rows: slice | None = None) -> Any:
         """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]; of the

@@ -29,7 +29,12 @@ from fomoepy.experts.cache import PIN_FRACTION, ExpertCache, Plan, Source
 from fomoepy.experts.car import CarStats, cache_aware_route
 from fomoepy.experts.policy import Key
 from fomoepy.experts.profile import ExpertCounter, read_freq, seed_order
-from fomoepy.experts.read_ahead import DEPTH_PER_DRIVE, ReadAhead, ReadAheadCounts
+from fomoepy.experts.read_ahead import (
+    DEPTH_PER_DRIVE,
+    ReadAhead,
+    ReadAheadCounts,
+    ReadAheadGate,
+)
 from fomoepy.experts.read_buffers import ReadBuffers
 from fomoepy.experts.reads import InFlight
 from fomoepy.experts.routing import Routing
@@ -69,6 +74,7 @@ class ExpertStreamer:
         record_trace: bool = True,
         download: Callable[[Key], ExpertBytes | None] | None = None,
         buffers: Callable[[int], np.ndarray] | None = None,
+        read_ahead_pays: float | None = None,
     ):
         """options: the engine's, of which the streamer acts on car, backfill, backfill_per_token,
         prefetch, trace and freq_profile (the tiers' sizes and policies are the cache's).
@@ -77,7 +83,9 @@ class ExpertStreamer:
         with it, a demoting policy's device evictees move down into the host tier (decided here, once).
         buffers: a buffer of at least n bytes for a read to land in (a GPU device's pinned memory, so the
         copy up needs no staging memcpy), used where the source reads into given buffers; without one,
-        such a source's reads land in buffers reused from read to read (fomoepy.experts.read_buffers)."""
+        such a source's reads land in buffers reused from read to read (fomoepy.experts.read_buffers).
+        read_ahead_pays: the share of guesses read that must be right for reading ahead to pay on the
+        device's schedule (ReadAheadGate); None: reading ahead is never turned off."""
         self.source = source
         self.options = options
         self.layers = source.layers
@@ -114,6 +122,8 @@ class ExpertStreamer:
         # inference thread's alone); the read is issued later, by whichever thread saw the last one land
         prepare = (lambda layer, expert: self._read_buffer(layer)) if self._read_buffer is not None else None
         self.read_ahead = ReadAhead(self._submit_into, depth, prepare) if self._prefetching() else None
+        self.gate = ReadAheadGate(read_ahead_pays) if read_ahead_pays is not None and self.read_ahead is not None else None
+        self._guessed: dict[int, list[int]] = {}  # layer -> its guesses no tier held when they were made (the gate's)
         self.trace: TraceWriter | None = None
         if options.trace and record_trace:
             header = TraceHeader(self.n_layer, self.n_expert, n_expert_used, tuple(l.expert_nbytes for l in self.layers), model_name,
@@ -169,6 +179,8 @@ class ExpertStreamer:
         rows, so half-lives do not shrink as a batch grows)."""
         ticks = n_tokens if ticks is None else ticks
         self.tokens_seen += n_tokens
+        if self.gate is not None:
+            self.gate.tick()
         self.cache.tick(ticks)
         if self._backfill_queue is not None:
             for _ in range(self.options.backfill_per_token * ticks):
@@ -256,12 +268,22 @@ class ExpertStreamer:
         then chooses are handed to it, the others dropped: the read overlaps the layer before either way."""
         return self.options.prefetch and getattr(self.source, "submit", None) is not None
 
+    def wants_prediction(self) -> bool:
+        """Whether this step predicts the next layer: for a trace (its accuracy), or to read ahead, which
+        its gate may have turned off for a while (it then samples a token now and then)."""
+        return self.trace is not None or self.read_ahead is not None and (self.gate is None or self.gate.predicting)
+
     def _issue_prefetch(self) -> None:
         if self._to_prefetch is None or self.read_ahead is None:
             return
         layer, ranked = self._to_prefetch
         self._to_prefetch = None
-        self.read_ahead.queue(layer, self.cache.uncached(layer, ranked))
+        guesses = self.cache.uncached(layer, ranked)
+        if self.gate is not None:
+            self._guessed[layer] = guesses  # scored when that layer's step knows its reads
+            if not self.gate.reading:
+                return
+        self.read_ahead.queue(layer, guesses)
 
     def acquire(self, layer: int, ids: np.ndarray) -> tuple[Plan, dict[int, ExpertBytes]]:
         """Plan and commit this step; the store-form bytes of every expert not already in the device tier.
@@ -294,6 +316,10 @@ class ExpertStreamer:
         # (invalid ids: nothing is read; the plan below says what is wrong)
         reads: dict[int, InFlight | None] = dict.fromkeys(self.cache.uncached(layer, experts)) if valid else {}
         fetched: dict[int, ExpertBytes] = {}
+        if self.gate is not None:
+            guessed = self._guessed.pop(layer, None)
+            if guessed is not None:  # the guesses this step reads from disk were right (read ahead or not)
+                self.gate.score(len(guessed), sum(1 for e in guessed if e in reads))
         if self.read_ahead is not None and valid:  # those read ahead are handed over; the other guesses are dropped
             for e, f in self.read_ahead.take(layer, reads).items():
                 if f.done() and f.exception() is None:  # landed: its bytes are at hand, as a host hit's are
@@ -407,6 +433,9 @@ class ExpertStreamer:
         a = self.read_ahead.counts if self.read_ahead is not None else ReadAheadCounts()
         out["prefetch"] = {"predicted": p.predicted, "accuracy": p.accuracy, "issued": a.issued, "used": a.used, "landed": a.landed,
                            "wasted": a.wasted, "in_the_way": a.in_the_way, "skipped": a.skipped}  # fmt: skip
+        if self.gate is not None:  # reading ahead now, the last window's share of guesses right, times turned
+            g = self.gate
+            out["prefetch"].update(reading=g.reading, right_share=g.share, turned=g.turned, guessed=g.guessed, guessed_right=g.right)
         return out
 
     def lines(self) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
+from fomoepy.experts.read_ahead import GPU_READ_AHEAD_PAYS, ReadAheadGate
 from fomoepy.experts.sizes import parse_size
 from fomoepy.plan.capacity import Capacity, capacity_for
 from fomoepy.plan.hardware import Hardware, load_hardware, shipped_rigs
@@ -99,6 +100,7 @@ class ReadAhead:
     along: tuple[float, ...] = ()
     wrong: float | None = None
     by_rank: tuple[float, ...] = ()
+    right: float | None = None  # of the guesses read, the share their step read (the engine's gate judges it)
 
 
 class Planner:
@@ -142,7 +144,15 @@ class Planner:
                 self.predictions = load_traces([str(PREDICTION_TRACE)])[0]
             replay = read_ahead_from_trace(self.predictions, memory, split, a.policy)
             by_rank = tuple(self.predictions.prediction_accuracy_by_rank())
-            self._replays[key] = ReadAhead(replay.share, replay.line(), replay.along, replay.wrong, by_rank)
+            gate = ReadAheadGate(GPU_READ_AHEAD_PAYS)
+            if hw.device.count and not gate.keeps_reading(replay.right):
+                # the GPU engine's gate turns reading ahead off at this share of its guesses right
+                why = (f"the engine reads nothing ahead: {100 * replay.right:.0f} % of the guesses it would read are right, "
+                       f"below the {100 * (gate.pays_above - gate.margin):.0f} % at which its GPU schedule stops reading ahead "
+                       f"(it pays above {100 * gate.pays_above:.0f} %); {replay.line()}")  # fmt: skip
+                self._replays[key] = ReadAhead(0.0, why, by_rank=by_rank, right=replay.right)
+            else:
+                self._replays[key] = ReadAhead(replay.share, replay.line(), replay.along, replay.wrong, by_rank, replay.right)
         return self._replays[key]
 
     def capacity(self, hw: Hardware, vram: int | None = None, ram: int | None = None) -> Capacity:

@@ -76,6 +76,7 @@ class ReadAheadReplay:
     share: float
     wrong: float
     along: tuple[float, ...]
+    right: float  # of the guesses read, the share their step then read from disk (what the engine's gate judges)
     memory: float  # the share of accesses the replay's tiers served (device or host)
     tiers: float  # the tiers' size in the replay, a share of the trace's expert bytes
     predictions: int
@@ -86,7 +87,7 @@ class ReadAheadReplay:
         return (f"the engine's next-layer predictions in {Path(self.path).name or 'the trace'} ({self.predictions} "
                 f"guesses) replayed through tiers of {100 * self.tiers:.1f} % of its experts, serving "
                 f"{100 * self.memory:.1f} % of accesses: the guesses no tier holds are right {along} % along the "
-                f"order they are read in, {self.wrong:.2f} wrong ones read a miss")  # fmt: skip
+                f"order they are read in ({100 * self.right:.0f} % of them all), {self.wrong:.2f} wrong ones read a miss")  # fmt: skip
 
 
 # the replay's tiers are sized until they serve the projection's share of accesses this closely: half the
@@ -121,7 +122,8 @@ def read_ahead_from_trace(trace: Trace, memory: float, device_fraction: float, p
     tiers = (result.device_bytes + result.host_bytes) / total
     predicted = sum(len(r.predicted) for r in trace.records if r.predicted is not None)
     return ReadAheadReplay(ahead.used / disk if disk else 0.0, ahead.wasted / disk if disk else 0.0,
-                           ahead.along_reading_order(), result.memory_hit_rate, tiers, predicted, trace.path)
+                           ahead.along_reading_order(), ahead.used / ahead.issued if ahead.issued else 0.0,
+                           result.memory_hit_rate, tiers, predicted, trace.path)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import numpy as np
 from fomoepy.errors import UnsupportedQuantType
 from fomoepy.experts.device import StepExperts
 from fomoepy.experts.policy import Key
+from fomoepy.experts.read_ahead import GPU_READ_AHEAD_PAYS
 from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import kernels
@@ -106,6 +107,7 @@ class GpuExperts:
     (the scheduler's placement): each device has its own slots, staging buffers and streams."""
 
     can_download = True  # a slot's bytes are the store's: a demoted expert is copied down, not re-read
+    read_ahead_pays = GPU_READ_AHEAD_PAYS  # below this share of guesses read right, reading ahead is turned off
 
     def __init__(self, layers: tuple[LayerExperts, ...], devs: GpuBackend | list[GpuBackend], routers: list | None = None,
                  device_of_layer: tuple[int, ...] | None = None):  # fmt: skip
