@@ -269,9 +269,10 @@ class ExpertStreamer:
         return self.options.prefetch and getattr(self.source, "submit", None) is not None
 
     def wants_prediction(self) -> bool:
-        """Whether this step predicts the next layer: for a trace (its accuracy), or to read ahead, which
-        its gate may have turned off for a while (it then samples a token now and then)."""
-        return self.trace is not None or self.read_ahead is not None and (self.gate is None or self.gate.predicting)
+        """Whether this pass's steps may predict the next layer (where their owner predicts at all): not
+        while the gate has turned reading ahead off, but on the tokens it samples and for a trace (which
+        records the prediction's accuracy)."""
+        return self.gate is None or self.gate.predicting or self.trace is not None
 
     def _issue_prefetch(self) -> None:
         if self._to_prefetch is None or self.read_ahead is None:
