@@ -378,6 +378,7 @@ def test_a_predictor_whose_guesses_do_not_pay_stops_reading_ahead_and_a_better_o
 
     wrong = [token([4, 5, 6, 7]) for _ in range(2)]  # 8 guesses, none read by their step: off
     assert wrong == [True, True] and not gate.reading and gate.share == 0.0
+    assert streamer.lines()[-1] == "reading ahead off: 0% of 8 guesses no tier held were right, it pays above 44%"  # (the user sees why)
     issued = streamer.read_ahead.counts.issued
     assert issued == 8
     off = [token([4, 5, 6, 7]) for _ in range(8)]

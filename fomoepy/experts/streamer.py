@@ -450,6 +450,10 @@ class ExpertStreamer:
                 a = self.read_ahead.counts
                 line += f"; read ahead {a.issued} ({a.used} used by their step, {a.wasted} wrong), {a.skipped} guesses dropped unread"
             lines.append(line)
+        g = self.gate
+        if g is not None and g.guessed:  # why reading ahead is on or off now
+            lines.append(f"reading ahead {'on' if g.reading else 'off'}: {g.right / g.guessed:.0%} of {g.guessed} guesses no tier "
+                         f"held were right, it pays above {g.pays_above:.0%}")  # fmt: skip
         return lines
 
     def close(self) -> None:
