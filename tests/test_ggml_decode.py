@@ -1,7 +1,8 @@
-"""A lone decode row of the cpu backend in one graph a token (fomoepy.runtime.ggml_decode.DecodeToken)
-against the path that computes each layer's attention half in one graph (LayerGraph) and its experts
-in another: the same logits, KV caches and expert counts, bit for bit, across a span and a cache
-growth; a prefill chunk's layer graph against the op-by-op path; and which path runs when."""
+"""A lone decode row of the cpu backend in one graph a token (fomoepy.runtime.ggml_decode.DecodeToken),
+and a batched step of several sequences in one graph (DecodeBatch), against the path that computes
+each layer's attention half in one graph (LayerGraph) and its experts in another: the same logits, KV
+caches and expert counts, bit for bit, across a span and a cache growth; a prefill chunk's layer graph
+against the op-by-op path; and which path runs when."""
 
 from __future__ import annotations
 
@@ -62,6 +63,55 @@ def test_one_graph_a_token_and_the_experts_apart_give_the_same_bits(monkeypatch,
     assert all(np.array_equal(a, b) for a, b in zip(whole[0], apart[0]))
     assert all(np.array_equal(a, b) for pair in zip(whole[1], apart[1]) for a, b in zip(*pair))
     assert np.array_equal(whole[2], apart[2]) and whole[2].sum() > 0
+
+
+def run_batch(prompts: list[int], n_decode: int) -> tuple:
+    """Prefill a random prompt of each length, one sequence each, then decode n_decode batched steps of
+    all of them → (each step's logits [B, V], each sequence's KV caches, expert counts)."""
+    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2, n_ctx=4 * KV_CHUNK))
+    rng = np.random.default_rng(12)
+    states = [engine.new_state() for _ in prompts]
+    for state, n in zip(states, prompts):
+        engine.eval(state, rng.integers(0, engine.spec.n_vocab, n))
+    logits = [engine.model.forward_batch(rng.integers(0, engine.spec.n_vocab, len(states)), states) for _ in range(n_decode)]
+    caches = [(c.k[: s.n_past].copy(), c.v[: s.n_past].copy()) for s in states for c in s.layers if isinstance(c, KVCache)]
+    counts = engine.experts.streamer.counter.counts.copy()
+    hits = engine.experts.streamer.cache.stats.summary()["device"]["hits"]  # (a step's hits: its rows' union)
+    engine.close()
+    return logits, caches, counts, hits
+
+
+def test_a_batched_step_is_one_graph_and_each_row_gets_the_layer_paths_bits(monkeypatch, spinning):
+    # three sequences at different positions: the first crosses its first chunk's end (its caches grow)
+    # and a span, the third a span, at different steps; each step one graph (DecodeBatch), its experts
+    # never computed apart; against the layer-by-layer batched step, bit for bit
+    calls = {"batch": 0}
+    one_call = Transformer._batch_in_one_call
+
+    def counted(self, *args):
+        out = one_call(self, *args)
+        calls["batch"] += out is not None
+        return out
+
+    compute = GgmlExperts.compute
+
+    def prefill_only(self, layer, h, ids, weights, experts):
+        assert experts.phase is Phase.PREFILL, "a batched step's experts computed apart from its graph"
+        return compute(self, layer, h, ids, weights, experts)
+
+    prompts = [KV_CHUNK - 3, 5, 62]
+    with monkeypatch.context() as m:
+        m.setattr(Transformer, "_batch_in_one_call", counted)
+        m.setattr(GgmlExperts, "compute", prefill_only)
+        whole = run_batch(prompts, 6)
+    assert calls["batch"] == 6
+    with monkeypatch.context() as m:
+        m.setattr(ResidentStep, "in_graph", lambda self, layer: None)  # every layer's graphs and experts apart
+        apart = run_batch(prompts, 6)
+    assert all(np.array_equal(a, b) for a, b in zip(whole[0], apart[0]))
+    assert all(np.array_equal(a, b) for pair in zip(whole[1], apart[1]) for a, b in zip(*pair))
+    assert np.array_equal(whole[2], apart[2]) and whole[2].sum() > 0
+    assert whole[3] == apart[3] > 0
 
 
 def test_a_token_is_one_graph_only_where_every_layers_experts_are_resident_and_no_step_is_timed(spinning):

@@ -62,7 +62,7 @@ class ResidentStep(MoEStep):
         ids, _ = self.streamer.choose(layer, exact)
         if ids is not exact.ids and not np.array_equal(ids, exact.ids):
             raise FomoeError(f"layer {layer}: cache-aware routing changed a step whose experts were all resident")
-        self._cache.count_resident_hits(layer, len(set(ids[0].tolist())))
+        self._cache.count_resident_hits(layer, len(set(ids.ravel().tolist())))  # (the rows' union, as a step's plan takes it)
 
 
 _UNASKED = object()

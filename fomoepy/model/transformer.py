@@ -96,8 +96,32 @@ class Transformer:
                 s.reserve(1)
         for s in states:
             s.reserve(1)
+        logits = self._batch_in_one_call(tokens, states)
+        if logits is not None:
+            return logits
         x = self._layers(tokens, [Segment(s, i, 1) for i, s in enumerate(states)], Phase.DECODE)
         return self._head(x, rowwise=True)
+
+    def _batch_in_one_call(self, tokens: np.ndarray, states: list[InferenceState]) -> np.ndarray | None:
+        """A decode row of each sequence through every layer and the head in one call (ops.decode_batch:
+        the cpu backend's one graph), where a lone row's would be one (_one_graph_layers); the MoE steps'
+        bookkeeping follows (experts.computed). None where it cannot: the layer-by-layer pass then runs."""
+        decode_batch = getattr(self.ops, "decode_batch", None)
+        layers = self._one_graph_layers() if decode_batch is not None else None
+        if layers is None:
+            return None
+        spec, w = self.spec, self.weights
+        self.experts.begin_step(Phase.DECODE, [s.sequence for s in states])
+        logits, routings = decode_batch(w.embedding(tokens), layers, [s.layers for s in states], spec.attention, spec.rms_eps,
+                                        w["output_norm.weight"], w["output.weight"], [s.n_past for s in states],
+                                        spec.moe.n_expert_used)  # fmt: skip
+        for il, routing in enumerate(routings):
+            self.experts.computed(il, routing)
+        self.experts.end_step(len(states))
+        for s, token in zip(states, tokens.tolist()):
+            s.n_past += 1
+            s.tokens.append(token)
+        return logits
 
     def _in_one_call(self, tokens: np.ndarray, state: InferenceState, phase: Phase) -> np.ndarray | None:
         """A lone row's whole pass (every layer and the head) in one call of a backend that computes it as
@@ -105,15 +129,11 @@ class Transformer:
         on one device, softmax routing, no shared expert) and every layer's experts can be computed in
         it (experts.in_graph: all resident); the MoE steps' bookkeeping follows (experts.computed).
         None where it cannot: the layer-by-layer pass then runs."""
-        ops, spec, m = self.ops, self.spec, self.spec.moe
-        decode_token = getattr(ops, "decode_token", None)
-        if (decode_token is None or self.timer is not None or len(self.devices) != 1 or spec.arch != "qwen3moe" or m.shared_ff
-                or not ops.fuses_attention(spec.attention, m.gating)):  # fmt: skip
+        decode_token = getattr(self.ops, "decode_token", None)
+        layers = self._one_graph_layers() if decode_token is not None else None
+        if layers is None:
             return None
-        layers = self._graph_layers()
-        if layers is None or self.experts.in_graph(0) is None:  # (a step record may have been asked for since)
-            return None
-        w = self.weights
+        spec, m, w = self.spec, self.spec.moe, self.weights
         self.experts.begin_step(phase, [state.sequence])
         logits, routings = decode_token(w.embedding(tokens), layers, state.layers, spec.attention, spec.rms_eps,
                                         w["output_norm.weight"], w["output.weight"], state.n_past, m.n_expert_used)  # fmt: skip
@@ -123,6 +143,19 @@ class Transformer:
         state.n_past += 1
         state.tokens.append(int(tokens[0]))
         return logits
+
+    def _one_graph_layers(self) -> list | None:
+        """The layers for a pass as one graph of the backend's (_graph_layers), where the model's layers are
+        its kind (qwen3moe on one device, softmax routing, no shared expert, no step records asked for) and
+        every layer's experts can be computed in it (experts.in_graph: all resident); else None."""
+        ops, spec, m = self.ops, self.spec, self.spec.moe
+        if (self.timer is not None or len(self.devices) != 1 or spec.arch != "qwen3moe" or m.shared_ff
+                or not ops.fuses_attention(spec.attention, m.gating)):  # fmt: skip
+            return None
+        layers = self._graph_layers()
+        if layers is None or self.experts.in_graph(0) is None:  # (a step record may have been asked for since)
+            return None
+        return layers
 
     def _graph_layers(self) -> list | None:
         """Each layer's (weights, its experts' graph inputs: experts.in_graph), one list kept while the same

@@ -27,7 +27,7 @@ from fomoepy.runtime.ggml_attention import (
     causal_mask,
     span,
 )
-from fomoepy.runtime.ggml_decode import DecodeToken, LayerGraph
+from fomoepy.runtime.ggml_decode import DecodeBatch, DecodeToken, LayerGraph
 from fomoepy.runtime.ggml_dense import (
     AttentionGraphs,
     RopeSpec,
@@ -170,6 +170,26 @@ class GgmlBackend(CpuBackend):
         logits, ids, weights, probs = run() if tuned is None else tuned.run(("token",), lambda n: run(threads=n))
         ids = ids.astype(np.int64)
         return logits, [Routing(ids[il : il + 1], weights[il : il + 1], probs[il : il + 1]) for il in range(len(caches))]
+
+    def decode_batch(self, x: np.ndarray, layers: list, caches: list[list], a, eps: float, output_norm, output,
+                     positions: list[int], k: int) -> tuple:  # fmt: skip
+        """One decode row of each of B sequences, x [B, D] (row b at positions[b], into caches[b], each
+        layer's KVCache of that sequence), through every layer and the output head in one graph
+        (DecodeBatch) → logits [B, V], each layer's routing [B rows]; row b's bits are decode_token's for
+        it alone. A graph is kept for the batch's spans, strides and layers: one serves while no sequence
+        crosses a span (every BUCKET steps of each)."""
+        group = a.n_head // a.n_head_kv
+        spans = [span(p + 1, seq[0].capacity) for p, seq in zip(positions, caches)]
+        shape = ("batch", tuple(spans), tuple((seq[0].k.strides, seq[0].v.strides) for seq in caches), id(layers))
+        graph = self._tokens.get(shape)
+        if graph is None or graph[0] is not layers:
+            graph = _kept(self._tokens, shape, (layers, DecodeBatch([(w, e[0]) for w, e in layers], caches, spans, a, eps, output_norm, output,
+                                                                    self.threads, k)))  # fmt: skip
+        masks = [causal_mask(p, 1, group, n) for p, n in zip(positions, spans)]
+        logits, ids, weights, probs = graph[1](np.ascontiguousarray(x, dtype=F32), positions, masks,
+                                               [[cache_addresses(c) for c in seq] for seq in caches], [e[1] for _, e in layers])  # fmt: skip
+        ids = ids.astype(np.int64)
+        return logits, [Routing(ids[il], weights[il], probs[il]) for il in range(len(layers))]
 
     def prefill_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int) -> tuple:
         """T rows x [T, D] of one sequence at positions n_past.. through a layer's attention in one graph

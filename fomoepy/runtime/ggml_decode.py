@@ -43,6 +43,7 @@ from fomoepy.runtime.ggml_dense import (
     post_attention_nodes,
     pre_attention_bytes,
     pre_attention_nodes,
+    product,
     routed_outputs,
     routing_nodes,
 )
@@ -167,3 +168,79 @@ class DecodeToken:
             per_layer += (k, v, k + position * dk, v + position * dv, table)
         logits = self.graph.run(x, *inputs, *per_layer, threads=threads)[0]
         return logits, *(r.copy() for r in self.routing)
+
+
+class DecodeBatch:
+    """One decode row of each of B sequences through every layer and the output head in one graph: the
+    rows' dense products and their experts over all B rows at once (each weight read once a step), each
+    sequence's keys and values into its own caches and its attention over them on its own; otherwise the
+    nodes of DecodeToken, row by row, so each row gets the bits it gets alone (a product of several
+    sequences' rows is taken apart where ggml's several-row kernel sums otherwise: ggml_dense.product).
+    caches[b][il]: sequence b's KVCache of layer il; spans[b] the positions its graph reads. Run with every
+    sequence's cache addresses and each layer's slot table → logits [B, V] and every layer's routing,
+    ids [L, B, k] int32, weights [L, B, k], probs [L, B, E]."""
+
+    def __init__(self, layers: list[tuple], caches: list[list], spans: list[int], a, eps: float, output_norm, output, threads: int,
+                 k: int):  # fmt: skip
+        w0 = layers[0][0]
+        D, V, E, L, B = w0.attn_q.n_cols, output.n_rows, w0.ffn_gate_inp.n_rows, len(layers), len(caches)
+        H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+        group = H // Hkv
+        for seq in caches:
+            if not all(kv_memory_layout(c.k, c.v) for c in seq):
+                raise ValueError("a batch's graph writes into KV caches laid out by ggml_attention.KVMemory")
+        # room: every layer as a lone row's of each sequence (the dense parts counted B times over: more than
+        # the B-row products need), the concatenations of the rows' attention, the head's B rows
+        size = sum(_layer_bytes(w, a, n, 1, k, experts) for w, experts in layers for n in spans)
+        size += L * _F * H * hd * B * B + _F * 4 * B * (D + V) + sum(pre_attention_bytes(w, a, B, True) + post_attention_bytes(w, B, True)
+                                                                     for w, _ in layers)  # fmt: skip
+        g = self.graph = Graph(L * B * (128 + 2 * k) + 16 * B + 16, _room(size), threads)
+        self.routing = (np.empty((L, B, k), np.int32), np.empty((L, B, k), np.float32), np.empty((L, B, E), np.float32))
+        x, pos = g.input(D, B), g.input(B, qtype=ggml.GGML_TYPE_I32)
+        masks = [g.input(n, group) for n in spans]
+        writes = []
+        for il, (w, experts) in enumerate(layers):
+            q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, B, apart=True)  # [hd, H, B], [hd, Hkv, B], [Hkv·hd, B]
+            attn = None
+            for b, (seq, n) in enumerate(zip(caches, spans)):
+                cache = seq[il]
+                keys, values = cache_inputs(g, cache.k, cache.v, n)
+                k_b = ggml.ggml_view_3d(g.ctx, k_rot, hd, Hkv, 1, k_rot.contents.nb[1], k_rot.contents.nb[2], b * k_rot.contents.nb[2])
+                v_b = ggml.ggml_view_2d(g.ctx, v, Hkv * hd, 1, v.contents.nb[1], b * v.contents.nb[1])
+                writes += [g.write_into(k_b, hd, Hkv, 1, nb=(_F, cache.k.strides[1], cache.k.strides[0])),
+                           g.write_into(v_b, 1, Hkv * hd, nb=(_F, cache.v.strides[2]))]  # fmt: skip
+                # row b's query heads as a lone row's: each kv head's group of them, [hd, group, Hkv]
+                q_b = ggml.ggml_view_3d(g.ctx, q, hd, group, Hkv, hd * _F, group * hd * _F, b * q.contents.nb[2])
+                a_b = ggml.ggml_reshape_2d(g.ctx, attention_nodes(g, q_b, keys, values, masks[b], hd), H * hd, 1)
+                attn = a_b if attn is None else ggml.ggml_concat(g.ctx, attn, a_b, 1)  # [H·hd, b + 1]
+            x2, h, logits = post_attention_nodes(g, w, eps, x, attn, B, apart=True)
+            x = _expert_rows(g, x2, h, logits, k, experts, B, tuple(r[il] for r in self.routing))
+        logits = product(g, output, normed(g, x, eps, output_norm), B, True)
+        g.finish([(logits, (B, V))], effects=tuple(writes))
+        self._row_steps = [(seq[0].k.strides[0], seq[0].v.strides[0]) for seq in caches]
+
+    def __call__(self, x: np.ndarray, positions: list[int], masks: list[np.ndarray], addresses: list[list[tuple[int, int]]],
+                 tables: list[np.ndarray]):  # fmt: skip
+        """x [B, D], row b at positions[b] with its causal mask, addresses[b][il] sequence b's layer-il cache
+        addresses, each layer's slot table → logits [B, V], ids, weights, probs (fresh arrays)."""
+        inputs = [x, np.array(positions, np.int32), *masks]
+        for il, table in enumerate(tables):
+            for b, (dk, dv) in enumerate(self._row_steps):
+                k, v = addresses[b][il]
+                inputs += (k, v, k + positions[b] * dk, v + positions[b] * dv)
+            inputs.append(table)
+        logits = self.graph.run(*inputs)[0]
+        return logits, *(r.copy() for r in self.routing)
+
+
+def _expert_rows(g: Graph, x2, h, logits, k: int, experts: list, B: int, into: tuple):
+    """B rows' routed experts of h [D, B], added to x' (_expert_part's nodes over B rows); adds one input,
+    the experts' slot table [1, E, 1] int32."""
+    D, E = int(h.contents.ne[0]), int(logits.contents.ne[0])
+    ids, weights, _ = routing_nodes(g, logits, k, B, into)
+    table = g.input(1, E, 1, qtype=ggml.GGML_TYPE_I32)
+    # (the B rows' picks as one list: get_rows takes a 2-D list as one per matrix of its table)
+    slots = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, table, ggml.ggml_reshape_1d(g.ctx, ids, k * B)), k, B)
+    y = expert_outputs(g.ctx, experts, ggml.ggml_reshape_3d(g.ctx, h, D, 1, B), slots)  # [D, k, B]
+    moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, B))
+    return ggml.ggml_add(g.ctx, x2, moe)
