@@ -129,10 +129,9 @@ def simulate(
             taken = set(np.asarray(ids).ravel().tolist())
             for at, expert in enumerate(guessed):
                 ahead.count_read(at, expert in taken)  # type: ignore[union-attr]
-            ahead.issued += len(guessed)  # type: ignore[union-attr]
-            ahead.used += sum(e in taken for e in guessed)  # type: ignore[union-attr]
         guessed = reading
-    if ahead is not None:
+    if ahead is not None:  # (the totals are the positions' sums)
+        ahead.issued, ahead.used = sum(ahead.read_at), sum(ahead.used_at)
         ahead.wasted = ahead.issued - ahead.used
     return SimResult(
         policy, device_bytes, host_bytes, cache.stats.summary(), car_stats, (tuple(seeded[0]), tuple(seeded[1])), ahead

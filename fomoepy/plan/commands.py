@@ -90,7 +90,7 @@ def _efficiency(text: str | None) -> dict | None:
 
 
 @dataclass(frozen=True)
-class ReadAhead:
+class ReadAheadFigures:
     """The engine schedule's reads a layer ahead, as a projection takes them: `share` of the misses read
     ahead by a right guess; where it comes from; the share of right guesses along the reading order and the
     wrong ones read per miss, where a replay counted them; the predictor's own accuracy by rank."""
@@ -124,17 +124,17 @@ class Planner:
         self.efficiency = _efficiency(args.efficiency)
         # the trace whose recorded predictions the engine schedule's reads ahead are replayed from
         self.predictions = self.trace if self.trace is not None and self.trace.prediction_accuracy() else None
-        self._replays: dict[tuple[float, float], ReadAhead] = {}
+        self._replays: dict[tuple[float, float], ReadAheadFigures] = {}
 
-    def read_ahead(self, hw: Hardware, rates: TierRates) -> ReadAhead:
+    def read_ahead(self, hw: Hardware, rates: TierRates) -> ReadAheadFigures:
         """The share of misses read ahead by a right guess, and how: given (--prefetch), none (FOMOE's
         schedule), or the engine's predictions replayed through tiers that serve as many accesses as `rates`
         say (the guesses read are those no tier holds: the more the tiers hold, the fewer of the likeliest)."""
         a = self.args
         if a.prefetch is not None:
-            return ReadAhead(a.prefetch, "given")
+            return ReadAheadFigures(a.prefetch, "given")
         if a.schedule != "engine":
-            return ReadAhead(0.0, "FOMOE's schedule reads nothing ahead")
+            return ReadAheadFigures(0.0, "FOMOE's schedule reads nothing ahead")
         device, host = self.capacity(hw).shares(self.work.model)
         memory = rates.device + rates.host + rates.substituted
         split = device / (device + host) if device + host else 0.0
@@ -150,9 +150,9 @@ class Planner:
                 why = (f"the engine reads nothing ahead: {100 * replay.right:.0f} % of the guesses it would read are right, "
                        f"below the {100 * (gate.pays_above - gate.margin):.0f} % at which its GPU schedule stops reading ahead "
                        f"(it pays above {100 * gate.pays_above:.0f} %); {replay.line()}")  # fmt: skip
-                self._replays[key] = ReadAhead(0.0, why, by_rank=by_rank, right=replay.right)
+                self._replays[key] = ReadAheadFigures(0.0, why, by_rank=by_rank, right=replay.right)
             else:
-                self._replays[key] = ReadAhead(replay.share, replay.line(), replay.along, replay.wrong, by_rank, replay.right)
+                self._replays[key] = ReadAheadFigures(replay.share, replay.line(), replay.along, replay.wrong, by_rank, replay.right)
         return self._replays[key]
 
     def capacity(self, hw: Hardware, vram: int | None = None, ram: int | None = None) -> Capacity:

@@ -76,11 +76,16 @@ class ReadAheadReplay:
     share: float
     wrong: float
     along: tuple[float, ...]
-    right: float  # of the guesses read, the share their step then read from disk (what the engine's gate judges)
     memory: float  # the share of accesses the replay's tiers served (device or host)
     tiers: float  # the tiers' size in the replay, a share of the trace's expert bytes
     predictions: int
     path: str
+
+    @property
+    def right(self) -> float:
+        """Of the guesses read, the share their step then read from disk (what the engine's gate judges):
+        right ones per miss over all read per miss."""
+        return self.share / (self.share + self.wrong) if self.share + self.wrong else 0.0
 
     def line(self) -> str:
         along = ", ".join(f"{100 * a:.0f}" for a in self.along)
@@ -122,8 +127,7 @@ def read_ahead_from_trace(trace: Trace, memory: float, device_fraction: float, p
     tiers = (result.device_bytes + result.host_bytes) / total
     predicted = sum(len(r.predicted) for r in trace.records if r.predicted is not None)
     return ReadAheadReplay(ahead.used / disk if disk else 0.0, ahead.wasted / disk if disk else 0.0,
-                           ahead.along_reading_order(), ahead.used / ahead.issued if ahead.issued else 0.0,
-                           result.memory_hit_rate, tiers, predicted, trace.path)  # fmt: skip
+                           ahead.along_reading_order(), result.memory_hit_rate, tiers, predicted, trace.path)  # fmt: skip
 
 
 @dataclass(frozen=True)

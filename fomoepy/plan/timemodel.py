@@ -195,16 +195,18 @@ def project(
     head = 0.0 if "head" in drop else head
 
     one_ffn = layer["experts"] / k
-    host, serial, launch, copies, before = layer["plan"], None, None, None, 0.0
+    host, serial, launch, copies = layer["plan"], None, None, None
     if gpu and schedule == "engine" and hw.host.serial is not None:
         serial = min(hw.host.serial, host)
-        before = serial if hw.host.before_reads is None else min(serial, hw.host.before_reads)
-        if hw.host.before_launch is not None:
-            launch = min(hw.host.before_launch, host)
-            # a read's copy up starts once the plan has said which slot it fills (the device's part of the
-            # step after the plan), which may come after the first launch (the experts the device holds,
-            # and the copies of those at hand, go first)
-            copies = launch if hw.host.before_copies is None else max(launch, min(hw.host.before_copies, host))
+    # the host's time from the routing until the step's reads are issued (the next layer's guesses follow them)
+    in_series = host if serial is None else serial
+    before = in_series if hw.host.before_reads is None else min(in_series, hw.host.before_reads)
+    if serial is not None and hw.host.before_launch is not None:
+        launch = min(hw.host.before_launch, host)
+        # a read's copy up starts once the plan has said which slot it fills (the device's part of the
+        # step after the plan), which may come after the first launch (the experts the device holds,
+        # and the copies of those at hand, go first)
+        copies = launch if hw.host.before_copies is None else max(launch, min(hw.host.before_copies, host))
     if schedule == "fomoe":
         fetch = max(layer["disk"], layer["copy"])  # the link copies run beside the reads
         hidden = min(prefetch * fetch, layer["dense"] + layer["experts"])
@@ -277,10 +279,8 @@ def project(
     right = prefetch * n_disk if schedule == "engine" and "disk" not in drop else 0.0
     if gpu and schedule == "engine" and right + wrong > 0:
         # the guesses go to the drives once the step's own reads are issued: after the host's work before them
-        in_series = host if serial is None else serial
-        start = in_series if hw.host.before_reads is None else min(in_series, hw.host.before_reads)
         ahead = ReadAheadModel(n_disk, right, wrong, per_read, drives.latency, DEPTH_PER_DRIVE * max(1, drives.count),
-                               tuple(by_rank), start, max(1, drives.count))  # fmt: skip
+                               tuple(by_rank), before, max(1, drives.count))  # fmt: skip
         step = _steady(lambda t: step_of(moe_of(*ahead.at(t)[:2])))
         hidden_ahead, _, wrong_reads = ahead.at(step)
         landed = hidden_ahead / per_read
