@@ -151,10 +151,11 @@ def child(args: argparse.Namespace) -> dict:
                 in_step[0] += time.perf_counter() - t0 - (lib.sim_timed_waited_ns() - w0) * 1e-9 - step.records[-1].wait
                 # of it, the part in series with the step's reads (the router's, less its read-back's wait; the
                 # step's before its reads were issued and after the last landed)
-                first[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_reads
-                serial[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_reads + step.records[-1].after_landed
-                launch[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].before_launch
-                copies[0] += t1 - t0 - (w1 - w0) * 1e-9 + step.records[-1].route + step.records[-1].plan
+                routed, r = t1 - t0 - (w1 - w0) * 1e-9, step.records[-1]
+                first[0] += routed + r.before_reads
+                serial[0] += routed + r.before_reads + r.after_landed
+                launch[0] += routed + r.before_launch
+                copies[0] += routed + r.route + r.plan
                 reads_late[0] += source.late_max  # the step waited for its last read: at most this late
                 source.late_max = 0.0
             dev.argmax(dev.linear(h, head))  # the output head and the sampler's read-back

@@ -115,13 +115,18 @@ class Transformer:
         logits, routings = decode_batch(w.embedding(tokens), layers, [s.layers for s in states], spec.attention, spec.rms_eps,
                                         w["output_norm.weight"], w["output.weight"], [s.n_past for s in states],
                                         spec.moe.n_expert_used)  # fmt: skip
+        self._one_call_done(routings, tokens, states)
+        return logits
+
+    def _one_call_done(self, routings: list, tokens: np.ndarray, states: list[InferenceState]) -> None:
+        """After a pass in one call: the MoE steps' bookkeeping of each layer's routing (experts.computed),
+        and each sequence one token further on."""
         for il, routing in enumerate(routings):
             self.experts.computed(il, routing)
         self.experts.end_step(len(states))
         for s, token in zip(states, tokens.tolist()):
             s.n_past += 1
             s.tokens.append(token)
-        return logits
 
     def _in_one_call(self, tokens: np.ndarray, state: InferenceState, phase: Phase) -> np.ndarray | None:
         """A lone row's whole pass (every layer and the head) in one call of a backend that computes it as
@@ -137,11 +142,7 @@ class Transformer:
         self.experts.begin_step(phase, [state.sequence])
         logits, routings = decode_token(w.embedding(tokens), layers, state.layers, spec.attention, spec.rms_eps,
                                         w["output_norm.weight"], w["output.weight"], state.n_past, m.n_expert_used)  # fmt: skip
-        for il, routing in enumerate(routings):
-            self.experts.computed(il, routing)
-        self.experts.end_step(1)
-        state.n_past += 1
-        state.tokens.append(int(tokens[0]))
+        self._one_call_done(routings, tokens, [state])
         return logits
 
     def _one_graph_layers(self) -> list | None:

@@ -78,16 +78,17 @@ def _attention_part(g: Graph, w, a, eps: float, x, pos, mask, k_cache: np.ndarra
     return writes, x2, h, logits
 
 
-def _expert_part(g: Graph, x2, h, logits, k: int, experts: list, into: tuple):
-    """A row's routed experts of h, added to x'; adds one input, the experts' slot table [1, E, 1] int32
-    (get_rows reads row e of it). → x'', the routing computed into `into`'s arrays (ids, weights, probs:
-    ggml_dense.routing_nodes)."""
+def _expert_rows(g: Graph, x2, h, logits, k: int, experts: list, B: int, into: tuple):
+    """B rows' routed experts of h [D, B], added to x'; adds one input, the experts' slot table [1, E, 1]
+    int32 (get_rows reads row e of it). → x'', the routing computed into `into`'s arrays (ids, weights,
+    probs: ggml_dense.routing_nodes)."""
     D, E = int(h.contents.ne[0]), int(logits.contents.ne[0])
-    ids, weights, _ = routing_nodes(g, logits, k, 1, into)
+    ids, weights, _ = routing_nodes(g, logits, k, B, into)
     table = g.input(1, E, 1, qtype=ggml.GGML_TYPE_I32)
-    slots = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, table, ids), k, 1)
-    y = expert_outputs(g.ctx, experts, ggml.ggml_reshape_3d(g.ctx, h, D, 1, 1), slots)  # [D, k, 1]
-    moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, 1))
+    # (the B rows' picks as one list: get_rows takes a 2-D list as one per matrix of its table)
+    slots = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, table, ggml.ggml_reshape_1d(g.ctx, ids, k * B)), k, B)
+    y = expert_outputs(g.ctx, experts, ggml.ggml_reshape_3d(g.ctx, h, D, 1, B), slots)  # [D, k, B]
+    moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, B))
     return ggml.ggml_add(g.ctx, x2, moe)
 
 
@@ -151,7 +152,7 @@ class DecodeToken:
         writes = []
         for il, ((w, experts), cache) in enumerate(zip(layers, caches)):
             written, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, cache.k, cache.v, n, 1)
-            x = _expert_part(g, x2, h, logits, k, experts, tuple(r[il] for r in self.routing))
+            x = _expert_rows(g, x2, h, logits, k, experts, 1, tuple(r[il] for r in self.routing))
             writes += written  # in layer order: a layer's attention (added after them) sees its row
         logits = ggml.ggml_mul_mat(g.ctx, g.weight(output), normed(g, x, eps, output_norm))
         g.finish([(logits, (1, V))], effects=tuple(writes))
@@ -232,15 +233,3 @@ class DecodeBatch:
         logits = self.graph.run(*inputs)[0]
         return logits, *(r.copy() for r in self.routing)
 
-
-def _expert_rows(g: Graph, x2, h, logits, k: int, experts: list, B: int, into: tuple):
-    """B rows' routed experts of h [D, B], added to x' (_expert_part's nodes over B rows); adds one input,
-    the experts' slot table [1, E, 1] int32."""
-    D, E = int(h.contents.ne[0]), int(logits.contents.ne[0])
-    ids, weights, _ = routing_nodes(g, logits, k, B, into)
-    table = g.input(1, E, 1, qtype=ggml.GGML_TYPE_I32)
-    # (the B rows' picks as one list: get_rows takes a 2-D list as one per matrix of its table)
-    slots = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, table, ggml.ggml_reshape_1d(g.ctx, ids, k * B)), k, B)
-    y = expert_outputs(g.ctx, experts, ggml.ggml_reshape_3d(g.ctx, h, D, 1, B), slots)  # [D, k, B]
-    moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, B))
-    return ggml.ggml_add(g.ctx, x2, moe)
