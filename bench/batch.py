@@ -15,7 +15,12 @@ is greedy, ignores end-of-generation and streams its tokens. Per run it prints:
 - expert bytes per generated token: bytes of the experts the steps computed from (each expert once
   per step, whatever its rows: the daemon's cache statistics' accessed bytes), and of those, bytes
   read from the store;
-- speed-up: aggregate tok/s over the one-at-a-time run of the same configuration.
+- speed-up: aggregate tok/s over the one-at-a-time run of the same configuration;
+- where misses are read from the store, the store's bound: its read rate, measured in the same run
+  (every expert read once through the store's reader, in a random order, as the daemon reads them),
+  over the run's bytes read from the store per token: the most tok/s the run could reach if reading
+  were all it did. A configuration bound by its reads gains from batching only as its bytes read per
+  token fall.
 
     python bench/batch.py [--requests 16] [--tokens 48] [--clients 1,2,4,8] [--max-batch 8] [--record]
 """
@@ -37,6 +42,7 @@ import numpy as np
 from decode import ensure_model
 from results import load_line, publish
 from soak import Conn, pct
+from store_read import store_pass
 
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
 from fomoepy.experts.store_reader import ExpertStore
@@ -146,6 +152,16 @@ def serve_all(sock: str, texts: list[str], n_tokens: int, n_clients: int) -> dic
     }  # fmt: skip
 
 
+def store_rate(model: Path, store: Path) -> float:
+    """Bytes per second the store's reader delivers (its default threads, as the daemon opens it), every
+    expert read once in a random order: the rate a run whose misses come from the store is bound by."""
+    with ExpertStore.open([store], model) as s:
+        keys = [(layer, e) for layer in range(len(s.layers)) for e in range(s.manifest.layers[0].n_expert)]
+        order = np.random.default_rng(0).permutation(len(keys))
+        nbytes, seconds = store_pass(s, [keys[i] for i in order], verify=s.verify)
+    return nbytes / seconds
+
+
 def every_expert_profile(model: Path, store: Path) -> tuple[Path, int]:
     """A profile naming every expert (to seed the host tier with all of them), and their total bytes."""
     with ExpertStore.open([store], model) as s:
@@ -158,6 +174,13 @@ def every_expert_profile(model: Path, store: Path) -> tuple[Path, int]:
     entries["freq"] = 1.0
     write_freq(path, FreqProfile(len(layers), entries))
     return path, total
+
+
+def bound(r: dict, rates: list[float]) -> str:
+    """The run's store bound: the store's higher measured rate over the bytes the run read per token."""
+    if not rates or r["disk_per_tok"] <= 0:
+        return "—"
+    return f"{max(rates) / r['disk_per_tok']:.2f} ({r['tok_s'] * r['disk_per_tok'] / 1e6:.0f} MB/s read)"
 
 
 def main() -> int:
@@ -183,10 +206,13 @@ def main() -> int:
         "capped": (f"host tier {args.ram_frac:.0%}, misses from the store", ["--ram-cache", str(int(all_bytes * args.ram_frac))]),
     }  # fmt: skip
     rows = []
+    rates: list[float] = []  # the store's read rate, before and after the runs that read from it
     for key, (title, flags) in configs.items():
         if args.only and key != args.only:
             continue
         runs = []
+        if key == "capped":
+            rates.append(store_rate(model, store))
         with tempfile.TemporaryDirectory(dir="/tmp", prefix="fomoe-batch-") as d:
             for label, max_batch, n_clients in [("one at a time", 1, [1]), ("batched", args.max_batch, clients)]:
                 sock = f"{d}/{max_batch}.sock"
@@ -199,11 +225,13 @@ def main() -> int:
                         print(f"{title}: {runs[-1][0]}: {r['tok_s']:.2f} tok/s; {os.getloadavg()[0]:.2f} load", file=sys.stderr)
                 finally:
                     stop(proc)
+        if key == "capped":
+            rates.append(store_rate(model, store))
         one = runs[0][1]["tok_s"]
         for label, r in runs:
             rows.append(
                 f"| {title} | {label} | {r['tok_s']:.2f} | {r['tok_s'] / one:.2f}x | {r['itl50'] * 1e3:.0f} / {r['itl99'] * 1e3:.0f} "
-                f"| {r['ttft50'] * 1e3:.0f} | {r['used_per_tok'] / 1e6:.2f} | {r['disk_per_tok'] / 1e6:.2f} |"
+                f"| {r['ttft50'] * 1e3:.0f} | {r['used_per_tok'] / 1e6:.2f} | {r['disk_per_tok'] / 1e6:.2f} | {bound(r, rates)} |"
             )
     report = (
         f"### batch — {date.today()} — cpu backend, {platform.machine()}, {os.cpu_count()} cores — {load_line()}; "
@@ -212,8 +240,11 @@ def main() -> int:
         f"--max-batch {args.max_batch} --ram-frac {args.ram_frac}" + (f" --threads {args.threads}" if args.threads else "")
         + (f" --only {args.only}" if args.only else "") + f"`; bench model, -t {threads}, greedy, {args.tokens} tokens per request\n\n"
         "| configuration | served by | aggregate tok/s | vs one at a time | inter-token p50 / p99 ms | first token p50 ms "
-        "| expert MB used / token | of which read from store MB / token |\n|---|---|---|---|---|---|---|---|\n"
+        "| expert MB used / token | of which read from store MB / token | store's bound tok/s (its MB/s ÷ MB read / token) "
+        "|\n|---|---|---|---|---|---|---|---|---|\n"
         + "\n".join(rows) + "\n"
+        + (f"\nThe store's read rate, measured before and after the runs that read from it: "
+           f"{rates[0] / 1e6:.0f} and {rates[1] / 1e6:.0f} MB/s; each bound is from the higher.\n" if rates else "")
     )  # fmt: skip
     return publish(report, args.record)
 
