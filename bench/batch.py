@@ -17,10 +17,10 @@ is greedy, ignores end-of-generation and streams its tokens. Per run it prints:
   read from the store;
 - speed-up: aggregate tok/s over the one-at-a-time run of the same configuration;
 - where misses are read from the store, the store's bound: its read rate, measured in the same run
-  (every expert read once through the store's reader, in a random order, as the daemon reads them),
-  over the run's bytes read from the store per token: the most tok/s the run could reach if reading
-  were all it did. A configuration bound by its reads gains from batching only as its bytes read per
-  token fall.
+  as the engine reads it (`fomoe plan --measure`'s figure: records in a random order through the
+  store's reader, several in flight), over the run's bytes read from the store per token: the most
+  tok/s the run could reach if reading were all it did. A configuration bound by its reads gains from
+  batching only as its bytes read per token fall.
 
     python bench/batch.py [--requests 16] [--tokens 48] [--clients 1,2,4,8] [--max-batch 8] [--record]
 """
@@ -42,10 +42,10 @@ import numpy as np
 from decode import ensure_model
 from results import load_line, publish
 from soak import Conn, pct
-from store_read import store_pass
 
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
 from fomoepy.experts.store_reader import ExpertStore
+from fomoepy.plan.measure import store_figures
 
 HERE = Path(__file__).parent
 WORDS = ["river", "stone", "light", "garden", "window", "morning", "paper", "music", "winter", "silver", "market",
@@ -153,13 +153,9 @@ def serve_all(sock: str, texts: list[str], n_tokens: int, n_clients: int) -> dic
 
 
 def store_rate(model: Path, store: Path) -> float:
-    """Bytes per second the store's reader delivers (its default threads, as the daemon opens it), every
-    expert read once in a random order: the rate a run whose misses come from the store is bound by."""
-    with ExpertStore.open([store], model) as s:
-        keys = [(layer, e) for layer in range(len(s.layers)) for e in range(s.manifest.layers[0].n_expert)]
-        order = np.random.default_rng(0).permutation(len(keys))
-        nbytes, seconds = store_pass(s, [keys[i] for i in order], verify=s.verify)
-    return nbytes / seconds
+    """Bytes per second the store's reader delivers as the daemon reads it: the rate a run whose misses come
+    from the store is bound by."""
+    return store_figures(str(store), str(model), passes=1)[0]["bandwidth"]
 
 
 def every_expert_profile(model: Path, store: Path) -> tuple[Path, int]:

@@ -63,7 +63,8 @@ def register(sub) -> None:
     p.add_argument("--prefetch", type=float, default=None,
                    help="share of misses read ahead off the critical path (default, engine schedule: the engine's "
                         "next-layer predictions replayed through tiers that serve the projection's hit rates, from "
-                        "--trace if it records predictions, else the demo model's; FOMOE's schedule reads nothing ahead)")  # fmt: skip
+                        "--trace if it records predictions, else, with --measure on a model file, the model's own in the decode it "
+                        "measures, else the demo model's; FOMOE's schedule reads nothing ahead)")  # fmt: skip
     p.add_argument("--drop", default="", help=f"zero these terms to see what they cost ({', '.join(TERMS)})")
     p.add_argument("--sweep", help="vram=8G,16G | ram=32G,64G | policy=lru,lfu-decay|all | car=0.2,0.35")
     p.add_argument("--what-if", action="store_true", help="rank upgrades: a drive, 2x RAM, 2x VRAM, a GPU")
@@ -290,9 +291,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.measure:
         from fomoepy.plan.measure import measured
 
-        hw, notes = measured(hw, args.measure, None if args.shape else args.model)
-        hw_source += f"; host and drive figures measured here ({args.measure})" + "".join(f"; {n}" for n in notes)
+        found = measured(hw, args.measure, None if args.shape else args.model)
+        hw = found.hardware
+        hw_source += f"; host and drive figures measured here ({args.measure})" + "".join(f"; {n}" for n in found.notes)
     planner = Planner(args, work)
+    if args.measure and found.predictions is not None and planner.predictions is None:
+        planner.predictions = found.predictions  # the model's own, from the decode --measure ran
     cap = planner.capacity(hw)
     rates = planner.rates(cap)
     p = planner.project(hw, rates)

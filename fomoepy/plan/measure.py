@@ -1,23 +1,30 @@
 """`fomoe plan --measure DIR`: this machine's host and drive figures from short measurements, and, for a
-model file, the host's own time per layer step as the engine spends it (`host.plan`) and the rate at
-which the cpu backend sets a miss into its tier's slots (`host.fill`).
+model file, the host's own time per layer step as the engine spends it (`host.plan`), the rate at
+which the cpu backend sets a miss into its tier's slots (`host.fill`) and the model's own next-layer
+predictions (for the reads made ahead).
 
 Each figure is the median of a few passes. The drive is measured in DIR (on the drive the store
-would live on) with O_DIRECT reads of a scratch file, so the page cache does not answer for it; the
-file is removed afterwards. Where the file system refuses O_DIRECT the figure is the page cache's,
-and the returned notes say so.
+would live on) with O_DIRECT reads, so the page cache does not answer for it. Where DIR holds the
+model's store, its bandwidth is the store's records read as the engine reads them (in a random order,
+through the store's own reader, several in flight): a scratch file read in order, one 4 MiB block at a
+time, gave 1.15-1.94 GB/s on this project's virtual disk where the engine's pattern gave 1.08-1.56 in
+the same minutes. Otherwise a scratch file is written there, read, and removed. Where the file system
+refuses O_DIRECT the figure is the page cache's, and the returned notes say so.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.trace import Trace, read_trace
 from fomoepy.plan.hardware import Hardware
 
 SCRATCH_BYTES = 256 << 20
@@ -96,13 +103,71 @@ def drive_figures(directory: str) -> tuple[dict, list[str]]:
     return {"bandwidth": bandwidth, "latency": latency}, notes
 
 
-def engine_figures(model: str, store: str | None = None, threads: int | None = None, tokens: int = 48, warm: int = 32) -> tuple[float, float]:
+def store_figures(directory: str, model: str, passes: int = 3) -> tuple[dict, list[str]]:
+    """The drive figures of the store in `directory` as the engine reads it: bandwidth, the bytes/s of its
+    expert records read in a random order through its own reader (the engine's default threads, 2 reads a
+    thread in flight), up to SCRATCH_BYTES a pass; latency, 4 KiB O_DIRECT reads at random offsets of its
+    files, one at a time. Medians over `passes` (each pass reads a different sample)."""
+    from fomoepy.errors import StoreError
+    from fomoepy.experts.store_reader import ExpertStore
+
+    notes = []
+    try:
+        store = ExpertStore.open([directory], model)
+    except StoreError as e:
+        raise FomoeError(f"--measure {directory}: {e}") from None
+    with store:
+        if not store.direct:
+            notes.append(f"{directory}: no O_DIRECT here, the drive figures are the page cache's")
+        keys = [(il, e) for il, layer in enumerate(store.manifest.layers) for e in range(layer.n_expert)]
+        per_pass = max(1, min(len(keys), SCRATCH_BYTES // max(1, store.layers[0].expert_nbytes)))
+        rng = np.random.default_rng(0)
+        rates = []
+        for _ in range(passes):
+            sample = [keys[i] for i in rng.permutation(len(keys))[:per_pass]]
+            window, nbytes = 2 * store.threads, 0
+            t = time.perf_counter()
+            in_flight: list = []
+            for key in sample:  # (a sliding window of reads in flight, oldest waited for first)
+                in_flight.append(store.submit(*key))
+                if len(in_flight) >= window:
+                    nbytes += sum(part.nbytes for part in in_flight.pop(0).result())
+            nbytes += sum(part.nbytes for read in in_flight for part in read.result())
+            rates.append(nbytes / (time.perf_counter() - t))
+    files = sorted(Path(directory).glob("*.experts"))
+    latency = _small_read_latency(files, rng) if files else 0.0
+    return {"bandwidth": float(np.median(rates)), "latency": latency}, notes
+
+
+def _small_read_latency(files: list[Path], rng: np.random.Generator, reads: int = 64) -> float:
+    """Seconds of one 4 KiB read at a random offset of one of `files`, one at a time (O_DIRECT where allowed)."""
+    fds = []
+    try:
+        for f in files:
+            try:
+                fds.append((os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), f.stat().st_size))
+            except OSError:
+                fds.append((os.open(f, os.O_RDONLY), f.stat().st_size))
+        buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+        view = memoryview(buf)
+        picks = [(fds[int(rng.integers(len(fds)))]) for _ in range(reads)]
+        offsets = [(fd, int(rng.integers(0, max(1, size // 4096))) * 4096) for fd, size in picks]
+        return _median_seconds(lambda: [os.preadv(fd, [view], o) for fd, o in offsets], 3) / reads
+    finally:
+        for fd, _ in fds:
+            os.close(fd)
+
+
+def engine_figures(model: str, store: str | None = None, threads: int | None = None, tokens: int = 48, warm: int = 32,
+                   trace: str | None = None) -> tuple[float, float]:  # fmt: skip
     """(seconds of the host's own work per layer step, store bytes/s set into the tier's slots) of a decode
     on `model` with the cpu backend. The first is what `--profile-timing` reports as `host`: the step's
     time less ggml's products and the waits for expert reads, with the host tier at a quarter of the
     experts, as bench/host_time.py measures it; reading the experts from `store` when given (its reader
     pool and host-tier admissions are host work too). The first `warm` tokens fill the tiers and are not
-    counted. The second is the backend's making ready of a miss (slot_fill_rate), on the same engine."""
+    counted. The second is the backend's making ready of a miss (slot_fill_rate), on the same engine; the
+    first leaves out the time the second puts on the run's misses, which the projection counts apart.
+    `trace`: a file the decode's routing and its next-layer predictions are recorded in."""
     from fomoepy.engine import Engine, EngineOptions
 
     stores = (store,) if store else ()
@@ -110,19 +175,24 @@ def engine_figures(model: str, store: str | None = None, threads: int | None = N
     experts = sum(layer.expert_nbytes for layer in probe.source.layers) * probe.spec.moe.n_expert
     probe.close()
     options = EngineOptions(backend="cpu", store=stores, threads=threads, vram_cache=0, ram_cache=experts // 4,
-                            profile_timing=True)  # fmt: skip
+                            profile_timing=True, trace=trace)  # fmt: skip
     engine = Engine(model, options)
     try:
         state = engine.new_state()
         token = int(np.argmax(engine.eval(state, [1, 2, 3, 4])[-1]))
-        timer = engine.timer
+        timer, cache = engine.timer, engine.experts.streamer.cache
         for i in range(warm + tokens):
             if i == warm:  # the tiers have filled: measure from here
                 before = (sum(timer.total), sum(timer.matmul), sum(timer.io_wait), sum(timer.steps))
+                read_before = cache.stats.total_disk().read_bytes
             token = int(np.argmax(engine.decode_token(state, token)))
         total, matmul, wait, steps = (sum(timer.total), sum(timer.matmul), sum(timer.io_wait), sum(timer.steps))
-        host = ((total - before[0]) - (matmul - before[1]) - (wait - before[2])) / max(1, steps - before[3])
-        return host, slot_fill_rate(engine)
+        fill = slot_fill_rate(engine)
+        # the misses' slot fills happen inside the step, outside ggml's products: the projection has them as
+        # a term of their own (the bytes read at `fill`), so the host's share leaves out that same time
+        fills = (cache.stats.total_disk().read_bytes - read_before) / fill
+        host = ((total - before[0]) - (matmul - before[1]) - (wait - before[2]) - fills) / max(1, steps - before[3])
+        return host, fill
     finally:
         engine.close()
 
@@ -142,20 +212,40 @@ def slot_fill_rate(engine, experts: int = 8) -> float:
     return nbytes / float(np.median(times))
 
 
-def measured(hw: Hardware, directory: str, model: str | None = None) -> tuple[Hardware, list[str]]:
+@dataclass
+class Measured:
+    """What --measure found: the hardware with this machine's figures, a note on each, and (given a model)
+    a trace of its decode with its own next-layer predictions, for the reads made ahead."""
+
+    hardware: Hardware
+    notes: list[str]
+    predictions: Trace | None = None
+
+
+def measured(hw: Hardware, directory: str, model: str | None = None) -> Measured:
     """`hw` with its host and drive figures replaced by this machine's (drive count kept); given a model
-    file, its host time per layer step too (otherwise the hardware file's stated figure stays)."""
-    drive, notes = drive_figures(directory)
+    file, its host time per layer step and its predictions too (otherwise the hardware file's stated host
+    figure stays); given a model whose store is in `directory`, the drive as the engine reads that store."""
+    store = directory if model is not None and (Path(directory) / "fomoe-store.manifest").exists() else None
+    drive, notes = store_figures(directory, model) if store else drive_figures(directory)
+    if store:
+        notes.append(f"drive {drive['bandwidth'] / 1e9:.2f} GB/s as the engine reads the store in {directory}")
     host = host_figures()
+    predictions = None
     if model is not None:
-        store = directory if (Path(directory) / "fomoe-store.manifest").exists() else None
         # the host's time per step, and the cpu backend's setting of each miss into a tier slot (its copy
-        # up: a term of its own, after the step's reads land), both on the model as the engine runs it
-        host["plan"], host["fill"] = engine_figures(model, store)
+        # up: a term of its own, after the step's reads land), both on the model as the engine runs it;
+        # the decode's trace carries the model's own predictions
+        with tempfile.TemporaryDirectory(prefix="fomoe-measure-") as scratch:
+            trace = str(Path(scratch) / "measure.trace")
+            host["plan"], host["fill"] = engine_figures(model, store, trace=trace)
+            recorded = read_trace(trace)
+        # (named for the line that states where the reads ahead come from: the file itself is gone)
+        predictions = replace(recorded, path=f"{Path(model).name}'s decode under --measure") if recorded.prediction_accuracy() else None
         host["serial"] = None  # measured whole: the cpu backend's step is not split at its reads
         where = f"{Path(model).name}, experts from the store in {directory}" if store else Path(model).name
         notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us and slot fills {host['fill'] / 1e9:.2f} GB/s, "
                      f"measured on {where} (cpu backend)")  # fmt: skip
     else:
         notes.append(f"host time per layer step {hw.host.plan * 1e6:.0f} us, as the hardware file states it")
-    return hw.with_changes(host=host, drives=drive), notes
+    return Measured(hw.with_changes(host=host, drives=drive), notes, predictions)

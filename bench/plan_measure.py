@@ -1,0 +1,107 @@
+"""`fomoe plan --measure` against `fomoe generate` on this machine: the projection beside the run it projects.
+
+On the bench model of bench/decode.py (`--shape bench`, its expert store beside it), cpu backend, host
+tier at `--ram-frac` of the experts, `-t THREADS`, each round runs, one right after the other:
+
+    fomoe generate MODEL --store STORE --vram-cache 0 --ram-cache BYTES -t THREADS -n TOKENS --ignore-eos -p The
+    fomoe plan MODEL --hardware cpu-only-64g --measure STORE --hit-rates DEVICE,HOST,DISK --json
+
+the second with the hit rates the first printed, and compares its projected tok/s with the first's
+measured. `--measure` takes every figure of this machine anew each round (the drive as the engine reads
+the store, the host's time per layer step, the slot fills, the products, the model's own predictions):
+a virtual disk's rate moves by half within minutes here, so a projection is only checked against a run
+made in the same minute. Prints each round and the median of the rounds' errors.
+
+    python bench/plan_measure.py [--rounds 5] [--tokens 96] [--threads 2] [--ram-frac 0.25] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+from decode import ensure_model
+from results import load_line, processor, publish
+
+from fomoepy.experts.store_reader import ExpertStore
+
+GENERATED = re.compile(r"generated (\d+) tokens \(([\d.]+) tok/s\)")
+# "experts: 6144 uses; device 45.2% hit, host off, disk 54.8% (...)": each tier's share of the uses
+SHARE = re.compile(r"(device|host) (?:([\d.]+)% hit|off)")
+DISK = re.compile(r"disk ([\d.]+)%")
+
+
+def fomoe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fomoepy.cli", *args], capture_output=True, text=True, check=True)
+
+
+def generate(model: Path, store: Path, ram: int, threads: int, tokens: int) -> tuple[float, tuple[float, float, float]]:
+    """(tok/s, (device, host, disk) shares of the expert uses in percent) of one `fomoe generate` run."""
+    err = fomoe("generate", str(model), "--store", str(store), "--vram-cache", "0", "--ram-cache", str(ram), "-t", str(threads),
+                "-n", str(tokens), "--ignore-eos", "-p", "The").stderr  # fmt: skip
+    speed = GENERATED.search(err)
+    line = next((ln for ln in err.splitlines() if "experts:" in ln), "")
+    shares = {tier: float(pct) if pct else 0.0 for tier, pct in SHARE.findall(line)}
+    disk = DISK.search(line)
+    if speed is None or disk is None or set(shares) != {"device", "host"}:
+        raise SystemExit(f"could not read the run's speed and hit rates from:\n{err}")
+    return float(speed.group(2)), (shares["device"], shares["host"], float(disk.group(1)))
+
+
+def plan(model: Path, store: Path, shares: tuple[float, float, float]) -> dict:
+    hit_rates = ",".join(f"{s:.1f}" for s in shares)
+    return json.loads(fomoe("plan", str(model), "--hardware", "cpu-only-64g", "--measure", str(store), "--hit-rates", hit_rates,
+                            "--json").stdout)  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=96, help="tokens each generate run decodes")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ram-frac", type=float, default=0.25, help="host tier, as a share of the experts' bytes")
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+
+    model, store = ensure_model("bench")
+    with ExpertStore.open([store], model) as s:
+        experts = sum(layer.expert_nbytes for layer in s.layers) * s.manifest.layers[0].n_expert
+    ram = int(args.ram_frac * experts)
+    rows, errors = [], []
+    for r in range(args.rounds):
+        measured, shares = generate(model, store, ram, args.threads, args.tokens)
+        out = plan(model, store, shares)
+        projected = out["projection"]["tokens_per_s"]
+        drive = out["hardware"]["drives"]["bandwidth"]
+        host = out["hardware"]["host"]["plan"]
+        ahead = out["prefetch"]["share"]
+        errors.append(projected / measured - 1)
+        rows.append(f"| {r + 1} | {measured:.2f} | {shares[0]:.1f} / {shares[1]:.1f} / {shares[2]:.1f} | {projected:.2f} "
+                    f"| {100 * errors[-1]:+.1f} % | {drive / 1e9:.2f} | {host * 1e6:.0f} | {100 * ahead:.0f} % |")  # fmt: skip
+        print(rows[-1], file=sys.stderr)
+    median = float(np.median(errors))
+    worst = max(errors, key=abs)
+    report = (
+        f"### plan_measure — {date.today()} — {platform.machine()}, {os.cpu_count()} cores ({processor()}) — {load_line()}\n\n"
+        f"`python bench/plan_measure.py --rounds {args.rounds} --tokens {args.tokens} --threads {args.threads} "
+        f"--ram-frac {args.ram_frac}`: bench model, cpu backend, host tier {args.ram_frac:.0%} of the experts "
+        f"({ram / 2**20:.0f} MiB), -t {args.threads}; each round a `fomoe generate` run, then `fomoe plan --measure` with its hit "
+        "rates (every figure of this machine measured anew in that round)\n\n"
+        "| round | generate tok/s | hit rates device / host / disk % | plan --measure tok/s | projected vs measured "
+        "| drive GB/s (as the engine reads the store) | host µs per layer step | misses read ahead |\n"
+        "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        f"Median error {100 * median:+.1f} %, largest {100 * worst:+.1f} % (over {args.rounds} rounds).\n"
+    )  # fmt: skip
+    return publish(report, args.record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
