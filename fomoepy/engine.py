@@ -224,6 +224,23 @@ class Engine:
         logits = self.eval(gen.state, chunk)
         return gen.prompt_done(logits[-1]) if not gen.pending else None
 
+    @property
+    def prefills_jointly(self) -> bool:
+        """Whether prefill_many evaluates several generations' chunks in one pass (sharing their reads)."""
+        return self.model.prefills_jointly
+
+    def prefill_many(self, gens: Sequence[Generation]) -> list[int | None]:
+        """`prefill` for each generation, their chunks in one pass where the backend can (each chunk with the
+        bits it gets alone, the experts they pick read once for all: Transformer.forward_prompts); chunks of
+        at least 2 tokens. Each one's first sampled token after its last chunk, else None."""
+        if len(gens) == 1 or not self.prefills_jointly:
+            return [self.prefill(g) for g in gens]
+        if any(min(len(g.pending), self.prefill_chunk) < 2 for g in gens):
+            raise FomoeError("a joint prefill takes chunks of at least 2 tokens")
+        chunks = [np.asarray(g.take_chunk(self.prefill_chunk), np.int64) for g in gens]
+        logits = self.model.forward_prompts([(c, g.state) for c, g in zip(chunks, gens)])
+        return [g.prompt_done(np.asarray(row)[-1]) if not g.pending else None for g, row in zip(gens, logits)]
+
     def decode(self, gens: Sequence[Generation]) -> list[int]:
         """One step for generations in decode: each one's pending token evaluated (all in one batched
         step), and each one's next token sampled."""

@@ -17,7 +17,8 @@ import numpy as np
 from fomoepy.errors import FomoeError
 from fomoepy.experts.device import StepExperts, StepTiming
 from fomoepy.experts.routing import Routing
-from fomoepy.experts.step import MoEStep
+from fomoepy.experts.step import MoEStep, compute_in_runs, rows_of
+from fomoepy.experts.streamer import Rows
 
 
 class ResidentStep(MoEStep):
@@ -26,15 +27,15 @@ class ResidentStep(MoEStep):
         self._cache = streamer.cache
         self._graph_inputs: dict[int, tuple | None] = {}  # layer -> the device's graph_inputs, asked once
 
-    def __call__(self, layer: int, h: Any, exact: Routing, rows: slice | None = None) -> Any:
+    def __call__(self, layer: int, h: Any, exact: Routing, rows: Rows = None) -> Any:
         t0 = time.perf_counter()
         ids, weights = self.streamer.choose(layer, exact, rows)
-        if rows is not None:  # (MoEStep.__call__)
-            h = h[rows]
+        h = rows_of(h, rows)  # (MoEStep.__call__)
         # a decode row's picks as a set of ints, not np.unique (~8 µs of a ~40 µs step's Python)
         self._cache.count_resident_hits(layer, len(set(ids[0].tolist())) if ids.shape[0] == 1 else len(np.unique(ids)))
         t1 = time.perf_counter()
-        out = self.device.compute(layer, h, ids, weights, StepExperts(None, self.phase, {}, {}, _nothing))
+        experts = StepExperts(None, self.phase, {}, {}, _nothing)
+        out = compute_in_runs(self.device, layer, h, ids, weights, experts, rows if isinstance(rows, list) else None)
         if self.records is not None or self.timer is not None:
             timing = StepTiming(layer, t1 - t0, 0.0, 0.0, time.perf_counter() - t1, 0.0, t1 - t0)
             if self.records is not None:

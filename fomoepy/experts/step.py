@@ -19,12 +19,16 @@ compute side: it knows the form its tier holds, nothing of the cache.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
+import numpy as np
+
+from fomoepy.errors import FomoeError
 from fomoepy.experts.device import ExpertDevice, Phase, StepExperts, StepTiming
 from fomoepy.experts.routing import Routing
-from fomoepy.experts.streamer import ExpertStreamer
+from fomoepy.experts.streamer import ExpertStreamer, Rows
 
 
 class MoEStep:
@@ -74,14 +78,19 @@ class MoEStep:
     def _predicting(self, layer: int) -> bool:
         return self.phase is Phase.DECODE and self._predicts_now and layer + 1 < self.streamer.n_layer
 
-    def __call__(self, layer: int, h: Any, exact: Routing, rows: slice | None = None) -> Any:
+    def __call__(self, layer: int, h: Any, exact: Routing, rows: Rows = None) -> Any:
         """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]; of the
-        rows `rows` only where given (every row is routed, counted and traced; those are computed)."""
+        rows `rows` only where given (every row is routed, counted and traced; those are computed). `rows`
+        may be several runs of rows (a list of slices, in order: each sequence's of a joint prefill): the
+        plan and the reads are made once for all of them, and each run is computed by a device call of its
+        own, so its products are those it gets alone (a device that can: `computes_runs`)."""
         s, device = self.streamer, self.device
         t0 = time.perf_counter()
+        runs = rows if isinstance(rows, list) else None
+        if runs is not None and not getattr(device, "computes_runs", False):
+            raise FomoeError(f"{type(device).__name__} cannot compute a step's rows in runs")
         ids, weights = s.substitute(layer, exact, rows)  # (CAR: what the step's reads are of)
-        if rows is not None:
-            h = h[rows]
+        h = rows_of(h, rows)
         t1 = time.perf_counter()
 
         begin = getattr(device, "begin", None) if self.phase is Phase.DECODE else None
@@ -102,7 +111,7 @@ class MoEStep:
         experts.launched_at = launched[0]
         t2 = time.perf_counter()
         try:
-            out = device.compute(layer, h, ids, weights, experts)
+            out = compute_in_runs(device, layer, h, ids, weights, experts, runs)
         finally:
             t3 = time.perf_counter()
             waited_inside = experts.done
@@ -136,3 +145,20 @@ class MoEStep:
         self.streamer.close()
         self.streamer.host_slots.clear()
         self.device.close()
+
+
+def rows_of(h: Any, rows: Rows) -> Any:
+    """h's rows `rows`: all (None), a run, or several runs joined in order."""
+    if rows is None:
+        return h
+    return h[rows] if isinstance(rows, slice) else np.concatenate([h[run] for run in rows])
+
+
+def compute_in_runs(device: ExpertDevice, layer: int, h: Any, ids: np.ndarray, weights: np.ndarray, experts: StepExperts,
+                    runs: list[slice] | None) -> Any:  # fmt: skip
+    """device.compute over the rows, or over each run's rows apart (runs: the slices the rows were taken by,
+    in order), each as it is computed alone, from the same plan and reads; joined in order."""
+    if runs is None:
+        return device.compute(layer, h, ids, weights, experts)
+    at = np.cumsum([0] + [run.stop - run.start for run in runs])
+    return np.concatenate([device.compute(layer, h[a:b], ids[a:b], weights[a:b], experts) for a, b in itertools.pairwise(at)])

@@ -63,6 +63,21 @@ class PrefetchStats:
         return self.correct / self.predicted if self.predicted else 0.0
 
 
+# the rows of a step a call takes: all (None), one run of them, or several runs in order (the rows of
+# several sequences computed apart, as fomoepy.experts.step.MoEStep's groups)
+Rows = slice | list[slice] | None
+
+
+def _runs(rows: slice | list[slice]) -> list[slice]:
+    return [rows] if isinstance(rows, slice) else rows
+
+
+def _rows_of(exact: Routing, rows: slice | list[slice]) -> Routing:
+    """The routing of the rows `rows` (a run, or several joined in order)."""
+    if isinstance(rows, slice):
+        return Routing(exact.ids[rows], exact.weights[rows], exact.probs[rows])
+    return Routing(*(np.concatenate([a[run] for run in rows]) for a in (exact.ids, exact.weights, exact.probs)))
+
 class ExpertStreamer:
     def __init__(
         self,
@@ -190,7 +205,7 @@ class ExpertStreamer:
                 self.backfilled += len(self._admit_host({key: self.source.read(*key)}))
 
     # -- per MoE layer -----------------------------------------------------------------------------
-    def choose(self, layer: int, exact: Routing, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def choose(self, layer: int, exact: Routing, rows: Rows = None) -> tuple[np.ndarray, np.ndarray]:
         """The experts to compute: the exact selection, or CAR's substitutions when it is on; of the rows
         `rows` only where given (the last layer's rows that are read). Usage counts (profiles) take the
         router's choice of every row; the trace, CAR and the plan take the rows computed. Both halves:
@@ -198,14 +213,19 @@ class ExpertStreamer:
         self.note(layer, exact, rows)
         return self.substitute(layer, exact, rows)
 
-    def note(self, layer: int, exact: Routing, rows: slice | None = None) -> None:
+    def note(self, layer: int, exact: Routing, rows: Rows = None) -> None:
         """The step's record of what the router chose: usage counts (every row), the last prediction's
         accuracy and the trace (the rows computed). Nothing the step's reads depend on: MoEStep makes it
         while they are in flight."""
         self.counter.add(layer, exact.ids)
+        if isinstance(rows, list):  # (several runs of rows: a record of each, at its own first token)
+            predicted = self._predicted.pop(layer, None)
+            for run in rows:
+                self._record(layer, _rows_of(exact, run), self._first_token + run.start, self._sequences_of(run), None)
+            return
         first, sequences = self._first_token, self._sequences_of(rows)
         if rows is not None:
-            exact = Routing(exact.ids[rows], exact.weights[rows], exact.probs[rows])
+            exact = _rows_of(exact, rows)
             first += rows.start
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
@@ -213,20 +233,24 @@ class ExpertStreamer:
             actual = set(exact.ids.ravel().tolist())
             self.prefetch_stats.predicted += len(predicted)
             self.prefetch_stats.correct += len(actual.intersection(predicted))
+        self._record(layer, exact, first, sequences, predicted)
+
+    def _record(self, layer: int, exact: Routing, first: int, sequences: list[int] | None, predicted) -> None:
+        """The trace's record of rows from token `first` on (where a trace is kept)."""
         if self.trace is not None:
             top_scores = np.take_along_axis(exact.probs, exact.ids, axis=-1)
             now = self.cache.now
             self.trace.write(first, layer, exact.ids, top_scores, exact.probs, predicted, sequences,
                              now if now != first else None)  # fmt: skip
 
-    def substitute(self, layer: int, exact: Routing, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def substitute(self, layer: int, exact: Routing, rows: Rows = None) -> tuple[np.ndarray, np.ndarray]:
         """The ids and weights to compute for the rows `rows` (all where None): the router's, or with CAR on,
         cached experts in place of uncached ones where the scores allow (what the step then reads)."""
         if rows is not None:
-            exact = Routing(exact.ids[rows], exact.weights[rows], exact.probs[rows])
+            exact = _rows_of(exact, rows)
         if not self.options.car.enabled:
             return exact.ids, exact.weights
-        first = self._first_token + (rows.start if rows is not None else 0)
+        first = self._first_token + (_runs(rows)[0].start if rows is not None else 0)
         cached = self.cache.cached_mask(layer, "device") | self.cache.cached_mask(layer, "host")
         result = cache_aware_route(
             exact.ids, exact.weights, exact.probs, cached, self.options.car,
@@ -237,9 +261,11 @@ class ExpertStreamer:
             self._request_backfill(layer, exact, result.substitutions)
         return result.ids, result.weights
 
-    def _sequences_of(self, rows: slice | None) -> list[int] | None:
+    def _sequences_of(self, rows: Rows) -> list[int] | None:
         """The sequence of each of the step's rows `rows` (None: all of them; None back: one sequence)."""
-        return self._sequences if rows is None or self._sequences is None else self._sequences[rows]
+        if rows is None or self._sequences is None:
+            return self._sequences
+        return self._sequences[rows] if isinstance(rows, slice) else [q for run in rows for q in self._sequences[run]]
 
     def _request_backfill(self, layer: int, exact: Routing, pairs: list[tuple[int, int]]) -> None:
         score = exact.probs.max(axis=0)  # an original's priority: its best probability in the batch
@@ -295,12 +321,12 @@ class ExpertStreamer:
         plan, fetched, reads = self.start_acquire(layer, ids)
         return plan, self.finish_acquire(plan, fetched, reads)
 
-    def start_acquire(self, layer: int, ids: np.ndarray, rows: slice | None = None,
+    def start_acquire(self, layer: int, ids: np.ndarray, rows: Rows = None,
                       beside: Callable[[dict[int, ExpertBytes], dict[int, InFlight | None]], None] | None = None) -> tuple[Plan, dict[int, ExpertBytes], dict[int, InFlight | None]]:  # fmt: skip
         """acquire's first half: the plan, the bytes at hand (host hits, prefetches handed over) and the
         reads in flight, so a backend can compute the experts at hand while the others are read. The
         caller must then call finish_acquire, before anything else of this streamer's. rows: the step's
-        rows `ids` are (choose's), where not all of them.
+        rows `ids` are (choose's), where not all of them: a slice, or several (a list, in order).
 
         The step's reads go out first, before its plan: they are the experts neither tier holds, which the
         tiers' state already says (the plan's disk items are exactly those), so the drives' latency starts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from fomoepy.experts.routing import Routing
@@ -14,17 +16,41 @@ def moe_ffn(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray, routing: Rou
     the others: every row is routed and counted, those are computed); routing: h's, where the caller has
     it already (fomoepy.model.attention.attention_block)."""
     if routing is None:
-        router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
-        routing = experts.route(ops, layer, h, router_logits, m.gating, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
+        routing = _route(ops, w, m, experts, layer, h)
     # Σ_j weights[t, j] · expert_ids[t, j](h[t]); CAR may swap ids (off: the router's)
     out = experts(layer, h, routing) if rows is None else experts(layer, h, routing, rows)
+    return out + _shared_expert(ops, w, m, kept_rows(h, rows)) if m.shared_ff else out
+
+
+def moe_ffn_runs(ops, w, m: MoESpec, experts, layer: int, hs: list[np.ndarray], routings: list[Routing | None],
+                 kept: list[slice] | None = None) -> list[np.ndarray]:  # fmt: skip
+    """moe_ffn of several sequences' rows in one step (a joint prefill): h_s [n_s, D] of each → each one's
+    [n_s, D] (or its rows kept[s]), as moe_ffn gives each alone. Each sequence's router and shared expert
+    run on its own rows (their products as alone); the routed experts are one step over all of them, each
+    selected expert planned and read once, each sequence's rows computed apart (MoEStep's runs)."""
+    routings = [r if r is not None else _route(ops, w, m, experts, layer, h) for h, r in zip(hs, routings)]
+    starts = np.cumsum([0] + [h.shape[0] for h in hs]).tolist()
+    local = kept or [slice(0, h.shape[0]) for h in hs]
+    runs = [slice(a + k.start, a + k.stop) for a, k in zip(starts, local)]
+    joint = Routing(*(np.concatenate(parts) for parts in zip(*((r.ids, r.weights, r.probs) for r in routings))))
+    out = experts(layer, np.concatenate(hs), joint, runs)
+    at = np.cumsum([0] + [k.stop - k.start for k in local]).tolist()
+    outs = [out[a:b] for a, b in itertools.pairwise(at)]
     if m.shared_ff:
-        h = kept_rows(h, rows)
-        shared = ops.swiglu_ffn(h, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)
-        if m.shared_gate:
-            shared = shared * ops.sigmoid(ops.linear(h, w.ffn_gate_inp_shexp[None, :]))  # [T, 1]
-        out = out + shared
-    return out
+        outs = [o + _shared_expert(ops, w, m, h[k]) for o, h, k in zip(outs, hs, local)]
+    return outs
+
+
+def _route(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray) -> Routing:
+    router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
+    return experts.route(ops, layer, h, router_logits, m.gating, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
+
+
+def _shared_expert(ops, w, m: MoESpec, h: np.ndarray) -> np.ndarray:
+    shared = ops.swiglu_ffn(h, w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp)
+    if m.shared_gate:
+        shared = shared * ops.sigmoid(ops.linear(h, w.ffn_gate_inp_shexp[None, :]))  # [T, 1]
+    return shared
 
 
 def kept_rows(x, rows: slice | None):

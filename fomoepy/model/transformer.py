@@ -2,7 +2,9 @@
 
 `forward` evaluates tokens of one sequence; `forward_batch` one new token of each of several
 sequences in one step: their dense products and the MoE half run on all rows at once (each selected
-expert is read and computed once for every row that picked it), attention and DeltaNet per sequence.
+expert is read and computed once for every row that picked it), attention and DeltaNet per sequence;
+`forward_prompts` prompt chunks of several sequences in one pass: everything per sequence as alone but
+the routed experts' step, one for all (each selected expert read once, each chunk's rows computed apart).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import numpy as np
 from fomoepy.errors import FomoeError
 from fomoepy.experts.device import Phase
 from fomoepy.model.gguf_file import GGUFFile
-from fomoepy.model.qwen3moe import qwen3moe_layer
-from fomoepy.model.qwen35moe import qwen35moe_layer
+from fomoepy.model.moe import kept_rows, moe_ffn_runs
+from fomoepy.model.qwen3moe import qwen3moe_layer, qwen3moe_mix
+from fomoepy.model.qwen35moe import qwen35moe_layer, qwen35moe_mix
 from fomoepy.model.rows import RowwiseOps, Segment, supports_rows
 from fomoepy.model.spec import ModelSpec
 from fomoepy.model.state import InferenceState
@@ -27,6 +30,12 @@ from fomoepy.timing import LayerTimer
 LAYER_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "qwen3moe": qwen3moe_layer,
     "qwen35moe": qwen35moe_layer,
+}
+# each layer function's first half (its mixer, up to the MoE half's input): a joint prefill runs it per
+# sequence, then the MoE half for all of them at once
+LAYER_MIXERS: dict[str, Callable[..., Any]] = {
+    "qwen3moe": qwen3moe_mix,
+    "qwen35moe": qwen35moe_mix,
 }
 
 
@@ -45,6 +54,7 @@ class Transformer:
         self.experts = experts
         self.weights = weights
         self.layer_fn = LAYER_FUNCTIONS[spec.arch]
+        self.mix_fn = LAYER_MIXERS[spec.arch]
         self.timer = timer
         # a step over several sequences needs products whose rows are independent (fomoepy.model.rows)
         self.batches = all(supports_rows(d) for d in self.devices)
@@ -101,6 +111,58 @@ class Transformer:
             return logits
         x = self._layers(tokens, [Segment(s, i, 1) for i, s in enumerate(states)], Phase.DECODE)
         return self._head(x, rowwise=True)
+
+    @property
+    def prefills_jointly(self) -> bool:
+        """Whether forward_prompts can evaluate several sequences' prompt chunks in one pass: one device,
+        whose MoE step computes a step's rows in runs (fomoepy.experts.step.MoEStep)."""
+        return len(self.devices) == 1 and getattr(self.experts.device, "computes_runs", False)
+
+    def forward_prompts(self, chunks: list[tuple[np.ndarray, InferenceState]]) -> list[np.ndarray]:
+        """Prompt chunks of several sequences in one pass, each chunk after its state's past: the logits
+        [1, V] of each chunk's last token, each with the bits `forward(tokens, state, all_logits=False)`
+        gives it alone. Each layer's mixer and each chunk's products run per sequence, exactly as alone; the
+        MoE half is one step for all (each selected expert planned and read once for every chunk that
+        picked it, each chunk's rows computed apart: moe_ffn_runs). So prompts that arrive together share
+        their expert reads. Each chunk has at least 2 tokens (a lone token is a decode step's path), the
+        states are distinct, and a full context refuses the pass before any state grows."""
+        if not self.prefills_jointly:
+            raise FomoeError("this backend cannot evaluate several prompts in one pass")
+        chunks = [(self._checked(t), s) for t, s in chunks]
+        if any(len(t) < 2 for t, _ in chunks):
+            raise ValueError("a joint prefill takes chunks of at least 2 tokens")
+        if len({id(s) for _, s in chunks}) != len(chunks):
+            raise ValueError("a sequence appears twice in one joint prefill")
+        for t, s in chunks:
+            s.check_room(len(t))
+        for t, s in chunks:
+            s.reserve(len(t))
+        w, L = self.weights, self.spec.n_layer
+        own = [[Segment(s, 0, len(t))] for t, s in chunks]  # each chunk's pass, as alone
+        xs = [w.embedding(t) for t, _ in chunks]
+        self.experts.begin_step(Phase.PREFILL, [s.sequence for t, s in chunks for _ in range(len(t))])
+        last = [slice(len(t) - 1, len(t)) for t, _ in chunks]  # (the last layer's MoE half: the rows read)
+        for il in range(L):
+            kept = last if il == L - 1 else None
+            if self.timer is None:
+                xs = self._joint_layer(il, xs, own, kept)
+            else:
+                with self.timer.layer(il):
+                    xs = self._joint_layer(il, xs, own, kept)
+        self.experts.end_step(sum(len(t) for t, _ in chunks))
+        for t, s in chunks:
+            s.n_past += len(t)
+            s.tokens.extend(t.tolist())
+        return [self._head(x, rowwise=False) for x in xs]
+
+    def _joint_layer(self, il: int, xs: list, own: list[list[Segment]], kept: list[slice] | None) -> list:
+        """One layer of forward_prompts: each chunk's mixer, then the MoE half of all of them (of the rows
+        `kept` of each, where given)."""
+        mixed = [self.mix_fn(self, il, x, segments) for x, segments in zip(xs, own)]
+        ops, w = self.layer_ops(il), self.weights.layer(il)
+        outs = moe_ffn_runs(ops, w, self.spec.moe, self.experts, il, [h for _, h, _ in mixed], [r for _, _, r in mixed], kept)
+        ks = kept or [None] * len(xs)
+        return [kept_rows(x, k) + out for (x, _, _), out, k in zip(mixed, outs, ks)]
 
     def _batch_in_one_call(self, tokens: np.ndarray, states: list[InferenceState]) -> np.ndarray | None:
         """A decode row of each sequence through every layer and the head in one call (ops.decode_batch:

@@ -57,6 +57,8 @@ class CpuExperts:
         self.routers = routers  # every layer's router, to predict the next layer's experts
         self.keep_raw = keep_raw
         self.can_download = keep_raw
+        # a step's rows may be computed in runs (MoEStep): a run's experts from the step's plan and reads, as alone
+        self.computes_runs = True
 
     def expert_nbytes(self, layer: int) -> int:
         """Bytes of one compute-ready expert of `layer` (the device tier's unit on this backend)."""
@@ -78,7 +80,10 @@ class CpuExperts:
         """h [T, D], ids/weights [T, k] → [T, D]; every read landed first (dequantising needs the bytes)."""
         fetched = experts.landed()
         ready: dict[int, ReadyExpert] = {}
+        wanted = set(ids.ravel().tolist())  # (the plan's experts, or of a step computed in runs this run's)
         for item in experts.plan.items:
+            if item.expert not in wanted:
+                continue
             key = (layer, item.expert)
             x = self.ready.get(key)
             if x is None:

@@ -58,6 +58,9 @@ class GgmlExperts:
     has kernels for the type (--repack-experts), else plain."""
 
     can_download = False  # this backend's one tier has no tier below it to demote into
+    # a step's rows may be computed in runs (MoEStep): each call installs its own misses the plan admitted
+    # and stages the rest from the step's reads, so a run's products are those it gets alone
+    computes_runs = True
 
     def __init__(self, layers: tuple[LayerExperts, ...], ops, routers=None, n_expert: int = 0, tier_bytes: int = 0,
                  n_staging: int = 8, repack: bool = False):  # fmt: skip
