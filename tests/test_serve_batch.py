@@ -3,8 +3,8 @@ cancel, disconnect, pause), a long prompt is prefilled one bounded chunk per ste
 streams, the KV budget refuses what can never fit and holds back what does not fit now, and every
 request's tokens are those the engine gives it alone.
 
-The worker reports each engine step (`observe`: the prefill chunk and the decoding jobs), so the
-assertions are about the order of steps, not about time.
+The worker reports each engine step (`observe`: the prompt chunks evaluated and the decoding jobs), so
+the assertions are about the order of steps, not about time.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import pytest
 from conftest import ORACLE
 from test_serve import raw_connect, slow_reader, wait_paused
-from test_serve_fairness import final, send
+from test_serve_fairness import GatedEngine, final, held, send
 
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.sampling import SamplingParams
@@ -36,15 +36,15 @@ def engine() -> Engine:
 
 
 class Steps:
-    """Every engine step of a daemon, as (prefill (request id, prompt tokens) or None, [decoding ids])."""
+    """Every engine step of a daemon, as (((request id, prompt tokens) of each chunk evaluated), [decoding ids])."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[tuple | None, list]] = []
         self._lock = threading.Lock()
 
-    def __call__(self, prefill, decoders) -> None:
+    def __call__(self, prefills, decoders) -> None:
         with self._lock:
-            self.steps.append(((prefill[0].id, prefill[1]) if prefill else None, [j.id for j in decoders]))
+            self.steps.append((tuple((j.id, n) for j, n in prefills), [j.id for j in decoders]))
 
     def copy(self) -> list:
         with self._lock:
@@ -105,6 +105,41 @@ def test_a_request_joins_a_running_one_and_leaves_before_it_each_with_its_lone_t
     assert in_a == list(range(in_a[0], in_a[0] + 39))  # A decoded at every step: no step passed it by
 
 
+def test_prompts_that_arrive_together_are_evaluated_in_one_step_each_with_its_lone_tokens(engine):
+    # three requests queue while a running one holds the engine in a step; at the next step they join,
+    # and their prompts are evaluated together (their expert reads shared) as far as a chunk's worth of
+    # tokens goes: any two of these fit in one (24 to 31 tokens each, 64 a step), all three do not
+    gated = GatedEngine(engine)
+    prompts = {"A": "a lazy dog sleeps under the old oak tree in the sun", "B": "over the hill the river runs down to the sea",
+               "C": "the red kite flies high above the quiet fields"}  # fmt: skip
+    sizes = {k: len(engine.tokenizer.encode(p)) for k, p in prompts.items()}
+    chunk = engine.prefill_chunk
+    assert max(a + b for a in sizes.values() for b in sizes.values()) <= chunk < sum(sizes.values())
+    with daemon(gated) as (d, steps):
+        r = raw_connect(d.path)
+        conns = {k: raw_connect(d.path) for k in prompts}
+        with held(gated):
+            generate(r, "R", "the quick fox", 20)
+            assert gated.in_step.wait(10)
+            for k, prompt in prompts.items():
+                generate(conns[k], k, prompt, 6)
+            deadline = time.monotonic() + 10
+            while d.call(lambda: d.daemon.worker.queue_length) < len(prompts):
+                assert time.monotonic() < deadline, "the requests never queued"
+                time.sleep(0.005)
+        done = {k: final(c, FrameDecoder(1 << 20), k)[0] for k, c in conns.items()}
+        final(r, FrameDecoder(1 << 20), "R")
+        for c in [r, *conns.values()]:
+            c.close()
+    recorded = [dict(p) for p, _ in steps.copy()]
+    assert all(sum(p.values()) <= chunk for p in recorded)  # a running stream's gap: one chunk's worth of prompt
+    theirs = [p for p in recorded if set(p) & set(prompts)]
+    assert len(theirs[0]) == 2 and len(theirs[1]) == 1  # two together at once, then the third
+    assert {k: n for p in theirs for k, n in p.items()} == sizes
+    for k, prompt in prompts.items():
+        assert done[k]["tokens"] == alone(engine, prompt, 6)
+
+
 def test_cancel_and_disconnect_inside_a_batch_leave_the_others_running(engine):
     with daemon(engine) as (d, steps):
         conns = {k: raw_connect(d.path) for k in "ABC"}
@@ -157,7 +192,7 @@ def test_a_4mb_prompt_is_prefilled_one_bounded_chunk_per_step_beside_running_str
         big = raw_connect(d.path)
         big.settimeout(120)
         generate(big, "big", text, 4)
-        steps.wait(lambda s: sum(p is not None and p[0] == "big" for p, _ in s) >= 3, timeout=120)
+        steps.wait(lambda s: sum(any(i == "big" for i, _ in p) for p, _ in s) >= 3, timeout=120)
         a, b = raw_connect(d.path), raw_connect(d.path)
         generate(a, "A", "the quick fox", 30)
         generate(b, "B", "a lazy dog", 30)
@@ -170,12 +205,12 @@ def test_a_4mb_prompt_is_prefilled_one_bounded_chunk_per_step_beside_running_str
     recorded = steps.copy()
     for id in ("A", "B"):
         mine = steps.decoded(id)
-        # between two tokens of a running stream: exactly one step, with at most one chunk of the prompt
+        # between two tokens of a running stream: exactly one step, with at most a chunk's prompt tokens
         assert mine == list(range(mine[0], mine[0] + 29))
         for i in mine:
-            prefill, _ = recorded[i]
-            assert prefill is None or prefill[1] <= chunk
-        assert sum(recorded[i][0] is not None and recorded[i][0][0] == "big" for i in mine) >= 10  # it was beside
+            prefills, _ = recorded[i]
+            assert sum(n for _, n in prefills) <= chunk
+        assert sum(any(j == "big" for j, _ in recorded[i][0]) for i in mine) >= 10  # it was beside
 
 
 def test_the_kv_budget_refuses_what_never_fits_and_queues_what_does_not_fit_now(engine):

@@ -61,6 +61,10 @@ class GatedEngine:
         self._gate()
         return self._engine.prefill(gen)
 
+    def prefill_many(self, gens):
+        self._gate()
+        return self._engine.prefill_many(gens)
+
     def decode(self, gens):
         self._gate()
         return self._engine.decode(gens)
@@ -220,9 +224,11 @@ def test_queued_requests_are_told_their_place_and_told_again_as_it_moves(engine)
         for id, places in positions.items():
             assert places == sorted(places, reverse=True) and len(set(places)) == len(places), (id, places)
         # the last one heard 38 or 39 first and then, moving by a quarter or within the last four
-        # places, far fewer messages than the 39 moves it made
+        # places, far fewer messages than the 39 moves it made; its last place was within a batch (8) of
+        # the front (a step's prompts are evaluated together, so up to a batch of one-token requests
+        # ends, and as many join, at once)
         last = positions[39]
-        assert last[-1] == 0 and 3 <= len(last) <= 15, last
+        assert last[0] >= 38 and last[-1] < 8 and 3 <= len(last) <= 15, last
         s.close()
 
 

@@ -2,10 +2,13 @@
 
 Scheduling lives on the event loop (plain deques, no locks); the inference thread runs one engine step
 at a time. A step is one decode step for every job of the batch that is decoding (one token each, in
-one batched forward pass: fomoepy.engine.Engine.decode) and at most one prefill chunk (at most
-`prefill_chunk` prompt tokens) of one job still in its prompt, those taking the chunk in turn. So while
-a newcomer's prompt is evaluated, a running stream waits at most one chunk between two of its tokens:
-its gap is bounded by one decode step plus one chunk, however long the prompt.
+one batched forward pass: fomoepy.engine.Engine.decode) and prompt chunks of jobs still in their prompt,
+at most `prefill_chunk` prompt tokens in all: the chunk of the job whose turn it is (they take turns),
+and, where the engine evaluates several prompts in one pass (Engine.prefill_many: the experts they pick
+read once for all of them), the whole next chunks of the next jobs in turn while they fit. So prompts
+that arrive together share their reads, and while newcomers' prompts are evaluated a running stream's
+gap between two of its tokens is bounded by one decode step plus `prefill_chunk` prompt tokens, however
+long the prompts.
 
 Joining and leaving happen between steps (at a token boundary). Jobs join from the ready queue while
 the batch has fewer than `max_batch` jobs and the KV budget (fomoepy.serve.kv_budget) has room for
@@ -131,7 +134,7 @@ class InferenceWorker:
                            engine.kv_nbytes, engine.n_ctx)  # fmt: skip
         self.totals = Totals()
         self.batch: list[Job] = []  # admitted: in their prompt or decoding, in admission order
-        self.observe: Any = None  # called on the loop after each step with (prefill (job, n) or None, decoded jobs)
+        self.observe: Any = None  # called on the loop after each step with ([(job, its prompt tokens) evaluated], decoded jobs)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fomoe-engine")
         self._ready = FairQueue()
         self._prefill_turn = 0  # which job in its prompt gets the next chunk
@@ -253,16 +256,16 @@ class InferenceWorker:
                     return
                 await self._wake.wait()  # a job queued or resumed, or memory released
                 continue
-            prefill = self._next_prefill()
+            prefills = self._next_prefills()
             decoders = [j for j in self.batch if j.decoding]
             self._stepping = True
             try:
-                result = await loop.run_in_executor(self._thread, self._engine_step, prefill, decoders)
+                result = await loop.run_in_executor(self._thread, self._engine_step, prefills, decoders)
             finally:
                 self._stepping = False
             if time.monotonic() - self._snapshot_t >= SNAPSHOT_EVERY:
                 self._take_snapshot()
-            self._deliver(prefill, decoders, result)
+            self._deliver(prefills, decoders, result)
 
     def _admit(self) -> bool:
         """Jobs join the batch in fair order while it has room and the KV budget has their worst case;
@@ -298,18 +301,31 @@ class InferenceWorker:
                 self.batch.remove(job)
                 self._park(job)
 
-    def _next_prefill(self) -> Job | None:
-        """The job in its prompt whose turn it is to have a chunk evaluated (round robin)."""
+    def _next_prefills(self) -> list[Job]:
+        """The jobs in their prompt whose next chunks this step evaluates: the one whose turn it is (round
+        robin), then, where the engine evaluates several prompts in one pass, the next ones in turn whose
+        whole next chunks fit, `prefill_chunk` prompt tokens in all (a chunk of one token, a decode step's
+        path, goes alone)."""
         in_prompt = [j for j in self.batch if not j.decoding]
         if not in_prompt:
-            return None
+            return []
         self._prefill_turn = (self._prefill_turn + 1) % len(in_prompt)
-        return in_prompt[self._prefill_turn]
+        order = in_prompt[self._prefill_turn :] + in_prompt[: self._prefill_turn]
+        chunk = self.engine.prefill_chunk
+        sizes = [min(len(j.gen.pending), chunk) for j in order]
+        chosen, left = [order[0]], chunk - sizes[0]
+        if not self.engine.prefills_jointly or sizes[0] < 2:
+            return chosen
+        for job, n in zip(order[1:], sizes[1:]):
+            if 2 <= n <= left:
+                chosen.append(job)
+                left -= n
+        return chosen
 
-    def _engine_step(self, prefill: Job | None, decoders: list[Job]):
-        """On the inference thread: one decode step for `decoders`, then one prompt chunk of `prefill`.
-        Each part's outcome is its own: ([tokens] or an exception, seconds), (token or None or an
-        exception, seconds)."""
+    def _engine_step(self, prefills: list[Job], decoders: list[Job]):
+        """On the inference thread: one decode step for `decoders`, then one prompt chunk of each of
+        `prefills` (in one pass). Each part's outcome is its own: ([tokens] or an exception, seconds),
+        ([token or None for each] or an exception, seconds)."""
         decoded: Any = []
         t0 = time.perf_counter()
         if decoders:
@@ -318,16 +334,16 @@ class InferenceWorker:
             except Exception as e:  # every job of the step fails with it; the others go on
                 decoded = e
         t1 = time.perf_counter()
-        first: Any = None
-        if prefill is not None:
+        firsts: Any = []
+        if prefills:
             try:
-                first = self.engine.prefill(prefill.gen)
-            except Exception as e:
-                first = e
-        return (decoded, t1 - t0), (first, time.perf_counter() - t1)
+                firsts = self.engine.prefill_many([j.gen for j in prefills])
+            except Exception as e:  # every job of the pass fails with it
+                firsts = e
+        return (decoded, t1 - t0), (firsts, time.perf_counter() - t1)
 
-    def _deliver(self, prefill: Job | None, decoders: list[Job], result) -> None:
-        (decoded, decode_s), (first, prefill_s) = result
+    def _deliver(self, prefills: list[Job], decoders: list[Job], result) -> None:
+        (decoded, decode_s), (firsts, prefill_s) = result
         t = self.totals
         if decoders:
             t.decode_s += decode_s
@@ -339,8 +355,10 @@ class InferenceWorker:
                 t.completion_tokens += len(decoders)
                 for job, token in zip(decoders, decoded):
                     self._accept(job, token)
-        if prefill is not None:
+        if prefills:
             t.prefill_s += prefill_s
+        for i, prefill in enumerate(prefills):
+            first = firsts if isinstance(firsts, BaseException) else firsts[i]
             t.prompt_tokens += prefill.gen.last_chunk
             if isinstance(first, BaseException):
                 self._step_failed(prefill, first)
@@ -350,7 +368,7 @@ class InferenceWorker:
             elif prefill.gen.finished:  # max_tokens 0: the prompt evaluated, nothing sampled
                 self._leave(prefill, "length")
         if self.observe is not None:
-            self.observe((prefill, prefill.gen.last_chunk) if prefill is not None else None, decoders)
+            self.observe([(j, j.gen.last_chunk) for j in prefills], decoders)
 
     def _accept(self, job: Job, token: int) -> None:
         reason = job.accept(token)
