@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import ORACLE
+from test_batch import Recording
 
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.errors import FomoeError
@@ -41,17 +42,6 @@ def streamed(name: str, store, backend: str, tier_share: float) -> Engine:
     tier = int(tier_share * experts)
     tiers = {"vram_cache": tier, "ram_cache": tier} if backend == "reference" else {"vram_cache": 0, "ram_cache": tier}
     return Engine(ORACLE / f"{name}.gguf", EngineOptions(backend=backend, threads=1, prefill_chunk=CHUNK, store=(str(store),), **tiers))
-
-
-class Recording:
-    """A sampler that keeps every logits row it is given."""
-
-    def __init__(self, sampler):
-        self.sampler, self.logits = sampler, []
-
-    def __call__(self, logits, history):
-        self.logits.append(np.array(logits, copy=True))
-        return self.sampler(logits, history)
 
 
 def requests(name: str):
