@@ -161,3 +161,31 @@ def test_a_joint_pass_refuses_a_one_token_chunk_and_a_backend_that_cannot(stores
         assert len(firsts) == 2 and not a.pending and not b.pending
     finally:
         sim.close()
+
+
+def test_a_joint_pass_traces_each_prompts_rows_with_its_own_sequence_and_tokens(stores, tmp_path):
+    # the trace (fomoe simulate, fomoe plan --trace) keeps each prompt's rows apart: a record per prompt
+    # and layer, at its rows' first token of the pass, every row with its own sequence; the last layer's
+    # records hold the row each prompt's MoE half computes there, its last
+    from fomoepy.experts.trace import read_trace
+
+    name = MODELS[0]
+    path = tmp_path / "joint.trace"
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=1, prefill_chunk=CHUNK, trace=str(path)))
+    prompts = [r[0][:n] for r, n in zip(requests(name), (4, 3, 4))]
+    try:
+        gens = [engine.start(p, 0) for p in prompts]
+        engine.prefill_many(gens)
+        sequences = [g.state.sequence for g in gens]
+        L = engine.spec.n_layer
+    finally:
+        engine.close()
+    records = read_trace(path).records
+    starts = np.cumsum([0] + [len(p) for p in prompts])[:-1].tolist()
+    for il in range(L):
+        mine = [r for r in records if r.layer == il]
+        assert len(mine) == len(prompts)
+        for r, p, at, seq in zip(mine, prompts, starts, sequences):
+            rows = slice(len(p) - 1, len(p)) if il == L - 1 else slice(0, len(p))
+            assert r.token == at + rows.start and r.n_tokens == rows.stop - rows.start
+            assert r.sequences.tolist() == [seq] * r.n_tokens

@@ -64,7 +64,7 @@ class PrefetchStats:
 
 
 # the rows of a step a call takes: all (None), one run of them, or several runs in order (the rows of
-# several sequences computed apart, as fomoepy.experts.step.MoEStep's groups)
+# several sequences computed apart: fomoepy.experts.step.MoEStep's runs)
 Rows = slice | list[slice] | None
 
 
@@ -77,6 +77,7 @@ def _rows_of(exact: Routing, rows: slice | list[slice]) -> Routing:
     if isinstance(rows, slice):
         return Routing(exact.ids[rows], exact.weights[rows], exact.probs[rows])
     return Routing(*(np.concatenate([a[run] for run in rows]) for a in (exact.ids, exact.weights, exact.probs)))
+
 
 class ExpertStreamer:
     def __init__(
@@ -218,10 +219,11 @@ class ExpertStreamer:
         accuracy and the trace (the rows computed). Nothing the step's reads depend on: MoEStep makes it
         while they are in flight."""
         self.counter.add(layer, exact.ids)
-        if isinstance(rows, list):  # (several runs of rows: a record of each, at its own first token)
-            predicted = self._predicted.pop(layer, None)
-            for run in rows:
-                self._record(layer, _rows_of(exact, run), self._first_token + run.start, self._sequences_of(run), None)
+        if isinstance(rows, list):  # several runs of rows (a joint prefill, which predicts nothing): a record of each
+            self._predicted.pop(layer, None)
+            if self.trace is not None:
+                for run in rows:
+                    self._record(layer, _rows_of(exact, run), self._first_token + run.start, self._sequences_of(run), None)
             return
         first, sequences = self._first_token, self._sequences_of(rows)
         if rows is not None:
@@ -233,15 +235,15 @@ class ExpertStreamer:
             actual = set(exact.ids.ravel().tolist())
             self.prefetch_stats.predicted += len(predicted)
             self.prefetch_stats.correct += len(actual.intersection(predicted))
-        self._record(layer, exact, first, sequences, predicted)
+        if self.trace is not None:  # (asked here: a decode step without a trace makes no call for it)
+            self._record(layer, exact, first, sequences, predicted)
 
     def _record(self, layer: int, exact: Routing, first: int, sequences: list[int] | None, predicted) -> None:
-        """The trace's record of rows from token `first` on (where a trace is kept)."""
-        if self.trace is not None:
-            top_scores = np.take_along_axis(exact.probs, exact.ids, axis=-1)
-            now = self.cache.now
-            self.trace.write(first, layer, exact.ids, top_scores, exact.probs, predicted, sequences,
-                             now if now != first else None)  # fmt: skip
+        """The trace's record of rows from token `first` on."""
+        top_scores = np.take_along_axis(exact.probs, exact.ids, axis=-1)
+        now = self.cache.now
+        self.trace.write(first, layer, exact.ids, top_scores, exact.probs, predicted, sequences,
+                         now if now != first else None)  # fmt: skip
 
     def substitute(self, layer: int, exact: Routing, rows: Rows = None) -> tuple[np.ndarray, np.ndarray]:
         """The ids and weights to compute for the rows `rows` (all where None): the router's, or with CAR on,
