@@ -189,3 +189,23 @@ def test_a_joint_pass_traces_each_prompts_rows_with_its_own_sequence_and_tokens(
             rows = slice(len(p) - 1, len(p)) if il == L - 1 else slice(0, len(p))
             assert r.token == at + rows.start and r.n_tokens == rows.stop - rows.start
             assert r.sequences.tolist() == [seq] * r.n_tokens
+
+
+def test_a_joint_pass_replays_as_the_one_step_the_engine_made(stores, tmp_path):
+    # fomoe simulate (and fomoe plan --trace) join a pass's records of a layer back into its step: with no
+    # tier, where every expert a step needs is read, the replay reads what the engine read
+    from fomoepy.experts.simulate import simulate
+    from fomoepy.experts.trace import expert_sizes, read_trace
+
+    name = MODELS[0]
+    path = tmp_path / "joint.trace"
+    engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="cpu", threads=1, prefill_chunk=CHUNK, store=(str(stores[name]),),
+                                                           vram_cache=0, ram_cache=0, trace=str(path)))  # fmt: skip
+    try:
+        engine.prefill_many([engine.start(r[0][:CHUNK], 0) for r in requests(name)])
+        read = engine.experts.streamer.cache.stats.summary()["disk"]["reads"]
+    finally:
+        engine.close()
+    trace = read_trace(path)
+    replayed = simulate(trace, expert_sizes(trace.header), 0, 0)
+    assert replayed.summary["disk"]["reads"] == read > 0

@@ -1,7 +1,8 @@
 """Replay a routing trace against the two-tier expert cache and compare with Belady's optimum.
 
-Each trace record (one step of one MoE layer) is one `ExpertCache.access` of the union of its
-tokens' experts, exactly as the engine plans it; logical time is the record's token index. The
+Each trace record (one step of one MoE layer; a joint prefill's records of one layer, one per prompt,
+joined back into its step) is one `ExpertCache.access` of the union of its tokens' experts, exactly as
+the engine plans it; logical time is the record's token index. The
 same flattened access sequence (each record's distinct experts, ascending) is what Belady sees:
 
     device  hit rate over all accesses      vs  Belady at the VRAM capacity
@@ -16,7 +17,7 @@ the substituted one; Belady stays on the exact one, and the substitution rate is
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from fomoepy.experts.fast_cache import make_cache
 from fomoepy.experts.policy import DEFAULT_POLICY, Key, PolicyOptions, make_policy
 from fomoepy.experts.read_ahead import ReadAheadCounts
 from fomoepy.experts.sizes import format_size
-from fomoepy.experts.trace import Trace
+from fomoepy.experts.trace import Trace, TraceRecord
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,34 @@ class SimResult:
 
 
 def access_sequence(trace: Trace) -> list[Key]:
-    """Every (layer, expert) access in replay order: per record, its distinct experts ascending."""
-    return [(r.layer, int(e)) for r in trace.records for e in np.unique(r.ids)]
+    """Every (layer, expert) access in replay order: per step, its distinct experts ascending."""
+    return [(r.layer, int(e)) for r in steps_of(trace.records) for e in np.unique(r.ids)]
+
+
+def steps_of(records: Sequence[TraceRecord]) -> list[TraceRecord]:
+    """The records as the engine's steps: a joint prefill records each prompt's rows of a layer apart,
+    one after another at the same logical time, where the engine planned and read them as one step; those
+    are joined back into one record (rows in order)."""
+    out: list[TraceRecord] = []
+    for r in records:
+        last = out[-1] if out else None
+        if last is not None and last.layer == r.layer and _now(last) == _now(r):
+            out[-1] = _joined(last, r)
+        else:
+            out.append(r)
+    return out
+
+
+def _now(r: TraceRecord) -> int:
+    return r.token if r.now is None else r.now
+
+
+def _joined(a: TraceRecord, b: TraceRecord) -> TraceRecord:
+    def both(x, y):
+        return None if x is None or y is None else np.concatenate([x, y])
+
+    return replace(a, ids=np.concatenate([a.ids, b.ids]), scores=np.concatenate([a.scores, b.scores]), probs=both(a.probs, b.probs),
+                   sequences=both(a.sequences, b.sequences), now=_now(a))  # fmt: skip
 
 
 def belady_for(
@@ -100,7 +127,7 @@ def simulate(
     car_stats = CarStats() if car is not None and car.enabled else None
     if car_stats is not None and not trace.has_probs:
         raise FomoeError("replaying cache-aware routing needs a trace recorded with full probabilities")
-    records = trace.records
+    records = steps_of(trace.records)
     ahead = ReadAheadCounts() if any(r.predicted is not None for r in records) else None
     guessed: list[int] = []  # the guesses read for this record, made during the record before it
     for i, record in enumerate(records):
