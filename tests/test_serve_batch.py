@@ -140,6 +140,38 @@ def test_prompts_that_arrive_together_are_evaluated_in_one_step_each_with_its_lo
         assert done[k]["tokens"] == alone(engine, prompt, 6)
 
 
+class FailingPrompts(GatedEngine):
+    """An engine whose passes over several prompts fail (a bug in a step)."""
+
+    def prefill_many(self, gens):
+        if len(gens) > 1:
+            raise RuntimeError("a joint pass broke")
+        return super().prefill_many(gens)
+
+
+def test_a_failed_joint_pass_ends_its_requests_and_the_running_stream_goes_on(engine):
+    failing = FailingPrompts(engine)
+    with daemon(failing) as (d, steps):
+        r = raw_connect(d.path)
+        conns = {k: raw_connect(d.path) for k in "AB"}
+        with held(failing):
+            generate(r, "R", "the quick fox", 20)
+            assert failing.in_step.wait(10)
+            generate(conns["A"], "A", "a lazy dog", 6)
+            generate(conns["B"], "B", "over the hill", 6)
+            deadline = time.monotonic() + 10
+            while d.call(lambda: d.daemon.worker.queue_length) < 2:
+                assert time.monotonic() < deadline, "the requests never queued"
+                time.sleep(0.005)
+        failed = {k: final(c, FrameDecoder(1 << 20), k)[0] for k, c in conns.items()}
+        done_r, _ = final(r, FrameDecoder(1 << 20), "R")
+        for c in [r, *conns.values()]:
+            c.close()
+    for k in "AB":
+        assert failed[k]["type"] == "error" and failed[k]["code"] == "internal" and "a joint pass broke" in failed[k]["message"]
+    assert done_r["finish_reason"] == "length" and done_r["tokens"] == alone(engine, "the quick fox", 20)
+
+
 def test_cancel_and_disconnect_inside_a_batch_leave_the_others_running(engine):
     with daemon(engine) as (d, steps):
         conns = {k: raw_connect(d.path) for k in "ABC"}

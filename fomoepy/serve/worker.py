@@ -357,9 +357,9 @@ class InferenceWorker:
                     self._accept(job, token)
         if prefills:
             t.prefill_s += prefill_s
-        for i, prefill in enumerate(prefills):
-            first = firsts if isinstance(firsts, BaseException) else firsts[i]
-            t.prompt_tokens += prefill.gen.last_chunk
+        chunks = [(j, j.gen.last_chunk) for j in prefills]  # (taken first: a job that fails drops its generation)
+        for (prefill, n), first in zip(chunks, firsts if isinstance(firsts, list) else [firsts] * len(prefills)):
+            t.prompt_tokens += n
             if isinstance(first, BaseException):
                 self._step_failed(prefill, first)
             elif first is not None:
@@ -368,7 +368,7 @@ class InferenceWorker:
             elif prefill.gen.finished:  # max_tokens 0: the prompt evaluated, nothing sampled
                 self._leave(prefill, "length")
         if self.observe is not None:
-            self.observe([(j, j.gen.last_chunk) for j in prefills], decoders)
+            self.observe(chunks, decoders)
 
     def _accept(self, job: Job, token: int) -> None:
         reason = job.accept(token)
