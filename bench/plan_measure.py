@@ -4,7 +4,7 @@ On the bench model of bench/decode.py (`--shape bench`, its expert store beside 
 tier at `--ram-frac` of the experts, `-t THREADS`, each round runs, one right after the other:
 
     fomoe generate MODEL --store STORE --vram-cache 0 --ram-cache BYTES -t THREADS -n TOKENS --ignore-eos -p The
-    fomoe plan MODEL --hardware cpu-only-64g --measure STORE --hit-rates DEVICE,HOST,DISK --json
+    fomoe plan MODEL --hardware cpu-only-64g --measure STORE --hit-rates DEVICE,HOST,DISK -t THREADS --json
 
 the second with the hit rates the first printed, and compares its projected tok/s with the first's
 measured. `--measure` takes every figure of this machine anew each round (the drive as the engine reads
@@ -56,10 +56,10 @@ def generate(model: Path, store: Path, ram: int, threads: int, tokens: int) -> t
     return float(speed.group(2)), (shares["device"], shares["host"], float(disk.group(1)))
 
 
-def plan(model: Path, store: Path, shares: tuple[float, float, float]) -> dict:
+def plan(model: Path, store: Path, shares: tuple[float, float, float], threads: int) -> dict:
     hit_rates = ",".join(f"{s:.1f}" for s in shares)
     return json.loads(fomoe("plan", str(model), "--hardware", "cpu-only-64g", "--measure", str(store), "--hit-rates", hit_rates,
-                            "--json").stdout)  # fmt: skip
+                            "-t", str(threads), "--json").stdout)  # fmt: skip
 
 
 def main() -> int:
@@ -78,7 +78,7 @@ def main() -> int:
     rows, errors = [], []
     for r in range(args.rounds):
         measured, shares = generate(model, store, ram, args.threads, args.tokens)
-        out = plan(model, store, shares)
+        out = plan(model, store, shares, args.threads)
         projected = out["projection"]["tokens_per_s"]
         drive = out["hardware"]["drives"]["bandwidth"]
         host = out["hardware"]["host"]["plan"]

@@ -337,6 +337,7 @@ def test_plan_command_sweep_and_what_if_with_synthetic_routing(capsys):
         (["--shape", "qwen3-30b-a3b", "--policy", "fifo"], "unknown cache policy"),
         (["--shape", "qwen3-30b-a3b", "--car-threshold", "0.3"], "CAR needs routing probabilities"),
         (["--shape", "qwen3-30b-a3b", "--drop", "tea"], "unknown term"),
+        (["--shape", "qwen3-30b-a3b", "-t", "0"], "-t must be >= 1"),
     ],
 )
 def test_plan_command_bad_input_is_one_error_line(capsys, argv, message):
@@ -457,6 +458,32 @@ def test_measure_on_a_model_reads_ahead_with_the_models_own_predictions(oracle_s
     assert ours["share"] == expected.share and ours["along"] == list(expected.along)
     assert "decode under --measure" in ours["source"] and "demo-predictions" in demo["source"]
     assert ours["share"] != demo["share"]
+
+
+def test_measure_takes_its_products_and_its_engine_run_on_the_threads_given(oracle_store, monkeypatch):
+    # `fomoe plan --measure DIR -t N` measures as a run with -t N decodes: the host's products (the matvec
+    # and prompt rates) and its run of the engine (host time, fills, predictions) on N threads
+    from fomoepy.plan import measure
+
+    model, store = oracle_store
+    seen = {}
+    real_host, real_engine = measure.host_figures, measure.engine_figures
+
+    def host_figures(threads=None):
+        seen["host"] = threads
+        return real_host(threads)
+
+    def engine_figures(m, st, threads=None, **k):
+        seen["engine"] = threads
+        return real_engine(m, st, threads, **k)
+
+    monkeypatch.setattr(measure, "host_figures", host_figures)
+    monkeypatch.setattr(measure, "engine_figures", engine_figures)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", str(model), "--hardware", "cpu-only-64g", "--measure", str(store), "--hit-rates", "40,0,60",
+                     "-t", "1", "--json"]) == 0  # fmt: skip
+    assert seen == {"host": 1, "engine": 1} and json.loads(out.getvalue())["projection"]["tokens_per_s"] > 0
 
 
 def test_measure_leaves_the_slot_fills_out_of_the_host_time(oracle_store, monkeypatch):

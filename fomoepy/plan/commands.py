@@ -58,6 +58,9 @@ def register(sub) -> None:
     p.add_argument("--vram", help="expert cache on the devices (default: VRAM left after resident weights)")
     p.add_argument("--ram", help="expert cache in DRAM (default: RAM less a 4 GiB reserve)")
     p.add_argument("--measure", metavar="DIR", help="replace the file's host and drive figures with this machine's (drive: DIR's)")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="with --measure: the CPU threads its products and its run of the engine take, as a run with -t N "
+                        "would (default: all cores for the products, the engine's own choice for the run)")  # fmt: skip
     p.add_argument("--schedule", choices=SCHEDULES, default="engine", help="engine (ours) or fomoe (FOMOE's)")
     p.add_argument("--efficiency", help="kernel efficiency per family, e.g. dense=0.5,experts=0.4 or one number")
     p.add_argument("--prefetch", type=float, default=None,
@@ -282,6 +285,8 @@ def _png(planner: Planner, hw: Hardware, cap: Capacity, path: str) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.tokens < 2:
         raise FomoeError(f"--tokens must be >= 2, got {args.tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise FomoeError(f"-t must be >= 1, got {args.threads}")
     if args.prefetch is not None and not 0.0 <= args.prefetch <= 1.0:
         raise FomoeError(f"--prefetch must be in [0, 1], got {args.prefetch}")
     m = model_bytes(shape_by_name(args.shape), args.mix) if args.shape else model_bytes_from_gguf(args.model)
@@ -291,7 +296,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.measure:
         from fomoepy.plan.measure import measured
 
-        found = measured(hw, args.measure, None if args.shape else args.model)
+        found = measured(hw, args.measure, None if args.shape else args.model, args.threads)
         hw = found.hardware
         hw_source += f"; host and drive figures measured here ({args.measure})" + "".join(f"; {n}" for n in found.notes)
     planner = Planner(args, work)

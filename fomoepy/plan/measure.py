@@ -222,15 +222,16 @@ class Measured:
     predictions: Trace | None = None
 
 
-def measured(hw: Hardware, directory: str, model: str | None = None) -> Measured:
+def measured(hw: Hardware, directory: str, model: str | None = None, threads: int | None = None) -> Measured:
     """`hw` with its host and drive figures replaced by this machine's (drive count kept); given a model
     file, its host time per layer step and its predictions too (otherwise the hardware file's stated host
-    figure stays); given a model whose store is in `directory`, the drive as the engine reads that store."""
+    figure stays); given a model whose store is in `directory`, the drive as the engine reads that store.
+    `threads`: the products' and the engine's CPU threads (None: all cores, and the engine's choice)."""
     store = directory if model is not None and (Path(directory) / "fomoe-store.manifest").exists() else None
     drive, notes = store_figures(directory, model) if store else drive_figures(directory)
     if store:
         notes.append(f"drive {drive['bandwidth'] / 1e9:.2f} GB/s as the engine reads the store in {directory}")
-    host = host_figures()
+    host = host_figures(threads)
     predictions = None
     if model is not None:
         # the host's time per step, and the cpu backend's setting of each miss into a tier slot (its copy
@@ -238,7 +239,7 @@ def measured(hw: Hardware, directory: str, model: str | None = None) -> Measured
         # the decode's trace carries the model's own predictions
         with tempfile.TemporaryDirectory(prefix="fomoe-measure-") as scratch:
             trace = str(Path(scratch) / "measure.trace")
-            host["plan"], host["fill"] = engine_figures(model, store, trace=trace)
+            host["plan"], host["fill"] = engine_figures(model, store, threads, trace=trace)
             recorded = read_trace(trace)
         # (named for the line that states where the reads ahead come from: the file itself is gone)
         predictions = replace(recorded, path=f"{Path(model).name}'s decode under --measure") if recorded.prediction_accuracy() else None
