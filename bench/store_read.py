@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
@@ -33,6 +32,7 @@ from fomoepy.devtools.make_test_model import make_model
 from fomoepy.errors import StoreError
 from fomoepy.experts.store_reader import O_DIRECT, ExpertStore, aligned_empty
 from fomoepy.experts.store_writer import prepare_store
+from fomoepy.plan.measure import timed_reads
 
 HERE = Path(__file__).parent
 MODEL = HERE / "models" / "bench-qwen3moe.gguf"
@@ -109,20 +109,12 @@ class RawReader:
 
 
 def store_pass(store: ExpertStore, keys: list[tuple[int, int]], verify: bool) -> tuple[int, float]:
-    """All `keys` through the reader pool, keeping 2 reads per thread in flight (a sliding window)."""
+    """All `keys` through the reader pool, keeping 2 reads per thread in flight (a sliding window: the
+    `fomoe plan --measure` drive figure's pass)."""
     if not store.direct:
         store.drop_cache()
     store.verify = verify
-    in_flight: deque = deque()
-    t0 = time.perf_counter()
-    total = 0
-    for key in keys:
-        in_flight.append(store.submit(*key))
-        if len(in_flight) >= 2 * store.threads:
-            total += sum(v.nbytes for v in in_flight.popleft().result())
-    while in_flight:
-        total += sum(v.nbytes for v in in_flight.popleft().result())
-    return total, time.perf_counter() - t0
+    return timed_reads(store, keys)
 
 
 def caller_pass(store: ExpertStore, keys: list[tuple[int, int]]) -> tuple[int, float]:

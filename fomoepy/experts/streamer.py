@@ -68,10 +68,6 @@ class PrefetchStats:
 Rows = slice | list[slice] | None
 
 
-def _runs(rows: slice | list[slice]) -> list[slice]:
-    return [rows] if isinstance(rows, slice) else rows
-
-
 def _rows_of(exact: Routing, rows: slice | list[slice]) -> Routing:
     """The routing of the rows `rows` (a run, or several joined in order)."""
     if isinstance(rows, slice):
@@ -252,7 +248,7 @@ class ExpertStreamer:
             exact = _rows_of(exact, rows)
         if not self.options.car.enabled:
             return exact.ids, exact.weights
-        first = self._first_token + (_runs(rows)[0].start if rows is not None else 0)
+        first = self._first_token + ((rows if isinstance(rows, slice) else rows[0]).start if rows is not None else 0)
         cached = self.cache.cached_mask(layer, "device") | self.cache.cached_mask(layer, "host")
         result = cache_aware_route(
             exact.ids, exact.weights, exact.probs, cached, self.options.car,

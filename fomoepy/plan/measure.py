@@ -18,6 +18,7 @@ import mmap
 import os
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -90,12 +91,9 @@ def drive_figures(directory: str) -> tuple[dict, list[str]]:
 
             sequential()  # unmeasured: the drive may still be writing the scratch file back
             bandwidth = SCRATCH_BYTES / _median_seconds(sequential, 3)
-            rng = np.random.default_rng(0)
-            offsets = rng.integers(0, SCRATCH_BYTES // 4096, 64) * 4096
-            small = view[:4096]
-            latency = _median_seconds(lambda: [os.preadv(fd, [small], int(o)) for o in offsets], 3) / len(offsets)
         finally:
             os.close(fd)
+        latency = _small_read_latency([path], np.random.default_rng(0))
     except OSError as exc:
         raise FomoeError(f"--measure {directory}: {exc.strerror}") from None
     finally:
@@ -124,19 +122,24 @@ def store_figures(directory: str, model: str, passes: int = 3) -> tuple[dict, li
         rng = np.random.default_rng(0)
         rates = []
         for _ in range(passes):
-            sample = [keys[i] for i in rng.permutation(len(keys))[:per_pass]]
-            window, nbytes = 2 * store.threads, 0
-            t = time.perf_counter()
-            in_flight: list = []
-            for key in sample:  # (a sliding window of reads in flight, oldest waited for first)
-                in_flight.append(store.submit(*key))
-                if len(in_flight) >= window:
-                    nbytes += sum(part.nbytes for part in in_flight.pop(0).result())
-            nbytes += sum(part.nbytes for read in in_flight for part in read.result())
-            rates.append(nbytes / (time.perf_counter() - t))
+            nbytes, seconds = timed_reads(store, [keys[i] for i in rng.permutation(len(keys))[:per_pass]])
+            rates.append(nbytes / seconds)
     files = sorted(Path(directory).glob("*.experts"))
     latency = _small_read_latency(files, rng) if files else 0.0
     return {"bandwidth": float(np.median(rates)), "latency": latency}, notes
+
+
+def timed_reads(store, keys: list[tuple[int, int]]) -> tuple[int, float]:
+    """(bytes, seconds) of every key's record read through the store's reader, 2 reads a reader thread in
+    flight (a sliding window, the oldest waited for first)."""
+    window, nbytes, in_flight = 2 * store.threads, 0, deque()
+    t = time.perf_counter()
+    for key in keys:
+        in_flight.append(store.submit(*key))
+        if len(in_flight) >= window:
+            nbytes += sum(part.nbytes for part in in_flight.popleft().result())
+    nbytes += sum(part.nbytes for read in in_flight for part in read.result())
+    return nbytes, time.perf_counter() - t
 
 
 def _small_read_latency(files: list[Path], rng: np.random.Generator, reads: int = 64) -> float:
