@@ -26,6 +26,9 @@ from fomoepy.runtime.shim import GpuError
 dev = GpuBackend(sys.argv[1])
 rt = dev.rt
 assert isinstance(rt.direct, _driver_calls.Calls), "the binding's C functions are not in use"
+# the calls a step makes by the dozen are the C functions themselves, no Python method around them
+from fomoepy.runtime.shim import BOUND_DIRECT
+assert all(getattr(rt, name) == getattr(rt.direct, name) for name in BOUND_DIRECT), "a Python method wraps a direct call"
 rng = np.random.default_rng(7)
 x = rng.standard_normal((3, 256)).astype(np.float32)
 w = rng.standard_normal(256).astype(np.float32)
@@ -44,6 +47,8 @@ def run() -> dict:
     rt.record(ev, dev.stream)
     rt.wait(dev.copy_stream, ev)
     rt.event_sync(ev)
+    for copy in (rt.htod, rt.dtoh, rt.dtod):
+        copy(0, 0, 0, dev.stream)  # nothing to copy: no call (a null pointer is never handed to the driver)
     out["normed"] = dev.to_host(dev.rms_norm(a, w, 1e-6))  # a launch
     return out
 
@@ -51,6 +56,7 @@ def run() -> dict:
 direct = run()
 assert isinstance(dev._compiled.get("rms_norm_f32"), _driver_calls.Launcher), "the launch was not compiled"
 rt.direct = None  # the same calls through the binding's Python functions
+assert "htod" not in vars(rt), "the direct calls are still the shim's methods"
 python = run()
 for name in direct:
     assert direct[name].tobytes() == python[name].tobytes(), name

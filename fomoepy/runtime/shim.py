@@ -75,6 +75,8 @@ class ApiNames:
 DIRECT_CALLS = {"launch": "launch", "htod": "memcpy_htod", "dtoh": "memcpy_dtoh", "dtod": "memcpy_dtod",
                 "record": "event_record", "wait": "stream_wait_event", "sync": "stream_sync",
                 "event_sync": "event_sync", "memset32": "memset_d32"}  # fmt: skip
+# of those, the ones the shim hands out as its own methods while the direct calls are in use (DriverShim.direct)
+BOUND_DIRECT = ("htod", "dtoh", "dtod", "record", "wait", "event_sync")
 
 
 # flag values shared by both APIs (CU_STREAM_NON_BLOCKING == hipStreamNonBlocking, ...)
@@ -113,7 +115,24 @@ class DriverShim(ABC):
         self.api = api
         self.device = device
         self._syncs: dict[int, SyncCount] = {}  # id of a stream -> the host's waits for it so far
-        self.direct: Any = None  # _driver_calls.Calls over the binding's C functions, once use_direct_calls found them
+        self.direct = None  # _driver_calls.Calls over the binding's C functions, once use_direct_calls found them
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # (`direct` stays a plain attribute, read at every launch; setting it rebinds the calls below)
+        object.__setattr__(self, name, value)
+        if name == "direct":
+            self._bind_direct(value)
+
+    def _bind_direct(self, calls: Any) -> None:
+        """The direct calls now in use (None: the binding's Python functions). Those a decode step makes by
+        the dozen and that need nothing of the shim's around them are then this shim's own methods, the C
+        ones (a Python method wrapped around each cost a frame per call, about a tenth of a MoE step's
+        calls): they make the same call, or none for zero bytes, as the methods below."""
+        for name in BOUND_DIRECT:
+            if calls is None:
+                self.__dict__.pop(name, None)
+            else:
+                self.__dict__[name] = getattr(calls, name)
 
     # -- what differs: set in the vendor modules --------------------------------------------------------
     @abstractmethod
