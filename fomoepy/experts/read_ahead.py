@@ -157,7 +157,7 @@ class ReadAhead:
         layer still queued are dropped: a read made ahead is worth it for the next step only."""
         prepare = self._prepare or (lambda layer, expert: None)
         # (key, what its read needs, its position in the reading order), made on the calling thread
-        guesses = deque(((layer, int(e)), prepare(layer, int(e)), i) for i, e in enumerate(experts))
+        guesses = deque([((layer, e), prepare(layer, e), i) for i, e in enumerate(map(int, experts))])  # (a list: one frame, not one per guess)
         with self._lock:
             self.counts.skipped += len(self._queued)
             self._queued = guesses

@@ -17,6 +17,7 @@ through futures and a queue.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,11 +117,11 @@ class ExpertStreamer:
             buffers = self.read_buffers.take
         else:
             self.read_buffers = None
+        # per layer, a buffer of its slot's size for a read (sizes asked once, not at every read; a partial
+        # per layer, not a function of the layer: a step takes several, and each Python frame is counted)
+        self._read_buffer: list[Callable[[], np.ndarray]] | None = None
         if buffers and slot_nbytes:
-            sizes = [slot_nbytes(layer) for layer in range(self.n_layer)]  # (asked once, not at every read)
-            self._read_buffer: Callable[[int], np.ndarray] | None = lambda layer: buffers(sizes[layer])
-        else:
-            self._read_buffer = None
+            self._read_buffer = [functools.partial(buffers, slot_nbytes(layer)) for layer in range(self.n_layer)]
         self.reads_issued_at = 0.0  # perf_counter time the last start_acquire had issued its reads
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()
@@ -132,7 +133,8 @@ class ExpertStreamer:
         depth = getattr(source, "read_ahead_depth", DEPTH_PER_DRIVE)
         # a guess's read buffer is taken as it is queued, on this thread (a GPU device's pinned pool is the
         # inference thread's alone); the read is issued later, by whichever thread saw the last one land
-        prepare = (lambda layer, expert: self._read_buffer(layer)) if self._read_buffer is not None else None
+        read_buffer = self._read_buffer
+        prepare = (lambda layer, expert: read_buffer[layer]()) if read_buffer is not None else None
         self.read_ahead = ReadAhead(self._submit_into, depth, prepare) if self._prefetching() else None
         self.gate = ReadAheadGate(read_ahead_pays) if read_ahead_pays is not None and self.read_ahead is not None else None
         self._guessed: dict[int, list[int]] = {}  # layer -> its guesses no tier held when they were made (the gate's)
@@ -389,7 +391,7 @@ class ExpertStreamer:
         return at_hand
 
     def _submit(self, layer: int, expert: int) -> InFlight:
-        return self._submit_into(layer, expert, self._read_buffer(layer) if self._read_buffer is not None else None)
+        return self._submit_into(layer, expert, self._read_buffer[layer]() if self._read_buffer is not None else None)
 
     def _submit_into(self, layer: int, expert: int, out: np.ndarray | None) -> InFlight:
         if out is not None:

@@ -152,7 +152,10 @@ class GpuExperts:
         """A buffer of the pinned pool (one device), the pool first told which of its join marks a wait
         for the compute stream has passed since: the buffers given back before them are free of their
         copies, with no event to wait for."""
-        self._tell_pool(self.sides[0])
+        side = self.sides[0]
+        pending = side.joins_pending
+        if pending and pending[0][1] < side.compute_syncs.n:  # (asked at every take: the common no, inline)
+            self.pool.passed_mark(side.joins_passed())
         return self.pool.take(nbytes)
 
     def _tell_pool(self, side: DeviceSide) -> None:
@@ -229,7 +232,8 @@ class GpuExperts:
             return 0.0
         side = self._side_of[layer]
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
-        side.cover_downloads()  # the earlier steps' copies down (the slots and buffers these copies may reuse)
+        if side.down_recorded > side.down_covered:  # the earlier steps' copies down (the slots and buffers these copies may reuse)
+            side.cover_downloads()
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
         launched_at, run = 0.0, None
         if held:
@@ -265,7 +269,8 @@ class GpuExperts:
             begun = None
         copied = begun.copied if begun is not None else {}
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
-        side.cover_downloads()  # the earlier steps' copies down (this step's, issued since, go on beside its copies up)
+        if side.down_recorded > side.down_covered:  # the earlier steps' copies down (this step's, issued since, go on beside its copies up)
+            side.cover_downloads()
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
         slots: dict[int, DeviceBuffer] = {}
         missing: dict[int, bool] = {}  # expert -> whether its slot joins the device tier (to_device)
@@ -280,7 +285,7 @@ class GpuExperts:
                 raise RuntimeError(f"layer {layer}: expert {e} was copied up before the plan, which did not take it")
         split = len(missing) not in (0, len(slots))
         if begun is not None and begun.run is not None:
-            if any(e in missing for e in begun.held) or len(begun.held) + len(missing) != len(slots):
+            if not missing.keys().isdisjoint(begun.held) or len(begun.held) + len(missing) != len(slots):
                 raise RuntimeError(f"layer {layer}: the experts launched before the plan {begun.held} are not the ones its "
                                    f"device tier holds now {sorted(set(slots) - set(missing))}")  # fmt: skip
             run = begun.run
