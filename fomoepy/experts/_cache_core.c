@@ -785,6 +785,18 @@ static PyObject *keys_tuple(Keys *k) {
     return t;
 }
 
+/* the keys as (layer, expert) pairs, as the Plan names evictions and demotions */
+static PyObject *pairs_tuple(Core *c, Keys *k) {
+    PyObject *t = PyTuple_New((Py_ssize_t)k->n);
+    if (!t) return NULL;
+    for (size_t i = 0; i < k->n; i++) {
+        PyObject *pair = Py_BuildValue("(ii)", (int)KEY_LAYER(c, k->a[i]), (int)(k->a[i] % c->n_expert));
+        if (!pair) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, pair);
+    }
+    return t;
+}
+
 static int cmp_i64(const void *a, const void *b) {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return (x > y) - (x < y);
@@ -797,7 +809,7 @@ static uint32_t next_stamp(Core *c) {
 
 /* plan(layer, ids int64 buffer) -> None when an id is out of range, else
    (experts int64 bytes, sources bytes, to_device bytes, to_host bytes, items, device victims, host victims,
-    demotions): ExpertCache.plan. items are PlanItem(expert, source, nbytes, to_device, to_host), built
+    demotions, and those three again as (layer, expert) pairs): ExpertCache.plan. items are PlanItem(expert, source, nbytes, to_device, to_host), built
    with the types set_types gave. Changes no decision state. */
 static PyObject *Core_plan(Core *c, PyObject *args) {
     int layer;
@@ -874,8 +886,9 @@ static PyObject *Core_plan(Core *c, PyObject *args) {
         PyTuple_SET_ITEM(items, (Py_ssize_t)i, item);
     }
     Py_DECREF(nbytes);
-    out = Py_BuildValue("(OOOOONNN)", ex, src, tod, toh, items, keys_tuple(&dev_victims), keys_tuple(&host_victims),
-                        keys_tuple(&demotions));
+    out = Py_BuildValue("(OOOOONNNNNN)", ex, src, tod, toh, items, keys_tuple(&dev_victims), keys_tuple(&host_victims),
+                        keys_tuple(&demotions), pairs_tuple(c, &dev_victims), pairs_tuple(c, &host_victims),
+                        pairs_tuple(c, &demotions));
     goto done;
 nomem:
     if (!PyErr_Occurred()) PyErr_NoMemory();
@@ -1199,6 +1212,27 @@ static PyObject *Core_held(Core *c, PyObject *args) {
     return out;
 }
 
+/* uncached(layer, experts: a list of ints) -> the list of those neither tier holds, in order (a step asks
+   twice: its reads, and the next layer's guesses to read ahead) */
+static PyObject *Core_uncached(Core *c, PyObject *args) {
+    int layer;
+    PyObject *experts;
+    if (!PyArg_ParseTuple(args, "iO!", &layer, &PyList_Type, &experts)) return NULL;
+    if (layer < 0 || layer >= c->n_layer) return PyErr_Format(PyExc_ValueError, "uncached: layer %d outside the cache", layer);
+    const uint8_t *dev = c->tier[0].state + (size_t)layer * c->n_expert, *host = c->tier[1].state + (size_t)layer * c->n_expert;
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(experts); i++) {
+        PyObject *o = PyList_GET_ITEM(experts, i);
+        long e = PyLong_AsLong(o);
+        if (e == -1 && PyErr_Occurred()) { Py_DECREF(out); return NULL; }
+        /* (an id outside the layer no tier holds, as ExpertCache.uncached says: the plan names it wrong) */
+        int held = e >= 0 && e < c->n_expert && (dev[e] != EMPTY || host[e] != EMPTY);
+        if (!held && PyList_Append(out, o)) { Py_DECREF(out); return NULL; }
+    }
+    return out;
+}
+
 /* state(which, key): 0 EMPTY, 1 LOADING, 2 READY */
 static PyObject *Core_state(Core *c, PyObject *args) {
     int which;
@@ -1253,6 +1287,7 @@ static PyMethodDef Core_methods[] = {
     {"admit_host", (PyCFunction)Core_admit_host, METH_VARARGS, "admit keys read outside a plan into the host tier"},
     {"seed_one", (PyCFunction)Core_seed_one, METH_VARARGS, "seed one key: 0 device, 1 host, -1 not placed"},
     {"held", (PyCFunction)Core_held, METH_VARARGS, "flags of a layer's experts a tier holds"},
+    {"uncached", (PyCFunction)Core_uncached, METH_VARARGS, "uncached(layer, experts list) -> those neither tier holds"},
     {"state", (PyCFunction)Core_state, METH_VARARGS, "a key's slot state in a tier: 0 empty, 1 loading, 2 ready"},
     {"tick", (PyCFunction)Core_tick, METH_VARARGS, "advance logical time"},
     {"count_hits", (PyCFunction)Core_count_hits, METH_VARARGS, "count device hits made without a plan"},

@@ -155,21 +155,17 @@ class CoreCache:
         if out is None:
             experts = [int(e) for e in np.unique(raw)]
             raise ValueError(f"layer {layer}: expected expert ids in [0, {self.n_expert}), got {experts}")
-        experts, sources, to_device, to_host, items, dev_victims, host_victims, demotions = out
-        n = self.n_expert
+        experts, sources, to_device, to_host, items, dev_victims, host_victims, demotions, dev_pairs, host_pairs, demoted = out
         users = users_of([item.expert for item in items], raw, sequences) if sequences is not None else ()
-        # (list comprehensions: a generator's every item is a resumption, and a step's host time is counted in calls)
-        return CorePlan(layer, items, tuple([divmod(k, n) for k in dev_victims]), tuple([divmod(k, n) for k in host_victims]),
-                        self.generation, tuple([divmod(k, n) for k in demotions]), users, (experts, sources, to_device, to_host),
+        return CorePlan(layer, items, dev_pairs, host_pairs, self.generation, demoted, users, (experts, sources, to_device, to_host),
                         (dev_victims, host_victims, demotions))  # fmt: skip
 
     def on_device(self, key: Key) -> bool:
         return key in self.device
 
     def uncached(self, layer: int, experts: Iterable[int]) -> list[int]:
-        """ExpertCache.uncached, from one read of each tier's layer (a core call per expert and tier costs more)."""
-        device, host = self._core.held(0, layer), self._core.held(1, layer)  # a byte per expert: held or not
-        return [e for e in experts if not device[e] and not host[e]]
+        """ExpertCache.uncached, in one core call (a step asks twice)."""
+        return self._core.uncached(layer, experts if isinstance(experts, list) else list(experts))
 
     def resident(self, layer: int, tier: str = "device") -> frozenset[int]:
         return frozenset(int(e) for e in np.flatnonzero(self.cached_mask(layer, tier)))
