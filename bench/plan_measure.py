@@ -3,14 +3,18 @@
 On the bench model of bench/decode.py (`--shape bench`, its expert store beside it), cpu backend, host
 tier at `--ram-frac` of the experts, `-t THREADS`, each round runs, one right after the other:
 
-    fomoe generate MODEL --store STORE --vram-cache 0 --ram-cache BYTES -t THREADS -n TOKENS --ignore-eos -p The
+    fomoe generate MODEL --store STORE --vram-cache 0 --ram-cache BYTES -t THREADS -n TOKENS --ignore-eos -p The --seed ROUND
     fomoe plan MODEL --hardware cpu-only-64g --measure STORE --hit-rates DEVICE,HOST,DISK -t THREADS --json
+    fomoe generate ...   (the same run again)
 
-the second with the hit rates the first printed, and compares its projected tok/s with the first's
-measured. `--measure` takes every figure of this machine anew each round (the drive as the engine reads
-the store, the host's time per layer step, the slot fills, the products, the model's own predictions):
-a virtual disk's rate moves by half within minutes here, so a projection is only checked against a run
-made in the same minute. Prints each round and the median of the rounds' errors.
+the plan with the hit rates the first run printed, and compares its projected tok/s with the two runs'
+(their tokens over their time: the runs bracket the measurement, so a drive that speeds up or slows down
+across the round moves both sides alike; the two runs decode the same tokens from the same cold tiers,
+with the same seed, so their hit rates are the same, which the round checks). `--measure` takes every figure of this
+machine anew each round (the drive as the engine reads the store, the host's time per layer step, the
+slot fills, the products, the model's own predictions): a virtual disk's rate moves by half within
+minutes here, so a projection is only checked against runs made in the same minute. Prints each round
+and the median of the rounds' errors.
 
     python bench/plan_measure.py [--rounds 5] [--tokens 96] [--threads 2] [--ram-frac 0.25] [--record]
 """
@@ -43,10 +47,11 @@ def fomoe(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fomoepy.cli", *args], capture_output=True, text=True, check=True)
 
 
-def generate(model: Path, store: Path, ram: int, threads: int, tokens: int) -> tuple[float, tuple[float, float, float]]:
-    """(tok/s, (device, host, disk) shares of the expert uses in percent) of one `fomoe generate` run."""
+def generate(model: Path, store: Path, ram: int, threads: int, tokens: int, seed: int) -> tuple[float, tuple[float, float, float]]:
+    """(tok/s, (device, host, disk) shares of the expert uses in percent) of one `fomoe generate` run; the same
+    seed samples the same tokens, so two runs with it route alike."""
     err = fomoe("generate", str(model), "--store", str(store), "--vram-cache", "0", "--ram-cache", str(ram), "-t", str(threads),
-                "-n", str(tokens), "--ignore-eos", "-p", "The").stderr  # fmt: skip
+                "-n", str(tokens), "--ignore-eos", "-p", "The", "--seed", str(seed)).stderr  # fmt: skip
     speed = GENERATED.search(err)
     line = next((ln for ln in err.splitlines() if "experts:" in ln), "")
     shares = {tier: float(pct) if pct else 0.0 for tier, pct in SHARE.findall(line)}
@@ -77,14 +82,18 @@ def main() -> int:
     ram = int(args.ram_frac * experts)
     rows, errors = [], []
     for r in range(args.rounds):
-        measured, shares = generate(model, store, ram, args.threads, args.tokens)
+        before, shares = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
         out = plan(model, store, shares, args.threads)
+        after, shares_after = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
+        if shares_after != shares:
+            raise SystemExit(f"round {r + 1}: the two runs' hit rates differ ({shares} and {shares_after}): not the same run")
+        measured = 2 / (1 / before + 1 / after)  # the two runs' tokens over their time
         projected = out["projection"]["tokens_per_s"]
         drive = out["hardware"]["drives"]["bandwidth"]
         host = out["hardware"]["host"]["plan"]
         ahead = out["prefetch"]["share"]
         errors.append(projected / measured - 1)
-        rows.append(f"| {r + 1} | {measured:.2f} | {shares[0]:.1f} / {shares[1]:.1f} / {shares[2]:.1f} | {projected:.2f} "
+        rows.append(f"| {r + 1} | {before:.2f}, {after:.2f}: {measured:.2f} | {shares[0]:.1f} / {shares[1]:.1f} / {shares[2]:.1f} | {projected:.2f} "
                     f"| {100 * errors[-1]:+.1f} % | {drive / 1e9:.2f} | {host * 1e6:.0f} | {100 * ahead:.0f} % |")  # fmt: skip
         print(rows[-1], file=sys.stderr)
     median = float(np.median(errors))
@@ -94,8 +103,9 @@ def main() -> int:
         f"`python bench/plan_measure.py --rounds {args.rounds} --tokens {args.tokens} --threads {args.threads} "
         f"--ram-frac {args.ram_frac}`: bench model, cpu backend, host tier {args.ram_frac:.0%} of the experts "
         f"({ram / 2**20:.0f} MiB), -t {args.threads}; each round a `fomoe generate` run, then `fomoe plan --measure` with its hit "
-        "rates (every figure of this machine measured anew in that round)\n\n"
-        "| round | generate tok/s | hit rates device / host / disk % | plan --measure tok/s | projected vs measured "
+        "rates (every figure of this machine measured anew in that round), then the same run again: the projection against "
+        "the two runs' tokens over their time\n\n"
+        "| round | generate tok/s (before, after: both) | hit rates device / host / disk % | plan --measure tok/s | projected vs measured "
         "| drive GB/s (as the engine reads the store) | host µs per layer step | misses read ahead |\n"
         "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
         f"Median error {100 * median:+.1f} %, largest {100 * worst:+.1f} % (over {args.rounds} rounds).\n"
