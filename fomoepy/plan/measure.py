@@ -19,8 +19,10 @@ import os
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -101,15 +103,29 @@ def drive_figures(directory: str) -> tuple[dict, list[str]]:
     return {"bandwidth": bandwidth, "latency": latency}, notes
 
 
-def store_figures(directory: str, model: str, passes: int = 3) -> tuple[dict, list[str]]:
+def store_figures(directory: str, model: str, passes: int = 3, between: Callable[[], Any] | None = None) -> tuple[dict, list[str]]:
     """The drive figures of the store in `directory` as the engine reads it: bandwidth, the bytes/s of its
     expert records read in a random order through its own reader (the engine's default threads, 2 reads a
     thread in flight), up to SCRATCH_BYTES a pass; latency, 4 KiB O_DIRECT reads at random offsets of its
-    files, one at a time. Medians over `passes` (each pass reads a different sample)."""
+    files, one at a time. Medians over `passes` (each pass reads a different sample); with `between`, as
+    many passes again after calling it (what else is measured meanwhile: a virtual disk's rate moves by a
+    quarter within seconds, so the passes are spread over the whole measurement, not taken in one burst)."""
+    notes: list[str] = []
+    rng = np.random.default_rng(0)
+    rates = _store_rates(directory, model, passes, rng, notes)
+    if between is not None:
+        between()
+        rates += _store_rates(directory, model, passes, rng, [])
+    files = sorted(Path(directory).glob("*.experts"))
+    latency = _small_read_latency(files, rng) if files else 0.0
+    return {"bandwidth": float(np.median(rates)), "latency": latency}, notes
+
+
+def _store_rates(directory: str, model: str, passes: int, rng: np.random.Generator, notes: list[str]) -> list[float]:
+    """store_figures' bandwidth passes: bytes/s of each."""
     from fomoepy.errors import StoreError
     from fomoepy.experts.store_reader import ExpertStore
 
-    notes = []
     try:
         store = ExpertStore.open([directory], model)
     except StoreError as e:
@@ -119,14 +135,11 @@ def store_figures(directory: str, model: str, passes: int = 3) -> tuple[dict, li
             notes.append(f"{directory}: no O_DIRECT here, the drive figures are the page cache's")
         keys = [(il, e) for il, layer in enumerate(store.manifest.layers) for e in range(layer.n_expert)]
         per_pass = max(1, min(len(keys), SCRATCH_BYTES // max(1, store.layers[0].expert_nbytes)))
-        rng = np.random.default_rng(0)
         rates = []
         for _ in range(passes):
             nbytes, seconds = timed_reads(store, [keys[i] for i in rng.permutation(len(keys))[:per_pass]])
             rates.append(nbytes / seconds)
-    files = sorted(Path(directory).glob("*.experts"))
-    latency = _small_read_latency(files, rng) if files else 0.0
-    return {"bandwidth": float(np.median(rates)), "latency": latency}, notes
+    return rates
 
 
 def timed_reads(store, keys: list[tuple[int, int]]) -> tuple[int, float]:
@@ -231,25 +244,34 @@ def measured(hw: Hardware, directory: str, model: str | None = None, threads: in
     figure stays); given a model whose store is in `directory`, the drive as the engine reads that store.
     `threads`: the products' and the engine's CPU threads (None: all cores, and the engine's choice)."""
     store = directory if model is not None and (Path(directory) / "fomoe-store.manifest").exists() else None
-    drive, notes = store_figures(directory, model) if store else drive_figures(directory)
-    if store:
-        notes.append(f"drive {drive['bandwidth'] / 1e9:.2f} GB/s as the engine reads the store in {directory}")
     host = host_figures(threads)
     predictions = None
     if model is not None:
         # the host's time per step, and the cpu backend's setting of each miss into a tier slot (its copy
         # up: a term of its own, after the step's reads land), both on the model as the engine runs it;
-        # the decode's trace carries the model's own predictions
+        # the decode's trace carries the model's own predictions. Where the store is the model's, its drive
+        # is measured before and after that decode (store_figures' `between`)
         with tempfile.TemporaryDirectory(prefix="fomoe-measure-") as scratch:
             trace = str(Path(scratch) / "measure.trace")
-            host["plan"], host["fill"] = engine_figures(model, store, threads, trace=trace)
+
+            def decode() -> None:
+                host["plan"], host["fill"] = engine_figures(model, store, threads, trace=trace)
+
+            if store:
+                drive, notes = store_figures(directory, model, between=decode)
+            else:
+                drive, notes = drive_figures(directory)
+                decode()
             recorded = read_trace(trace)
         # (named for the line that states where the reads ahead come from: the file itself is gone)
         predictions = replace(recorded, path=f"{Path(model).name}'s decode under --measure") if recorded.prediction_accuracy() else None
         host["serial"] = None  # measured whole: the cpu backend's step is not split at its reads
+        if store:
+            notes.append(f"drive {drive['bandwidth'] / 1e9:.2f} GB/s as the engine reads the store in {directory}, before and after that decode")
         where = f"{Path(model).name}, experts from the store in {directory}" if store else Path(model).name
         notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us and slot fills {host['fill'] / 1e9:.2f} GB/s, "
                      f"measured on {where} (cpu backend)")  # fmt: skip
     else:
+        drive, notes = drive_figures(directory)
         notes.append(f"host time per layer step {hw.host.plan * 1e6:.0f} us, as the hardware file states it")
     return Measured(hw.with_changes(host=host, drives=drive), notes, predictions)
