@@ -270,8 +270,10 @@ def test_a_full_batch_keeps_newcomers_queued_in_turn(engine):
     with daemon(engine, max_batch=2) as (d, steps):
         conns = [raw_connect(d.path) for _ in range(4)]
         decs = [FrameDecoder(1 << 20) for _ in range(4)]
-        for i, c in enumerate(conns[:2]):
-            generate(c, i, "the quick fox", 40)
+        # (the two first end at different steps, so the slots free one at a time: two slots freed at once
+        # would take both newcomers in one step, their prompts in one joint pass, whatever their order)
+        for i, (c, n) in enumerate(zip(conns[:2], (40, 30))):
+            generate(c, i, "the quick fox", n)
         steps.wait(lambda s: any(len(ids) == 2 for _, ids in s))
         for i, c in enumerate(conns[2:], 2):
             generate(c, i, "a lazy dog", 5)
@@ -284,4 +286,4 @@ def test_a_full_batch_keeps_newcomers_queued_in_turn(engine):
     first = {i: min(steps.decoded(i)) for i in range(4)}
     assert first[2] < first[3]  # and started in that order
     assert all(done["tokens"] == alone(engine, p, n) for (done, _), (p, n) in
-               zip(dones, [("the quick fox", 40)] * 2 + [("a lazy dog", 5)] * 2))  # fmt: skip
+               zip(dones, [("the quick fox", 40), ("the quick fox", 30)] + [("a lazy dog", 5)] * 2))  # fmt: skip
