@@ -1,11 +1,12 @@
-"""Router selection: a decode step's one-row path is the many-row path, bit for bit."""
+"""Router selection: a decode step's one-row path is the many-row path, bit for bit; a prediction's top ids
+are the experts the full routing picks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fomoepy.experts.routing import softmax_route, softmax_route_rows
+from fomoepy.experts.routing import softmax_route, softmax_route_rows, top_ids
 
 
 def _logits(rng: np.random.Generator, rows: int, n_expert: int, dtype) -> np.ndarray:
@@ -35,3 +36,17 @@ def test_ties_go_to_the_lower_expert_id_on_the_one_row_path():
     logits = np.zeros((1, 16), np.float32)
     logits[0, [3, 9, 12]] = 1.0
     assert softmax_route(logits, 4).ids.tolist() == [[3, 9, 12, 0]]
+
+
+@pytest.mark.parametrize("n_expert,k", [(64, 8), (32, 4), (512, 10)])
+def test_a_predictions_top_ids_are_the_experts_the_routing_picks_in_its_order(n_expert, k):
+    # softmax is monotonic, so the largest logits are the most probable experts, in the same order, ties to
+    # the lower id (at scales where float32's exp keeps distinct logits distinct: far below the top, where
+    # it rounds them to one probability, the full routing's pick among them is by id, the logits' by size)
+    rng = np.random.default_rng(n_expert)
+    z = rng.standard_normal((96, n_expert)) * rng.uniform(0.05, 3.0, size=(96, 1))
+    for r in range(0, 96, 3):  # tied logits
+        z[r, rng.integers(n_expert, size=4)] = z[r, 0]
+    z = z.astype(np.float32)
+    assert top_ids(z, k).tolist() == softmax_route_rows(z, k).ids.tolist()
+    assert top_ids(z[:1], k).tolist() == softmax_route(z[:1], k).ids.tolist()

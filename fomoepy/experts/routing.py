@@ -55,4 +55,12 @@ def _softmax_route_row(logits: np.ndarray, k: int) -> Routing:
     return Routing(ids[None], (top / top.sum())[None], probs[None])
 
 
+def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """The ids of each row's k largest logits, largest first, ties to the lower id: the experts softmax_route
+    picks (softmax is monotonic), without its probabilities or weights, for a prediction that needs neither
+    (the next layer's guesses, read ahead). One sort: run right after a layer's products, on caches they
+    have emptied, each numpy call of the full routing costs tens of µs (bench/host_time.py's cpu path)."""
+    return np.argsort(-np.asarray(logits, np.float32), axis=-1, kind="stable")[:, :k]
+
+
 GATING_FUNCTIONS = {"softmax": softmax_route}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from fomoepy.experts.device import Phase, StepExperts
-from fomoepy.experts.routing import softmax_route
+from fomoepy.experts.routing import top_ids
 from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, mul_mat
@@ -98,8 +98,8 @@ class GgmlExperts:
         than the product. Each output element is one thread's dot product either way: the same bits."""
         router = self.routers[layer]
         if isinstance(router, QuantMatrix) and h.shape[0] <= _ONE_THREAD_ROWS:
-            return softmax_route(mul_mat(h, router, 1), k).ids
-        return softmax_route(self.ops.linear(h, router), k).ids
+            return top_ids(mul_mat(h, router, 1), k)
+        return top_ids(self.ops.linear(h, router), k)
 
     def graph_inputs(self, layer: int) -> tuple | None:
         """What a decode token's graph needs to compute `layer`'s routed experts itself (the cpu backend's
