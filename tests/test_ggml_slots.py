@@ -69,6 +69,12 @@ def test_plain_slots_equal_the_per_expert_path_bit_for_bit(experts, T, threads):
         for j in range(1, TOP_K):
             summed = summed + y[:, j] * w[:, j : j + 1]
         assert np.array_equal(summed, want)
+        for t in range(T):  # a decode row's round: its picks' outputs from the row and the slots' list,
+            # the bits of pick_outputs on the row repeated (a slot's count of rows picks ggml's kernel, so a
+            # row's picks among 40 tokens' may differ: the round's are a row's alone, as before)
+            slots = slot_of[ids[t]]
+            alone = layer.pick_outputs(np.repeat(h[t : t + 1], TOP_K, axis=0), slots, threads)
+            assert np.array_equal(layer.pick_outputs_of_row(h[t : t + 1], slots.tolist(), threads), alone)
         results.append((got, y, got.copy(), y.copy()))
     assert all(np.array_equal(a, a0) and np.array_equal(b, b0) for a, b, a0, b0 in results)
     assert not np.array_equal(results[0][0], results[1][0])
@@ -186,6 +192,9 @@ def test_bad_slots_and_bytes_are_one_clear_error(experts):
         layer.set_slot(0, [raw[0][:-1], raw[1], raw[2]])
     with pytest.raises(FomoeError, match="slot ids must lie in"):
         layer.ffn(np.zeros((1, K), F32), np.array([[0, 2]]), np.ones((1, 2), F32), 1)
+    for slots in ([0, 2], [-1, 0]):  # a decode row's round checks its slots as well
+        with pytest.raises(FomoeError, match="slot ids must lie in"):
+            layer.pick_outputs_of_row(np.zeros((1, K), F32), slots, 1)
     with pytest.raises(FomoeError, match="expected gate/up"):
         SlotLayer([PARTS[0], PARTS[1], PARTS[0]], 2)
     layer.close()

@@ -198,6 +198,11 @@ def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], sl
     products the one-product path uses: grouped rows (a prefill) or one row per pick (mul_mat_id)."""
     if not chosen:
         return
+    if ids.shape[0] == 1 and not grouped:  # a decode row: its picks from the few ints, no array per step
+        row, wanted = ids[0].tolist(), set(chosen)
+        js = [j for j, e in enumerate(row) if e in wanted]  # its picks of the chosen experts, in order
+        y[0, js] = pool.layer.pick_outputs_of_row(h, [slot_of[row[j]] for j in js], threads)
+        return
     # one lookup, expert -> its slot where chosen (-1 elsewhere), gives both the picks and their slots: a
     # round's few numpy calls are most of its host time (np.isin and a second lookup were ~15 µs more;
     # sized by the layer's experts, not ids.max(), one reduction fewer)
