@@ -770,9 +770,25 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+/* a key: the core's flat int, or a (layer, expert) pair as the Plan names evictions and demotions */
 static int parse_key(Core *c, PyObject *o, int32_t *key) {
-    long long k = PyLong_AsLongLong(o);
-    if (k == -1 && PyErr_Occurred()) return -1;
+    long long k;
+    if (PyTuple_Check(o)) {
+        long long layer, expert;
+        if (PyTuple_GET_SIZE(o) != 2) { PyErr_SetString(PyExc_ValueError, "a key pair is (layer, expert)"); return -1; }
+        layer = PyLong_AsLongLong(PyTuple_GET_ITEM(o, 0));
+        if (layer == -1 && PyErr_Occurred()) return -1;
+        expert = PyLong_AsLongLong(PyTuple_GET_ITEM(o, 1));
+        if (expert == -1 && PyErr_Occurred()) return -1;
+        if (layer < 0 || layer >= c->n_layer || expert < 0 || expert >= c->n_expert) {
+            PyErr_Format(PyExc_ValueError, "key (%lld, %lld) outside the cache", layer, expert);
+            return -1;
+        }
+        k = layer * c->n_expert + expert;
+    } else {
+        k = PyLong_AsLongLong(o);
+        if (k == -1 && PyErr_Occurred()) return -1;
+    }
     if (k < 0 || k >= c->n) { PyErr_Format(PyExc_ValueError, "key %lld outside the cache", k); return -1; }
     *key = (int32_t)k;
     return 0;
@@ -809,7 +825,7 @@ static uint32_t next_stamp(Core *c) {
 
 /* plan(layer, ids int64 buffer) -> None when an id is out of range, else
    (experts int64 bytes, sources bytes, to_device bytes, to_host bytes, items, device victims, host victims,
-    demotions, and those three again as (layer, expert) pairs): ExpertCache.plan. items are PlanItem(expert, source, nbytes, to_device, to_host), built
+    demotions, the last three as (layer, expert) pairs): ExpertCache.plan. items are PlanItem(expert, source, nbytes, to_device, to_host), built
    with the types set_types gave. Changes no decision state. */
 static PyObject *Core_plan(Core *c, PyObject *args) {
     int layer;
@@ -886,8 +902,7 @@ static PyObject *Core_plan(Core *c, PyObject *args) {
         PyTuple_SET_ITEM(items, (Py_ssize_t)i, item);
     }
     Py_DECREF(nbytes);
-    out = Py_BuildValue("(OOOOONNNNNN)", ex, src, tod, toh, items, keys_tuple(&dev_victims), keys_tuple(&host_victims),
-                        keys_tuple(&demotions), pairs_tuple(c, &dev_victims), pairs_tuple(c, &host_victims),
+    out = Py_BuildValue("(OOOOONNN)", ex, src, tod, toh, items, pairs_tuple(c, &dev_victims), pairs_tuple(c, &host_victims),
                         pairs_tuple(c, &demotions));
     goto done;
 nomem:

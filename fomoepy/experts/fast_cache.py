@@ -59,7 +59,6 @@ class CorePlan(Plan):
     """A Plan, with the arrays the core reads back at commit, mark_ready and release."""
 
     arrays: tuple = ()  # (experts int64 bytes, sources, to_device, to_host)
-    keys: tuple = ((), (), ())  # device evictions, host evictions, demotions as the core's flat keys
 
 
 class TierView:
@@ -155,10 +154,9 @@ class CoreCache:
         if out is None:
             experts = [int(e) for e in np.unique(raw)]
             raise ValueError(f"layer {layer}: expected expert ids in [0, {self.n_expert}), got {experts}")
-        experts, sources, to_device, to_host, items, dev_victims, host_victims, demotions, dev_pairs, host_pairs, demoted = out
+        experts, sources, to_device, to_host, items, dev_victims, host_victims, demotions = out  # victims as (layer, expert)
         users = users_of([item.expert for item in items], raw, sequences) if sequences is not None else ()
-        return CorePlan(layer, items, dev_pairs, host_pairs, self.generation, demoted, users, (experts, sources, to_device, to_host),
-                        (dev_victims, host_victims, demotions))  # fmt: skip
+        return CorePlan(layer, items, dev_victims, host_victims, self.generation, demotions, users, (experts, sources, to_device, to_host))
 
     def on_device(self, key: Key) -> bool:
         return key in self.device
@@ -179,11 +177,11 @@ class CoreCache:
     def commit(self, plan: CorePlan) -> None:
         if plan.generation != self.generation:
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
-        self._core.commit(plan.layer, *plan.arrays, *plan.keys, plan.users)
+        self._core.commit(plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
 
     def mark_ready(self, plan: CorePlan) -> None:
         experts, _, to_device, to_host = plan.arrays
-        self._core.mark_ready(plan.layer, experts, to_device, to_host, plan.keys[2])
+        self._core.mark_ready(plan.layer, experts, to_device, to_host, plan.demotions)
 
     def release(self, plan: CorePlan) -> None:
         self._core.release(plan.layer, *plan.arrays)
@@ -196,7 +194,7 @@ class CoreCache:
         """ExpertCache.abort: a released plan's admissions still LOADING are dropped."""
         experts, _, to_device, to_host = plan.arrays
         n = self.n_expert
-        dropped = self._core.abort(plan.layer, experts, to_device, to_host, plan.keys[2])
+        dropped = self._core.abort(plan.layer, experts, to_device, to_host, plan.demotions)
         return [divmod(k, n) for k in dropped]
 
     access = ExpertCache.access  # plan + commit + mark_ready + release, through this class's methods
