@@ -152,10 +152,7 @@ class GpuExperts:
         """A buffer of the pinned pool (one device), the pool first told which of its join marks a wait
         for the compute stream has passed since: the buffers given back before them are free of their
         copies, with no event to wait for."""
-        side = self.sides[0]
-        pending = side.joins_pending
-        if pending and pending[0][1] < side.compute_syncs.n:  # (asked at every take: the common no, inline)
-            self.pool.passed_mark(side.joins_passed())
+        self._tell_pool(self.sides[0])
         return self.pool.take(nbytes)
 
     def _tell_pool(self, side: DeviceSide) -> None:
