@@ -110,22 +110,10 @@ def store_figures(directory: str, model: str, passes: int = 3, between: Callable
     files, one at a time. Medians over `passes` (each pass reads a different sample); with `between`, as
     many passes again after calling it (what else is measured meanwhile: a virtual disk's rate moves by a
     quarter within seconds, so the passes are spread over the whole measurement, not taken in one burst)."""
-    notes: list[str] = []
-    rng = np.random.default_rng(0)
-    rates = _store_rates(directory, model, passes, rng, notes)
-    if between is not None:
-        between()
-        rates += _store_rates(directory, model, passes, rng, [])
-    files = sorted(Path(directory).glob("*.experts"))
-    latency = _small_read_latency(files, rng) if files else 0.0
-    return {"bandwidth": float(np.median(rates)), "latency": latency}, notes
-
-
-def _store_rates(directory: str, model: str, passes: int, rng: np.random.Generator, notes: list[str]) -> list[float]:
-    """store_figures' bandwidth passes: bytes/s of each."""
     from fomoepy.errors import StoreError
     from fomoepy.experts.store_reader import ExpertStore
 
+    notes = []
     try:
         store = ExpertStore.open([directory], model)
     except StoreError as e:
@@ -135,11 +123,19 @@ def _store_rates(directory: str, model: str, passes: int, rng: np.random.Generat
             notes.append(f"{directory}: no O_DIRECT here, the drive figures are the page cache's")
         keys = [(il, e) for il, layer in enumerate(store.manifest.layers) for e in range(layer.n_expert)]
         per_pass = max(1, min(len(keys), SCRATCH_BYTES // max(1, store.layers[0].expert_nbytes)))
-        rates = []
-        for _ in range(passes):
-            nbytes, seconds = timed_reads(store, [keys[i] for i in rng.permutation(len(keys))[:per_pass]])
-            rates.append(nbytes / seconds)
-    return rates
+        rng = np.random.default_rng(0)
+
+        def rates() -> list[float]:
+            return [n / seconds for n, seconds in
+                    (timed_reads(store, [keys[i] for i in rng.permutation(len(keys))[:per_pass]]) for _ in range(passes))]  # fmt: skip
+
+        measured = rates()
+        if between is not None:
+            between()
+            measured += rates()
+    files = sorted(Path(directory).glob("*.experts"))
+    latency = _small_read_latency(files, rng) if files else 0.0
+    return {"bandwidth": float(np.median(measured)), "latency": latency}, notes
 
 
 def timed_reads(store, keys: list[tuple[int, int]]) -> tuple[int, float]:
