@@ -41,24 +41,27 @@ GENERATED = re.compile(r"generated (\d+) tokens \(([\d.]+) tok/s\)")
 # "experts: 6144 uses; device 45.2% hit, host off, disk 54.8% (...)": each tier's share of the uses
 SHARE = re.compile(r"(device|host) (?:([\d.]+)% hit|off)")
 DISK = re.compile(r"disk ([\d.]+)%")
+LANDED = re.compile(r"(\d+) of them landed before it asked")
 
 
 def fomoe(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fomoepy.cli", *args], capture_output=True, text=True, check=True)
 
 
-def generate(model: Path, store: Path, ram: int, threads: int, tokens: int, seed: int) -> tuple[float, tuple[float, float, float]]:
-    """(tok/s, (device, host, disk) shares of the expert uses in percent) of one `fomoe generate` run; the same
-    seed samples the same tokens, so two runs with it route alike."""
+def generate(model: Path, store: Path, ram: int, threads: int, tokens: int, seed: int) -> tuple[float, tuple[float, float, float], int]:
+    """(tok/s, (device, host, disk) shares of the expert uses in percent, reads made ahead that landed before
+    their step asked) of one `fomoe generate` run; the same seed samples the same tokens, so two runs with it
+    route alike."""
     err = fomoe("generate", str(model), "--store", str(store), "--vram-cache", "0", "--ram-cache", str(ram), "-t", str(threads),
                 "-n", str(tokens), "--ignore-eos", "-p", "The", "--seed", str(seed)).stderr  # fmt: skip
     speed = GENERATED.search(err)
     line = next((ln for ln in err.splitlines() if "experts:" in ln), "")
     shares = {tier: float(pct) if pct else 0.0 for tier, pct in SHARE.findall(line)}
     disk = DISK.search(line)
-    if speed is None or disk is None or set(shares) != {"device", "host"}:
-        raise SystemExit(f"could not read the run's speed and hit rates from:\n{err}")
-    return float(speed.group(2)), (shares["device"], shares["host"], float(disk.group(1)))
+    landed = LANDED.search(err)
+    if speed is None or disk is None or landed is None or set(shares) != {"device", "host"}:
+        raise SystemExit(f"could not read the run's speed, hit rates and reads ahead from:\n{err}")
+    return float(speed.group(2)), (shares["device"], shares["host"], float(disk.group(1))), int(landed.group(1))
 
 
 def plan(model: Path, store: Path, shares: tuple[float, float, float], threads: int) -> dict:
@@ -82,9 +85,9 @@ def main() -> int:
     ram = int(args.ram_frac * experts)
     rows, errors = [], []
     for r in range(args.rounds):
-        before, shares = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
+        before, shares, landed_before = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
         out = plan(model, store, shares, args.threads)
-        after, shares_after = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
+        after, shares_after, landed_after = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
         if shares_after != shares:
             raise SystemExit(f"round {r + 1}: the two runs' hit rates differ ({shares} and {shares_after}): not the same run")
         measured = 2 / (1 / before + 1 / after)  # the two runs' tokens over their time
@@ -92,9 +95,12 @@ def main() -> int:
         drive = out["hardware"]["drives"]["bandwidth"]
         host = out["hardware"]["host"]["plan"]
         ahead = out["prefetch"]["share"]
+        steps = args.tokens * out["model"]["n_layer"]  # (the projection's figure is per layer step, every layer's)
+        landed = (landed_before / steps, landed_after / steps, out["projection"]["landed_ahead"])
         errors.append(projected / measured - 1)
         rows.append(f"| {r + 1} | {before:.2f}, {after:.2f}: {measured:.2f} | {shares[0]:.1f} / {shares[1]:.1f} / {shares[2]:.1f} | {projected:.2f} "
-                    f"| {100 * errors[-1]:+.1f} % | {drive / 1e9:.2f} | {host * 1e6:.0f} | {100 * ahead:.0f} % |")  # fmt: skip
+                    f"| {100 * errors[-1]:+.1f} % | {drive / 1e9:.2f} | {host * 1e6:.0f} | {100 * ahead:.0f} % "
+                    f"| {landed[0]:.2f}, {landed[1]:.2f} / {landed[2]:.2f} |")  # fmt: skip
         print(rows[-1], file=sys.stderr)
     median = float(np.median(errors))
     worst = max(errors, key=abs)
@@ -106,8 +112,9 @@ def main() -> int:
         "rates (every figure of this machine measured anew in that round), then the same run again: the projection against "
         "the two runs' tokens over their time\n\n"
         "| round | generate tok/s (before, after: both) | hit rates device / host / disk % | plan --measure tok/s | projected vs measured "
-        "| drive GB/s (as the engine reads the store) | host µs per layer step | misses read ahead |\n"
-        "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        "| drive GB/s (as the engine reads the store) | host µs per layer step | misses read ahead "
+        "| reads ahead landed before their step, a layer step: runs / projected |\n"
+        "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
         f"Median error {100 * median:+.1f} %, largest {100 * worst:+.1f} % (over {args.rounds} rounds).\n"
     )  # fmt: skip
     return publish(report, args.record)

@@ -474,7 +474,8 @@ class ExpertStreamer:
             line = f"prefetch: next-layer prediction accuracy {p.accuracy:.1%}"
             if self.read_ahead is not None:
                 a = self.read_ahead.counts
-                line += f"; read ahead {a.issued} ({a.used} used by their step, {a.wasted} wrong), {a.skipped} guesses dropped unread"
+                line += (f"; read ahead {a.issued} ({a.used} used by their step, {a.landed} of them landed before it asked; {a.wasted} wrong), "
+                         f"{a.skipped} guesses dropped unread")
             lines.append(line)
         g = self.gate
         if g is not None and g.guessed:  # why reading ahead is on or off now

@@ -330,7 +330,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(describe(work, hw, hw_source, rates, p, cap))
     ahead = f"reads a layer ahead: {100 * ahead_taken.share:.0f} % of misses ({ahead_taken.source})"
-    if ahead_taken.share and p.backend == "gpu" and args.schedule == "engine":
+    if ahead_taken.share and args.schedule == "engine" and (p.backend == "gpu" or not hw.host.make_ready):
         # what the drives make of it: the right guesses that land before their step, the wrong ones' time
         misses = m.n_expert_used * rates.disk
         ahead += (f"; {p.landed_ahead:.2f} of a layer's {misses:.2f} misses land before their step asks, the wrong "
