@@ -17,8 +17,8 @@ import numpy as np
 from fomoepy.errors import FomoeError
 from fomoepy.experts.device import StepExperts, StepTiming
 from fomoepy.experts.routing import Routing
-from fomoepy.experts.step import MoEStep, compute_in_runs, rows_of
-from fomoepy.experts.streamer import Rows
+from fomoepy.experts.step import MoEStep, compute_in_runs
+from fomoepy.experts.streamer import Rows, rows_of
 
 
 class ResidentStep(MoEStep):

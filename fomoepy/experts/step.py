@@ -28,7 +28,7 @@ import numpy as np
 from fomoepy.errors import FomoeError
 from fomoepy.experts.device import ExpertDevice, Phase, StepExperts, StepTiming
 from fomoepy.experts.routing import Routing
-from fomoepy.experts.streamer import ExpertStreamer, Rows
+from fomoepy.experts.streamer import ExpertStreamer, Rows, rows_of
 
 
 class MoEStep:
@@ -145,13 +145,6 @@ class MoEStep:
         self.streamer.close()
         self.streamer.host_slots.clear()
         self.device.close()
-
-
-def rows_of(h: Any, rows: Rows) -> Any:
-    """h's rows `rows`: all (None), a run, or several runs joined in order."""
-    if rows is None:
-        return h
-    return h[rows] if isinstance(rows, slice) else np.concatenate([h[run] for run in rows])
 
 
 def compute_in_runs(device: ExpertDevice, layer: int, h: Any, ids: np.ndarray, weights: np.ndarray, experts: StepExperts,

@@ -21,7 +21,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -69,11 +69,16 @@ class PrefetchStats:
 Rows = slice | list[slice] | None
 
 
+def rows_of(x: Any, rows: Rows) -> Any:
+    """x's rows `rows`: all (None), a run, or several runs joined in order."""
+    if rows is None:
+        return x
+    return x[rows] if isinstance(rows, slice) else np.concatenate([x[run] for run in rows])
+
+
 def _rows_of(exact: Routing, rows: slice | list[slice]) -> Routing:
     """The routing of the rows `rows` (a run, or several joined in order)."""
-    if isinstance(rows, slice):
-        return Routing(exact.ids[rows], exact.weights[rows], exact.probs[rows])
-    return Routing(*(np.concatenate([a[run] for run in rows]) for a in (exact.ids, exact.weights, exact.probs)))
+    return Routing(rows_of(exact.ids, rows), rows_of(exact.weights, rows), rows_of(exact.probs, rows))
 
 
 class ExpertStreamer:
