@@ -794,14 +794,7 @@ static int parse_key(Core *c, PyObject *o, int32_t *key) {
     return 0;
 }
 
-static PyObject *keys_tuple(Keys *k) {
-    PyObject *t = PyTuple_New((Py_ssize_t)k->n);
-    if (!t) return NULL;
-    for (size_t i = 0; i < k->n; i++) PyTuple_SET_ITEM(t, (Py_ssize_t)i, PyLong_FromLong(k->a[i]));
-    return t;
-}
-
-/* the keys as (layer, expert) pairs, as the Plan names evictions and demotions */
+/* the keys as (layer, expert) pairs, as the core names keys to Python (a plan's evictions and demotions, abort's and admit_host's keys) */
 static PyObject *pairs_tuple(Core *c, Keys *k) {
     PyObject *t = PyTuple_New((Py_ssize_t)k->n);
     if (!t) return NULL;
@@ -1117,7 +1110,8 @@ out:
     return result;
 }
 
-/* abort(layer, experts, to_device, to_host, demotions): ExpertCache.abort; returns the device keys dropped */
+/* abort(layer, experts, to_device, to_host, demotions): ExpertCache.abort; returns the device keys dropped,
+   as (layer, expert) pairs */
 static PyObject *Core_abort(Core *c, PyObject *args) {
     int layer;
     PyObject *e, *d, *h, *dm;
@@ -1151,14 +1145,14 @@ static PyObject *Core_abort(Core *c, PyObject *args) {
         }
     }
     if (changed) c->generation++;
-    result = keys_tuple(&dropped);
+    result = pairs_tuple(c, &dropped);
 out:
     free(keys), free(dropped.a);
     plan_args_release(&p);
     return result;
 }
 
-/* admit_host(keys): ExpertCache.admit_host; returns (admitted, evicted) */
+/* admit_host(keys): ExpertCache.admit_host; returns (admitted, evicted), as (layer, expert) pairs */
 static PyObject *Core_admit_host(Core *c, PyObject *args) {
     PyObject *seq;
     if (!PyArg_ParseTuple(args, "O", &seq)) return NULL;
@@ -1186,7 +1180,7 @@ static PyObject *Core_admit_host(Core *c, PyObject *args) {
     for (size_t i = 0; i < admitted.n; i++)
         if (tier_admit(c, 1, admitted.a[i], READY)) goto fail;
     if (admitted.n) c->generation++;
-    out = Py_BuildValue("(NN)", keys_tuple(&admitted), keys_tuple(&victims));
+    out = Py_BuildValue("(NN)", pairs_tuple(c, &admitted), pairs_tuple(c, &victims));
     goto done;
 nomem:
     if (!PyErr_Occurred()) PyErr_NoMemory();

@@ -193,16 +193,13 @@ class CoreCache:
     def abort(self, plan: CorePlan) -> list[Key]:
         """ExpertCache.abort: a released plan's admissions still LOADING are dropped."""
         experts, _, to_device, to_host = plan.arrays
-        n = self.n_expert
-        dropped = self._core.abort(plan.layer, experts, to_device, to_host, plan.demotions)
-        return [divmod(k, n) for k in dropped]
+        return list(self._core.abort(plan.layer, experts, to_device, to_host, plan.demotions))
 
     access = ExpertCache.access  # plan + commit + mark_ready + release, through this class's methods
 
     def admit_host(self, keys: Sequence[Key]) -> tuple[list[Key], list[Key]]:
-        n = self.n_expert
-        admitted, victims = self._core.admit_host([l * n + e for l, e in keys])
-        return [divmod(k, n) for k in admitted], [divmod(k, n) for k in victims]
+        admitted, victims = self._core.admit_host(list(keys))  # (the core takes and names keys as pairs)
+        return list(admitted), list(victims)
 
     def seed(self, keys: Iterable[Key], pin_fraction: float = 0.0) -> tuple[list[Key], list[Key]]:
         """ExpertCache.seed (these policies pin nothing, so pin_fraction only has to be valid)."""
