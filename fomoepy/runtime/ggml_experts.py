@@ -22,7 +22,7 @@ from fomoepy.experts.device import Phase, StepExperts
 from fomoepy.experts.routing import top_ids
 from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import ggml_threads
-from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, mul_mat
+from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, top_ids_of_product
 from fomoepy.runtime.ggml_pool import SlotPool, layout_of
 from fomoepy.runtime.ggml_slots import weighted_sum
 
@@ -98,7 +98,7 @@ class GgmlExperts:
         than the product. Each output element is one thread's dot product either way: the same bits."""
         router = self.routers[layer]
         if isinstance(router, QuantMatrix) and h.shape[0] <= _ONE_THREAD_ROWS:
-            return top_ids(mul_mat(h, router, 1), k)
+            return top_ids_of_product(h, router, k, 1)  # (a decode row's top k in the product's graph)
         return top_ids(self.ops.linear(h, router), k)
 
     def graph_inputs(self, layer: int) -> tuple | None:

@@ -33,6 +33,7 @@ import ggml
 import numpy as np
 
 from fomoepy.errors import FomoeError
+from fomoepy.experts.routing import top_ids
 from fomoepy.timing import MATMUL
 
 F32 = np.float32
@@ -138,6 +139,22 @@ def mul_mat(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
     if T == 1:  # a decode step: a graph built once per weight type and shape, its pointers set per call
         return _decode_graph(("mul_mat", w.qtype, w.n_rows, w.n_cols), lambda: _build_mul_mat(w), threads).run([w], x)[0]
     return fresh_mul_mat(x, w, threads)
+
+
+def top_ids_of_product(x: np.ndarray, w: QuantMatrix, k: int, threads: int) -> np.ndarray:
+    """The ids of the k largest of each row of x [T, K] · wᵀ, largest first: a router's pick for x without
+    its probabilities (softmax is monotonic), for a prediction that needs neither (the next layer's guesses,
+    read ahead). A decode row's in the product's own graph, by ggml's descending argsort, as the backend's
+    routing sorts (ggml_dense.routing_nodes): the numpy sort that did it after the product cost 35-48 µs
+    there, on the caches the product and the step's reads had just emptied, where it costs 2.7 µs warm
+    (measured in the bench model's decode at a 25 % tier, this project's 2-core machine). Ties (equal
+    products) may come in another order than numpy's stable sort would give them: a guess's rank only
+    orders the reads made ahead."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    if x.shape[0] == 1 and k <= w.n_rows:
+        graph = _decode_graph(("top_ids", w.qtype, w.n_rows, w.n_cols, k), lambda: _build_top_ids(w, k), threads)
+        return graph.run([w], x)[0]
+    return top_ids(mul_mat(x, w, threads), k)
 
 
 def rows_differ_together(qtype: int) -> bool:
@@ -253,7 +270,7 @@ class _DecodeGraph:
             raise FomoeError(f"ggml could not allocate a {size}-byte context")
         self.weights: list = []  # leaf tensors whose data is a weight's bytes, in run()'s order
         self.input = None
-        self.outputs: list[tuple] = []  # (tensor, rows, cols)
+        self.outputs: list[tuple] = []  # (tensor, rows, cols, numpy dtype)
         self.plan = None
         self.work = None
         self.gf = None
@@ -267,7 +284,7 @@ class _DecodeGraph:
 
     def finish(self, threads: int) -> None:
         self.gf = ggml.ggml_new_graph(self.ctx)
-        for t, _, _ in self.outputs:
+        for t, *_ in self.outputs:
             ggml.ggml_build_forward_expand(self.gf, t)
         self.plan = ggml.ggml_graph_plan(self.gf, threads, None)
         self.work = np.empty(max(self.plan.work_size, 1), np.uint8)
@@ -278,8 +295,8 @@ class _DecodeGraph:
             t.contents.data = w.data.ctypes.data
         self.input.contents.data = x.ctypes.data
         outs = []
-        for t, rows, cols in self.outputs:
-            out = np.empty((rows, cols), F32)
+        for t, rows, cols, dtype in self.outputs:
+            out = np.empty((rows, cols), dtype)
             t.contents.data = out.ctypes.data
             outs.append(out)
         status = MATMUL.call(ggml.ggml_graph_compute, self.gf, ctypes.byref(self.plan))
@@ -317,7 +334,19 @@ def _build_mul_mat(w: QuantMatrix) -> _DecodeGraph:
     weight = g.leaf(w.qtype, w.n_cols, w.n_rows)
     g.input = g.leaf(ggml.GGML_TYPE_F32, w.n_cols, 1)
     g.weights = [weight]
-    g.outputs = [(ggml.ggml_mul_mat(g.ctx, weight, g.input), 1, w.n_rows)]
+    g.outputs = [(ggml.ggml_mul_mat(g.ctx, weight, g.input), 1, w.n_rows, F32)]
+    return g
+
+
+def _build_top_ids(w: QuantMatrix, k: int) -> _DecodeGraph:
+    """x · wᵀ's k largest, by a descending argsort's first k (routing_nodes' order: ggml_dense)."""
+    g = _DecodeGraph(8, 4 * w.n_rows * 2 + 4 * k + 256)
+    weight = g.leaf(w.qtype, w.n_cols, w.n_rows)
+    g.input = g.leaf(ggml.GGML_TYPE_F32, w.n_cols, 1)
+    g.weights = [weight]
+    order = ggml.ggml_argsort(g.ctx, ggml.ggml_mul_mat(g.ctx, weight, g.input), ggml.GGML_SORT_ORDER_DESC)  # [N, 1]
+    ids = ggml.ggml_cont(g.ctx, ggml.ggml_view_2d(g.ctx, order, k, 1, order.contents.nb[1], 0))
+    g.outputs = [(ids, 1, k, np.int32)]
     return g
 
 
@@ -333,5 +362,5 @@ def _build_experts(weights: list[QuantMatrix]) -> _DecodeGraph:
         a = ggml.ggml_mul_mat(g.ctx, tensors[0], g.input)
         b = ggml.ggml_mul_mat(g.ctx, tensors[1], g.input)
         act = ggml.ggml_mul(g.ctx, ggml.ggml_silu(g.ctx, a), b)
-        g.outputs.append((ggml.ggml_mul_mat(g.ctx, tensors[2], act), 1, down.n_rows))
+        g.outputs.append((ggml.ggml_mul_mat(g.ctx, tensors[2], act), 1, down.n_rows, F32))
     return g
