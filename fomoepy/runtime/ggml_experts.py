@@ -201,7 +201,7 @@ def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], sl
     if ids.shape[0] == 1 and not grouped:  # a decode row: its picks from the few ints, no array per step
         row, wanted = ids[0].tolist(), set(chosen)
         js = [j for j, e in enumerate(row) if e in wanted]  # its picks of the chosen experts, in order
-        y[0, js] = pool.layer.pick_outputs_of_row(h, [slot_of[row[j]] for j in js], threads)
+        pool.layer.pick_outputs_of_row_into(h, [slot_of[row[j]] for j in js], threads, y[0], js)
         return
     # one lookup, expert -> its slot where chosen (-1 elsewhere), gives both the picks and their slots: a
     # round's few numpy calls are most of its host time (np.isin and a second lookup were ~15 µs more;

@@ -198,22 +198,32 @@ class SlotLayer:
 
     def pick_outputs_of_row(self, row: np.ndarray, slots: list[int], threads: int) -> np.ndarray:
         """pick_outputs of one token's row [1, K] for each of its picks' slots [P] (a decode step's round):
-        the same graph on the same rows, its input set from the row and the slots' list as they are. The
-        general path's dozen numpy calls on arrays of a few ints each cost a decode step ~10 µs apiece
-        here, run on the caches the layer's products have just emptied."""
+        the same graph on the same rows, its input set from the row and the slots' list as they are."""
+        out = np.empty((len(slots), self.n_embd), F32)
+        self.pick_outputs_of_row_into(row, slots, threads, out, slice(None))
+        return out
+
+    def pick_outputs_of_row_into(self, row: np.ndarray, slots: list[int], threads: int, into: np.ndarray, at) -> None:
+        """pick_outputs_of_row, set into into[at] (a step's rows of its picks' outputs). The general path's
+        dozen numpy calls on arrays of a few ints each cost a decode step ~10 µs apiece here, run on the
+        caches the layer's products have just emptied."""
         P = len(slots)
         if not P or min(slots) < 0 or max(slots) >= self.n_slots or P > _MAX_CACHED_PICKS:
-            return self.pick_outputs(np.repeat(row, P, axis=0), np.asarray(slots, np.int32), threads)
-        return self._pick_graph(P, threads).run_row(row, slots).reshape(P, self.n_embd)
+            into[at] = self.pick_outputs(np.repeat(row, P, axis=0), np.asarray(slots, np.int32), threads)
+            return
+        self._pick_graph(P, threads, one_row=True).run_row_into(row, slots, into, at)
 
-    def _pick_graph(self, P: int, threads: int) -> _SlotGraph:
-        """The kept graph for P picks (a few token counts kept, as `ffn`'s)."""
-        key = (P, threads)
+    def _pick_graph(self, P: int, threads: int, one_row: bool = False) -> _SlotGraph:
+        """The kept graph for P picks (a few token counts kept, as `ffn`'s): of P rows, or of one row
+        (`one_row`: one token's P picks, its row set once, 8 KB on the bench model, where the P-row graph
+        took P copies of it; the same one-row products as P rows of one pick each, so the same bits:
+        mul_mat_id takes each expert's rows apart)."""
+        key = (P, threads, one_row)
         g = self._pick_graphs.get(key)
         if g is None:
             if len(self._pick_graphs) >= _MAX_GRAPHS:
                 self._pick_graphs.pop(next(iter(self._pick_graphs))).free()
-            g = self._pick_graphs[key] = _SlotGraph(self, P, 1, threads, weighted=False)
+            g = self._pick_graphs[key] = _SlotGraph(self, 1, P, threads, False) if one_row else _SlotGraph(self, P, 1, threads, False)
         return g
 
     def ffn_grouped(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
@@ -338,6 +348,7 @@ class _SlotGraph:
             self.out, self.shape = weighted_sum_nodes(ctx, y, self.w), (T, K)
         self._out = np.empty(self.shape, F32)
         self.out.contents.data = self._out.ctypes.data
+        self._rows = self._out.reshape(T * k, K) if not weighted else None  # each pick's output, a row (run_row_into)
         self.gf = ggml.ggml_new_graph(ctx)
         ggml.ggml_build_forward_expand(self.gf, self.out)
         self.plan, self.work = _plan(self.gf, threads)
@@ -353,12 +364,17 @@ class _SlotGraph:
             return weighted_sum(self._out, self._w)
         return self._out.copy()  # the graph's own array is its next run's
 
-    def run_row(self, row: np.ndarray, slots: list[int]) -> np.ndarray:
-        """run of an unweighted graph (one pick a row) on `row` [1, K] for every pick, `slots` [T] its slots."""
+    def run_row_into(self, row: np.ndarray, slots: list[int], into: np.ndarray, at) -> None:
+        """run of an unweighted graph of one token's picks on `row` [1, K], `slots` [k] their slots, the picks'
+        outputs set into into[at] ([k, K] of it) straight from the graph's own array (a decode
+        round: one numpy call where a copy handed back and its reshape were two more). The row's copy in
+        is the round's first touch of memory after the step's waits and slot fills: it takes ~33 µs there
+        (line_profiler, bench model at a 25 % tier), whatever its size; a size of 8 KB or 64 KB made no
+        difference measured."""
         self._h[:] = row
-        self._ids[:, 0] = slots
+        self._ids[0] = slots
         _run(self.gf, self.plan)
-        return self._out.copy()  # the graph's own array is its next run's
+        into[at] = self._rows
 
     def free(self) -> None:
         if self.ctx:
