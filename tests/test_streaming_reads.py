@@ -392,3 +392,37 @@ def test_a_predictor_whose_guesses_do_not_pay_stops_reading_ahead_and_a_better_o
     assert gate.reading and gate.turned == 2
     assert streamer.read_ahead.counts.issued > issued  # reading ahead again
     engine.close()
+
+
+def test_a_cpu_decode_rows_guesses_come_with_its_routing_from_the_attention_graph(model, monkeypatch):
+    # the cpu backend's attention graph of a decode row gives the next layer's guesses with the routing (the
+    # next router's k largest products with h: Routing.ahead), so the step makes no product of its own for
+    # them where that graph runs (qwen3moe's attention; qwen3.5's is gated and its DeltaNet layers have no
+    # such graph), and they are the guesses the step's own product gives
+    from fomoepy.experts.step import MoEStep
+    from fomoepy.experts.streamer import ExpertStreamer
+    from fomoepy.runtime.ggml_experts import GgmlExperts
+
+    path, store, tokens, _ = model
+    probe = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=0))
+    unit = probe.experts.streamer.cache.device_expert_bytes[0]
+    fused = probe.ops.fuses_attention(probe.spec.attention, probe.spec.moe.gating)
+    probe.close()
+
+    def decode(with_routing: bool) -> tuple[list, list]:
+        products, guesses = [], []
+        route, predict = GgmlExperts.route, ExpertStreamer.predict
+        with monkeypatch.context() as m:
+            if not with_routing:
+                m.setattr(MoEStep, "predicts_after", lambda self, layer: False)
+            m.setattr(GgmlExperts, "route", lambda self, layer, h, k: products.append(layer) or route(self, layer, h, k))
+            m.setattr(ExpertStreamer, "predict", lambda self, layer, ids: guesses.append((layer, np.asarray(ids).tolist())) or predict(self, layer, ids))
+            engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=8 * unit))
+            list(engine.generate(tokens[:6], 8, SamplingParams.greedy(), stop_at_eog=False))
+            engine.close()
+        return products, guesses
+
+    products, guesses = decode(with_routing=True)
+    products_apart, guesses_apart = decode(with_routing=False)
+    assert guesses and guesses == guesses_apart
+    assert products_apart and (not products) == fused

@@ -78,6 +78,11 @@ class MoEStep:
     def _predicting(self, layer: int) -> bool:
         return self.phase is Phase.DECODE and self._predicts_now and layer + 1 < self.streamer.n_layer
 
+    def predicts_after(self, layer: int) -> bool:
+        """Whether `layer`'s step will predict the next layer's experts: a router that gives them with its
+        routing (Routing.ahead: the cpu backend's decode-row attention graph) saves the step a product."""
+        return self._predicting(layer)
+
     def __call__(self, layer: int, h: Any, exact: Routing, rows: Rows = None) -> Any:
         """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]; of the
         rows `rows` only where given (every row is routed, counted and traced; those are computed). `rows`
@@ -102,7 +107,10 @@ class MoEStep:
             s.note(layer, exact, rows)
             if self._predicting(layer):
                 ahead, self._ahead = self._ahead, None
-                s.predict(layer + 1, ahead[1] if ahead is not None and ahead[0] == layer else device.route(layer + 1, h, exact.ids.shape[1]))
+                if exact.ahead is not None:  # computed with the routing (its rows are the step's: a decode row)
+                    s.predict(layer + 1, exact.ahead)
+                else:
+                    s.predict(layer + 1, ahead[1] if ahead is not None and ahead[0] == layer else device.route(layer + 1, h, exact.ids.shape[1]))
 
         plan, fetched, reads = s.start_acquire(layer, ids, rows, beside)
         for victim in plan.device_evictions:

@@ -34,14 +34,19 @@ def attention_mixer(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
     return ops.linear(out, w.attn_output)
 
 
-def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int, segments: list[Segment], k: int) -> tuple:
+def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int, segments: list[Segment], k: int,
+                    ahead=None) -> tuple:  # fmt: skip
     """Decode rows x [B, D], one of each sequence (`segments` of one row each), through a backend that
     fuses a layer's dense work around attention (ops.attention_layer for one row, ops.attention_inputs /
     attention_output for several: the cpu backend's graphs) → (x + attention, its FFN norm h, h's routing
     to k experts): the ops of attention_mixer, its residual, the FFN norm, the router's product and its
-    routing, in fewer calls, on all rows at once; each row attends over its own sequence's cache."""
+    routing, in fewer calls, on all rows at once; each row attends over its own sequence's cache. ahead: the
+    next layer's router, for one sequence's row: its k largest products with h come with the routing
+    (Routing.ahead, the next layer's guesses)."""
     if len(segments) == 1:  # one sequence's row: the layer's whole attention in one of the backend's calls
         s = segments[0]
+        if ahead is not None:
+            return ops.attention_layer(x, w, a, eps, s.state.layers[il], s.state.n_past, k, ahead)
         return ops.attention_layer(x, w, a, eps, s.state.layers[il], s.state.n_past, k)
     positions = [s.state.n_past for s in segments]
     q, k_rot, v = ops.attention_inputs(x, w, a, eps, positions, k)  # q [B, H, hd], k [B, Hkv, hd] normed, rotated; v [B, Hkv·hd]

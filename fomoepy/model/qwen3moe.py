@@ -22,7 +22,10 @@ def qwen3moe_mix(model, il: int, x, segments):
     fuses = getattr(ops, "fuses_attention", None)
     m = spec.moe
     if x.shape[0] == len(segments) and fuses is not None and fuses(spec.attention, m.gating):  # a row per sequence: fused calls
-        return attention_block(ops, w, spec.attention, eps, x, il, segments, m.n_expert_used)
+        # the next layer's router where the MoE step will predict its experts from this row (one sequence's)
+        predicts = getattr(model.experts, "predicts_after", None)
+        ahead = model.weights.layer(il + 1).ffn_gate_inp if len(segments) == 1 and predicts is not None and predicts(il) else None
+        return attention_block(ops, w, spec.attention, eps, x, il, segments, m.n_expert_used, ahead)
     prefill_layer = getattr(ops, "prefill_layer", None)
     if len(segments) == 1 and prefill_layer is not None and fuses(spec.attention, m.gating):  # a chunk of one sequence
         s = segments[0]

@@ -135,17 +135,20 @@ class GgmlBackend(CpuBackend):
         threads = 1 if logits.shape[0] <= _ONE_THREAD_ROUTES else self.threads
         return _routing(*route_softmax(logits, k, threads))
 
-    def attention_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int) -> tuple:
+    def attention_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int, ahead=None) -> tuple:
         """One sequence's decode row x [1, D] at position n_past, its attention layer in one graph
         (LayerGraph, kept for the steps of a span): its keys and values into the cache, → x + attention,
         its FFN norm h, h's routing to k experts; the bits of attention_inputs, the cache writes,
-        attention and attention_output."""
+        attention and attention_output. ahead: the next layer's router, whose k largest products with h
+        come with the routing (Routing.ahead: the next layer's guesses, read ahead)."""
+        if ahead is not None and not isinstance(ahead, QuantMatrix):  # (a weight the graphs take: the loaded ones are)
+            ahead = None
         n, inputs = self._step_inputs(a, cache, n_past)
         graphs = _of_layer(self._layers, w)
-        key = (n, cache.k.strides, cache.v.strides)
+        key = (n, cache.k.strides, cache.v.strides, ahead is not None)
         graph = graphs.get(key)
         if graph is None:  # a span's graph serves BUCKET steps; the one before it stays for a sequence served in turn
-            graph = _kept(graphs, key, LayerGraph(w, a, eps, self._small_threads(), cache.k, cache.v, n, 1, k))
+            graph = _kept(graphs, key, LayerGraph(w, a, eps, self._small_threads(), cache.k, cache.v, n, 1, k, ahead))
         x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache))
         return x2, h, _routing(*routing)
 
@@ -264,8 +267,8 @@ class GgmlBackend(CpuBackend):
                 graphs.pop(old, None)
 
 
-def _routing(ids: np.ndarray, weights: np.ndarray, probs: np.ndarray) -> Routing:
-    return Routing(ids.astype(np.int64), weights, probs)
+def _routing(ids: np.ndarray, weights: np.ndarray, probs: np.ndarray, ahead: np.ndarray | None = None) -> Routing:
+    return Routing(ids.astype(np.int64), weights, probs, ahead)
 
 
 def _kept(store: dict, key, value):

@@ -46,6 +46,7 @@ from fomoepy.runtime.ggml_dense import (
     product,
     routed_outputs,
     routing_nodes,
+    top_k_nodes,
 )
 from fomoepy.runtime.ggml_slots import expert_outputs, weighted_sum_nodes
 
@@ -119,12 +120,20 @@ class LayerGraph:
     [T, k], probs [T, E]). Built for one pair of caches' strides and one span n; run with their
     addresses."""
 
-    def __init__(self, w, a, eps: float, threads: int, k_cache: np.ndarray, v_cache: np.ndarray, n: int, T: int, k: int):
+    def __init__(self, w, a, eps: float, threads: int, k_cache: np.ndarray, v_cache: np.ndarray, n: int, T: int, k: int,
+                 ahead=None):  # fmt: skip
+        """ahead: the next layer's router (a QuantMatrix), whose k largest products with h the graph also
+        gives, [T, k] int32 (the next layer's guesses, as GgmlExperts.route picks them: the same product and
+        sort), so a decode step's prediction costs no graph of its own."""
         D = w.attn_q.n_cols
-        g = self.graph = Graph(128 + 2 * k, _room(_layer_bytes(w, a, n, T, k)), threads)
+        E_ahead = 0 if ahead is None else ahead.n_rows
+        g = self.graph = Graph(132 + 2 * k, _room(_layer_bytes(w, a, n, T, k) + _F * T * (2 * E_ahead + k)), threads)
         x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv, T)
         writes, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, k_cache, v_cache, n, T)
-        g.finish([(x2, (T, D)), (h, (T, D))] + routed_outputs(g, logits, k, T), effects=writes)
+        outputs = [(x2, (T, D)), (h, (T, D))] + routed_outputs(g, logits, k, T)
+        if ahead is not None:
+            outputs.append((top_k_nodes(g, ggml.ggml_mul_mat(g.ctx, g.weight(ahead), h), k, T), (T, k)))
+        g.finish(outputs, effects=writes)
         self._row_steps = (k_cache.strides[0], v_cache.strides[0])
 
     def __call__(self, x: np.ndarray, n_past: int, inputs: tuple, addresses: tuple[int, int], last: bool = False) -> list[np.ndarray]:
