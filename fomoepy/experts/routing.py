@@ -17,8 +17,9 @@ class Routing:
     weights: np.ndarray  # [T, k] float32, as the architecture normalises them
     probs: np.ndarray  # [T, E] float32, the distribution the selection was made from
     # [T, k]: the next layer's experts predicted from the same rows (its router's k largest, largest first),
-    # where whoever routed computed them with this routing (the cpu backend's decode-row attention graph);
-    # the MoE step then reads them ahead without a product of its own
+    # where whoever routed computed them with this routing (the cpu backend's decode-row attention graph, a
+    # GPU's read-back of both: GpuExperts.route_ahead); the MoE step then reads them ahead without a
+    # product of its own
     ahead: np.ndarray | None = None
 
 

@@ -43,7 +43,6 @@ class MoEStep:
         self.layers = streamer.layers
         self.phase = Phase.PREFILL
         self.records: list[StepTiming] | None = None  # set to [] to keep every step's record
-        self._ahead: tuple[int, Any] | None = None  # (layer, the next layer's ids) from route()
         for key in streamer.seed_from_profile():
             device.install(key, streamer.source.read(*key))
 
@@ -62,13 +61,13 @@ class MoEStep:
 
     def route(self, ops: Any, layer: int, h: Any, logits: Any, gating: str, k: int) -> Routing:
         """The router's own choice from its logits (ops.route); on a decode step whose device can, the next
-        layer's prediction comes back with it, in the same read-back (route_ahead), for the step to use."""
+        layer's prediction comes back with it, in the same read-back (route_ahead), as the routing's
+        `ahead` for the step to use."""
         route_ahead = getattr(self.device, "route_ahead", None)
         if route_ahead is None or not self._predicting(layer):
             return ops.route(logits, gating, k)
         exact, ahead = route_ahead(layer, h, logits, gating, k)
-        self._ahead = (layer, ahead) if ahead is not None else None
-        return exact
+        return exact if ahead is None else Routing(exact.ids, exact.weights, exact.probs, ahead)
 
     def in_graph(self, layer: int) -> tuple | None:
         """What a backend's decode graph would need to compute this step itself: never here (a step may
@@ -105,12 +104,9 @@ class MoEStep:
             if begin is not None:  # the experts the device holds compute from here, those at hand are copied up
                 launched[0] = begin(layer, h, ids, weights, s.at_hand(layer, ids, fetched, reads))
             s.note(layer, exact, rows)
-            if self._predicting(layer):
-                ahead, self._ahead = self._ahead, None
-                if exact.ahead is not None:  # computed with the routing (its rows are the step's: a decode row)
-                    s.predict(layer + 1, exact.ahead)
-                else:
-                    s.predict(layer + 1, ahead[1] if ahead is not None and ahead[0] == layer else device.route(layer + 1, h, exact.ids.shape[1]))
+            if self._predicting(layer):  # with the routing where its router gave it (Routing.ahead), else a product here
+                ahead = exact.ahead
+                s.predict(layer + 1, ahead if ahead is not None else device.route(layer + 1, h, exact.ids.shape[1]))
 
         plan, fetched, reads = s.start_acquire(layer, ids, rows, beside)
         for victim in plan.device_evictions:
