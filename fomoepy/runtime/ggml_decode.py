@@ -46,8 +46,8 @@ from fomoepy.runtime.ggml_dense import (
     product,
     routed_outputs,
     routing_nodes,
-    top_k_nodes,
 )
+from fomoepy.runtime.ggml_matmul import top_k_nodes
 from fomoepy.runtime.ggml_slots import expert_outputs, weighted_sum_nodes
 
 _F = 4  # bytes of a float32
@@ -132,7 +132,7 @@ class LayerGraph:
         writes, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, k_cache, v_cache, n, T)
         outputs = [(x2, (T, D)), (h, (T, D))] + routed_outputs(g, logits, k, T)
         if ahead is not None:
-            outputs.append((top_k_nodes(g, ggml.ggml_mul_mat(g.ctx, g.weight(ahead), h), k, T), (T, k)))
+            outputs.append((top_k_nodes(g.ctx, ggml.ggml_mul_mat(g.ctx, g.weight(ahead), h), k, T), (T, k)))
         g.finish(outputs, effects=writes)
         self._row_steps = (k_cache.strides[0], v_cache.strides[0])
 

@@ -36,7 +36,7 @@ import ggml
 import numpy as np
 
 from fomoepy.errors import FomoeError
-from fomoepy.runtime.ggml_matmul import QuantMatrix, rows_differ_together
+from fomoepy.runtime.ggml_matmul import QuantMatrix, rows_differ_together, top_k_nodes
 from fomoepy.runtime.pinned import host_address
 from fomoepy.timing import MATMUL
 
@@ -254,7 +254,7 @@ def routing_nodes(g: Graph, logits, k: int, B: int, into: tuple | None = None):
     E = int(logits.contents.ne[0])
     ids_into, weights_into, probs_into = into if into is not None else (None, None, None)
     probs = g.own(ggml.ggml_soft_max(g.ctx, logits), (B, E), probs_into)
-    ids = g.own(top_k_nodes(g, probs, k, B), (B, k), ids_into)
+    ids = g.own(top_k_nodes(g.ctx, probs, k, B), (B, k), ids_into)
     top = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, ggml.ggml_reshape_3d(g.ctx, probs, 1, E, B), ids), k, B)
     weights = g.own(ggml.ggml_div(g.ctx, top, ggml.ggml_sum_rows(g.ctx, top)), (B, k), weights_into)
     return ids, weights, probs
@@ -287,13 +287,6 @@ class AttentionGraphs:
     def output(self, x: np.ndarray, attn: np.ndarray) -> list[np.ndarray]:
         """x [B, D], attn [B, H·hd] → x + Wo·attn, its FFN norm [B, D], and its routing (routed_outputs)."""
         return self.post.run(np.ascontiguousarray(x, dtype=F32), np.ascontiguousarray(attn, dtype=F32))
-
-
-def top_k_nodes(g: Graph, scores, k: int, B: int):
-    """scores [E, B] → each row's k largest's indices [k, B] int32, largest first: a descending argsort's
-    first k, as llama.cpp routes."""
-    order = ggml.ggml_argsort(g.ctx, scores, ggml.GGML_SORT_ORDER_DESC)  # [E, B]
-    return ggml.ggml_cont(g.ctx, ggml.ggml_view_2d(g.ctx, order, k, B, order.contents.nb[1], 0))
 
 
 def routed_outputs(g: Graph, logits, k: int, B: int) -> list[tuple]:

@@ -338,15 +338,20 @@ def _build_mul_mat(w: QuantMatrix) -> _DecodeGraph:
     return g
 
 
+def top_k_nodes(ctx, scores, k: int, B: int):
+    """scores [E, B] → each row's k largest's indices [k, B] int32, largest first: a descending argsort's
+    first k, as llama.cpp routes (nodes in the ggml context ctx)."""
+    order = ggml.ggml_argsort(ctx, scores, ggml.GGML_SORT_ORDER_DESC)  # [E, B]
+    return ggml.ggml_cont(ctx, ggml.ggml_view_2d(ctx, order, k, B, order.contents.nb[1], 0))
+
+
 def _build_top_ids(w: QuantMatrix, k: int) -> _DecodeGraph:
-    """x · wᵀ's k largest, by a descending argsort's first k (routing_nodes' order: ggml_dense)."""
+    """x · wᵀ's k largest, largest first (top_k_nodes: the routing's order)."""
     g = _DecodeGraph(8, 4 * w.n_rows * 2 + 4 * k + 256)
     weight = g.leaf(w.qtype, w.n_cols, w.n_rows)
     g.input = g.leaf(ggml.GGML_TYPE_F32, w.n_cols, 1)
     g.weights = [weight]
-    order = ggml.ggml_argsort(g.ctx, ggml.ggml_mul_mat(g.ctx, weight, g.input), ggml.GGML_SORT_ORDER_DESC)  # [N, 1]
-    ids = ggml.ggml_cont(g.ctx, ggml.ggml_view_2d(g.ctx, order, k, 1, order.contents.nb[1], 0))
-    g.outputs = [(ids, 1, k, np.int32)]
+    g.outputs = [(top_k_nodes(g.ctx, ggml.ggml_mul_mat(g.ctx, weight, g.input), k, 1), 1, k, np.int32)]
     return g
 
 
