@@ -15,12 +15,12 @@ that ggml's build needs too; without one, the install goes on without it).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
 from fomoepy.experts.cache import (
     ExpertCache,
+    Plan,
     PlanItem,
     Source,
     StalePlanError,
@@ -51,26 +51,6 @@ _KIND = {AdmittingFrequencyPolicy: "POLICY_ADMIT", DemotingFrequencyPolicy: "POL
 
 def core_available() -> bool:
     return _cache_core is not None
-
-
-class CorePlan(NamedTuple):
-    """A Plan (cache.Plan's fields, in its order, read as its are), with the arrays the core reads back at
-    commit, mark_ready and release. A named tuple, not Plan's frozen dataclass: a step makes one, and a
-    frozen dataclass's __init__ sets each of its eight fields through object.__setattr__ (0.97 µs a plan,
-    where a named tuple takes 0.25, measured by timeit on this project's 2-core machine)."""
-
-    layer: int
-    items: tuple[PlanItem, ...]
-    device_evictions: tuple[Key, ...]
-    host_evictions: tuple[Key, ...]
-    generation: int
-    demotions: tuple[Key, ...] = ()
-    users: tuple[tuple[int, ...], ...] = ()
-    arrays: tuple = ()  # (experts int64 bytes, sources, to_device, to_host)
-
-    @property
-    def experts(self) -> tuple[int, ...]:
-        return tuple(item.expert for item in self.items)
 
 
 class TierView:
@@ -158,7 +138,7 @@ class CoreCache:
         self._core.tick(n_tokens)
 
     # -- queries -------------------------------------------------------------------------------------
-    def plan(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> CorePlan:
+    def plan(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> Plan:
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
         raw = np.ascontiguousarray(ids, dtype=np.int64)
@@ -168,7 +148,7 @@ class CoreCache:
             raise ValueError(f"layer {layer}: expected expert ids in [0, {self.n_expert}), got {experts}")
         experts, sources, to_device, to_host, items, dev_victims, host_victims, demotions = out  # victims as (layer, expert)
         users = users_of([item.expert for item in items], raw, sequences) if sequences is not None else ()
-        return CorePlan(layer, items, dev_victims, host_victims, self.generation, demotions, users, (experts, sources, to_device, to_host))
+        return Plan(layer, items, dev_victims, host_victims, self.generation, demotions, users, (experts, sources, to_device, to_host))
 
     def on_device(self, key: Key) -> bool:
         return key in self.device
@@ -186,23 +166,23 @@ class CoreCache:
         return np.frombuffer(self._core.held(0 if tier == "device" else 1, layer), dtype=bool).copy()
 
     # -- commands ------------------------------------------------------------------------------------
-    def commit(self, plan: CorePlan) -> None:
+    def commit(self, plan: Plan) -> None:
         if plan.generation != self.generation:
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
         self._core.commit(plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
 
-    def mark_ready(self, plan: CorePlan) -> None:
+    def mark_ready(self, plan: Plan) -> None:
         experts, _, to_device, to_host = plan.arrays
         self._core.mark_ready(plan.layer, experts, to_device, to_host, plan.demotions)
 
-    def release(self, plan: CorePlan) -> None:
+    def release(self, plan: Plan) -> None:
         self._core.release(plan.layer, *plan.arrays)
 
     def count_resident_hits(self, layer: int, n: int) -> None:
         """ExpertCache.count_resident_hits."""
         self._core.count_hits(layer, n)
 
-    def abort(self, plan: CorePlan) -> list[Key]:
+    def abort(self, plan: Plan) -> list[Key]:
         """ExpertCache.abort: a released plan's admissions still LOADING are dropped."""
         experts, _, to_device, to_host = plan.arrays
         return list(self._core.abort(plan.layer, experts, to_device, to_host, plan.demotions))
