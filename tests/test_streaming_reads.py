@@ -399,8 +399,8 @@ def test_a_cpu_decode_rows_guesses_come_with_its_routing_from_the_attention_grap
     # next router's k largest products with h: Routing.ahead), so the step makes no product of its own for
     # them where that graph runs (qwen3moe's attention; qwen3.5's is gated and its DeltaNet layers have no
     # such graph), and they are the guesses the step's own product gives
-    from fomoepy.experts.step import MoEStep
     from fomoepy.experts.streamer import ExpertStreamer
+    from fomoepy.runtime.ggml_cpu import GgmlBackend
     from fomoepy.runtime.ggml_experts import GgmlExperts
 
     path, store, tokens, _ = model
@@ -411,10 +411,10 @@ def test_a_cpu_decode_rows_guesses_come_with_its_routing_from_the_attention_grap
 
     def decode(with_routing: bool) -> tuple[list, list]:
         products, guesses = [], []
-        route, predict = GgmlExperts.route, ExpertStreamer.predict
+        route, predict, attention_layer = GgmlExperts.route, ExpertStreamer.predict, GgmlBackend.attention_layer
         with monkeypatch.context() as m:
-            if not with_routing:
-                m.setattr(MoEStep, "predicts_after", lambda self, layer: False)
+            if not with_routing:  # the attention graph given its first seven arguments, not the next layer's router: no guesses with the routing
+                m.setattr(GgmlBackend, "attention_layer", lambda self, *a: attention_layer(self, *a[:7]))
             m.setattr(GgmlExperts, "route", lambda self, layer, h, k: products.append(layer) or route(self, layer, h, k))
             m.setattr(ExpertStreamer, "predict", lambda self, layer, ids: guesses.append((layer, np.asarray(ids).tolist())) or predict(self, layer, ids))
             engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=8 * unit))

@@ -64,7 +64,7 @@ class MoEStep:
         layer's prediction comes back with it, in the same read-back (route_ahead), as the routing's
         `ahead` for the step to use."""
         route_ahead = getattr(self.device, "route_ahead", None)
-        if route_ahead is None or not self._predicting(layer):
+        if route_ahead is None or not self.predicts_after(layer):
             return ops.route(logits, gating, k)
         exact, ahead = route_ahead(layer, h, logits, gating, k)
         return exact if ahead is None else Routing(exact.ids, exact.weights, exact.probs, ahead)
@@ -74,13 +74,10 @@ class MoEStep:
         miss, read and evict); see ResidentStep."""
         return None
 
-    def _predicting(self, layer: int) -> bool:
-        return self.phase is Phase.DECODE and self._predicts_now and layer + 1 < self.streamer.n_layer
-
     def predicts_after(self, layer: int) -> bool:
         """Whether `layer`'s step will predict the next layer's experts: a router that gives them with its
         routing (Routing.ahead: the cpu backend's decode-row attention graph) saves the step a product."""
-        return self._predicting(layer)
+        return self.phase is Phase.DECODE and self._predicts_now and layer + 1 < self.streamer.n_layer
 
     def __call__(self, layer: int, h: Any, exact: Routing, rows: Rows = None) -> Any:
         """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]; of the
@@ -104,7 +101,7 @@ class MoEStep:
             if begin is not None:  # the experts the device holds compute from here, those at hand are copied up
                 launched[0] = begin(layer, h, ids, weights, s.at_hand(layer, ids, fetched, reads))
             s.note(layer, exact, rows)
-            if self._predicting(layer):  # with the routing where its router gave it (Routing.ahead), else a product here
+            if self.predicts_after(layer):  # with the routing where its router gave it (Routing.ahead), else a product here
                 ahead = exact.ahead
                 s.predict(layer + 1, ahead if ahead is not None else device.route(layer + 1, h, exact.ids.shape[1]))
 

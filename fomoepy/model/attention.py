@@ -45,9 +45,7 @@ def attention_block(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
     (Routing.ahead, the next layer's guesses)."""
     if len(segments) == 1:  # one sequence's row: the layer's whole attention in one of the backend's calls
         s = segments[0]
-        if ahead is not None:
-            return ops.attention_layer(x, w, a, eps, s.state.layers[il], s.state.n_past, k, ahead)
-        return ops.attention_layer(x, w, a, eps, s.state.layers[il], s.state.n_past, k)
+        return ops.attention_layer(x, w, a, eps, s.state.layers[il], s.state.n_past, k, ahead)
     positions = [s.state.n_past for s in segments]
     q, k_rot, v = ops.attention_inputs(x, w, a, eps, positions, k)  # q [B, H, hd], k [B, Hkv, hd] normed, rotated; v [B, Hkv·hd]
     out = stack(ops, [_cache_attend(ops, q[i : i + 1], k_rot[i : i + 1], v[i : i + 1], s.state.layers[il], s.state.n_past)
