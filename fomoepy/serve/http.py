@@ -212,9 +212,9 @@ class HttpFront:
         self.responses[(resource.canonical if resource is not None else "unmatched", response.status)] += 1
 
     async def start(self) -> None:
-        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, shutdown_timeout=5.0)
+        site = web.TCPSite(self.runner, self.host, self.port)
         await site.start()
         if self.port == 0:  # an ephemeral port: say which one was bound
             self.port = self.runner.addresses[0][1]
