@@ -339,6 +339,20 @@ def test_stats_and_tokenize(served, ref):
     assert stats["engine"] is None or isinstance(stats["engine"], dict)  # the engine's cache statistics
 
 
+def test_stats_count_the_engines_own_seconds_and_decode_tokens(served):
+    """A request's prompt is one prefill, its first token comes with it, each later token is a decode step's:
+    the stats' engine seconds and decode tokens grow so (bench/batch.py reads them)."""
+    with Client(served.path, timeout=60) as c:
+        before = c.stats()
+        done = c.complete(prompt_text(1), max_tokens=6, ignore_eos=True, temperature=0)
+        after = c.stats()
+    assert done.usage["completion_tokens"] == 6
+    assert after["decode_tokens"] - before["decode_tokens"] == 5
+    assert after["prompt_tokens"] - before["prompt_tokens"] == done.usage["prompt_tokens"]
+    assert after["prefill_s"] > before["prefill_s"] and after["decode_s"] > before["decode_s"]
+    assert after["decode_tok_per_s"] == pytest.approx(after["decode_tokens"] / after["decode_s"], rel=1e-3)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.lists(frames, min_size=1, max_size=5))
 def test_fuzz_live_daemon_answers_or_closes_and_never_dies(served, chunks):

@@ -370,6 +370,11 @@ class Daemon:
             "completion_tokens": t.completion_tokens,
             "prefill_tok_per_s": round(t.prompt_tokens / t.prefill_s, 3) if t.prefill_s > 0 else 0.0,
             "decode_tok_per_s": round(t.decode_tokens / t.decode_s, 3) if t.decode_s > 0 else 0.0,
+            # the engine's own time in each kind of step, and the decode steps' tokens: what a batch gains
+            # in its steps, apart from the time its prompts take
+            "prefill_s": round(t.prefill_s, 6),
+            "decode_s": round(t.decode_s, 6),
+            "decode_tokens": t.decode_tokens,
             "engine": engine_stats,
             "engine_lines": engine_lines,
             "engine_stats_age_s": round(age, 3),
