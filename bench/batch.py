@@ -19,11 +19,17 @@ is greedy, ignores end-of-generation and streams its tokens. Per run it prints:
   per step, whatever its rows: the daemon's cache statistics' accessed bytes), and of those, bytes
   read from the store;
 - speed-up: aggregate tok/s over the mean of the one-at-a-time runs of the same configuration;
+- the decode steps' own rate (their tokens over the engine's seconds in them, the daemon's stats) and
+  the share of the wall the engine spent on prompts: a request's prompt costs the same batched or not,
+  so the aggregate gains only in the rest;
 - where misses are read from the store, the store's bound: its read rate, measured in the same run
   as the engine reads it (`fomoe plan --measure`'s figure: records in a random order through the
   store's reader, several in flight), over the run's bytes read from the store per token: the most
   tok/s the run could reach if reading were all it did. A configuration bound by its reads gains from
   batching only as its bytes read per token fall.
+
+Before the daemons, the engine's decode step over B sequences is timed in this process for each B of
+`--clients` (the model in memory): what a batch of B costs beside one row on this machine.
 
     python bench/batch.py [--requests 16] [--tokens 48] [--clients 1,2,4,8] [--max-batch 8] [--record]
 """
@@ -85,12 +91,14 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(60)
 
 
-def cache_bytes(sock: str) -> tuple[int, int]:
-    """(accessed expert bytes, bytes read from the store) so far."""
+def daemon_counts(sock: str) -> tuple[int, int, float, float, int]:
+    """So far: accessed expert bytes, bytes read from the store, the engine's seconds in prompts and in
+    decode steps, the decode steps' tokens."""
     c = Conn(sock)
-    cache = c.final(c.send("stats"))["stats"]["engine"]["cache"]
+    stats = c.final(c.send("stats"))["stats"]
     c.close()
-    return cache["accessed_bytes"], cache["disk"]["read_bytes"]
+    cache = stats["engine"]["cache"]
+    return cache["accessed_bytes"], cache["disk"]["read_bytes"], stats["prefill_s"], stats["decode_s"], stats["decode_tokens"]
 
 
 class Stream:
@@ -137,7 +145,7 @@ def serve_all(sock: str, texts: list[str], n_tokens: int, n_clients: int) -> dic
                 gaps.extend(watch.gaps)
         c.close()
 
-    before = cache_bytes(sock)
+    before = daemon_counts(sock)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(n_clients)]
     for t in threads:
@@ -145,13 +153,14 @@ def serve_all(sock: str, texts: list[str], n_tokens: int, n_clients: int) -> dic
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    after = cache_bytes(sock)
+    after = daemon_counts(sock)
     if errors:
         raise SystemExit(f"{len(errors)} requests did not complete: {errors[0]}")
     n = produced[0]
     return {
         "tok_s": n / wall, "itl50": pct(gaps, 0.5), "itl99": pct(gaps, 0.99), "ttft50": pct(firsts, 0.5),
         "used_per_tok": (after[0] - before[0]) / n, "disk_per_tok": (after[1] - before[1]) / n, "wall": wall,
+        "prompt_share": (after[2] - before[2]) / wall, "step_tok_s": (after[4] - before[4]) / max(after[3] - before[3], 1e-9),
     }  # fmt: skip
 
 
@@ -173,6 +182,34 @@ def every_expert_profile(model: Path, store: Path) -> tuple[Path, int]:
     entries["freq"] = 1.0
     write_freq(path, FreqProfile(len(layers), entries))
     return path, total
+
+
+def step_cost_by_rows(model: Path, threads: int, rows: list[int], steps: int = 24) -> list[tuple[int, float]]:
+    """(B, median seconds) of the engine's decode step over B sequences, in this process, the model in
+    memory: what a batch of B costs beside one row. Where a step's products are bound by the memory's
+    bandwidth, B rows cost less than B times one (the weights are read once for all); where they are bound
+    by the cores' arithmetic, about B times."""
+    from fomoepy.engine import Engine
+    from fomoepy.options import EngineOptions
+
+    rng = np.random.default_rng(0)
+    engine = Engine(str(model), EngineOptions(backend="cpu", threads=threads))
+    try:
+        out = []
+        for b in rows:
+            states = [engine.new_state() for _ in range(b)]
+            for state in states:
+                engine.model.forward(rng.integers(0, engine.spec.n_vocab, size=20), state)
+            tokens = rng.integers(0, engine.spec.n_vocab, size=b)
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                engine.model.forward_batch(tokens, states)
+                times.append(time.perf_counter() - t)
+            out.append((b, float(np.median(times[4:]))))  # (the first steps build the batch's graph)
+        return out
+    finally:
+        engine.close()
 
 
 def bound(r: dict, rates: list[float]) -> str:
@@ -204,6 +241,8 @@ def main() -> int:
         "resident": ("all experts resident", ["--ram-cache", str(all_bytes), "--freq-profile", str(profile)]),
         "capped": (f"host tier {args.ram_frac:.0%}, misses from the store", ["--ram-cache", str(int(all_bytes * args.ram_frac))]),
     }  # fmt: skip
+    costs = step_cost_by_rows(model, threads, sorted(set([1, *clients])))  # (first: no daemon beside it)
+    one_row = costs[0][1]
     rows = []
     rates: list[float] = []  # the store's read rate, before and after the runs that read from it
     for key, (title, flags) in configs.items():
@@ -231,7 +270,8 @@ def main() -> int:
         for label, r in runs:
             rows.append(
                 f"| {title} | {label} | {r['tok_s']:.2f} | {r['tok_s'] / one:.2f}x | {r['itl50'] * 1e3:.0f} / {r['itl99'] * 1e3:.0f} "
-                f"| {r['ttft50'] * 1e3:.0f} | {r['used_per_tok'] / 1e6:.2f} | {r['disk_per_tok'] / 1e6:.2f} | {bound(r, rates)} |"
+                f"| {r['ttft50'] * 1e3:.0f} | {r['used_per_tok'] / 1e6:.2f} | {r['disk_per_tok'] / 1e6:.2f} | {bound(r, rates)} "
+                f"| {r['step_tok_s']:.1f} | {r['prompt_share']:.0%} |"
             )
     report = (
         f"### batch — {date.today()} — cpu backend, {platform.machine()}, {os.cpu_count()} cores — {load_line()}; "
@@ -241,8 +281,13 @@ def main() -> int:
         + (f" --only {args.only}" if args.only else "") + f"`; bench model, -t {threads}, greedy, {args.tokens} tokens per request\n\n"
         "| configuration | served by | aggregate tok/s | vs one at a time (mean of before and after) | inter-token p50 / p99 ms | first token p50 ms "
         "| expert MB used / token | of which read from store MB / token | store's bound tok/s (its MB/s ÷ MB read / token) "
-        "|\n|---|---|---|---|---|---|---|---|---|\n"
+        "| decode steps' own tok/s (their tokens over the engine's time in them) | share of the wall in prompts "
+        "|\n|---|---|---|---|---|---|---|---|---|---|---|\n"
         + "\n".join(rows) + "\n"
+        + f"\nThe engine's decode step over B sequences, in this process before the daemons (the model in memory, -t {threads}; "
+        "median of 20 steps): " + "; ".join(f"B={b}: {t * 1e3:.1f} ms ({t / one_row:.2f}x one row's, {b / t:.0f} tok/s)" for b, t in costs)
+        + ". Where B rows cost about B times one row, the step's time is work done for each row (the products' "
+        "arithmetic), which a batch does not share; what the rows share (each weight read once a step) is then a small part.\n"
         + (f"\nThe store's read rate, measured before and after the runs that read from it: "
            f"{rates[0] / 1e6:.0f} and {rates[1] / 1e6:.0f} MB/s; each bound is from the higher.\n" if rates else "")
     )  # fmt: skip
