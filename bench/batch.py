@@ -28,8 +28,8 @@ is greedy, ignores end-of-generation and streams its tokens. Per run it prints:
   tok/s the run could reach if reading were all it did. A configuration bound by its reads gains from
   batching only as its bytes read per token fall.
 
-Before the daemons, the engine's decode step over B sequences is timed in this process for each B of
-`--clients` (the model in memory): what a batch of B costs beside one row on this machine.
+(bench/batch_step.py times the engine's step over B sequences itself, and the bound these runs could
+reach were every step full.)
 
     python bench/batch.py [--requests 16] [--tokens 48] [--clients 1,2,4,8] [--max-batch 8] [--record]
 """
@@ -184,34 +184,6 @@ def every_expert_profile(model: Path, store: Path) -> tuple[Path, int]:
     return path, total
 
 
-def step_cost_by_rows(model: Path, threads: int, rows: list[int], steps: int = 24) -> list[tuple[int, float]]:
-    """(B, median seconds) of the engine's decode step over B sequences, in this process, the model in
-    memory: what a batch of B costs beside one row. Where a step's products are bound by the memory's
-    bandwidth, B rows cost less than B times one (the weights are read once for all); where they are bound
-    by the cores' arithmetic, about B times."""
-    from fomoepy.engine import Engine
-    from fomoepy.options import EngineOptions
-
-    rng = np.random.default_rng(0)
-    engine = Engine(str(model), EngineOptions(backend="cpu", threads=threads))
-    try:
-        out = []
-        for b in rows:
-            states = [engine.new_state() for _ in range(b)]
-            for state in states:
-                engine.model.forward(rng.integers(0, engine.spec.n_vocab, size=20), state)
-            tokens = rng.integers(0, engine.spec.n_vocab, size=b)
-            times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                engine.model.forward_batch(tokens, states)
-                times.append(time.perf_counter() - t)
-            out.append((b, float(np.median(times[4:]))))  # (the first steps build the batch's graph)
-        return out
-    finally:
-        engine.close()
-
-
 def bound(r: dict, rates: list[float]) -> str:
     """The run's store bound: the store's higher measured rate over the bytes the run read per token."""
     if not rates or r["disk_per_tok"] <= 0:
@@ -241,8 +213,6 @@ def main() -> int:
         "resident": ("all experts resident", ["--ram-cache", str(all_bytes), "--freq-profile", str(profile)]),
         "capped": (f"host tier {args.ram_frac:.0%}, misses from the store", ["--ram-cache", str(int(all_bytes * args.ram_frac))]),
     }  # fmt: skip
-    costs = step_cost_by_rows(model, threads, sorted(set([1, *clients])))  # (first: no daemon beside it)
-    one_row = costs[0][1]
     rows = []
     rates: list[float] = []  # the store's read rate, before and after the runs that read from it
     for key, (title, flags) in configs.items():
@@ -284,10 +254,6 @@ def main() -> int:
         "| decode steps' own tok/s (their tokens over the engine's time in them) | share of the wall in prompts "
         "|\n|---|---|---|---|---|---|---|---|---|---|---|\n"
         + "\n".join(rows) + "\n"
-        + f"\nThe engine's decode step over B sequences, in this process before the daemons (the model in memory, -t {threads}; "
-        "median of 20 steps): " + "; ".join(f"B={b}: {t * 1e3:.1f} ms ({t / one_row:.2f}x one row's, {b / t:.0f} tok/s)" for b, t in costs)
-        + ". Where B rows cost about B times one row, the step's time is work done for each row (the products' "
-        "arithmetic), which a batch does not share; what the rows share (each weight read once a step) is then a small part.\n"
         + (f"\nThe store's read rate, measured before and after the runs that read from it: "
            f"{rates[0] / 1e6:.0f} and {rates[1] / 1e6:.0f} MB/s; each bound is from the higher.\n" if rates else "")
     )  # fmt: skip
