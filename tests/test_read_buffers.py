@@ -1,5 +1,5 @@
 """fomoepy.experts.read_buffers: expert reads land in buffers reused from read to read, where no device's
-pinned pool gives them (the cpu and reference backends over a store)."""
+pinned pool or read arena gives them (the reference backend over a store)."""
 
 from __future__ import annotations
 
@@ -51,14 +51,16 @@ def test_at_most_max_idle_buffers_are_kept_unheld():
 
 
 def test_a_streamed_decode_reads_into_reused_buffers_and_computes_the_same(tmp_path):
+    # (the reference backend's device gives no buffers of its own: the cpu backend's reads land in its read
+    # arena, tests/test_ggml_reads.py)
     name = "qwen3moe_q4_k_m"
     path = ORACLE / f"{name}.gguf"
     prepare_store(path, [tmp_path / "store"], progress=False)
     tokens = np.load(ORACLE / f"{name}.tokens.npy")
-    resident = Engine(path, EngineOptions(backend="cpu"))
+    resident = Engine(path, EngineOptions(backend="reference"))
     want = np.stack([resident.decode_token(s, int(t)) for s in [resident.new_state()] for t in tokens])
     resident.close()
-    engine = Engine(path, EngineOptions(backend="cpu", store=(str(tmp_path / "store"),), vram_cache=0, ram_cache=0))
+    engine = Engine(path, EngineOptions(backend="reference", store=(str(tmp_path / "store"),), vram_cache=0, ram_cache=0))
     streamer = engine.experts.streamer
     state = engine.new_state()
     got = np.stack([engine.decode_token(state, int(t)) for t in tokens])

@@ -100,7 +100,8 @@ class ExpertStreamer:
         download: gives back the store bytes of an expert the device tier holds; with it, and only
         with it, a demoting policy's device evictees move down into the host tier (decided here, once).
         buffers: a buffer of at least n bytes for a read to land in (a GPU device's pinned memory, so the
-        copy up needs no staging memcpy), used where the source reads into given buffers; without one,
+        copy up needs no staging memcpy; the cpu device's read arena, whose buffers its decode rounds
+        compute from in place), used where the source reads into given buffers; without one,
         such a source's reads land in buffers reused from read to read (fomoepy.experts.read_buffers).
         read_ahead_pays: the share of guesses read that must be right for reading ahead to pay on the
         device's schedule (ReadAheadGate); None: reading ahead is never turned off."""

@@ -11,7 +11,9 @@ expert a step streams through cost more than the repacked kernels save: a decode
 10-16 % faster repacked, a prefill's no faster (ggml's repacked mul_mat_id runs a GEMV per row;
 `bench/moe_layer.py`). A step's experts the tier does not hold are set into staging slots of the same
 pool for the step, so they go through the same kernels: which experts were resident changes the time a
-step takes, never its bits (at one slot form).
+step takes, never its bits (at one slot form). A decode step's reads land in the device's read arena
+(fomoepy.runtime.ggml_reads) where it has room: with plain slots, the misses the tier does not keep are
+computed there, in place, with the same kernels, instead of being copied into staging slots first.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fomoepy.experts.source import LayerExperts
 from fomoepy.runtime import ggml_threads
 from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, top_ids_of_product
 from fomoepy.runtime.ggml_pool import SlotPool, layout_of
+from fomoepy.runtime.ggml_reads import DeviceReads
 from fomoepy.runtime.ggml_slots import weighted_sum
 
 F32 = np.float32
@@ -78,6 +81,11 @@ class GgmlExperts:
             self.pools[layout] = SlotPool(layout, n_tier, n_staging, n_expert, repack)
         self.pool_of = [self.pools[layout_of(layer)] for layer in layers]
         self._spins = ggml_threads.spins()  # (OpenMP read its policy when ggml was loaded: it stays)
+        # the step's reads land in the device's buffers (the streamer's `buffers`): a decode round computes
+        # from them where they lie
+        self.reads = DeviceReads()
+        self.host_buffer = self.reads.take
+        self._part_sizes = [tuple(p.nbytes for p in layer.parts) for layer in layers]  # a record's parts, in order
 
     def expert_nbytes(self, layer: int) -> int:
         return store_expert_nbytes(self.layers[layer])
@@ -153,7 +161,10 @@ class GgmlExperts:
                 _round(pool, h, ids, early, slot_of, y, threads, grouped)
         finally:  # even when that failed: the cache marks the admitted experts ready once their reads land
             staged = self._install_admitted(layer, missing, slot_of, experts)
-        if not early and not staged:
+        in_place = self._read_in_place(layer, staged, experts.fetched) if ids.shape[0] == 1 and not grouped else {}
+        if in_place:
+            staged = [e for e in staged if e not in in_place]
+        if not early and not staged and not in_place:
             if grouped:
                 return pool.layer.ffn_grouped(h, _slots(ids, slot_of), weights, threads)
             return pool.layer.ffn(h, _slots(ids, slot_of), weights, threads)
@@ -163,9 +174,27 @@ class GgmlExperts:
             chunk = staged[start : start + n]
             for i, e in enumerate(chunk):
                 slot_of[e] = pool.stage(i, experts.fetched[e])
-            _round(pool, h, ids, rest + chunk, slot_of, y, threads, grouped)
+            if in_place:  # (the first round: those read into the arena with the tier's)
+                _round_in_place(pool, h, ids, rest + chunk, slot_of, in_place, y, threads)
+                in_place = {}
+            else:
+                _round(pool, h, ids, rest + chunk, slot_of, y, threads, grouped)
             rest = []
         return weighted_sum(y, weights)  # expert j added after 0..j-1, as SlotLayer.ffn's graph adds them
+
+    def _read_in_place(self, layer: int, staged: list[int], fetched: dict) -> dict[int, tuple]:
+        """Of the misses the tier does not keep, those whose reads landed in the read arena, with (the arena,
+        their buffer): where the slots are plain, computed there, in place."""
+        if not staged or any(self.pool_of[layer].layer.repacked):
+            return {}
+        sizes, found = self._part_sizes[layer], {}
+        for e in staged:
+            where = self.reads.locate(fetched[e], sizes)
+            if where is not None:
+                found[e] = where
+        if len({arena for arena, _ in found.values()}) > 1:  # (one arena a layer's record size: never)
+            return {}
+        return found
 
     def _install_admitted(self, layer: int, missing: list[int], slot_of: dict[int, int], experts: StepExperts) -> list[int]:
         """Wait for the step's reads and set the experts the cache gave tier slots into theirs; returns
@@ -215,6 +244,18 @@ def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], sl
         y[mask] = pool.layer.grouped_outputs(h, rows, picked[mask], threads)
     else:
         y[mask] = pool.layer.pick_outputs(h[rows], picked[mask], threads)
+
+
+def _round_in_place(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], slot_of: dict[int, int],
+                    in_place: dict[int, tuple], y: np.ndarray, threads: int) -> None:  # fmt: skip
+    """_round for a decode row whose picks are the `chosen` experts' (in slots) and those read into the read
+    arena (`in_place`: expert -> (arena, buffer)), each computed where it lies, in one graph."""
+    row, wanted = ids[0].tolist(), set(chosen)
+    js = [j for j, e in enumerate(row) if e in wanted]
+    js_read = [j for j, e in enumerate(row) if e in in_place]
+    arena = next(iter(in_place.values()))[0]
+    pool.layer.outputs_of_row_in_place_into(h, [slot_of[row[j]] for j in js], arena, [in_place[row[j]][1] for j in js_read],
+                                            threads, y[0], js, js_read)  # fmt: skip
 
 
 def per_expert_ffn(parts, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, fetched: dict, threads: int) -> np.ndarray:

@@ -1,0 +1,105 @@
+"""fomoepy.runtime.ggml_reads: the cpu backend's reads land in an arena per record size, and a decode round
+computes the misses its tier does not keep where they landed, not from staging slots they are copied into."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import ORACLE
+
+from fomoepy.engine import Engine, EngineOptions
+from fomoepy.experts.store_writer import prepare_store
+from fomoepy.runtime import ggml_experts, ggml_pool
+from fomoepy.runtime.ggml_reads import DeviceReads, ReadArena
+from fomoepy.runtime.pinned import ALIGN
+
+
+def test_an_arenas_buffers_are_aligned_apart_and_come_back_from_any_thread_the_last_one_first():
+    arena = ReadArena(3 * ALIGN, count=3)
+    bufs = [arena.take() for _ in range(3)]
+    starts = [b.ctypes.data for b in bufs]
+    assert arena.take() is None  # all three held
+    assert all(a % ALIGN == 0 for a in starts) and sorted(starts) == [arena.base + i * 3 * ALIGN for i in range(3)]
+    assert [arena.index_of(a) for a in starts] == [0, 1, 2] and arena.index_of(starts[1] + ALIGN) is None
+    assert arena.index_of(arena.base + 3 * 3 * ALIGN) is None  # past the last buffer
+    part = bufs[2][ALIGN:]  # a view (an expert's part) keeps its buffer held
+    dropper = threading.Thread(target=bufs.clear)
+    dropper.start()
+    dropper.join()
+    assert arena.free == 2
+    again = arena.take()
+    assert again.ctypes.data in starts[:2]
+    del part
+    assert arena.take().ctypes.data == starts[2]  # given back last, handed out first
+
+
+def test_device_reads_take_from_the_arena_of_their_size_then_buffers_of_their_own_and_locate_a_records_parts():
+    reads = DeviceReads(count=2)
+    held = [reads.take(2 * ALIGN) for _ in range(3)]
+    arena = reads.arenas[2 * ALIGN]
+    assert [arena.index_of(b.ctypes.data) for b in held] == [0, 1, None]  # the third: a buffer of its own
+    sizes = (ALIGN, 512, ALIGN - 512)
+    parts = lambda b: (b[:ALIGN], b[ALIGN : ALIGN + 512], b[ALIGN + 512 :])  # noqa: E731
+    assert reads.locate(parts(held[1]), sizes) == (arena, 1)
+    assert reads.locate(parts(held[2]), sizes) is None  # not in an arena
+    assert reads.locate((held[1][:ALIGN], held[1][ALIGN + 512 :], held[1][ALIGN : ALIGN + 512]), (ALIGN, ALIGN - 512, 512)) is None
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = ORACLE / "qwen3moe_q4_k_m.gguf"
+    d = tmp_path_factory.mktemp("store")
+    prepare_store(path, [d], progress=False)
+    tokens = [int(t) for t in np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")]
+    resident = Engine(path, EngineOptions(backend="cpu"))
+    state = resident.new_state()
+    want = np.stack([resident.decode_token(state, t) for t in tokens])
+    resident.close()
+    return path, d, tokens, want
+
+
+@pytest.mark.parametrize("ram_cache", [0, 2 << 20])
+def test_a_streamed_decodes_misses_the_tier_does_not_keep_are_computed_where_their_reads_landed(store, ram_cache, monkeypatch):
+    path, d, tokens, want = store
+    counts = {"staged": 0, "in place": 0}
+    real_stage, real_round = ggml_pool.SlotPool.stage, ggml_experts._round_in_place
+
+    def stage(self, *a):
+        counts["staged"] += 1
+        return real_stage(self, *a)
+
+    def in_place(*a):
+        counts["in place"] += 1
+        return real_round(*a)
+
+    monkeypatch.setattr(ggml_pool.SlotPool, "stage", stage)
+    monkeypatch.setattr(ggml_experts, "_round_in_place", in_place)
+    engine = Engine(path, EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=ram_cache))
+    state = engine.new_state()
+    got = np.stack([engine.decode_token(state, t) for t in tokens])
+    assert engine.stats()["cache"]["disk"]["reads"] > len(tokens)
+    engine.close()
+    assert counts["in place"] > 0 and counts["staged"] == 0  # no miss was copied into a staging slot
+    assert np.array_equal(got, want)  # the same bits as every expert resident (plain slots, the same kernels)
+
+
+def test_the_reads_beyond_the_arena_are_staged_by_a_copy_with_the_same_bits(store, monkeypatch):
+    path, d, tokens, want = store
+    monkeypatch.setattr(DeviceReads.__init__, "__defaults__", (1,))
+    staged = [0]
+    real_stage = ggml_pool.SlotPool.stage
+
+    def stage(self, *a):
+        staged[0] += 1
+        return real_stage(self, *a)
+
+    monkeypatch.setattr(ggml_pool.SlotPool, "stage", stage)
+    engine = Engine(path, EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=0))
+    assert engine.experts.device.reads.count == 1
+    state = engine.new_state()
+    got = np.stack([engine.decode_token(state, t) for t in tokens])
+    engine.close()
+    assert staged[0] > 0  # a step's misses outnumber the one buffer: the others were copied
+    assert np.array_equal(got, want)
