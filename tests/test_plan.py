@@ -122,6 +122,8 @@ def test_shipped_rigs_load_and_units_are_explicit():
         ({"host": {"memory": "8G", "bandwidth": "fast", "matvec": "1 GB/s"}}, "expected a rate"),
         ({"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "cores": 8}}, "unknown key"),
         ({"gpu": {}}, "unknown key gpu"),
+        ({"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "fill_share": 1.5}}, "fill_share: expected a share from 0 to 1"),
+        ({"host": {"memory": "8G", "bandwidth": "1 GB/s", "matvec": "1 GB/s", "fill_share": "33%"}}, "expected a share"),
     ],
 )
 def test_bad_hardware_files_are_one_clear_error(data, message):

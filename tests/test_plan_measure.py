@@ -45,6 +45,31 @@ def test_measure_on_a_model_takes_its_host_time_and_slot_fills_from_the_engine(t
     hw, notes = found.hardware, found.notes
     assert rig.host.fill == 0.0 and hw.host.fill > 0 and hw.host.plan > 0 and hw.host.plan != rig.host.plan
     assert f"slot fills {hw.host.fill / 1e9:.2f} GB/s" in notes[-1] and ".fomoe-plan-measure.tmp" not in {p.name for p in store.iterdir()}
+    # a quarter of the experts in the tier: of the misses read, it keeps some (set into slots) and not others
+    # (computed where their reads landed)
+    assert rig.host.fill_share == 1.0 and 0.0 < hw.host.fill_share < 1.0
+
+
+def test_measure_counts_only_the_admitted_misses_as_slot_fills(oracle_store, monkeypatch):
+    # the share --measure states is the decode's own: its tier's admissions over its reads, in the counted
+    # tokens; and the host time leaves out only the fills those admissions made
+    from fomoepy.experts.cache_stats import CacheStats
+    from fomoepy.plan import measure
+
+    model, store = oracle_store
+    seen = []
+    real_total = CacheStats.total
+
+    def total(self, tier):
+        out = real_total(self, tier)
+        if tier == "device":
+            seen.append((self.total_disk().reads, out.admitted))
+        return out
+
+    monkeypatch.setattr(CacheStats, "total", total)
+    _, _, share = measure.engine_figures(str(model), str(store), tokens=8, warm=8)
+    (reads0, admitted0), (reads1, admitted1) = seen[-2:]
+    assert reads1 > reads0 and share == (admitted1 - admitted0) / (reads1 - reads0) and 0.0 < share < 1.0
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +196,7 @@ def test_measure_leaves_the_slot_fills_out_of_the_host_time(oracle_store, monkey
 
     model, store = oracle_store
     monkeypatch.setattr(measure, "slot_fill_rate", lambda engine: 1.0)
-    slow, _ = measure.engine_figures(str(model), str(store), tokens=8, warm=8)
+    slow, _, _ = measure.engine_figures(str(model), str(store), tokens=8, warm=8)
     monkeypatch.setattr(measure, "slot_fill_rate", lambda engine: 1e30)
-    fast, _ = measure.engine_figures(str(model), str(store), tokens=8, warm=8)
+    fast, _, _ = measure.engine_figures(str(model), str(store), tokens=8, warm=8)
     assert slow < -1.0 < 0 < fast

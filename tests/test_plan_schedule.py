@@ -272,6 +272,11 @@ def test_the_cpu_backend_sets_each_miss_into_a_tier_slot_once_the_reads_have_lan
     assert plain.terms["fill"] == 0.0 and filled.terms["fill"] == pytest.approx(per_token, rel=1e-12)
     assert filled.seconds_per_token - plain.seconds_per_token == pytest.approx(per_token, rel=1e-9)
     assert filled.waits == pytest.approx(plain.waits, rel=1e-9, abs=1e-12)  # a fill is work, not a wait
+    # only the misses the tier keeps are set into slots (host.fill_share of them): a decode step computes
+    # the others where their reads landed
+    third = project(q397, cpu.with_changes(host={"fill": 2e9, "fill_share": 1 / 3}), shares, "engine")
+    assert third.terms["fill"] == pytest.approx(per_token / 3, rel=1e-12)
+    assert third.seconds_per_token - plain.seconds_per_token == pytest.approx(per_token / 3, rel=1e-9)
     from fomoepy.plan.report import describe
 
     lines = [describe(q397, cpu, "stated", shares, p) for p in (filled, plain)]

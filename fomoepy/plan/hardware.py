@@ -27,6 +27,8 @@
     flops = "1 TFLOPS"           # CPU backend: its quantised products at prompt batch sizes; optional
     fill = "2 GB/s"              # cpu backend: store bytes per second set into its tier's slots (in their form), per
                                  # expert read from the drive; optional, default none
+    fill_share = 0.33            # cpu backend: of the experts a step reads, the share set into tier slots (those the
+                                 # tier keeps; it computes the others where their reads landed); optional, default 1
     [drives]
     count = 2
     bandwidth = "7 GB/s"         # each
@@ -118,6 +120,10 @@ class Host:
     # store bytes/s the cpu (ggml) backend sets into its tier's slots (in their form: plain or repacked), per expert
     # read from the drive (its "copy up"; 0: none, it computes store bytes in place)
     fill: float = 0.0
+    # of the experts a step reads from the drives, the share the cpu backend sets into tier slots: those the
+    # tier admits (a decode step computes the others where their reads landed; `fomoe plan --measure` takes
+    # it from the engine's own decode). 1: every one
+    fill_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -145,14 +151,16 @@ class Hardware:
 _FIELDS = {
     "device": {"count": int, "memory": "size", "bandwidth": "rate", "link": "rate", "sync": "time", "flops": "flops"},
     "host": {"memory": "size", "bandwidth": "rate", "matvec": "rate", "make_ready": "rate", "plan": "time", "flops": "flops",
-             "serial": "time", "before_reads": "time", "before_launch": "time", "before_copies": "time", "fill": "rate"},
+             "serial": "time", "before_reads": "time", "before_launch": "time", "before_copies": "time", "fill": "rate",
+             "fill_share": "share"},
     "drives": {"count": int, "bandwidth": "rate", "latency": "time"},
 }
 _DEFAULTS = {
     "device": {"count": 0, "memory": 0, "bandwidth": 0.0, "link": 0.0, "sync": 0.0, "flops": 0.0},
     # a file without `plan` gets the GPU path's measured host time per MoE layer step (bench/host_time.py,
     # the 397B shape, the default policy, on a 2-core AVX2 machine: bench/RESULTS.md)
-    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "serial": None, "before_reads": None, "before_launch": None, "before_copies": None, "fill": 0.0},
+    "host": {"make_ready": 0.0, "plan": 1445e-6, "flops": 0.0, "serial": None, "before_reads": None, "before_launch": None, "before_copies": None, "fill": 0.0,
+             "fill_share": 1.0},
     "drives": {},
 }
 
@@ -169,6 +177,10 @@ def _value(kind, raw, where: str):
             raise FomoeError(f"{where}: {exc}") from None
     if kind == "flops":
         return parse_flops(raw, where)
+    if kind == "share":
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0.0 <= raw <= 1.0:
+            raise FomoeError(f"{where}: expected a share from 0 to 1, got {raw!r}")
+        return float(raw)
     return parse_rate(raw, where) if kind == "rate" else parse_time(raw, where)
 
 

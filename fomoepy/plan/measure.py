@@ -1,7 +1,8 @@
 """`fomoe plan --measure DIR`: this machine's host and drive figures from short measurements, and, for a
 model file, the host's own time per layer step as the engine spends it (`host.plan`), the rate at
-which the cpu backend sets a miss into its tier's slots (`host.fill`) and the model's own next-layer
-predictions (for the reads made ahead).
+which the cpu backend sets a miss into its tier's slots (`host.fill`), the share of the experts it
+reads that it sets there (`host.fill_share`: a decode step computes the others where they landed) and
+the model's own next-layer predictions (for the reads made ahead).
 
 Each figure is the median of a few passes. The drive is measured in DIR (on the drive the store
 would live on) with O_DIRECT reads, so the page cache does not answer for it. Where DIR holds the
@@ -171,14 +172,16 @@ def _small_read_latency(files: list[Path], rng: np.random.Generator, reads: int 
 
 
 def engine_figures(model: str, store: str | None = None, threads: int | None = None, tokens: int = 48, warm: int = 32,
-                   trace: str | None = None) -> tuple[float, float]:  # fmt: skip
-    """(seconds of the host's own work per layer step, store bytes/s set into the tier's slots) of a decode
-    on `model` with the cpu backend. The first is what `--profile-timing` reports as `host`: the step's
-    time less ggml's products and the waits for expert reads, with the host tier at a quarter of the
-    experts, as bench/host_time.py measures it; reading the experts from `store` when given (its reader
-    pool and host-tier admissions are host work too). The first `warm` tokens fill the tiers and are not
-    counted. The second is the backend's making ready of a miss (slot_fill_rate), on the same engine; the
-    first leaves out the time the second puts on the run's misses, which the projection counts apart.
+                   trace: str | None = None) -> tuple[float, float, float]:  # fmt: skip
+    """(seconds of the host's own work per layer step, store bytes/s set into the tier's slots, the share of
+    the experts read that are set into them) of a decode on `model` with the cpu backend. The first is what
+    `--profile-timing` reports as `host`: the step's time less ggml's products and the waits for expert
+    reads, with the host tier at a quarter of the experts, as bench/host_time.py measures it; reading the
+    experts from `store` when given (its reader pool and host-tier admissions are host work too). The
+    first `warm` tokens fill the tiers and are not counted. The second is the backend's making ready of a
+    miss (slot_fill_rate), on the same engine; the third, of the run's reads, those its tier admitted (the
+    others a decode step computes where they landed). The first leaves out the time the second puts on
+    the run's admissions, which the projection counts apart.
     `trace`: a file the decode's routing and its next-layer predictions are recorded in."""
     from fomoepy.engine import Engine, EngineOptions
 
@@ -196,17 +199,24 @@ def engine_figures(model: str, store: str | None = None, threads: int | None = N
         for i in range(warm + tokens):
             if i == warm:  # the tiers have filled: measure from here
                 before = (sum(timer.total), sum(timer.matmul), sum(timer.io_wait), sum(timer.steps))
-                read_before = cache.stats.total_disk().read_bytes
+                counts_before = _reads_and_admissions(cache.stats)
             token = int(np.argmax(engine.decode_token(state, token)))
         total, matmul, wait, steps = (sum(timer.total), sum(timer.matmul), sum(timer.io_wait), sum(timer.steps))
+        reads, admitted, admitted_bytes = (b - a for a, b in zip(counts_before, _reads_and_admissions(cache.stats)))
         fill = slot_fill_rate(engine)
-        # the misses' slot fills happen inside the step, outside ggml's products: the projection has them as
-        # a term of their own (the bytes read at `fill`), so the host's share leaves out that same time
-        fills = (cache.stats.total_disk().read_bytes - read_before) / fill
+        # the admitted misses' slot fills happen inside the step, outside ggml's products: the projection has
+        # them as a term of their own (their bytes at `fill`), so the host's share leaves out that same time
+        fills = admitted_bytes / fill
         host = ((total - before[0]) - (matmul - before[1]) - (wait - before[2]) - fills) / max(1, steps - before[3])
-        return host, fill
+        return host, fill, admitted / reads if reads else 1.0
     finally:
         engine.close()
+
+
+def _reads_and_admissions(stats) -> tuple[int, int, int]:
+    """(experts read from the drives, of the misses those the device tier admitted, their bytes) so far."""
+    device = stats.total("device")
+    return stats.total_disk().reads, device.admitted, device.admitted_bytes
 
 
 def slot_fill_rate(engine, experts: int = 8) -> float:
@@ -251,7 +261,7 @@ def measured(hw: Hardware, directory: str, model: str | None = None, threads: in
             trace = str(Path(scratch) / "measure.trace")
 
             def decode() -> None:
-                host["plan"], host["fill"] = engine_figures(model, store, threads, trace=trace)
+                host["plan"], host["fill"], host["fill_share"] = engine_figures(model, store, threads, trace=trace)
 
             if store:
                 drive, notes = store_figures(directory, model, between=decode)
@@ -265,7 +275,8 @@ def measured(hw: Hardware, directory: str, model: str | None = None, threads: in
         if store:
             notes.append(f"drive {drive['bandwidth'] / 1e9:.2f} GB/s as the engine reads the store in {directory}, before and after that decode")
         where = f"{Path(model).name}, experts from the store in {directory}" if store else Path(model).name
-        notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us and slot fills {host['fill'] / 1e9:.2f} GB/s, "
+        notes.append(f"host time per layer step {host['plan'] * 1e6:.0f} us and slot fills {host['fill'] / 1e9:.2f} GB/s "
+                     f"({100 * host['fill_share']:.0f}% of the experts read set into slots), "
                      f"measured on {where} (cpu backend)")  # fmt: skip
     else:
         drive, notes = drive_figures(directory)

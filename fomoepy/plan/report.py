@@ -43,8 +43,8 @@ def describe(work: Workload, hw: Hardware, hw_source: str, rates: TierRates, p: 
         f"  {'host -> device' if p.backend == 'gpu' else 'make ready':<15}{_ms(t['copy'])}",
         *([(f"  {'device -> host':<15}{_ms(t['demote'])}  (a demoting policy's evictees, {100 * rates.demoted:.1f}% of "
              "accesses, each copied down once the step's reads are issued, beside the copies up)")] if t.get("demote") else []),
-        *([(f"  {'slot fills':<15}{_ms(t['fill'])}  (each miss set into a tier slot, in its form, once the reads "
-             "have landed)")] if t.get("fill") else []),
+        *([(f"  {'slot fills':<15}{_ms(t['fill'])}  (the misses the tier keeps, {100 * hw.host.fill_share:.0f}% of them, each set "
+             "into a tier slot in its form once the reads have landed; the others are computed where they landed)")] if t.get("fill") else []),
         f"  {'disk reads':<15}{_ms(t['disk'])}",
         f"  {'host':<15}{_ms(t['sync'] + t['plan'])}  (router read-back {t['sync'] * 1e3:.1f}, plan {t['plan'] * 1e3:.1f}"
         + (f"; {p.host_serial * 1e3:.1f} of it in series with the reads, the rest beside them)"

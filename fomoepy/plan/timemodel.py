@@ -11,7 +11,8 @@ Work per MoE layer step for one token (k = experts used, S = bytes of one expert
     disk      k x disk share reads of S bytes            spread over the drives (engine) or one queue (FOMOE)
     copy      k x (host + disk share) x S to the device  over the link (GPU) or make-ready (CPU backend)
     demote    k x demoted share x S to the host          over the link's other direction, beside the copies up (GPU, engine schedule)
-    fill      k x disk share x S set into tier slots     host.fill: the cpu (ggml) backend sets each miss into a slot (0: none)
+    fill      k x disk share x fill share x S            host.fill: the cpu (ggml) backend sets the misses its tier keeps
+              set into tier slots                        into slots (0: none); host.fill_share of them
 
 Two schedules combine them:
 
@@ -180,8 +181,9 @@ def project(
         "copy": n_copy * S / copy_rate if copy_rate else 0.0,
         # FOMOE's tiers are its own (no demotion); a CPU backend has no device tier to demote from
         "demote": k * rates.demoted * S / copy_rate if gpu and schedule == "engine" else 0.0,
-        # the cpu (ggml) backend sets each miss into a tier slot (in its form) once the step's reads have landed
-        "fill": n_disk * S / hw.host.fill if not gpu and not copy_rate and hw.host.fill else 0.0,
+        # the cpu (ggml) backend sets the misses its tier keeps into tier slots (in their form) once the step's
+        # reads have landed; a decode step computes the others where their reads landed
+        "fill": n_disk * hw.host.fill_share * S / hw.host.fill if not gpu and not copy_rate and hw.host.fill else 0.0,
     }
     if schedule == "fomoe":
         layer["disk"] = n_disk * (drives.latency + S / drives.bandwidth) if n_disk else 0.0
