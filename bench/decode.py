@@ -9,7 +9,7 @@ tier to `--ram-frac`. It prints tok/s, per-tier hit rates, bytes moved per tier 
     bound = resident time per token + Σ_tier bytes(tier) / bandwidth(tier)
 
 where resident time is measured with every expert already in the device tier, and each tier's
-bandwidth is measured in the same run (disk: O_DIRECT reads of the store's records; host → device:
+bandwidth is measured in the same run (disk: O_DIRECT reads of the store's records, as the engine reads them; host → device:
 on the CPU backend, dequantising store bytes into compute-ready form; on a GPU, H2D copies).
 achieved / bound = bound / measured time per token (1.0 = the tiers cost nothing beyond bytes/bandwidth).
 llama.cpp's `--n-cpu-moe` on the same GGUF is run when `--llama-bench PATH` points to a llama-bench.
@@ -35,6 +35,7 @@ from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
 from fomoepy.experts.store_reader import ExpertStore
 from fomoepy.experts.store_writer import prepare_store
+from fomoepy.plan.measure import timed_reads
 
 HERE = Path(__file__).parent
 SHAPES = {
@@ -74,10 +75,8 @@ def disk_bandwidth(model: Path, store: Path, n: int = 64) -> float:
     with ExpertStore.open([store], model) as s:
         keys = [(int(rng.integers(len(s.layers))), int(rng.integers(s.manifest.layers[0].n_expert))) for _ in range(n)]
         s.drop_cache()
-        t = time.perf_counter()
-        got = s.read_many(keys)
-        seconds = time.perf_counter() - t
-    return sum(sum(part.nbytes for part in g) for g in got) / seconds
+        nbytes, seconds = timed_reads(s, keys)  # (as the engine reads: several in flight, buffers reused)
+    return nbytes / seconds
 
 
 def host_to_device_bandwidth(engine: Engine, n: int = 16) -> float:

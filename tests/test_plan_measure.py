@@ -135,6 +135,31 @@ def test_measure_reads_a_stores_drive_as_the_engine_reads_the_store(oracle_store
     assert ".fomoe-plan-measure.tmp" not in {p.name for p in store.iterdir()}
 
 
+def test_a_drive_pass_reads_into_buffers_reused_from_read_to_read(oracle_store, monkeypatch):
+    # as the engine's reads land (a buffer new to the process pays its page faults in the read): `window`
+    # buffers taken in turn, none taken again before its last read is done
+    from fomoepy.experts.store_reader import ExpertStore
+    from fomoepy.plan import measure
+
+    model, store = oracle_store
+    outs, last_read = [], {}
+    real_submit = ExpertStore.submit
+
+    def submit(self, layer, expert, out=None, copy=None):
+        assert out is not None and (out.ctypes.data not in last_read or last_read[out.ctypes.data].done())
+        outs.append(out.ctypes.data)
+        future = last_read[out.ctypes.data] = real_submit(self, layer, expert, out, copy)
+        return future
+
+    monkeypatch.setattr(ExpertStore, "submit", submit)
+    with ExpertStore.open([store], model) as s:
+        keys = [(il, e) for il, layer in enumerate(s.manifest.layers) for e in range(layer.n_expert)]
+        nbytes, seconds = measure.timed_reads(s, keys)
+        window = 2 * s.threads
+    assert len(outs) == len(keys) > 2 * window and len(set(outs)) == window  # every buffer reused
+    assert nbytes == sum(s.layers[il].expert_nbytes for il, _ in keys) and seconds > 0
+
+
 def test_measure_on_a_model_reads_ahead_with_the_models_own_predictions(oracle_store, monkeypatch):
     # --measure on a model file decodes it: the reads made ahead are projected from that decode's own
     # next-layer predictions, not the demo model's
