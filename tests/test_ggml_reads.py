@@ -41,7 +41,10 @@ def test_device_reads_take_from_the_arena_of_their_size_then_buffers_of_their_ow
     arena = reads.arenas[2 * ALIGN]
     assert [arena.index_of(b.ctypes.data) for b in held] == [0, 1, None]  # the third: a buffer of its own
     sizes = (ALIGN, 512, ALIGN - 512)
-    parts = lambda b: (b[:ALIGN], b[ALIGN : ALIGN + 512], b[ALIGN + 512 :])  # noqa: E731
+
+    def parts(b):
+        return b[:ALIGN], b[ALIGN : ALIGN + 512], b[ALIGN + 512 :]
+
     assert reads.locate(parts(held[1]), sizes) == (arena, 1)
     assert reads.locate(parts(held[2]), sizes) is None  # not in an arena
     assert reads.locate((held[1][:ALIGN], held[1][ALIGN + 512 :], held[1][ALIGN : ALIGN + 512]), (ALIGN, ALIGN - 512, 512)) is None
