@@ -106,3 +106,39 @@ def test_the_reads_beyond_the_arena_are_staged_by_a_copy_with_the_same_bits(stor
     engine.close()
     assert staged[0] > 0  # a step's misses outnumber the one buffer: the others were copied
     assert np.array_equal(got, want)
+
+
+def test_a_batched_decode_steps_misses_are_computed_where_they_landed_each_row_with_its_lone_bits(store, monkeypatch):
+    # several sequences' rows a step: each pick a row of its own in the round, from a slot or from the buffer
+    # its read landed in; each row's logits those of its sequence decoded alone (plain slots either way)
+    path, d, tokens, _ = store
+    options = EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=2 << 20, threads=1)
+    streams = [tokens[i:] + tokens[:i] for i in (0, 5, 11)]  # three sequences, each its own tokens
+    steps = 8
+    engine = Engine(path, options)
+    lone = []
+    for stream in streams:
+        state = engine.new_state()
+        lone.append(np.stack([engine.decode_token(state, t) for t in stream[:steps]]))
+    engine.close()
+    counts = {"staged": 0, "batched rounds in place": 0}
+    real_stage, real_round = ggml_pool.SlotPool.stage, ggml_experts._round_in_place
+
+    def stage(self, *a):
+        counts["staged"] += 1
+        return real_stage(self, *a)
+
+    def in_place(pool, reads, h, ids, *a):
+        counts["batched rounds in place"] += ids.shape[0] > 1
+        return real_round(pool, reads, h, ids, *a)
+
+    monkeypatch.setattr(ggml_pool.SlotPool, "stage", stage)
+    monkeypatch.setattr(ggml_experts, "_round_in_place", in_place)
+    monkeypatch.setattr(DeviceReads.__init__, "__defaults__", (64,))  # room for three rows' misses and their reads ahead
+    engine = Engine(path, options)
+    states = [engine.new_state() for _ in streams]
+    batched = np.stack([engine.model.forward_batch(np.array([s[i] for s in streams]), states) for i in range(steps)], axis=1)
+    engine.close()
+    assert counts["batched rounds in place"] > 0 and counts["staged"] == 0
+    for b in range(len(streams)):
+        assert np.array_equal(batched[b], lone[b])

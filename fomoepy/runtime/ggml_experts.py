@@ -161,7 +161,7 @@ class GgmlExperts:
                 _round(pool, h, ids, early, slot_of, y, threads, grouped)
         finally:  # even when that failed: the cache marks the admitted experts ready once their reads land
             staged = self._install_admitted(layer, missing, slot_of, experts)
-        in_place = self._read_in_place(layer, staged, experts.fetched) if ids.shape[0] == 1 and not grouped else {}
+        in_place = self._read_in_place(layer, staged, experts.fetched) if not grouped else {}
         if in_place:
             staged = [e for e in staged if e not in in_place]
         if not early and not staged and not in_place:
@@ -175,7 +175,7 @@ class GgmlExperts:
             for i, e in enumerate(chunk):
                 slot_of[e] = pool.stage(i, experts.fetched[e])
             if in_place:  # (the first round: those read into the arena with the tier's)
-                _round_in_place(pool, h, ids, rest + chunk, slot_of, in_place, y, threads)
+                _round_in_place(pool, self.reads, h, ids, rest + chunk, slot_of, in_place, y, threads)
                 in_place = {}
             else:
                 _round(pool, h, ids, rest + chunk, slot_of, y, threads, grouped)
@@ -210,6 +210,7 @@ class GgmlExperts:
         return staged
 
     def close(self) -> None:
+        self.reads.close()  # (its graphs read the pools' slot tensors: freed first)
         for pool in self.pools.values():
             pool.close()
 
@@ -246,16 +247,26 @@ def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], sl
         y[mask] = pool.layer.pick_outputs(h[rows], picked[mask], threads)
 
 
-def _round_in_place(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], slot_of: dict[int, int],
+def _round_in_place(pool: SlotPool, reads: DeviceReads, h: np.ndarray, ids: np.ndarray, chosen: list[int], slot_of: dict[int, int],
                     in_place: dict[int, tuple], y: np.ndarray, threads: int) -> None:  # fmt: skip
-    """_round for a decode row whose picks are the `chosen` experts' (in slots) and those read into the read
-    arena (`in_place`: expert -> (arena, buffer)), each computed where it lies, in one graph."""
-    row, wanted = ids[0].tolist(), set(chosen)
-    js = [j for j, e in enumerate(row) if e in wanted]
-    js_read = [j for j, e in enumerate(row) if e in in_place]
+    """_round (not grouped) whose picks are the `chosen` experts' (in slots) and those read into the read arena
+    (`in_place`: expert -> (arena, buffer)), each computed where it lies, in one graph."""
     arena = next(iter(in_place.values()))[0]
-    pool.layer.outputs_of_row_in_place_into(h, [slot_of[row[j]] for j in js], arena, [in_place[row[j]][1] for j in js_read],
-                                            threads, y[0], js, js_read)  # fmt: skip
+    if ids.shape[0] == 1:  # a decode row: its picks from the few ints, its row set once
+        row, wanted = ids[0].tolist(), set(chosen)
+        js = [j for j, e in enumerate(row) if e in wanted]
+        js_read = [j for j, e in enumerate(row) if e in in_place]
+        reads.outputs_of_row_into(pool.layer, h, [slot_of[row[j]] for j in js], arena, [in_place[row[j]][1] for j in js_read],
+                                  threads, y[0], js, js_read)  # fmt: skip
+        return
+    # several rows (a batch of sequences' decode rows, a short prompt): each pick a row, as _round's
+    lut, lut_read = np.full(pool.n_expert, -1, np.int32), np.full(pool.n_expert, -1, np.int32)
+    lut[chosen] = [slot_of[e] for e in chosen]
+    lut_read[list(in_place)] = [buf for _, buf in in_place.values()]
+    picked, read = lut[ids], lut_read[ids]
+    mask, mask_read = picked >= 0, read >= 0
+    y[mask], y[mask_read] = reads.pick_outputs(pool.layer, h[np.nonzero(mask)[0]], picked[mask], arena,
+                                               h[np.nonzero(mask_read)[0]], read[mask_read], threads)  # fmt: skip
 
 
 def per_expert_ffn(parts, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, fetched: dict, threads: int) -> np.ndarray:

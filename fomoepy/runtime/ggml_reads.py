@@ -7,7 +7,7 @@ model at a 25 % tier: 3.1 such copies a layer step, of 4.5 slot fills taking ~40
 bench/host_time.py's cpu path). Reads that land in an arena (`count` record-sized buffers in one
 allocation, each 4 KiB-aligned as O_DIRECT needs) are instead read by the round's products in place: the
 arena is also three strided ggml tensors, gate, up and down at their offsets in each record
-(ggml_slots.SlotLayer.read_tensors), so `mul_mat_id` picks a buffer of it as it picks a slot. Only where
+(DeviceReads._matrices), so `mul_mat_id` picks a buffer of it as it picks a slot. Only where
 the tier's slots are plain: the products' kernels are then the same, and so are their bits. A read
 beyond the arena's buffers lands in a buffer of its own (fomoepy.experts.read_buffers) and is staged by
 a copy, as before.
@@ -21,16 +21,30 @@ from __future__ import annotations
 
 from collections import deque
 
+import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
+
+# isort: split
+import ggml
 import numpy as np
 
+from fomoepy.errors import FomoeError
 from fomoepy.experts.read_buffers import ReadBuffers
+from fomoepy.runtime.ggml_slots import SlotLayer, expert_outputs, graph_plan, run_graph
 from fomoepy.runtime.pinned import ALIGN, contiguous_address, hand_out
+
+F32 = np.float32
+_OVERHEAD = ggml.ggml_tensor_overhead()
 
 # buffers per record size: about what is in flight at once (a step's misses, the next layer's guesses read
 # ahead and not yet taken), as many as the reused read buffers kept idle before (MAX_IDLE); the reads
 # beyond them get buffers of their own, of which a few are kept for the next
 ARENA_BUFFERS = 16
 OTHERS_IDLE = 4
+# in-place rounds kept: one per split of a round's picks between slots and read buffers (a decode row of
+# top-8: 44 splits), a few kB of intermediates each; building one costs about what a step's products take.
+# A round of more picks (a prompt's) gets a graph built for the call, as SlotLayer.pick_outputs' do.
+_MAX_ROUNDS = 64
+_MAX_CACHED_PICKS = 128
 
 
 class ReadArena:
@@ -72,6 +86,8 @@ class DeviceReads:
         self.count = count
         self.arenas: dict[int, ReadArena] = {}
         self.others = ReadBuffers(max_idle=OTHERS_IDLE)
+        self._tensors: dict[tuple[int, int], tuple] = {}  # (id(slot layer), id(arena)) -> (layer, arena, context, matrices)
+        self._rounds: dict[tuple, InPlaceRound] = {}
 
     def take(self, nbytes: int) -> np.ndarray:
         """A 4 KiB-aligned uint8 buffer of exactly `nbytes` (as O_DIRECT reads need), not held by anyone."""
@@ -98,3 +114,126 @@ class DeviceReads:
             if i is not None:
                 return arena, i
         return None
+
+    def outputs_of_row_into(self, layer: SlotLayer, row: np.ndarray, slots: list[int], arena: ReadArena, bufs: list[int],
+                            threads: int, into: np.ndarray, at_slots, at_bufs) -> None:  # fmt: skip
+        """SlotLayer.pick_outputs_of_row_into for a round whose picks are partly in the layer's slots (`slots`,
+        set into into[at_slots]) and partly in buffers of the arena their reads landed in (`bufs`, into
+        into[at_bufs]), computed there: no copy into a staging slot first. One graph, kept per pick counts;
+        each pick's output has the bits a plain slot gives it (the same one-row products)."""
+        self._round(layer, len(slots), len(bufs), threads, arena, False).run_into(row, slots, bufs, into, at_slots, at_bufs)
+
+    def pick_outputs(self, layer: SlotLayer, rows: np.ndarray, slots: np.ndarray, arena: ReadArena, buf_rows: np.ndarray,
+                     bufs: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """SlotLayer.pick_outputs of picks partly in the layer's slots (rows [P1, K], slots [P1]) and partly in
+        buffers of the arena their reads landed in (buf_rows [P2, K], bufs [P2]), computed there: each pick's
+        output, [P1, K] and [P2, K], with the bits a plain slot gives it."""
+        if len(slots) + len(bufs) > _MAX_CACHED_PICKS:
+            g = InPlaceRound(layer, self._matrices(layer, arena), len(slots), len(bufs), threads, True)
+            try:
+                return g.run(rows, slots, buf_rows, bufs)
+            finally:
+                g.free()
+        return self._round(layer, len(slots), len(bufs), threads, arena, True).run(rows, slots, buf_rows, bufs)
+
+    def close(self) -> None:
+        for g in self._rounds.values():
+            g.free()
+        self._rounds.clear()
+        for *_, ctx, _ in self._tensors.values():
+            ggml.ggml_free(ctx)
+        self._tensors.clear()
+
+    def _round(self, layer: SlotLayer, P1: int, P2: int, threads: int, arena: ReadArena, per_pick: bool) -> InPlaceRound:
+        key = (id(layer), P1, P2, threads, id(arena), per_pick)
+        g = self._rounds.get(key)
+        if g is None or g.layer is not layer:
+            if g is not None:
+                self._rounds.pop(key).free()
+            if len(self._rounds) >= _MAX_ROUNDS:
+                self._rounds.pop(next(iter(self._rounds))).free()
+            g = self._rounds[key] = InPlaceRound(layer, self._matrices(layer, arena), P1, P2, threads, per_pick)
+        return g
+
+    def _matrices(self, layer: SlotLayer, arena: ReadArena) -> list:
+        """The arena's buffers as `layer`'s three expert matrices, gate, up and down, each [n_cols, n_rows,
+        arena.count] strided by the arena's buffer: a store record's parts, one after another at the start
+        of its buffer, in their store form (as plain slots hold them)."""
+        if any(layer.repacked):
+            raise FomoeError("a round computes from its reads' buffers only where the slots are plain, as they are")
+        kept = self._tensors.get((id(layer), id(arena)))
+        if kept is None or kept[0] is not layer:
+            ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=4 * _OVERHEAD + 1024, mem_buffer=None, no_alloc=True))
+            tensors, at = [], 0
+            for m in layer.mats:
+                t = ggml.ggml_new_tensor_3d(ctx, m.qtype, m.n_cols, m.n_rows, arena.count)
+                t.contents.data = arena.base + at
+                t.contents.nb[2] = arena.stride
+                t.contents.nb[3] = arena.stride * arena.count
+                tensors.append(t)
+                at += m.slot_nbytes
+            kept = self._tensors[(id(layer), id(arena))] = (layer, arena, ctx, tensors)
+        return kept[3]
+
+
+class InPlaceRound:
+    """A round's picks: P1 from a slot layer's tensors and P2 from a read arena's (`read_mats`), each pick's
+    output unweighted into arrays of the graph's own. One token's picks share its row (as SlotLayer's
+    one-row round graph), or each pick has a row of its own (per_pick: as pick_outputs' graph)."""
+
+    def __init__(self, layer: SlotLayer, read_mats: list, P1: int, P2: int, threads: int, per_pick: bool = False):
+        K, F = layer.n_embd, layer.n_ff
+        self.layer = layer
+        scratch = 4 * 4 * F * (P1 + P2) + 64 * 16
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * (_OVERHEAD + 64) + 2 * ggml.ggml_graph_overhead() + scratch,
+                                                        mem_buffer=None, no_alloc=False))  # fmt: skip
+        if not self.ctx:
+            raise FomoeError("ggml could not allocate a graph context")
+        ctx = self.ctx
+        self._slots, self._bufs = np.empty((1, P1), np.int32), np.empty((1, P2), np.int32)
+        self._from_slots, self._from_bufs = np.empty((P1, K), F32), np.empty((P2, K), F32)
+        # the rows: one shared [1, K], or one a pick, [P1, K] and [P2, K]
+        self._rows = (np.empty((P1, K), F32), np.empty((P2, K), F32)) if per_pick else (np.empty((1, K), F32),) * 2
+        ggml.ggml_set_no_alloc(ctx, True)
+        picks = []
+        for mats, ids, rows, out in (([m.tensor for m in layer.mats], self._slots, self._rows[0], self._from_slots),
+                                     (read_mats, self._bufs, self._rows[1], self._from_bufs)):  # fmt: skip
+            if ids.size:
+                P = ids.shape[1]
+                h = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, K, 1, P if per_pick else 1)
+                h.contents.data = rows.ctypes.data
+                t = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, *((1, P) if per_pick else (P, 1)))
+                t.contents.data = ids.ctypes.data
+                picks.append((mats, h, t, out))
+        ggml.ggml_set_no_alloc(ctx, False)
+        self.gf = ggml.ggml_new_graph(ctx)
+        for mats, h, ids, out in picks:
+            y = expert_outputs(ctx, mats, h, ids, numpy_output=True)  # [K, P, 1], or [K, 1, P] a pick a row
+            y.contents.data = out.ctypes.data
+            ggml.ggml_build_forward_expand(self.gf, y)
+        self.plan, self.work = graph_plan(self.gf, threads)
+
+    def run_into(self, row: np.ndarray, slots: list[int], bufs: list[int], into: np.ndarray, at_slots, at_bufs) -> None:
+        """One shared row: the picks' outputs set into into[at_slots] and into[at_bufs]."""
+        self._rows[0][:] = row  # (both sets read it)
+        self._slots[0] = slots
+        self._bufs[0] = bufs
+        run_graph(self.gf, self.plan)
+        if slots:
+            into[at_slots] = self._from_slots
+        if bufs:
+            into[at_bufs] = self._from_bufs
+
+    def run(self, rows: np.ndarray, slots: np.ndarray, buf_rows: np.ndarray, bufs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A pick a row (per_pick): fresh outputs [P1, K] and [P2, K]."""
+        self._rows[0][:] = rows
+        self._rows[1][:] = buf_rows
+        self._slots[0] = slots
+        self._bufs[0] = bufs
+        run_graph(self.gf, self.plan)
+        return self._from_slots.copy(), self._from_bufs.copy()
+
+    def free(self) -> None:
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None

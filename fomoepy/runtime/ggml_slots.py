@@ -49,9 +49,6 @@ _MAX_GRAPHS = 8  # token counts kept per layer: decode (1) and a few small batch
 # against the ~50 ms their products take.
 _MAX_CACHED_TOKENS = 16
 _MAX_CACHED_PICKS = 128  # pick_outputs' rows (a round of a decode step of up to 16 sequences of top-8)
-# in-place rounds kept per layer: one per split of a token's picks between slots and read buffers (top-8:
-# 44 splits), a few kB of intermediates each; building one costs about what a step's products take
-_MAX_ROUND_GRAPHS = 64
 # a prefill's grouped products keep their rows, intermediates and outputs in arrays reused from call to
 # call (one per thread): fresh ones of a 128-token chunk (~16 MB a layer) cost ~3 ms of page faults a
 # layer, more than building the graph. Larger requests (long chunks of big models) get fresh arrays.
@@ -145,8 +142,6 @@ class SlotLayer:
         self.repacked = tuple(m.repacked for m in self.mats)
         self._graphs: dict[tuple[int, int, int], _SlotGraph] = {}
         self._pick_graphs: dict[tuple[int, int], _SlotGraph] = {}  # pick_outputs' graphs by (picks, threads)
-        self._read_tensors: dict[int, tuple] = {}  # id(arena) -> (arena, context, its three matrices)
-        self._round_graphs: dict[tuple, _InPlaceRound] = {}  # (slot picks, buffer picks, threads, id(arena))
 
     def set_slot(self, slot: int, raw: Sequence[np.ndarray]) -> None:
         """Copy an expert's gate, up and down store-form bytes into `slot` (repacked where so held)."""
@@ -231,42 +226,6 @@ class SlotLayer:
             g = self._pick_graphs[key] = _SlotGraph(self, 1, P, threads, False) if one_row else _SlotGraph(self, P, 1, threads, False)
         return g
 
-    def read_tensors(self, arena) -> list:
-        """A read arena's buffers (fomoepy.runtime.ggml_reads) as this layer's three expert matrices, gate,
-        up and down, each [n_cols, n_rows, arena.count] strided by the arena's buffer: a store record's
-        parts, one after another at the start of its buffer. Plain data, as plain slots hold."""
-        kept = self._read_tensors.get(id(arena))
-        if kept is None or kept[0] is not arena:
-            ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=4 * _OVERHEAD + 1024, mem_buffer=None, no_alloc=True))
-            tensors, at = [], 0
-            for m in self.mats:
-                t = ggml.ggml_new_tensor_3d(ctx, m.qtype, m.n_cols, m.n_rows, arena.count)
-                t.contents.data = arena.base + at
-                t.contents.nb[2] = arena.stride
-                t.contents.nb[3] = arena.stride * arena.count
-                tensors.append(t)
-                at += m.slot_nbytes
-            kept = self._read_tensors[id(arena)] = (arena, ctx, tensors)
-        return kept[2]
-
-    def outputs_of_row_in_place_into(self, row: np.ndarray, slots: list[int], arena, bufs: list[int], threads: int,
-                                     into: np.ndarray, at_slots, at_bufs) -> None:  # fmt: skip
-        """pick_outputs_of_row_into for a round whose picks are partly in the tier's slots (`slots`, set into
-        into[at_slots]) and partly in the buffers of a read arena their reads landed in (`bufs`, into
-        into[at_bufs]), computed there: no copy into a staging slot first. One graph, kept per pick counts;
-        each pick's output has the bits it gets from a slot (plain slots: the same one-row products)."""
-        if any(self.repacked):
-            raise FomoeError("a round computes from its reads' buffers only where the slots are plain, as they are")
-        key = (len(slots), len(bufs), threads, id(arena))
-        g = self._round_graphs.get(key)
-        if g is None or g.arena is not arena:
-            if g is not None:
-                self._round_graphs.pop(key).free()
-            if len(self._round_graphs) >= _MAX_ROUND_GRAPHS:
-                self._round_graphs.pop(next(iter(self._round_graphs))).free()
-            g = self._round_graphs[key] = _InPlaceRound(self, len(slots), len(bufs), threads, arena)
-        g.run_into(row, slots, bufs, into, at_slots, at_bufs)
-
     def ffn_grouped(self, h: np.ndarray, slots: np.ndarray, weights: np.ndarray, threads: int) -> np.ndarray:
         """`ffn` for many tokens, each slot's tokens as the rows of one product per matrix (a graph built
         for the call): a repacked matrix then runs its GEMM kernels on 4 rows at a time, where
@@ -342,13 +301,10 @@ class SlotLayer:
         return out
 
     def close(self) -> None:
-        for graphs in (self._graphs, self._pick_graphs, self._round_graphs):
+        for graphs in (self._graphs, self._pick_graphs):
             for g in graphs.values():
                 g.free()
             graphs.clear()
-        for _, ctx, _ in self._read_tensors.values():
-            ggml.ggml_free(ctx)
-        self._read_tensors.clear()
         for m in self.mats:
             m.close()
 
@@ -395,7 +351,7 @@ class _SlotGraph:
         self._rows = self._out.reshape(T * k, K) if not weighted else None  # each pick's output, a row (run_row_into)
         self.gf = ggml.ggml_new_graph(ctx)
         ggml.ggml_build_forward_expand(self.gf, self.out)
-        self.plan, self.work = _plan(self.gf, threads)
+        self.plan, self.work = graph_plan(self.gf, threads)
 
     def run(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray | None) -> np.ndarray:
         """h [T, K], ids [T, k] slots, w [T, k] (None unweighted) → a fresh [T, K] (unweighted [T, k, K])."""
@@ -403,7 +359,7 @@ class _SlotGraph:
         np.copyto(self._ids, ids)
         if self.weighted:
             np.copyto(self._w, w)
-        _run(self.gf, self.plan)
+        run_graph(self.gf, self.plan)
         if self.sum_outside:
             return weighted_sum(self._out, self._w)
         return self._out.copy()  # the graph's own array is its next run's
@@ -417,57 +373,8 @@ class _SlotGraph:
         difference measured."""
         self._h[:] = row
         self._ids[0] = slots
-        _run(self.gf, self.plan)
+        run_graph(self.gf, self.plan)
         into[at] = self._rows
-
-    def free(self) -> None:
-        if self.ctx:
-            ggml.ggml_free(self.ctx)
-            self.ctx = None
-
-
-class _InPlaceRound:
-    """One token's decode round (SlotLayer.outputs_of_row_in_place_into): P1 picks from the slot tensors and
-    P2 from a read arena's tensors, each pick's output unweighted into arrays of the graph's own."""
-
-    def __init__(self, layer: SlotLayer, P1: int, P2: int, threads: int, arena):
-        K, F = layer.n_embd, layer.n_ff
-        self.arena = arena  # (its memory is what the graph reads: kept as long as the graph)
-        scratch = 4 * 4 * F * (P1 + P2) + 64 * 16
-        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * (_OVERHEAD + 64) + 2 * ggml.ggml_graph_overhead() + scratch,
-                                                        mem_buffer=None, no_alloc=False))  # fmt: skip
-        if not self.ctx:
-            raise FomoeError("ggml could not allocate a graph context")
-        ctx = self.ctx
-        self._h, self._slots, self._bufs = np.empty((1, K), F32), np.empty((1, P1), np.int32), np.empty((1, P2), np.int32)
-        self._from_slots, self._from_bufs = np.empty((P1, K), F32), np.empty((P2, K), F32)
-        ggml.ggml_set_no_alloc(ctx, True)
-        h = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, K, 1, 1)
-        h.contents.data = self._h.ctypes.data
-        picks = []
-        for mats, ids, out in (([m.tensor for m in layer.mats], self._slots, self._from_slots),
-                               (layer.read_tensors(arena), self._bufs, self._from_bufs)):  # fmt: skip
-            if ids.size:
-                t = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, ids.shape[1], 1)
-                t.contents.data = ids.ctypes.data
-                picks.append((mats, t, out))
-        ggml.ggml_set_no_alloc(ctx, False)
-        self.gf = ggml.ggml_new_graph(ctx)
-        for mats, ids, out in picks:
-            y = expert_outputs(ctx, mats, h, ids, numpy_output=True)  # [K, P, 1]
-            y.contents.data = out.ctypes.data
-            ggml.ggml_build_forward_expand(self.gf, y)
-        self.plan, self.work = _plan(self.gf, threads)
-
-    def run_into(self, row: np.ndarray, slots: list[int], bufs: list[int], into: np.ndarray, at_slots, at_bufs) -> None:
-        self._h[:] = row
-        self._slots[0] = slots
-        self._bufs[0] = bufs
-        _run(self.gf, self.plan)
-        if slots:
-            into[at_slots] = self._from_slots
-        if bufs:
-            into[at_bufs] = self._from_bufs
 
     def free(self) -> None:
         if self.ctx:
@@ -560,20 +467,20 @@ def _wrap(ctx, qtype: int, ne: tuple[int, ...], buf: np.ndarray):
     return t
 
 
-def _plan(gf, threads: int):
+def graph_plan(gf, threads: int):
     plan = ggml.ggml_graph_plan(gf, threads, None)
     work = np.empty(max(plan.work_size, 1), np.uint8)
     plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     return plan, work  # the work buffer must outlive the plan's use
 
 
-def _run(gf, plan) -> None:
+def run_graph(gf, plan) -> None:
     status = MATMUL.call(ggml.ggml_graph_compute, gf, ctypes.byref(plan))
     if status != 0:
         raise FomoeError("ggml graph computation failed")
 
 
 def _compute(gf, threads: int) -> None:
-    plan, work = _plan(gf, threads)
-    _run(gf, plan)
+    plan, work = graph_plan(gf, threads)
+    run_graph(gf, plan)
     del work
