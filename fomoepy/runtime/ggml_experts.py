@@ -11,9 +11,10 @@ expert a step streams through cost more than the repacked kernels save: a decode
 10-16 % faster repacked, a prefill's no faster (ggml's repacked mul_mat_id runs a GEMV per row;
 `bench/moe_layer.py`). A step's experts the tier does not hold are set into staging slots of the same
 pool for the step, so they go through the same kernels: which experts were resident changes the time a
-step takes, never its bits (at one slot form). A decode step's reads land in the device's read arena
+step takes, never its bits (at one slot form). A step's reads land in the device's read arena
 (fomoepy.runtime.ggml_reads) where it has room: with plain slots, the misses the tier does not keep are
-computed there, in place, with the same kernels, instead of being copied into staging slots first.
+computed there, in place, with the same kernels, instead of being copied into staging slots first (all
+but a long prompt's grouped products, which take each slot's tokens together).
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ class GgmlExperts:
         """One product over the layer's slots when every expert of the step is in the tier (or gets a
         tier slot as its read lands). Otherwise in rounds (SlotLayer.pick_outputs; a prefill's,
         grouped_outputs): the tier's experts
-        while the step's reads are in flight, then the rest, misses the tier does not keep in staging
-        slots, as many rounds as they need; then the same weighted sum, in the same order, in numpy."""
+        while the step's reads are in flight, then the rest, misses the tier does not keep where their
+        reads landed (the read arena's, not grouped) or in staging slots, as many rounds as they need;
+        then the same weighted sum, in the same order, in numpy."""
         weights = np.ascontiguousarray(weights, dtype=F32)
         pool, threads = self.pool_of[layer], self.ops.threads
         # a long prefill's experts each take their tokens as the rows of one product (GEMM kernels); a

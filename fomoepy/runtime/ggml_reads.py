@@ -1,5 +1,6 @@
-"""Where the cpu backend's expert reads land: an arena per record size, whose buffers a decode round
-computes from where they lie.
+"""Where the cpu backend's expert reads land: an arena per record size, whose buffers a step's rounds
+compute from where they lie (a decode row's round, a batch of rows', a short prompt's; not a long
+prompt's grouped products).
 
 A step's misses that the cache does not keep were each copied into a staging slot of the tier's pool,
 computed once and dropped: a memcpy of the whole expert in series after the step's last read (bench
@@ -10,7 +11,8 @@ arena is also three strided ggml tensors, gate, up and down at their offsets in 
 (DeviceReads._matrices), so `mul_mat_id` picks a buffer of it as it picks a slot. Only where
 the tier's slots are plain: the products' kernels are then the same, and so are their bits. A read
 beyond the arena's buffers lands in a buffer of its own (fomoepy.experts.read_buffers) and is staged by
-a copy, as before.
+a copy, as before. Measured on that model: slot fills 469.9 → 79.1 µs a layer step (bench/host_time.py,
+recorded), `fomoe generate` 21.1-22.7 → 26.2-28.5 tok/s (three interleaved pairs by hand).
 
 A buffer goes back to its arena when the last view of it is dropped (its step is over, a read made ahead
 was not chosen), from whichever thread drops it; the last one given back is handed out first, so an
