@@ -31,7 +31,13 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.read_buffers import ReadBuffers
-from fomoepy.runtime.ggml_slots import SlotLayer, expert_outputs, graph_plan, run_graph
+from fomoepy.runtime.ggml_slots import (
+    MAX_CACHED_PICKS,
+    SlotLayer,
+    expert_outputs,
+    graph_plan,
+    run_graph,
+)
 from fomoepy.runtime.pinned import ALIGN, contiguous_address, hand_out
 
 F32 = np.float32
@@ -44,9 +50,9 @@ ARENA_BUFFERS = 16
 OTHERS_IDLE = 4
 # in-place rounds kept: one per split of a round's picks between slots and read buffers (a decode row of
 # top-8: 44 splits), a few kB of intermediates each; building one costs about what a step's products take.
-# A round of more picks (a prompt's) gets a graph built for the call, as SlotLayer.pick_outputs' do.
+# A round of more picks than MAX_CACHED_PICKS (a prompt's) gets a graph built for the call, as
+# SlotLayer.pick_outputs' do.
 _MAX_ROUNDS = 64
-_MAX_CACHED_PICKS = 128
 
 
 class ReadArena:
@@ -130,7 +136,7 @@ class DeviceReads:
         """SlotLayer.pick_outputs of picks partly in the layer's slots (rows [P1, K], slots [P1]) and partly in
         buffers of the arena their reads landed in (buf_rows [P2, K], bufs [P2]), computed there: each pick's
         output, [P1, K] and [P2, K], with the bits a plain slot gives it."""
-        if len(slots) + len(bufs) > _MAX_CACHED_PICKS:
+        if len(slots) + len(bufs) > MAX_CACHED_PICKS:
             g = InPlaceRound(layer, self._matrices(layer, arena), len(slots), len(bufs), threads, True)
             try:
                 return g.run(rows, slots, buf_rows, bufs)

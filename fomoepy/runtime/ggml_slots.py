@@ -48,7 +48,7 @@ _MAX_GRAPHS = 8  # token counts kept per layer: decode (1) and a few small batch
 # ~165 KB a token (bench model: 21 MB at 128 tokens, per layer), and building one costs ~0.1 ms
 # against the ~50 ms their products take.
 _MAX_CACHED_TOKENS = 16
-_MAX_CACHED_PICKS = 128  # pick_outputs' rows (a round of a decode step of up to 16 sequences of top-8)
+MAX_CACHED_PICKS = 128  # pick_outputs' rows (a round of a decode step of up to 16 sequences of top-8)
 # a prefill's grouped products keep their rows, intermediates and outputs in arrays reused from call to
 # call (one per thread): fresh ones of a 128-token chunk (~16 MB a layer) cost ~3 ms of page faults a
 # layer, more than building the graph. Larger requests (long chunks of big models) get fresh arrays.
@@ -188,7 +188,7 @@ class SlotLayer:
         P, K = ids.shape[1], self.n_embd
         if rows.shape != (P, K):
             raise FomoeError(f"expected rows [{P}, {K}], got {rows.shape}")
-        if P > _MAX_CACHED_PICKS:
+        if P > MAX_CACHED_PICKS:
             g = _SlotGraph(self, P, 1, threads, weighted=False)
             try:
                 return g.run(rows, ids.reshape(P, 1), None).reshape(P, K)
@@ -208,7 +208,7 @@ class SlotLayer:
         dozen numpy calls on arrays of a few ints each cost a decode step ~10 µs apiece here, run on the
         caches the layer's products have just emptied."""
         P = len(slots)
-        if not P or min(slots) < 0 or max(slots) >= self.n_slots or P > _MAX_CACHED_PICKS:
+        if not P or min(slots) < 0 or max(slots) >= self.n_slots or P > MAX_CACHED_PICKS:
             into[at] = self.pick_outputs(np.repeat(row, P, axis=0), np.asarray(slots, np.int32), threads)
             return
         self._pick_graph(P, threads, one_row=True).run_row_into(row, slots, into, at)
