@@ -19,6 +19,8 @@ Everything the projection uses is taken in the same run, just before the decode 
     disk           O_DIRECT reads of the store: bandwidth (many in flight), latency (one at a time)
     tier shares    the run's own hit counts (prefetch and backfill off, so every miss is a
                    synchronous read, as the model's schedule has it)
+    fill share     cpu: of the run's reads, those its tier admitted (set into slots; the others it
+                   computes where their reads landed), from the same counts
 
 and one fitted constant per thread count, named and printed: the host's per-layer overhead
 (norms, attention arithmetic, routing, cache plan, Python), fitted on the first (all-resident)
@@ -223,7 +225,8 @@ def run_setting(model, store, backend: str, threads: int, vram_frac: float, ram_
     reads = after["disk"]["reads"] - before["disk"]["reads"]
     n = hits["device"] + hits["host"] + reads
     rates = TierRates(hits["device"] / n, hits["host"] / n, reads / n, source="measured hit counts of this run")
-    return seconds, rates, work
+    admitted = after["device"]["admitted"] - before["device"]["admitted"]
+    return seconds, rates, work, admitted / reads if reads else 1.0
 
 
 def main() -> int:
@@ -261,16 +264,16 @@ def main() -> int:
             measured = run_setting(model, store, args.backend, threads, vram_frac, ram_frac, args.tokens, resident=i == 0)
             results.append((name, hw, {"dense": dense_eff, "experts": 1.0}, *measured))
         # the one fitted constant: host overhead per layer step, from the all-resident row
-        _, hw, eff, t_res, rates_res, work = results[0]
-        bare = project(work, hw, rates_res, efficiency=eff)
+        _, hw, eff, t_res, rates_res, work, share_res = results[0]
+        bare = project(work, hw.with_changes(host={"fill_share": share_res}), rates_res, efficiency=eff)
         plan = max(0.0, (t_res - bare.seconds_per_token) / work.model.n_layer)
         fits[threads] = plan
-        for name, hw, eff, measured, rates, work in results:
-            p = project(work, hw.with_changes(host={"plan": plan}), rates, efficiency=eff)
+        for name, hw, eff, measured, rates, work, share in results:
+            p = project(work, hw.with_changes(host={"plan": plan, "fill_share": share}), rates, efficiency=eff)
             err = measured / p.seconds_per_token - 1  # projected tok/s / measured tok/s - 1
             if name != settings[0][0]:
                 worst = max(worst, abs(err))
-            rows.append((threads, name, rates, 1 / measured, p.tokens_per_s, err))
+            rows.append((threads, name, rates, 1 / measured, p.tokens_per_s, err, share))
 
     lines = [
         f"### plan fidelity — {date.today()} — {args.backend} backend ({implementation}), {platform.machine()}, {os.cpu_count()} cores",
@@ -278,14 +281,15 @@ def main() -> int:
         f"`python bench/plan_fidelity.py --backend {args.backend} --tokens {args.tokens} --threads {args.threads}` "
         f"(bench-shaped model, engine schedule; prefetch and backfill off)",
         "",
-        "| threads | setting (device + host) | device | host | disk | measured tok/s | projected tok/s | projected / measured − 1 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| threads | setting (device + host) | device | host | disk | of the reads, set into slots (cpu) | measured tok/s | projected tok/s "
+        "| projected / measured − 1 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for threads, name, r, meas, proj, err in rows:
+    for threads, name, r, meas, proj, err, share in rows:
         fit = " (fit)" if name == settings[0][0] else ""
         lines.append(
             f"| {threads} | {name}{fit} | {100 * r.device:.1f}% | {100 * r.host:.1f}% | {100 * r.disk:.1f}% | "
-            f"{meas:.2f} | {proj:.2f} | {100 * err:+.1f}% |"
+            f"{100 * share:.0f}% | {meas:.2f} | {proj:.2f} | {100 * err:+.1f}% |"
         )
     lines.append("")
     for threads, figs in figures.items():
