@@ -192,10 +192,8 @@ class GgmlExperts:
         sizes, found = self._part_sizes[layer], {}
         for e in staged:
             where = self.reads.locate(fetched[e], sizes)
-            if where is not None:
+            if where is not None:  # (one arena: that of the layer's record size)
                 found[e] = where
-        if len({arena for arena, _ in found.values()}) > 1:  # (one arena a layer's record size: never)
-            return {}
         return found
 
     def _install_admitted(self, layer: int, missing: list[int], slot_of: dict[int, int], experts: StepExperts) -> list[int]:

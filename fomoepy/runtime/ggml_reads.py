@@ -110,18 +110,18 @@ class DeviceReads:
 
     def locate(self, parts, sizes: tuple[int, ...]) -> tuple[ReadArena, int] | None:
         """(the arena, the buffer) an expert's parts were read into, each part `sizes[i]` bytes right after
-        the one before (a store record's layout); None where they lie elsewhere."""
-        start = contiguous_address(parts[0])
-        at = start
+        the one before (a store record's layout, read into a buffer of the record's size: `take`'s arena
+        of that size); None where they lie elsewhere."""
+        arena = self.arenas.get(-(-sum(sizes) // ALIGN) * ALIGN)
+        if arena is None:
+            return None
+        start = at = contiguous_address(parts[0])
         for part, size in zip(parts, sizes, strict=True):
             if part.nbytes != size or contiguous_address(part) != at:
                 return None
             at += size
-        for arena in self.arenas.values():
-            i = arena.index_of(start)
-            if i is not None:
-                return arena, i
-        return None
+        i = arena.index_of(start)
+        return None if i is None else (arena, i)
 
     def outputs_of_row_into(self, layer: SlotLayer, row: np.ndarray, slots: list[int], arena: ReadArena, bufs: list[int],
                             threads: int, into: np.ndarray, at_slots, at_bufs) -> None:  # fmt: skip
