@@ -5,6 +5,7 @@ overwrites the bytes the copy has not read yet, every time."""
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from sim_backend import sim_backend
 
 from fomoepy.runtime.pinned import ALIGN, PinnedPool, host_address
+from fomoepy.runtime.shim import GpuError
 from fomoepy.runtime.sim.shim import configure
 
 # max |gpu - cpu| / std(cpu logits): the ladder's GPU tolerance against the exact logits (test_gpu_model.py)
@@ -68,6 +70,86 @@ def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_
     del view
     assert [a for (a, _), _ in pool.returned] == [address]
     assert pool.take(10_000).ctypes.data == address  # the same buffer, handed out again
+
+
+class AllocationLog:
+    """The device's page-locked memory taken (allocated, or registered) and given back, each with the
+    thread that took it; `registers=False`: a driver that registers no host memory."""
+
+    def __init__(self, rt, registers=True):
+        self.rt, self.registers, self.taken, self.given = rt, registers, [], []
+
+    def host_alloc(self, nbytes):
+        address = self.rt.host_alloc(nbytes)
+        self.taken.append(("alloc", address, nbytes, threading.current_thread()))
+        return address
+
+    def host_register(self, address, nbytes):
+        if not self.registers:
+            raise GpuError("cuda: cuMemHostRegister failed: operation not supported")
+        self.rt.host_register(address, nbytes)
+        self.taken.append(("register", address, nbytes, threading.current_thread()))
+
+    def host_free(self, address):
+        self.given.append(address)
+        self.rt.host_free(address)
+
+    def host_unregister(self, address):
+        self.given.append(address)
+        self.rt.host_unregister(address)
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+
+def test_a_growing_size_has_its_next_chunk_taken_on_another_thread_one_ahead():
+    """Taking page-locked memory is slow (tens of ms for 64 MiB on an H200's host), so once a size needs a
+    second chunk, each next chunk is taken on the pool's own thread before a take needs it. One chunk a
+    buffer here: while the buffers are all held (a tier filling), every chunk after the second comes
+    from that thread, and the pool holds exactly one chunk nobody took yet. The chunks are mappings
+    registered with the driver, after one page asked whether it registers any."""
+    dev = sim_backend()
+    log = AllocationLog(dev.rt)
+    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    held = [pool.take(ALIGN) for _ in range(6)]
+    pool.ahead[ALIGN][0].result()  # (the one ahead, taken by now)
+    here = threading.current_thread()
+    probe, *chunks = log.taken
+    assert probe[0] == "register" and probe[2] == mmap.PAGESIZE and log.given == [probe[1]]
+    assert [how for how, *_ in chunks] == ["register"] * 7 and set(pool._mappings) == {a for _, a, _, _ in chunks}
+    assert [thread is here for *_, thread in chunks] == [True, True] + [False] * 5
+    assert set(pool.ahead) == {ALIGN} and len(chunks) == len(held) + 1
+    assert pool.take(2 * ALIGN) is not None and log.taken[-1][-1] is here  # a new size: its first chunk now
+    del held
+    for _ in range(6):  # buffers given back and reused (a full tier): no chunk taken, none more ahead
+        pool.passed_mark(pool.mark())
+        assert pool.take(ALIGN) is not None
+    assert len(log.taken) == 1 + 8
+    pool.close()
+    assert sorted(log.given) == sorted(address for _, address, _, _ in log.taken)  # the one ahead too
+    assert not pool._mappings
+
+
+def test_where_the_driver_registers_no_host_memory_chunks_are_its_own_allocations():
+    dev = sim_backend()
+    log = AllocationLog(dev.rt, registers=False)
+    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    held = [pool.take(ALIGN) for _ in range(3)]
+    pool.ahead[ALIGN][0].result()
+    assert [how for how, *_ in log.taken] == ["alloc"] * (len(held) + 1) and not pool._mappings
+    del held
+    pool.close()
+    assert sorted(log.given) == sorted(address for _, address, _, _ in log.taken)
+
+
+def test_without_taking_ahead_every_chunk_is_taken_by_the_take_that_needs_it():
+    dev = sim_backend()
+    log = AllocationLog(dev.rt)
+    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0, grow_ahead=False)
+    held = [pool.take(ALIGN) for _ in range(4)]
+    chunks = log.taken[1:]
+    assert len(chunks) == len(held) and all(thread is threading.current_thread() for *_, thread in chunks)
+    assert not pool.ahead
 
 
 def test_a_buffer_is_not_reused_while_a_copy_from_it_is_still_queued(deferred):

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import mmap
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+
+from fomoepy.runtime.shim import GpuError
 
 try:  # optional (setup.py): without it the same through ctypes, a microsecond or so more each
     from fomoepy.runtime._host_memory import Lent, address
@@ -61,6 +65,14 @@ def hand_out(address: int, size: int, give_back) -> np.ndarray:
 _ARRAY_TYPES: dict[int, Any] = {}  # ctypes array types by size: a pool's buffers come in a few sizes
 
 
+def _mapping_address(mapping: mmap.mmap) -> int:
+    """A mapping's first byte's address, with no view of it left open (a mapping with one cannot close)."""
+    view = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.addressof(view)
+    del view
+    return address
+
+
 class GiveBack:
     """Hung on a buffer's memory object: when the last view of it goes, so does this, which gives the
     buffer back (cheaper than a weakref.finalize per buffer handed out)."""
@@ -81,11 +93,20 @@ CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a 
 # waiting for a point hold at most this much: about two steps' worth of 7 MiB experts. Past it (points
 # not passing as they should) a take waits, so the pool's idle page-locked memory stays bounded.
 SPARE_BYTES = 4 * CHUNK_BYTES
+# Page-locked memory is slow to take: on an H200's host (driver 580, cuda-python 13.3), 34-40 ms for 64 MiB
+# through the driver's own allocation, which holds the GIL and blocks every other thread's driver calls
+# all the while; a 397B decode step is under 1 ms, and while the host tier fills a step at that shape took
+# a new chunk every dozen steps (bench/host_time.py --real-gpu, 16 tokens warm: p90 34-45 ms a step). Most
+# of that time is the kernel faulting the pages in (an anonymous mapping populated: 26-31 ms, no driver
+# lock, no GIL); registering the faulted pages with the driver then takes 4-5 ms (its lock held, the GIL
+# not). So a chunk is mapped and populated, then registered (`_take_chunk`); and a size that has needed a
+# second chunk is growing, so from then on its next chunk is taken on a thread of its own while the steps
+# run: the take that needs it finds it ready. At most one such chunk per size waits unused.
 
 
 class PinnedPool:
     def __init__(self, rt: Any, copy_streams: list[Any], chunk_bytes: int = CHUNK_BYTES, spare_bytes: int = SPARE_BYTES,
-                 settle_writes: Callable[[int], None] | None = None):  # fmt: skip
+                 settle_writes: Callable[[int], None] | None = None, grow_ahead: bool = True):  # fmt: skip
         self.rt = rt
         self.chunk_bytes = chunk_bytes
         self.spare_bytes = spare_bytes  # given back, not yet known free: past this much a take waits
@@ -109,6 +130,12 @@ class PinnedPool:
         self.passed = 0  # the newest of them known complete (passed_mark)
         self._starts: list[int] = []  # the blocks' usable spans, sorted by start: what `pins` searches
         self._ends: list[int] = []
+        self.grow_ahead = grow_ahead
+        self.chunks: dict[int, int] = {}  # size → chunks taken for it so far
+        self.ahead: dict[int, tuple[Future, int]] = {}  # size → its next chunk being taken (address, buffers)
+        self._taker: ThreadPoolExecutor | None = None  # the thread that takes them
+        self._mappings: dict[int, mmap.mmap] = {}  # a registered chunk's address → its mapping
+        self._registers: bool | None = None  # whether the driver registers host memory (asked at the first chunk)
 
     def take(self, nbytes: int) -> np.ndarray:
         """A pinned uint8 buffer of at least `nbytes`, free of any copy still reading it."""
@@ -180,9 +207,15 @@ class PinnedPool:
             self.free.setdefault(size, deque()).append((address, mark))
 
     def _grow(self, size: int) -> None:
-        """A chunk of buffers of `size`, never handed out yet."""
-        count = max(1, self.chunk_bytes // size)
-        base = self.rt.host_alloc(count * size + ALIGN)
+        """A chunk of buffers of `size`, never handed out yet: the one taken ahead for it (waited for, if
+        still being taken), else one taken now."""
+        ahead = self.ahead.pop(size, None)
+        if ahead is not None:
+            future, count = ahead
+            base = future.result()
+        else:
+            count = max(1, self.chunk_bytes // size)
+            base = self._take_chunk(count * size + ALIGN)
         self.blocks.append(base)
         start = -(-base // ALIGN) * ALIGN
         i = bisect.bisect_right(self._starts, start)
@@ -192,17 +225,70 @@ class PinnedPool:
         for i in reversed(range(count)):  # handed out from the chunk's start
             self.addresses.add(start + i * size)
             fresh.append(start + i * size)
+        self.chunks[size] = self.chunks.get(size, 0) + 1
+        if self.grow_ahead and self.chunks[size] >= 2:  # growing: its next chunk taken meanwhile
+            if self._taker is None:
+                self._taker = ThreadPoolExecutor(1, thread_name_prefix="fomoe-pinned")
+            count = max(1, self.chunk_bytes // size)
+            self.ahead[size] = (self._taker.submit(self._take_chunk, count * size + ALIGN), count)
+
+    def _take_chunk(self, nbytes: int) -> int:
+        """nbytes of page-locked memory: an anonymous mapping the kernel populates, registered with the
+        driver (see above); where the driver registers no host memory, its own allocation."""
+        if self._registers is None:  # (on the taking thread: the first chunk is never taken ahead)
+            self._registers = self._driver_registers()
+        if not self._registers:
+            return self.rt.host_alloc(nbytes)
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+        base = _mapping_address(mapping)
+        try:
+            self.rt.host_register(base, nbytes)
+        except Exception:
+            mapping.close()
+            raise
+        self._mappings[base] = mapping
+        return base
+
+    def _driver_registers(self) -> bool:
+        """Whether the driver registers host memory: asked with one page."""
+        page = mmap.mmap(-1, mmap.PAGESIZE)
+        base = _mapping_address(page)
+        try:
+            self.rt.host_register(base, mmap.PAGESIZE)
+        except GpuError:
+            return False
+        else:
+            self.rt.host_unregister(base)
+            return True
+        finally:
+            page.close()
+
+    def _release_chunk(self, base: int) -> None:
+        mapping = self._mappings.pop(base, None)
+        if mapping is None:
+            self.rt.host_free(base)
+        else:
+            self.rt.host_unregister(base)
+            mapping.close()
 
     def close(self) -> None:
         """Give the pinned memory back once every buffer is back and every copy done; while one is still
-        held (a read in flight at a reset) the memory stays with the process instead of under its feet."""
+        held (a read in flight at a reset) the memory stays with the process instead of under its feet.
+        The chunks taken ahead, never handed out, go back whatever is held."""
+        for future, _ in self.ahead.values():
+            if future.exception() is None:
+                self._release_chunk(future.result())
+        self.ahead.clear()
+        if self._taker is not None:
+            self._taker.shutdown()
+            self._taker = None
         self._collect()
         if sum(len(q) for q in self.free.values()) + sum(len(f) for f in self.fresh.values()) < len(self.addresses):
             return
         for stream in self.copy_streams:
             self.rt.sync(stream)
         for base in self.blocks:
-            self.rt.host_free(base)
+            self._release_chunk(base)
         self.blocks.clear()
         self.free.clear()
         self.fresh.clear()

@@ -71,6 +71,7 @@ enum Status : int {
     LAUNCH_FAILED = 719,
     ILLEGAL_ADDRESS = 700,
     LAUNCH_OUT_OF_RESOURCES = 701,
+    NOT_SUPPORTED = 801,
 };
 
 thread_local std::string last_error;
@@ -327,7 +328,13 @@ EXPORT int sim_malloc(int device, void** out, size_t n) { return allocate(device
 EXPORT int sim_free(void* p) { return release(p, DEVICE); }
 EXPORT int sim_host_alloc(void** out, size_t n) { return allocate(-1, HOST, out, n); }
 EXPORT int sim_host_free(void* p) { return release(p, HOST); }
-EXPORT int sim_host_register(void*, size_t) { return OK; }
+EXPORT int sim_host_register(void*, size_t) {
+    // the null device's host memory is address space only (a host tier larger than the machine): a caller
+    // that would fault pages in to register them takes the driver's own allocation instead, as where a
+    // real driver registers no host memory
+    if (config.null_device) return fail(NOT_SUPPORTED, "null device: host memory is not registered, only allocated");
+    return OK;
+}
 EXPORT int sim_host_unregister(void*) { return OK; }
 
 EXPORT int sim_allocation_count(int device, size_t* count, size_t* bytes) {
