@@ -132,7 +132,7 @@ class PinnedPool:
         self._ends: list[int] = []
         self.grow_ahead = grow_ahead
         self.chunks: dict[int, int] = {}  # size → chunks taken for it so far
-        self.ahead: dict[int, tuple[Future, int]] = {}  # size → its next chunk being taken (address, buffers)
+        self.ahead: dict[int, tuple[Future, int]] = {}  # size → its next chunk being taken: (its address to come, its buffers)
         self._taker: ThreadPoolExecutor | None = None  # the thread that takes them
         self._mappings: dict[int, mmap.mmap] = {}  # a registered chunk's address → its mapping
         self._registers: bool | None = None  # whether the driver registers host memory (asked at the first chunk)
