@@ -71,6 +71,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
     from fomoepy.quants import GGMLQuantizationType
     from fomoepy.runtime.gpu import GpuBackend
     from fomoepy.runtime.gpu_experts import GpuExperts
+    from fomoepy.runtime.pinned import reserve_bytes
     from fomoepy.runtime.shim import DriverShim
 
     shape = shape_by_name(SHAPE)
@@ -91,6 +92,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
     source = NullStore(layers)
     streamer = ExpertStreamer(source, cache, k, download=device.download if policy_demotes(policy) else None,
                               buffers=device.host_buffer, read_ahead_pays=device.read_ahead_pays)  # as the engine builds it (fomoepy.engine)
+    # the host tier's pinned read buffers taken ahead, as the engine does (fomoepy.engine)
+    device.reserve_reads(reserve_bytes(int(HOST_SHARE * store_bytes), [source.slot_nbytes(il) for il in range(n_layer)]))
     step = MoEStep(streamer, device)
 
     n_tokens = args.warm + args.tokens

@@ -33,6 +33,7 @@ from fomoepy.options import EngineOptions
 from fomoepy.runtime.available_memory import available_memory_bytes
 from fomoepy.runtime.backends import make_expert_device, open_backends
 from fomoepy.runtime.heap import return_freed_memory
+from fomoepy.runtime.pinned import reserve_bytes
 from fomoepy.sampling import SamplingParams
 from fomoepy.scheduler import Placement
 from fomoepy.timing import LayerTimer
@@ -105,6 +106,11 @@ class Engine:
                                   download=device.download if device.can_download else None,
                                   buffers=getattr(device, "host_buffer", None),
                                   read_ahead_pays=getattr(device, "read_ahead_pays", None))  # fmt: skip
+        slot_nbytes = getattr(self.source, "slot_nbytes", None)
+        if host and slot_nbytes is not None and hasattr(device, "reserve_reads"):
+            # the host tier's read buffers (a GPU's pinned memory) taken while the first tokens run, not as
+            # the tier fills: each chunk taken then stalled a 397B step for tens of ms
+            device.reserve_reads(reserve_bytes(host, [slot_nbytes(il) for il in range(len(layers))]))
         if not whole:  # a whole tier is filled at load and never misses: its steps skip the cache's plans (ResidentStep)
             # the next layer's prediction (its router, computed on every decode step) serves reading ahead
             # and a recorded trace (its accuracy, for `fomoe plan`) only: without either (--no-prefetch, a

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from sim_backend import sim_backend
 
-from fomoepy.runtime.pinned import ALIGN, PinnedPool, host_address
+from fomoepy.runtime.pinned import ALIGN, PinnedPool, host_address, reserve_bytes
 from fomoepy.runtime.shim import GpuError
 from fomoepy.runtime.sim.shim import configure
 
@@ -112,7 +112,7 @@ def test_a_growing_size_has_its_next_chunk_taken_on_another_thread_one_ahead():
     log = AllocationLog(dev.rt)
     pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
     held = [pool.take(ALIGN) for _ in range(6)]
-    pool.ahead[ALIGN][0].result()  # (the one ahead, taken by now)
+    pool.ahead[ALIGN][0][0].result()  # (the one ahead, taken by now)
     here = threading.current_thread()
     probe, *chunks = log.taken
     assert probe[0] == "register" and probe[2] == mmap.PAGESIZE and log.given == [probe[1]]
@@ -130,12 +130,66 @@ def test_a_growing_size_has_its_next_chunk_taken_on_another_thread_one_ahead():
     assert not pool._mappings
 
 
+def test_a_reserve_takes_its_chunks_on_the_pools_thread_before_any_take_needs_them():
+    dev = sim_backend()
+    log = AllocationLog(dev.rt)
+    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    pool.reserve(ALIGN, 5 * ALIGN)
+    assert len(pool.ahead[ALIGN]) == 5
+    held = [pool.take(ALIGN) for _ in range(6)]  # the five reserved, then one taken ahead as it grows
+    pool.ahead[ALIGN][0][0].result()
+    here = threading.current_thread()
+    probe, *chunks = log.taken
+    assert probe[-1] is here and len(chunks) == len(held) + 1  # (one page asked, on the reserving thread)
+    assert not any(thread is here for *_, thread in chunks)
+    del held
+    pool.close()
+    assert sorted(log.given) == sorted(address for _, address, _, _ in log.taken)
+
+
+def test_a_reserve_not_yet_taken_is_given_back_at_close():
+    dev = sim_backend()
+    log = AllocationLog(dev.rt)
+    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    pool.reserve(ALIGN, 64 * ALIGN)
+    pool.close()
+    assert not pool.ahead and sorted(log.given) == sorted(address for _, address, _, _ in log.taken)
+
+
+def test_a_host_tier_is_reserved_in_proportion_to_each_layers_expert_size():
+    assert reserve_bytes(100, [10, 10, 30]) == {10: 40, 30: 60}
+    assert reserve_bytes(7, [4096]) == {4096: 7}
+
+
+def test_an_engine_with_a_store_takes_its_host_tiers_pinned_memory_at_load(tmp_path):
+    """Opened with a store and a host tier, the engine reserves the tier's read buffers on the pool's
+    thread; its decode then takes no chunk on its own thread."""
+    engine, tokens = sim_store_engine(tmp_path, vram_cache=600_000, ram_cache=1_200_000)
+    pool = engine.experts.device.pool
+    assert sum(len(q) for q in pool.ahead.values()) >= 1
+    here, taken_here = threading.current_thread(), []
+    real_take_chunk = pool._take_chunk
+
+    def take_chunk(nbytes):
+        if threading.current_thread() is here:
+            taken_here.append(nbytes)
+        return real_take_chunk(nbytes)
+
+    pool._take_chunk = take_chunk
+    state = engine.new_state()
+    engine.eval(state, tokens[:8])
+    for t in tokens[8:16]:
+        engine.decode_token(state, int(t))
+    assert pool.chunks and not taken_here
+    engine.close()
+
+
 def test_where_the_driver_registers_no_host_memory_chunks_are_its_own_allocations():
     dev = sim_backend()
     log = AllocationLog(dev.rt, registers=False)
     pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
     held = [pool.take(ALIGN) for _ in range(3)]
-    pool.ahead[ALIGN][0].result()
+    pool.ahead[ALIGN][0][0].result()
     assert [how for how, *_ in log.taken] == ["alloc"] * (len(held) + 1) and not pool._mappings
     del held
     pool.close()
@@ -216,6 +270,7 @@ def test_demoted_experts_bytes_survive_their_buffers_being_handed_out_again_soon
     prepare_store(ORACLE / f"{name}.gguf", [store], progress=False)
     engine = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend="sim", store=(str(store),), vram_cache=600_000, ram_cache=1_200_000))
     device = engine.experts.device
+    device.pool.release_ahead()  # (the chunks the engine reserved at load: this pool grows a buffer at a time)
     device.pool.chunk_bytes, device.pool.spare_bytes = 1, 0
     state, half = engine.new_state(), len(tokens) // 2
     got = np.concatenate([engine.eval(state, tokens[:half], all_logits=True)]

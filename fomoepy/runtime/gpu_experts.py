@@ -155,6 +155,13 @@ class GpuExperts:
         self._tell_pool(self.sides[0])
         return self.pool.take(nbytes)
 
+    def reserve_reads(self, nbytes_by_size: dict[int, int]) -> None:
+        """The pinned chunks of a host tier's read buffers (bytes of each buffer size), taken ahead on the
+        pool's thread from now (fomoepy/runtime/pinned.py: taken as first needed, each stalled a step)."""
+        if self.pool is not None:
+            for size, total in nbytes_by_size.items():
+                self.pool.reserve(size, total)
+
     def _tell_pool(self, side: DeviceSide) -> None:
         """The pinned pool learns which of its join marks a wait for the compute stream has passed."""
         pending = side.joins_pending

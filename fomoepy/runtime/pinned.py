@@ -101,7 +101,18 @@ SPARE_BYTES = 4 * CHUNK_BYTES
 # lock, no GIL); registering the faulted pages with the driver then takes 4-5 ms (its lock held, the GIL
 # not). So a chunk is mapped and populated, then registered (`_take_chunk`); and a size that has needed a
 # second chunk is growing, so from then on its next chunk is taken on a thread of its own while the steps
-# run: the take that needs it finds it ready. At most one such chunk per size waits unused.
+# run: the take that needs it finds it ready. At most one such chunk per size waits unused, besides those a
+# host tier reserves at load (`reserve`).
+
+
+def reserve_bytes(total: int, sizes: list[int]) -> dict[int, int]:
+    """A host tier of `total` bytes over layers whose experts take `sizes` bytes each, as bytes per size:
+    each layer's share in proportion to its expert's size (each layer holding as many experts)."""
+    out: dict[int, int] = {}
+    whole = sum(sizes)
+    for size in sizes:
+        out[size] = out.get(size, 0) + total * size // whole
+    return out
 
 
 class PinnedPool:
@@ -132,7 +143,8 @@ class PinnedPool:
         self._ends: list[int] = []
         self.grow_ahead = grow_ahead
         self.chunks: dict[int, int] = {}  # size → chunks taken for it so far
-        self.ahead: dict[int, tuple[Future, int]] = {}  # size → its next chunk being taken: (its address to come, its buffers)
+        # size → its chunks taken ahead, oldest first: (a future of the chunk's address, its buffer count)
+        self.ahead: dict[int, deque[tuple[Future, int]]] = {}
         self._taker: ThreadPoolExecutor | None = None  # the thread that takes them
         self._mappings: dict[int, mmap.mmap] = {}  # a registered chunk's address → its mapping
         self._registers: bool | None = None  # whether the driver registers host memory (asked at the first chunk)
@@ -206,12 +218,36 @@ class PinnedPool:
             (address, size), mark = self.returned.popleft()
             self.free.setdefault(size, deque()).append((address, mark))
 
+    def reserve(self, nbytes: int, total: int) -> None:
+        """Chunks for about `total` bytes of buffers of `nbytes` each, taken ahead on the pool's thread, in
+        order: a host tier's worth while the model loads and its first tokens run (`reserve_bytes`), so
+        that its filling finds them ready."""
+        size = -(-nbytes // ALIGN) * ALIGN
+        count = max(1, self.chunk_bytes // size)
+        for _ in range(-(-total // (count * size))):
+            self._take_ahead(size, count)
+
+    def release_ahead(self) -> None:
+        """Give back the chunks taken ahead and not yet handed out; those not started are never taken."""
+        for queue in self.ahead.values():
+            for future, _ in queue:
+                if not future.cancel() and future.exception() is None:
+                    self._release_chunk(future.result())
+        self.ahead.clear()
+
+    def _take_ahead(self, size: int, count: int) -> None:
+        if self._registers is None:  # asked here, on the taking thread, before any chunk is taken on the pool's
+            self._registers = self._driver_registers()
+        if self._taker is None:
+            self._taker = ThreadPoolExecutor(1, thread_name_prefix="fomoe-pinned")
+        self.ahead.setdefault(size, deque()).append((self._taker.submit(self._take_chunk, count * size + ALIGN), count))
+
     def _grow(self, size: int) -> None:
-        """A chunk of buffers of `size`, never handed out yet: the one taken ahead for it (waited for, if
-        still being taken), else one taken now."""
-        ahead = self.ahead.pop(size, None)
-        if ahead is not None:
-            future, count = ahead
+        """A chunk of buffers of `size`, never handed out yet: the oldest taken ahead for it (waited for,
+        if still being taken), else one taken now."""
+        ahead = self.ahead.get(size)
+        if ahead:
+            future, count = ahead.popleft()
             base = future.result()
         else:
             count = max(1, self.chunk_bytes // size)
@@ -226,16 +262,13 @@ class PinnedPool:
             self.addresses.add(start + i * size)
             fresh.append(start + i * size)
         self.chunks[size] = self.chunks.get(size, 0) + 1
-        if self.grow_ahead and self.chunks[size] >= 2:  # growing: its next chunk taken meanwhile
-            if self._taker is None:
-                self._taker = ThreadPoolExecutor(1, thread_name_prefix="fomoe-pinned")
-            count = max(1, self.chunk_bytes // size)
-            self.ahead[size] = (self._taker.submit(self._take_chunk, count * size + ALIGN), count)
+        if self.grow_ahead and self.chunks[size] >= 2 and not self.ahead.get(size):  # growing: its next taken meanwhile
+            self._take_ahead(size, max(1, self.chunk_bytes // size))
 
     def _take_chunk(self, nbytes: int) -> int:
         """nbytes of page-locked memory: an anonymous mapping the kernel populates, registered with the
         driver (see above); where the driver registers no host memory, its own allocation."""
-        if self._registers is None:  # (on the taking thread: the first chunk is never taken ahead)
+        if self._registers is None:
             self._registers = self._driver_registers()
         if not self._registers:
             return self.rt.host_alloc(nbytes)
@@ -275,10 +308,7 @@ class PinnedPool:
         """Give the pinned memory back once every buffer is back and every copy done; while one is still
         held (a read in flight at a reset) the memory stays with the process instead of under its feet.
         The chunks taken ahead, never handed out, go back whatever is held."""
-        for future, _ in self.ahead.values():
-            if future.exception() is None:
-                self._release_chunk(future.result())
-        self.ahead.clear()
+        self.release_ahead()
         if self._taker is not None:
             self._taker.shutdown()
             self._taker = None
