@@ -101,6 +101,16 @@ class AllocationLog:
     def __getattr__(self, name):
         return getattr(self.rt, name)
 
+    def all_given_back(self) -> bool:
+        return sorted(self.given) == sorted(address for _, address, _, _ in self.taken)
+
+
+def logged_pool(registers=True, **options):
+    """A pool of one buffer a chunk, none spare, over the simulated device's driver, logged."""
+    dev = sim_backend()
+    log = AllocationLog(dev.rt, registers)
+    return log, PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0, **options)
+
 
 def test_a_growing_size_has_its_next_chunk_taken_on_another_thread_one_ahead():
     """Taking page-locked memory is slow (tens of ms for 64 MiB on an H200's host), so once a size needs a
@@ -108,9 +118,7 @@ def test_a_growing_size_has_its_next_chunk_taken_on_another_thread_one_ahead():
     buffer here: while the buffers are all held (a tier filling), every chunk after the second comes
     from that thread, and the pool holds exactly one chunk nobody took yet. The chunks are mappings
     registered with the driver, after one page asked whether it registers any."""
-    dev = sim_backend()
-    log = AllocationLog(dev.rt)
-    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    log, pool = logged_pool()
     held = [pool.take(ALIGN) for _ in range(6)]
     pool.ahead[ALIGN][0][0].result()  # (the one ahead, taken by now)
     here = threading.current_thread()
@@ -126,14 +134,12 @@ def test_a_growing_size_has_its_next_chunk_taken_on_another_thread_one_ahead():
         assert pool.take(ALIGN) is not None
     assert len(log.taken) == 1 + 8
     pool.close()
-    assert sorted(log.given) == sorted(address for _, address, _, _ in log.taken)  # the one ahead too
+    assert log.all_given_back()  # the one ahead too
     assert not pool._mappings
 
 
 def test_a_reserve_takes_its_chunks_on_the_pools_thread_before_any_take_needs_them():
-    dev = sim_backend()
-    log = AllocationLog(dev.rt)
-    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    log, pool = logged_pool()
     pool.reserve(ALIGN, 5 * ALIGN)
     assert len(pool.ahead[ALIGN]) == 5
     held = [pool.take(ALIGN) for _ in range(6)]  # the five reserved, then one taken ahead as it grows
@@ -144,16 +150,14 @@ def test_a_reserve_takes_its_chunks_on_the_pools_thread_before_any_take_needs_th
     assert not any(thread is here for *_, thread in chunks)
     del held
     pool.close()
-    assert sorted(log.given) == sorted(address for _, address, _, _ in log.taken)
+    assert log.all_given_back()
 
 
 def test_a_reserve_not_yet_taken_is_given_back_at_close():
-    dev = sim_backend()
-    log = AllocationLog(dev.rt)
-    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    log, pool = logged_pool()
     pool.reserve(ALIGN, 64 * ALIGN)
     pool.close()
-    assert not pool.ahead and sorted(log.given) == sorted(address for _, address, _, _ in log.taken)
+    assert not pool.ahead and log.all_given_back()
 
 
 def test_a_host_tier_is_reserved_in_proportion_to_each_layers_expert_size():
@@ -185,21 +189,17 @@ def test_an_engine_with_a_store_takes_its_host_tiers_pinned_memory_at_load(tmp_p
 
 
 def test_where_the_driver_registers_no_host_memory_chunks_are_its_own_allocations():
-    dev = sim_backend()
-    log = AllocationLog(dev.rt, registers=False)
-    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    log, pool = logged_pool(registers=False)
     held = [pool.take(ALIGN) for _ in range(3)]
     pool.ahead[ALIGN][0][0].result()
     assert [how for how, *_ in log.taken] == ["alloc"] * (len(held) + 1) and not pool._mappings
     del held
     pool.close()
-    assert sorted(log.given) == sorted(address for _, address, _, _ in log.taken)
+    assert log.all_given_back()
 
 
 def test_without_taking_ahead_every_chunk_is_taken_by_the_take_that_needs_it():
-    dev = sim_backend()
-    log = AllocationLog(dev.rt)
-    pool = PinnedPool(log, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0, grow_ahead=False)
+    log, pool = logged_pool(grow_ahead=False)
     held = [pool.take(ALIGN) for _ in range(4)]
     chunks = log.taken[1:]
     assert len(chunks) == len(held) and all(thread is threading.current_thread() for *_, thread in chunks)
