@@ -11,6 +11,17 @@ import pytest
 ORACLE = Path(__file__).parent / "fixtures" / "oracle"
 
 
+@pytest.fixture
+def deferred():
+    """The simulated device's streams deferred for the test: queued work runs only when something waits
+    for it, so a missing wait or a buffer reused too early changes the bytes every time."""
+    from fomoepy.runtime.sim.shim import configure
+
+    before = configure(deferred=True)
+    yield
+    configure(**before)
+
+
 @pytest.fixture(scope="session")
 def oracle_dir() -> Path:
     return ORACLE

@@ -28,17 +28,9 @@ from fomoepy.experts.streamer import ExpertStreamer
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec
 from fomoepy.options import EngineOptions
-from fomoepy.runtime.sim.shim import configure
 
 NAME = "qwen3moe_q4_k_m"  # 16 experts, top-4
 PATIENCE = 10.0  # seconds a held read waits for its event before it lets itself go (the test then fails)
-
-
-@pytest.fixture
-def deferred():
-    before = configure(deferred=True)
-    yield
-    configure(**before)
 
 
 class HeldSource:

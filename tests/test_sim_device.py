@@ -19,7 +19,7 @@ from fomoepy.runtime import kernels
 from fomoepy.runtime.kernels import KernelSource
 from fomoepy.runtime.shim import GpuError, PackedParams
 from fomoepy.runtime.sim.build import SimCompiler
-from fomoepy.runtime.sim.shim import SimShim, configure
+from fomoepy.runtime.sim.shim import SimShim
 
 F32 = np.float32
 
@@ -273,13 +273,6 @@ def test_a_device_whose_warps_are_not_32_lanes_is_refused():
 
 
 # -- streams and events ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def deferred():
-    before = configure(deferred=True)
-    yield
-    configure(**before)
 
 
 def test_a_copy_up_ordered_after_another_streams_copy_down_reads_what_it_wrote(binary, deferred):
