@@ -171,6 +171,25 @@ def test_a_demoted_expert_is_in_the_host_tier_once_its_step_returns(deferred_str
     experts.close()
 
 
+def test_an_installed_expert_copied_down_before_any_step_comes_back_whole(deferred_streams):
+    """An install's copy up is queued outside a step, with nothing joining it yet; a copy down of that
+    slot right after (a demotion before any step ran) must follow it on the device: deferred streams run
+    the copy stream only when something waits for it, so a copy down that did not wait reads an empty
+    slot. A step's own copies up fill slots no expert holds yet, which no copy down reads: the copy
+    down does not join those (the reason the install's case is told apart)."""
+    experts, spec, source = expert_tiers(4, host=True)
+    device = experts.device
+    keys = [(0, 3), (0, 5)]
+    for key in keys:
+        device.install(key, source.read(*key))
+    got = [device.download(key) for key in keys]
+    device.sync_downloads()
+    for key, parts in zip(keys, got):
+        for a, b in zip(parts, source.read(*key)):
+            assert np.array_equal(np.frombuffer(np.ascontiguousarray(a), np.uint8), np.frombuffer(np.ascontiguousarray(b), np.uint8)), key
+    experts.close()
+
+
 def test_a_steps_record_splits_its_host_time_at_its_reads():
     """StepTiming.before_reads and after_landed: the host's time in series with a step's reads, from its
     start until they were issued and from the last one's landing to its return (fomoe plan overlaps the

@@ -176,8 +176,10 @@ class GpuExperts:
         return self.slot_layouts[layer].nbytes
 
     def install(self, key: Key, parts: ExpertBytes) -> None:
-        self._side_of[key[0]].fence_launches()
+        side = self._side_of[key[0]]
+        side.fence_launches()
         self.resident[key] = self._upload(key[0], parts)
+        side.installs_unjoined = True
 
     def evict(self, key: Key) -> None:
         buf = self.resident.pop(key, None)
@@ -396,6 +398,7 @@ class GpuExperts:
             side.rt.record(side.copied, side.dev.copy_stream)
             side.rt.wait(side.dev.stream, side.copied)
             side.pending_uploads = 0
+            side.installs_unjoined = False
             side.joins += 1
             side.joined_at = side.compute_syncs.n
             if self.pool is not None:
@@ -484,7 +487,9 @@ class GpuExperts:
         end = layout.end
         # into pinned memory when there is a pool: the DMA needs no bounce, and a later copy up is direct too
         out = self._pinned(end) if self.pool is not None else np.empty(end, np.uint8)
-        if side.pending_uploads:  # an install not yet joined may have filled the slot
+        # an install not yet joined may have filled the slot (a step's own copies up fill slots no expert
+        # holds yet, which no copy down reads: this step's are not joined here, a wait and a record less)
+        if side.installs_unjoined:
             self._join_copies(side)
         if side.joins > side.down_saw_joins:  # the copies up joined so far are done before this reads the slot
             if side.compute_syncs.n <= side.joined_at:  # (a wait for the compute stream since: done)

@@ -61,6 +61,7 @@ class DeviceSide:
         self.copied = self.rt.event()  # the uploads of the layer being prepared are done
         self.computed = self.rt.event()  # recorded after grouped launches that copies into slots must wait for
         self.pending_uploads = 0  # copies issued for the layer being prepared
+        self.installs_unjoined = False  # among them an install's (a slot already resident, which a copy down may read)
         self.free: dict[int, list[DeviceBuffer]] = {}  # evicted or temporary slots by size, for reuse
         # Copies down run on their own stream (dev.down_stream). A slot whose expert was copied down, and a
         # pinned buffer a copy down wrote, may be written or read by a copy up only once the copy stream has
