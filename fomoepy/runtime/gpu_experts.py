@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fomoepy.errors import UnsupportedQuantType
+from fomoepy.experts.cache import Source
 from fomoepy.experts.device import StepExperts
 from fomoepy.experts.policy import Key
 from fomoepy.experts.read_ahead import GPU_READ_AHEAD_PAYS
@@ -96,8 +97,9 @@ class _Begun:
     layer: int
     held: list[int]
     at_hand: list[int]
-    run: _Launch | None  # (None: nothing held, nothing launched)
-    copied: dict[int, DeviceBuffer]  # those at hand, copied up into these slots
+    run: _Launch  # the step's tables, uploaded with every slot, and its arrays
+    slots: dict[int, DeviceBuffer]  # the slots of the experts not held (those at hand and the reads)
+    copied: dict[int, DeviceBuffer]  # of them, those at hand, copied up
 
 
 class GpuExperts:
@@ -215,25 +217,25 @@ class GpuExperts:
         issued: the plan and its evictions never touch the step's own experts. The experts the device tier
         holds are launched (they compute from here on, not from the end of the plan, about 120 µs of host
         time later at the 397B shape), and those whose bytes are at hand (host-tier hits, reads made ahead
-        that landed) are copied up into free slots (the link starts on them here too). The step's tables
-        go up with no slot yet for the reads; compute, given the plan, uploads them again with every slot
-        and makes the rest. A slot taken here before the plan's evictions free their room may be one
-        beyond the tier: at most one step's experts at hand, given back to the free slots by the evictions.
-        Where every expert is held the whole step is launched here. Returns the perf_counter time of its
-        first launch or copy (0.0: none made, nothing held or at hand)."""
+        that landed) are copied up into free slots (the link starts on them here too). Every expert the
+        tier does not hold gets its slot here, the reads' too, so the step's tables go up once, whole:
+        compute, given the plan, only copies and launches the rest. A slot taken here before the plan's
+        evictions free their room may be one beyond the tier: at most one step's experts, given back to
+        the free slots by the evictions. Where every expert is held the whole step is launched here.
+        Returns the perf_counter time of its first launch or copy (0.0: none made, nothing held or at
+        hand: compute then makes the whole step)."""
         if ids.shape[0] != 1:  # (a decode step: one row)
             return 0.0
         resident = self.resident
+        chosen = ids[0].tolist()
         held, early, ptrs = [], [], {}  # (one pass: a decode step's host time is counted in microseconds)
-        for e in ids[0].tolist():
+        for e in chosen:
             buf = resident.get((layer, e))
             if buf is not None:
                 held.append(e)
                 ptrs[e] = buf.ptr
-            else:
-                ptrs[e] = 0  # (its row of the tables waits for compute, which knows its slot)
-                if e in at_hand:
-                    early.append(e)
+            elif e in at_hand:
+                early.append(e)
         if not held and not early:
             return 0.0
         side = self._side_of[layer]
@@ -241,20 +243,26 @@ class GpuExperts:
         if side.down_recorded > side.down_covered:  # the earlier steps' copies down (the slots and buffers these copies may reuse)
             side.cover_downloads()
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
-        launched_at, run = 0.0, None
+        slots = {}  # the slots of the experts the tier does not hold (after the covering: dirty ones may be free now)
+        if len(held) < len(chosen):
+            for e in chosen:
+                if e not in ptrs:
+                    buf = slots[e] = self._take_slot(layer)
+                    ptrs[e] = buf.ptr
+        # the held experts first in the tables (launched now), then those at hand, then the reads
+        run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, ptrs, held if slots else None, early)
+        launched_at = 0.0
         if held:
-            split = len(held) < len(ptrs)
-            run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, ptrs, held if split else None, early)
             launched_at = time.perf_counter()
-            if split:
+            if slots:
                 self._stages(run, 0, run.tables.n_first)
             else:
                 self._grouped(run)
         copied = {}
         for e in early:  # (after the launch: the compute stream is busy first)
             launched_at = launched_at or time.perf_counter()
-            copied[e] = self._upload(layer, at_hand[e], self._take_slot(layer))
-        self._begun = _Begun(layer, held, early, run, copied)
+            copied[e] = self._upload(layer, at_hand[e], slots[e])
+        self._begun = _Begun(layer, held, early, run, slots, copied)
         return launched_at
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
@@ -270,7 +278,7 @@ class GpuExperts:
         side = self._side_of[layer]
         begun, self._begun = self._begun, None
         if begun is not None and begun.layer != layer:  # (a step that failed after its begin: its work is moot)
-            for buf in begun.copied.values():
+            for buf in begun.slots.values():
                 side.free.setdefault(buf.nbytes, []).append(buf)
             begun = None
         copied = begun.copied if begun is not None else {}
@@ -278,22 +286,16 @@ class GpuExperts:
         if side.down_recorded > side.down_covered:  # the earlier steps' copies down (this step's, issued since, go on beside its copies up)
             side.cover_downloads()
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
-        slots: dict[int, DeviceBuffer] = {}
         missing: dict[int, bool] = {}  # expert -> whether its slot joins the device tier (to_device)
-        for item in plan.items:
-            buf = self.resident.get((layer, item.expert))
-            if buf is None:  # the slot its copy fills (begin's, or taken now so that one table names every slot)
-                buf = copied.get(item.expert) or self._take_slot(layer)
-                missing[item.expert] = item.to_device
-            slots[item.expert] = buf
-        for e, buf in copied.items():  # (none: begin copies only the step's experts the plan reads from the host)
-            if slots.get(e) is not buf:
-                raise RuntimeError(f"layer {layer}: expert {e} was copied up before the plan, which did not take it")
-        split = len(missing) not in (0, len(slots))
-        if begun is not None and begun.run is not None:
-            if not missing.keys().isdisjoint(begun.held) or len(begun.held) + len(missing) != len(slots):
-                raise RuntimeError(f"layer {layer}: the experts launched before the plan {begun.held} are not the ones its "
-                                   f"device tier holds now {sorted(set(slots) - set(missing))}")  # fmt: skip
+        if begun is not None:  # every slot taken and the tables up (begin): the plan says which slots join the tier
+            slots = begun.slots
+            for item in plan.items:
+                if item.source is not Source.DEVICE:
+                    missing[item.expert] = item.to_device
+            if missing.keys() != slots.keys():
+                raise RuntimeError(f"layer {layer}: the experts given slots before the plan {sorted(slots)} are not the ones "
+                                   f"its device tier lacks now {sorted(missing)}")  # fmt: skip
+            split = bool(begun.held) and bool(missing)
             run = begun.run
             if not missing:  # the whole step was launched by begin
                 side.launched()
@@ -301,11 +303,16 @@ class GpuExperts:
                 experts.landed()
                 return run.out
             at_hand = [e for e in begun.at_hand if e in experts.fetched]
-            # the tables again, in begin's order, with the slots the copies fill (their rows were empty)
-            run.tables = self._tables(ids, weights, slots, begun.held, begun.at_hand, layer)
-            self._upload_tables(side, run)
             launched = run.tables.n_first  # (begin launched the held experts' stretch)
         else:
+            slots = {}
+            for item in plan.items:
+                buf = self.resident.get((layer, item.expert))
+                if buf is None:  # the slot its copy fills, taken now so that one table names every slot
+                    buf = self._take_slot(layer)
+                    missing[item.expert] = item.to_device
+                slots[item.expert] = buf
+            split = len(missing) not in (0, len(slots))
             at_hand = [e for e in missing if e in experts.fetched]
             run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, {e: buf.ptr for e, buf in slots.items()},
                                 [e for e in slots if e not in missing] if split else None, at_hand)  # fmt: skip
@@ -527,10 +534,6 @@ class GpuExperts:
             return run
         part = dev.empty((T * k, D)) if first is not None or T > DOWN_SUM_MAX_TOKENS else None
         return _Launch(layer, tables, dev.upload(tables.host), h, dev.empty((T * k, F)), part, dev.empty((T, D)))
-
-    def _tables(self, ids: np.ndarray, weights: np.ndarray, slots: dict[int, DeviceBuffer], first: list[int], then: list[int],
-                layer: int) -> MoETables:  # fmt: skip
-        return build_tables(ids, weights, {e: buf.ptr for e, buf in slots.items()}, self.slot_layouts[layer].offsets, first, then)
 
     def _upload_tables(self, side: DeviceSide, run: _Launch) -> None:
         """A decode step's tables into the side's reused device table, on the compute stream (behind the
