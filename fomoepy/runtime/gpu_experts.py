@@ -76,7 +76,7 @@ def gpu_expert_nbytes(layout: LayerExperts) -> int:
     return SlotLayout.of(layout).nbytes
 
 
-@dataclass
+@dataclass(slots=True)
 class _Launch:
     """One layer step's grouped launches: its tables on the device and the arrays its stages write."""
 
@@ -89,7 +89,7 @@ class _Launch:
     out: DeviceArray  # [T, D]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Begun:
     """A decode step's work made before its cache plan (GpuExperts.begin): the experts the device held
     then, launched; those at hand then (after them in the tables), copied up; the launch."""
