@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from fomoepy.errors import UnsupportedQuantType
-from fomoepy.experts.cache import Source
 from fomoepy.experts.device import StepExperts
 from fomoepy.experts.policy import Key
 from fomoepy.experts.read_ahead import GPU_READ_AHEAD_PAYS
@@ -288,13 +287,15 @@ class GpuExperts:
         self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
         missing: dict[int, bool] = {}  # expert -> whether its slot joins the device tier (to_device)
         if begun is not None:  # every slot taken and the tables up (begin): the plan says which slots join the tier
-            slots = begun.slots
+            slots, resident = begun.slots, self.resident
             for item in plan.items:
-                if item.source is not Source.DEVICE:
+                if item.expert in slots:
                     missing[item.expert] = item.to_device
-            if missing.keys() != slots.keys():
-                raise RuntimeError(f"layer {layer}: the experts given slots before the plan {sorted(slots)} are not the ones "
-                                   f"its device tier lacks now {sorted(missing)}")  # fmt: skip
+                elif (layer, item.expert) not in resident:
+                    raise RuntimeError(f"layer {layer}: expert {item.expert} was held before the plan, and is not now")
+            if len(missing) != len(slots):
+                raise RuntimeError(f"layer {layer}: the experts given slots before the plan {sorted(slots)} are not all "
+                                   f"in it {sorted(missing)}")  # fmt: skip
             split = bool(begun.held) and bool(missing)
             run = begun.run
             if not missing:  # the whole step was launched by begin
