@@ -4,6 +4,7 @@ workload (Qwen3.5-397B's shape) and rig (FOMOE's)."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,25 @@ def deferred():
     before = configure(deferred=True)
     yield
     configure(**before)
+
+
+@contextmanager
+def counting_calls(obj, name: str, which=None):
+    """Count the calls of `obj`'s method `name` while the block runs (a test's check that a wait or a copy
+    is made, or is not): yields a one-item list, the count so far. `which(*args)`, when given, picks the
+    calls counted. The counter shadows the class's method on the object and goes with the block."""
+    real, count = getattr(obj, name), [0]
+
+    def counted(*args, **kwargs):
+        if which is None or which(*args, **kwargs):
+            count[0] += 1
+        return real(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    try:
+        yield count
+    finally:
+        delattr(obj, name)
 
 
 @pytest.fixture(scope="session")

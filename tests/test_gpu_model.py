@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ORACLE, open_oracle_engine
+from conftest import ORACLE, counting_calls, open_oracle_engine
 from sim_backend import sim_backend
 
 from fomoepy.errors import FomoeError
@@ -153,17 +153,8 @@ def test_a_decode_step_reads_its_routing_and_the_next_layers_prediction_back_in_
             experts.route_ahead = None  # the step then asks device.route for the prediction, as before
         state = device_state(dev, spec, 64)
         model.forward(tokens[:2], state)
-        syncs, real_sync = [0], dev.rt.sync
-
-        def counted(stream, real_sync=real_sync):
-            syncs[0] += 1
-            return real_sync(stream)
-
-        dev.rt.sync = counted
-        try:
+        with counting_calls(dev.rt, "sync") as syncs:
             logits = [np.asarray(model.forward(np.array([t]), state, phase=Phase.DECODE)) for t in tokens[2:]]
-        finally:
-            del dev.rt.sync
         p = model.experts.streamer.prefetch_stats
         runs.append((syncs[0], np.concatenate(logits), p.predicted, p.correct))
     (with_ahead, logits_a, predicted_a, correct_a), (without, logits_b, predicted_b, correct_b) = runs

@@ -11,6 +11,7 @@ import mmap
 import threading
 
 import numpy as np
+from conftest import counting_calls
 from sim_backend import sim_backend
 
 from fomoepy.runtime.pinned import ALIGN, PinnedPool, host_address, reserve_bytes
@@ -185,17 +186,8 @@ def test_buffers_given_back_together_wait_for_their_copies_once():
     pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=4 * ALIGN, spare_bytes=0)
     held = [pool.take(ALIGN) for _ in range(4)]
     del held
-    waits, real = [0], dev.rt.event_sync
-
-    def counted(event, real=real):
-        waits[0] += 1
-        return real(event)
-
-    dev.rt.event_sync = counted
-    try:
+    with counting_calls(dev.rt, "event_sync") as waits:
         again = [pool.take(ALIGN) for _ in range(4)]
-    finally:
-        del dev.rt.event_sync
     assert waits[0] == 1 and len({a.ctypes.data for a in again}) == 4
 
 
@@ -206,35 +198,28 @@ def test_a_take_that_finds_only_buffers_copies_may_still_read_takes_a_new_one_wh
     # memory stays bounded)
     dev = sim_backend()
     pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=ALIGN)  # one buffer's worth
-    waits, real = [0], dev.rt.event_sync
-
-    def counted(event, real=real):
-        waits[0] += 1
-        return real(event)
-
-    dev.rt.event_sync = counted
     targets = [dev.rt.malloc(ALIGN) for _ in range(2)]
     try:
-        a, b = pool.take(ALIGN), pool.take(ALIGN)
-        a[:], b[:] = 7, 8
-        first, second = a.ctypes.data, b.ctypes.data
-        for buf, target in zip((a, b), targets):
-            dev.rt.htod(target, buf.ctypes.data, ALIGN, dev.copy_stream)  # deferred: queued, not run
-        del a, buf
-        c = pool.take(ALIGN)  # one given back, within the spare: a new buffer, no wait
-        assert waits[0] == 0 and c.ctypes.data not in (first, second)
-        c[:] = 9
-        del b
-        again = pool.take(ALIGN)  # two given back, past the spare: it waits for the copies, then reuses
-        assert waits[0] == 1 and again.ctypes.data == first
-        again[:] = 9
-        for value, target in zip((7, 8), targets):
-            got = np.empty(ALIGN, np.uint8)
-            dev.rt.dtoh(got.ctypes.data, target, ALIGN, dev.copy_stream)
-            dev.rt.sync(dev.copy_stream)
-            assert (got == value).all(), "a copy read a buffer the pool had already handed out again"
+        with counting_calls(dev.rt, "event_sync") as waits:
+            a, b = pool.take(ALIGN), pool.take(ALIGN)
+            a[:], b[:] = 7, 8
+            first, second = a.ctypes.data, b.ctypes.data
+            for buf, target in zip((a, b), targets):
+                dev.rt.htod(target, buf.ctypes.data, ALIGN, dev.copy_stream)  # deferred: queued, not run
+            del a, buf
+            c = pool.take(ALIGN)  # one given back, within the spare: a new buffer, no wait
+            assert waits[0] == 0 and c.ctypes.data not in (first, second)
+            c[:] = 9
+            del b
+            again = pool.take(ALIGN)  # two given back, past the spare: it waits for the copies, then reuses
+            assert waits[0] == 1 and again.ctypes.data == first
+            again[:] = 9
+            for value, target in zip((7, 8), targets):
+                got = np.empty(ALIGN, np.uint8)
+                dev.rt.dtoh(got.ctypes.data, target, ALIGN, dev.copy_stream)
+                dev.rt.sync(dev.copy_stream)
+                assert (got == value).all(), "a copy read a buffer the pool had already handed out again"
     finally:
-        del dev.rt.event_sync
         for target in targets:
             dev.rt.free(target)
 
@@ -278,36 +263,29 @@ def test_a_point_marked_after_buffers_came_back_frees_them_once_passed_and_one_m
     # free of their copies with no driver call; a point marked before they came back proves nothing
     dev = sim_backend()
     pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
-    waits, real = [0], dev.rt.event_sync
-
-    def counted(event, real=real):
-        waits[0] += 1
-        return real(event)
-
-    dev.rt.event_sync = counted
     target = dev.rt.malloc(ALIGN)
     try:
-        buf = pool.take(ALIGN)
-        buf[:] = 7
-        early = pool.mark()  # before the copy below is queued
-        dev.rt.htod(target, buf.ctypes.data, ALIGN, dev.copy_stream)  # deferred: queued, not run
-        del buf
-        pool.passed_mark(early)
-        again = pool.take(ALIGN)  # must wait: the copy reading it is after the passed point
-        assert waits[0] == 1
-        again[:] = 9
-        got = np.empty(ALIGN, np.uint8)
-        dev.rt.dtoh(got.ctypes.data, target, ALIGN, dev.copy_stream)
-        dev.rt.sync(dev.copy_stream)
-        assert (got == 7).all(), "the copy read a buffer the pool had already handed out again"
+        with counting_calls(dev.rt, "event_sync") as waits:
+            buf = pool.take(ALIGN)
+            buf[:] = 7
+            early = pool.mark()  # before the copy below is queued
+            dev.rt.htod(target, buf.ctypes.data, ALIGN, dev.copy_stream)  # deferred: queued, not run
+            del buf
+            pool.passed_mark(early)
+            again = pool.take(ALIGN)  # must wait: the copy reading it is after the passed point
+            assert waits[0] == 1
+            again[:] = 9
+            got = np.empty(ALIGN, np.uint8)
+            dev.rt.dtoh(got.ctypes.data, target, ALIGN, dev.copy_stream)
+            dev.rt.sync(dev.copy_stream)
+            assert (got == 7).all(), "the copy read a buffer the pool had already handed out again"
 
-        dev.rt.htod(target, again.ctypes.data, ALIGN, dev.copy_stream)
-        del again
-        late = pool.mark()  # after the copy: the device's join
-        dev.rt.sync(dev.copy_stream)  # what the device's read-back waits for, in effect
-        pool.passed_mark(late)
-        pool.take(ALIGN)
-        assert waits[0] == 1  # freed by the passed point, no wait of its own
+            dev.rt.htod(target, again.ctypes.data, ALIGN, dev.copy_stream)
+            del again
+            late = pool.mark()  # after the copy: the device's join
+            dev.rt.sync(dev.copy_stream)  # what the device's read-back waits for, in effect
+            pool.passed_mark(late)
+            pool.take(ALIGN)
+            assert waits[0] == 1  # freed by the passed point, no wait of its own
     finally:
-        del dev.rt.event_sync
         dev.rt.free(target)

@@ -236,23 +236,14 @@ def test_a_demoted_experts_copy_down_is_not_waited_for_and_comes_back_right(tmp_
     goes on (the step's reads are issued at once); when such an expert is used again, its copy up follows
     the copy down on the same stream. Under deferred streams (a stream runs only when waited for), the
     logits are still the CPU backend's, and no step waited for the copy stream."""
-    from conftest import open_oracle_engine
+    from conftest import counting_calls, open_oracle_engine
 
     name = "qwen3moe_q4_k_m"
     engine, tokens = sim_store_engine(tmp_path, vram_cache=600_000, ram_cache=4_000_000, prefetch=False)
     dev, device = engine.devices[0], engine.experts.device
-    waits, real_sync = [0], dev.rt.sync
-
-    def sync(stream, real_sync=real_sync):
-        waits[0] += stream is dev.copy_stream
-        return real_sync(stream)
-
-    dev.rt.sync = sync
-    try:
+    with counting_calls(dev.rt, "sync", which=lambda stream: stream is dev.copy_stream) as waits:
         state = engine.new_state()
         got = np.concatenate([engine.decode_token(state, int(t))[None] for t in tokens])
-    finally:
-        del dev.rt.sync
     cpu = open_oracle_engine(name).logits(tokens)
     assert device.downloads > 0 and waits[0] == 0
     assert np.abs(got - cpu).max() / cpu.std() <= LOGIT_TOL
