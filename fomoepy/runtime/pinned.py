@@ -223,7 +223,7 @@ class PinnedPool:
         order: a host tier's worth while the model loads and its first tokens run (`reserve_bytes`), so
         that its filling finds them ready."""
         size = -(-nbytes // ALIGN) * ALIGN
-        count = max(1, self.chunk_bytes // size)
+        count = self._per_chunk(size)
         for _ in range(-(-total // (count * size))):
             self._take_ahead(size, count)
 
@@ -234,6 +234,10 @@ class PinnedPool:
                 if not future.cancel() and future.exception() is None:
                     self._release_chunk(future.result())
         self.ahead.clear()
+
+    def _per_chunk(self, size: int) -> int:
+        """Buffers of `size` bytes in one chunk."""
+        return max(1, self.chunk_bytes // size)
 
     def _take_ahead(self, size: int, count: int) -> None:
         if self._registers is None:  # asked here, on the taking thread, before any chunk is taken on the pool's
@@ -250,7 +254,7 @@ class PinnedPool:
             future, count = ahead.popleft()
             base = future.result()
         else:
-            count = max(1, self.chunk_bytes // size)
+            count = self._per_chunk(size)
             base = self._take_chunk(count * size + ALIGN)
         self.blocks.append(base)
         start = -(-base // ALIGN) * ALIGN
@@ -263,7 +267,7 @@ class PinnedPool:
             fresh.append(start + i * size)
         self.chunks[size] = self.chunks.get(size, 0) + 1
         if self.grow_ahead and self.chunks[size] >= 2 and not self.ahead.get(size):  # growing: its next taken meanwhile
-            self._take_ahead(size, max(1, self.chunk_bytes // size))
+            self._take_ahead(size, self._per_chunk(size))
 
     def _take_chunk(self, nbytes: int) -> int:
         """nbytes of page-locked memory: an anonymous mapping the kernel populates, registered with the
