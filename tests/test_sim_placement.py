@@ -190,6 +190,49 @@ def test_an_installed_expert_copied_down_before_any_step_comes_back_whole(deferr
     experts.close()
 
 
+def test_a_step_that_fails_between_its_begin_and_its_compute_gives_its_slots_back():
+    """GpuExperts.begin takes a slot for every expert the tier lacks before the plan; a plan commit that
+    raises after it (a step that never reaches compute) leaves them with the device. The next step, of
+    the same layer, gives them back rather than computing with that step's tables: every slot the device
+    ever allocated is then held, free or waiting for its copy down, and the steps after compute what
+    steps that never saw the failure compute."""
+    from conftest import counting_calls
+
+    experts, spec, _ = expert_tiers(4, host=True)
+    device, cache = experts.device, experts.streamer.cache
+    want = []
+    clean, _, _ = expert_tiers(4, host=True)
+    for h, exact in steps(spec, 8, seed=1):
+        clean.begin_step(Phase.DECODE)
+        want.append(np.asarray(clean(0, h, exact)))
+        clean.end_step(1)
+    clean.close()
+    got = []
+
+    def failing_commit(plan):
+        raise RuntimeError("commit failed")
+
+    slot = device.slot_layouts[0].nbytes
+    with counting_calls(device.sides[0].rt, "malloc", which=lambda nbytes: nbytes == slot) as allocations:
+        for i, (h, exact) in enumerate(steps(spec, 8, seed=1)):
+            if i == 4:  # this step fails after its begin, then runs again
+                cache.commit = failing_commit
+                experts.begin_step(Phase.DECODE)
+                with pytest.raises(RuntimeError, match="commit failed"):
+                    experts(0, h, exact)
+                del cache.commit
+                assert device._begun is not None and device._begun.slots, "the failed step took no slot: the test proves nothing"
+            experts.begin_step(Phase.DECODE)
+            got.append(np.asarray(experts(0, h, exact)))
+            experts.end_step(1)
+    side = device.sides[0]
+    held = len(device.resident) + sum(len(v) for v in side.free.values()) + len(side.dirty)
+    assert allocations[0] == held, f"{allocations[0]} slots allocated, {held} held"
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert np.array_equal(a, b), f"step {i}"
+    experts.close()
+
+
 def test_a_steps_record_splits_its_host_time_at_its_reads():
     """StepTiming.before_reads and after_landed: the host's time in series with a step's reads, from its
     start until they were issued and from the last one's landing to its return (fomoe plan overlaps the

@@ -94,6 +94,7 @@ class _Begun:
     then, launched; those at hand then (after them in the tables), copied up; the launch."""
 
     layer: int
+    ids: np.ndarray  # the step's own (compute knows its step's begin by them)
     held: list[int]
     at_hand: list[int]
     run: _Launch  # the step's tables, uploaded with every slot, and its arrays
@@ -223,6 +224,8 @@ class GpuExperts:
         the free slots by the evictions. Where every expert is held the whole step is launched here.
         Returns the perf_counter time of its first launch or copy (0.0: none made, nothing held or at
         hand: compute then makes the whole step)."""
+        if self._begun is not None:  # the last step failed between its begin and its compute
+            self._drop_begun()
         if ids.shape[0] != 1:  # (a decode step: one row)
             return 0.0
         resident = self.resident
@@ -261,8 +264,16 @@ class GpuExperts:
         for e in early:  # (after the launch: the compute stream is busy first)
             launched_at = launched_at or time.perf_counter()
             copied[e] = self._upload(layer, at_hand[e], slots[e])
-        self._begun = _Begun(layer, held, early, run, slots, copied)
+        self._begun = _Begun(layer, ids, held, early, run, slots, copied)
         return launched_at
+
+    def _drop_begun(self) -> None:
+        """A step begun and never computed (its plan or a copy down raised between the two): its work is
+        moot, and the slots it took are free again."""
+        begun, self._begun = self._begun, None
+        side = self._side_of[begun.layer]
+        for buf in begun.slots.values():
+            side.free.setdefault(buf.nbytes, []).append(buf)
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
         """h [T, D], ids/weights [T, k] → [T, D] on the device. The experts already in slots are launched
@@ -275,11 +286,9 @@ class GpuExperts:
         experts' work is left, not every miss's."""
         plan = experts.plan
         side = self._side_of[layer]
+        if self._begun is not None and self._begun.ids is not ids:  # another step's (one that failed after its begin)
+            self._drop_begun()
         begun, self._begun = self._begun, None
-        if begun is not None and begun.layer != layer:  # (a step that failed after its begin: its work is moot)
-            for buf in begun.slots.values():
-                side.free.setdefault(buf.nbytes, []).append(buf)
-            begun = None
         copied = begun.copied if begun is not None else {}
         side.fence_launches()  # (before this step's launches: its copies need not wait for them)
         if side.down_recorded > side.down_covered:  # the earlier steps' copies down (this step's, issued since, go on beside its copies up)
