@@ -11,11 +11,14 @@ import mmap
 import threading
 
 import numpy as np
+import pytest
 from conftest import counting_calls
 from sim_backend import sim_backend
 
-from fomoepy.runtime.pinned import ALIGN, PinnedPool, host_address, reserve_bytes
+from fomoepy.runtime.pinned import ALIGN, PinnedPool, PyShelf, Shelf, host_address, reserve_bytes
 from fomoepy.runtime.shim import GpuError
+
+SHELVES = [PyShelf] + ([Shelf] if Shelf is not None else [])  # the definition, and the compiled one where built
 
 
 def test_a_host_address_is_the_first_bytes_whatever_the_array():
@@ -28,10 +31,11 @@ def test_a_host_address_is_the_first_bytes_whatever_the_array():
         assert host_address(a) == a.ctypes.data
 
 
-def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_pinned():
+@pytest.mark.parametrize("shelf", SHELVES)
+def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_pinned(shelf):
     dev = sim_backend()
     # one buffer per chunk, none spare: a take after a give reuses it
-    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0)
+    pool = PinnedPool(dev.rt, [dev.copy_stream], chunk_bytes=ALIGN, spare_bytes=0, shelf=shelf)
     buf = pool.take(10_000)
     assert buf.nbytes == 3 * ALIGN and buf.ctypes.data % ALIGN == 0
     view = buf[100:200]
@@ -42,9 +46,9 @@ def test_a_buffer_comes_back_when_its_last_view_is_dropped_and_is_recognised_as_
     assert not pool.pins(host_address(outside), outside.nbytes)
     address = buf.ctypes.data
     del buf
-    assert not pool.returned  # a view still holds it
+    assert not pool.shelf.returned()  # a view still holds it
     del view
-    assert [a for (a, _), _ in pool.returned] == [address]
+    assert pool.shelf.returned() == [address]
     assert pool.take(10_000).ctypes.data == address  # the same buffer, handed out again
 
 
@@ -289,3 +293,50 @@ def test_a_point_marked_after_buffers_came_back_frees_them_once_passed_and_one_m
             assert waits[0] == 1  # freed by the passed point, no wait of its own
     finally:
         dev.rt.free(target)
+
+
+@pytest.mark.skipif(Shelf is None, reason="the compiled shelf is not built here")
+def test_the_compiled_shelf_hands_out_what_its_definition_does():
+    """Shelf (fomoepy/runtime/_host_memory.c) against PyShelf, the same random run of chunks added, takes,
+    give-backs (arrays dropped, in any order), points marked and passed, copies down written and waits: the
+    same buffers, in the same order, the same settles, the same counts."""
+    rng = np.random.default_rng(7)
+    memory = np.zeros(64 * ALIGN, np.uint8)  # the addresses must be real: the arrays are over them
+    base = host_address(memory) + (-host_address(memory) % ALIGN)
+    runs = []
+    for make in (PyShelf, Shelf):
+        written, settled, log = {}, [], []
+        shelf = make(written, settled.append)
+        held: list[np.ndarray] = []
+        chunks = 0
+        rng = np.random.default_rng(7)
+        for _ in range(600):
+            op = rng.integers(6)
+            size = ALIGN * int(rng.choice([1, 2]))
+            if op == 0 and chunks < 6:  # a chunk of 4 buffers of this size
+                shelf.add_fresh(size, base + chunks * 8 * ALIGN, 4)
+                chunks += 1
+            elif op == 1:
+                buf = shelf.take(size)
+                log.append(("take", size, None if buf is None else host_address(buf) - base, None if buf is None else buf.nbytes))
+                if buf is not None:
+                    held.append(buf)
+            elif op == 2 and held:
+                held.pop(int(rng.integers(len(held))))
+            elif op == 3:
+                shelf.marks += 1
+                if rng.integers(2):
+                    shelf.passed = shelf.marks - int(rng.integers(2))
+            elif op == 4 and held:
+                written[host_address(held[int(rng.integers(len(held)))])] = int(rng.integers(100))
+            elif op == 5:
+                if shelf.waiting(size):
+                    buf = shelf.take_waiting(size)
+                    log.append(("waited", size, host_address(buf) - base))
+                    held.append(buf)
+            log.append(("counts", shelf.waiting(ALIGN), shelf.waiting(2 * ALIGN), len([a - base for a in shelf.returned()])))
+        held.clear()
+        log.append(("held", shelf.held()))
+        runs.append((log, settled, sorted(written)))
+    assert runs[0] == runs[1]
+    assert any(e[0] == "take" and e[2] is None for e in runs[0][0]) and runs[0][1]  # every path was taken

@@ -22,10 +22,10 @@ import numpy as np
 
 from fomoepy.runtime.shim import GpuError
 
-try:  # optional (setup.py): without it the same through ctypes, a microsecond or so more each
-    from fomoepy.runtime._host_memory import Lent, address
+try:  # optional (setup.py): without it the same through ctypes and PyShelf, a microsecond or so more each
+    from fomoepy.runtime._host_memory import Lent, Shelf, address
 except ImportError:
-    Lent = address = None
+    Lent = Shelf = address = None
 
 ALIGN = 4096
 
@@ -85,6 +85,88 @@ class GiveBack:
 
     def __del__(self) -> None:
         self.sink(self.key)
+
+class PyShelf:
+    """A pinned pool's buffers by size: those never handed out (`fresh`, a stack per size: a chunk's are
+    handed out from its start), those given back (`free`, a queue per size, each with the count of points
+    marked when it came back: free of its copies once a later point has passed) and those given back since
+    the last take, by any thread (`_returned`). The definition of fomoepy/runtime/_host_memory.c's Shelf,
+    which the pool uses where it is built: a decode step takes about seven buffers (its reads, the next
+    layer's guesses, its copies down), and each comes back once.
+
+    `written` (address -> number): the buffers a copy down wrote; taking one calls settle(number) first
+    (PinnedPool.written)."""
+
+    def __init__(self, written: dict[int, int], settle: Callable[[int], None] | None):
+        self.written, self.settle = written, settle
+        self.marks = 0  # points marked on the copy streams so far (PinnedPool.mark)
+        self.passed = 0  # the newest of them known complete
+        self.fresh: dict[int, list[int]] = {}
+        self.free: dict[int, deque[tuple[int, int]]] = {}
+        self._returned: deque[tuple[tuple[int, int], int]] = deque()
+
+    def take(self, size: int) -> np.ndarray | None:
+        """A buffer of `size` bytes no copy may still read: one never handed out, else the longest given
+        back whose mark has passed; None when there is none."""
+        if self._returned:
+            self._collect()
+        fresh = self.fresh.get(size)
+        if fresh:  # one never handed out first: those given back age meanwhile
+            return self._lend(fresh.pop(), size)
+        queue = self.free.get(size)
+        if queue and self.passed > queue[0][1]:
+            return self._lend(queue.popleft()[0], size)
+        return None
+
+    def take_waiting(self, size: int) -> np.ndarray:
+        """The longest given back, its mark passed or not (the pool has waited for every copy)."""
+        if self._returned:
+            self._collect()
+        queue = self.free.get(size)
+        if not queue:
+            raise LookupError("no buffer of this size was given back")
+        return self._lend(queue.popleft()[0], size)
+
+    def add_fresh(self, size: int, start: int, count: int) -> None:
+        """A chunk's `count` buffers of `size` bytes from `start`, handed out from its start."""
+        self.fresh.setdefault(size, []).extend(start + i * size for i in reversed(range(count)))
+
+    def waiting(self, size: int) -> int:
+        """Buffers of `size` bytes given back and not taken again."""
+        if self._returned:
+            self._collect()
+        return len(self.free.get(size, ()))
+
+    def held(self) -> int:
+        """Buffers on the shelf, fresh and given back."""
+        self._collect()
+        return sum(map(len, self.fresh.values())) + sum(map(len, self.free.values()))
+
+    def returned(self) -> list[int]:
+        """The addresses given back since the last take."""
+        return [address for (address, _), _ in self._returned]
+
+    def clear(self) -> None:
+        self.fresh.clear()
+        self.free.clear()
+        self._returned.clear()
+
+    def _lend(self, address: int, size: int) -> np.ndarray:
+        if self.written:
+            written = self.written.pop(address, None)
+            if written is not None and self.settle is not None:
+                self.settle(written)
+        return hand_out(address, size, self._given_back)
+
+    def _given_back(self, key: tuple[int, int]) -> None:
+        self._returned.append((key, self.marks))
+
+    def _collect(self) -> None:
+        while self._returned:
+            (address, size), mark = self._returned.popleft()
+            self.free.setdefault(size, deque()).append((address, mark))
+
+
 CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a time (its calls are slow)
 # A buffer given back is free once a point marked after it has passed, about a step later (a step gives
 # back read buffers it does not keep and host-tier evictees). A take that finds only such buffers takes a
@@ -117,7 +199,9 @@ def reserve_bytes(total: int, sizes: list[int]) -> dict[int, int]:
 
 class PinnedPool:
     def __init__(self, rt: Any, copy_streams: list[Any], chunk_bytes: int = CHUNK_BYTES, spare_bytes: int = SPARE_BYTES,
-                 settle_writes: Callable[[int], None] | None = None, grow_ahead: bool = True):  # fmt: skip
+                 settle_writes: Callable[[int], None] | None = None, grow_ahead: bool = True,
+                 shelf: type | None = None):  # fmt: skip
+        """shelf: the buffers' bookkeeping (Shelf where it is built, else PyShelf; a test's choice)."""
         self.rt = rt
         self.chunk_bytes = chunk_bytes
         self.spare_bytes = spare_bytes  # given back, not yet known free: past this much a take waits
@@ -127,18 +211,13 @@ class PinnedPool:
         # host's own (a read landing in the buffer) could be overwritten. `settle_writes(n)` makes the
         # host wait so, for the copies down up to number n (the device's; None: no copy down writes here).
         self.written: dict[int, int] = {}
-        self.settle_writes = settle_writes
         self.copy_streams = copy_streams
-        # size → (address, the points marked when it came back), given back: free of its copies once a point
-        # marked after it is known complete (passed > its mark), then for good (points only pass)
-        self.free: dict[int, deque[tuple[int, int]]] = {}
-        self.fresh: dict[int, list[int]] = {}  # size → addresses never handed out
-        self.returned: deque[tuple[tuple[int, int], int]] = deque()  # ((address, size), marks then), by any thread
+        # the buffers never handed out, and those given back: free of their copies once a point marked after
+        # they came back is known complete (passed > its mark), then for good (points only pass)
+        self.shelf = (shelf or Shelf or PyShelf)(self.written, settle_writes)
         self.blocks: list[int] = []  # what the driver gave, freed at close
         self.addresses: set[int] = set()  # every buffer's start (close counts them back)
         self.events: list[Any] = []  # the events a wait records, reused
-        self.marks = 0  # points marked on the copy streams so far (mark)
-        self.passed = 0  # the newest of them known complete (passed_mark)
         self._starts: list[int] = []  # the blocks' usable spans, sorted by start: what `pins` searches
         self._ends: list[int] = []
         self.grow_ahead = grow_ahead
@@ -152,29 +231,18 @@ class PinnedPool:
     def take(self, nbytes: int) -> np.ndarray:
         """A pinned uint8 buffer of at least `nbytes`, free of any copy still reading it."""
         size = -(-nbytes // ALIGN) * ALIGN
-        if self.returned:
-            self._collect()
-        queue = self.free.get(size)
-        fresh = self.fresh.get(size)
-        if fresh:  # one never handed out first: those given back age meanwhile
-            address = fresh.pop()
-        elif queue and self.passed > queue[0][1]:
-            address, _ = queue.popleft()  # the longest given back: free of its copies (marked, passed)
-        elif not queue or len(queue) * size <= self.spare_bytes:
+        buf = self.shelf.take(size)  # one never handed out, else the longest given back and free of its copies
+        if buf is not None:
+            return buf
+        waiting = self.shelf.waiting(size)
+        if not waiting or waiting * size <= self.spare_bytes:
             # none given back is known free of its copies (they came back after the last point marked): a
             # new chunk, while those waiting for a point are few
             self._grow(size)
-            address = self.fresh[size].pop()
-        else:  # spare spent: wait for every copy queued, which frees all given back so far, at once
-            self._wait_for_copies()
-            address, _ = queue.popleft()
-        if self.written:
-            written = self.written.pop(address, None)
-            if written is not None and self.settle_writes is not None:
-                self.settle_writes(written)
-        if Lent is not None:  # (hand_out's, inline: a step takes several)
-            return np.frombuffer(Lent(address, size, (address, size), self._given_back), np.uint8)
-        return hand_out(address, size, self._given_back)
+            return self.shelf.take(size)
+        # spare spent: wait for every copy queued, which frees all given back so far, at once
+        self._wait_for_copies()
+        return self.shelf.take_waiting(size)
 
     def device_writes(self, address: int, number: int) -> None:
         """Copy down `number` writes the buffer at `address` (see `written`)."""
@@ -189,13 +257,26 @@ class PinnedPool:
     def mark(self) -> int:
         """The device marked a point on the copy streams (an event recorded after its copies, which its
         compute stream waits for); returns its number, for `passed`."""
-        self.marks += 1
-        return self.marks
+        self.shelf.marks += 1
+        return self.shelf.marks
 
     def passed_mark(self, mark: int) -> None:
         """Point `mark` is known complete (the device waited for work ordered after it): every copy queued
         before it is done."""
-        self.passed = max(self.passed, mark)
+        if mark > self.shelf.passed:
+            self.shelf.passed = mark
+
+    @property
+    def passed(self) -> int:
+        return self.shelf.passed
+
+    @property
+    def settle_writes(self) -> Callable[[int], None] | None:
+        return self.shelf.settle
+
+    @settle_writes.setter
+    def settle_writes(self, settle: Callable[[int], None] | None) -> None:
+        self.shelf.settle = settle
 
     def _wait_for_copies(self) -> None:
         """Every copy queued on the copy streams so far is done: events recorded now, waited for (a later
@@ -205,18 +286,8 @@ class PinnedPool:
             self.rt.record(event, stream)
             self.rt.event_sync(event)
             self.events.append(event)
-        self.marks += 1  # a point past every buffer given back so far, complete
-        self.passed = self.marks
-
-    def _given_back(self, key: tuple[int, int]) -> None:
-        """(address, size) came back, from any thread: noted with the points marked by then."""
-        self.returned.append((key, self.marks))
-
-    def _collect(self) -> None:
-        """Buffers given back since the last take, each with the points marked when it came back."""
-        while self.returned:
-            (address, size), mark = self.returned.popleft()
-            self.free.setdefault(size, deque()).append((address, mark))
+        self.shelf.marks += 1  # a point past every buffer given back so far, complete
+        self.shelf.passed = self.shelf.marks
 
     def reserve(self, nbytes: int, total: int) -> None:
         """Chunks for about `total` bytes of buffers of `nbytes` each, taken ahead on the pool's thread, in
@@ -261,10 +332,8 @@ class PinnedPool:
         i = bisect.bisect_right(self._starts, start)
         self._starts.insert(i, start)
         self._ends.insert(i, start + count * size)
-        fresh = self.fresh.setdefault(size, [])
-        for i in reversed(range(count)):  # handed out from the chunk's start
-            self.addresses.add(start + i * size)
-            fresh.append(start + i * size)
+        self.addresses.update(range(start, start + count * size, size))
+        self.shelf.add_fresh(size, start, count)
         self.chunks[size] = self.chunks.get(size, 0) + 1
         if self.grow_ahead and self.chunks[size] >= 2 and not self.ahead.get(size):  # growing: its next taken meanwhile
             self._take_ahead(size, self._per_chunk(size))
@@ -316,16 +385,14 @@ class PinnedPool:
         if self._taker is not None:
             self._taker.shutdown()
             self._taker = None
-        self._collect()
-        if sum(len(q) for q in self.free.values()) + sum(len(f) for f in self.fresh.values()) < len(self.addresses):
+        if self.shelf.held() < len(self.addresses):
             return
         for stream in self.copy_streams:
             self.rt.sync(stream)
         for base in self.blocks:
             self._release_chunk(base)
         self.blocks.clear()
-        self.free.clear()
-        self.fresh.clear()
+        self.shelf.clear()
         self.written.clear()
         self.addresses.clear()
         self._starts.clear()
