@@ -224,21 +224,27 @@ static PyObject *lend(Shelf *s, uint64_t address, Py_ssize_t size) {
     return out;
 }
 
+/* the size a method was asked about, and its class (NULL: none yet), the buffers given back collected first */
+static int asked(Shelf *s, PyObject *arg, Py_ssize_t *size, SizeClass **c) {
+    *size = PyLong_AsSsize_t(arg);
+    if ((*size == -1 && PyErr_Occurred()) || (s->n_returned && collect(s))) return -1;
+    *c = size_class(s, *size, 0);
+    return 0;
+}
+
 static PyObject *Shelf_take(Shelf *s, PyObject *arg) {
-    Py_ssize_t size = PyLong_AsSsize_t(arg);
-    if (size == -1 && PyErr_Occurred()) return NULL;
-    if (s->n_returned && collect(s)) return NULL;
-    SizeClass *c = size_class(s, size, 0);
+    Py_ssize_t size;
+    SizeClass *c;
+    if (asked(s, arg, &size, &c)) return NULL;
     if (c && c->n_fresh) return lend(s, c->fresh[--c->n_fresh], size);
     if (c && c->n && c->ring[c->head].mark < s->passed) return lend(s, ring_pop(c), size);
     Py_RETURN_NONE;
 }
 
 static PyObject *Shelf_take_waiting(Shelf *s, PyObject *arg) {
-    Py_ssize_t size = PyLong_AsSsize_t(arg);
-    if (size == -1 && PyErr_Occurred()) return NULL;
-    if (s->n_returned && collect(s)) return NULL;
-    SizeClass *c = size_class(s, size, 0);
+    Py_ssize_t size;
+    SizeClass *c;
+    if (asked(s, arg, &size, &c)) return NULL;
     if (!c || !c->n) {
         PyErr_SetString(PyExc_LookupError, "no buffer of this size was given back");
         return NULL;
@@ -261,10 +267,9 @@ static PyObject *Shelf_add_fresh(Shelf *s, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyObject *Shelf_waiting(Shelf *s, PyObject *arg) {
-    Py_ssize_t size = PyLong_AsSsize_t(arg);
-    if (size == -1 && PyErr_Occurred()) return NULL;
-    if (s->n_returned && collect(s)) return NULL;
-    SizeClass *c = size_class(s, size, 0);
+    Py_ssize_t size;
+    SizeClass *c;
+    if (asked(s, arg, &size, &c)) return NULL;
     return PyLong_FromSize_t(c ? c->n : 0);
 }
 
