@@ -15,7 +15,14 @@ import pytest
 from conftest import counting_calls
 from sim_backend import sim_backend
 
-from fomoepy.runtime.pinned import ALIGN, PinnedPool, PyShelf, Shelf, host_address, reserve_bytes
+from fomoepy.runtime.pinned import (
+    ALIGN,
+    PinnedPool,
+    PyShelf,
+    Shelf,
+    host_address,
+    reserve_bytes,
+)
 from fomoepy.runtime.shim import GpuError
 
 SHELVES = [PyShelf] + ([Shelf] if Shelf is not None else [])  # the definition, and the compiled one where built
@@ -300,7 +307,6 @@ def test_the_compiled_shelf_hands_out_what_its_definition_does():
     """Shelf (fomoepy/runtime/_host_memory.c) against PyShelf, the same random run of chunks added, takes,
     give-backs (arrays dropped, in any order), points marked and passed, copies down written and waits: the
     same buffers, in the same order, the same settles, the same counts."""
-    rng = np.random.default_rng(7)
     memory = np.zeros(64 * ALIGN, np.uint8)  # the addresses must be real: the arrays are over them
     base = host_address(memory) + (-host_address(memory) % ALIGN)
     runs = []
@@ -309,7 +315,7 @@ def test_the_compiled_shelf_hands_out_what_its_definition_does():
         shelf = make(written, settled.append)
         held: list[np.ndarray] = []
         chunks = 0
-        rng = np.random.default_rng(7)
+        rng = np.random.default_rng(7)  # (the same run for both)
         for _ in range(600):
             op = rng.integers(6)
             size = ALIGN * int(rng.choice([1, 2]))
@@ -329,11 +335,10 @@ def test_the_compiled_shelf_hands_out_what_its_definition_does():
                     shelf.passed = shelf.marks - int(rng.integers(2))
             elif op == 4 and held:
                 written[host_address(held[int(rng.integers(len(held)))])] = int(rng.integers(100))
-            elif op == 5:
-                if shelf.waiting(size):
-                    buf = shelf.take_waiting(size)
-                    log.append(("waited", size, host_address(buf) - base))
-                    held.append(buf)
+            elif op == 5 and shelf.waiting(size):
+                buf = shelf.take_waiting(size)
+                log.append(("waited", size, host_address(buf) - base))
+                held.append(buf)
             log.append(("counts", shelf.waiting(ALIGN), shelf.waiting(2 * ALIGN), len([a - base for a in shelf.returned()])))
         held.clear()
         log.append(("held", shelf.held()))

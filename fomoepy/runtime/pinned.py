@@ -86,6 +86,7 @@ class GiveBack:
     def __del__(self) -> None:
         self.sink(self.key)
 
+
 class PyShelf:
     """A pinned pool's buffers by size: those never handed out (`fresh`, a stack per size: a chunk's are
     handed out from its start), those given back (`free`, a queue per size, each with the count of points
@@ -263,8 +264,7 @@ class PinnedPool:
     def passed_mark(self, mark: int) -> None:
         """Point `mark` is known complete (the device waited for work ordered after it): every copy queued
         before it is done."""
-        if mark > self.shelf.passed:
-            self.shelf.passed = mark
+        self.shelf.passed = max(self.shelf.passed, mark)
 
     @property
     def passed(self) -> int:
