@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -361,9 +360,11 @@ def gpu_split(gpu: dict) -> str:
 
 
 def report(gpu: dict, cpu: dict, args: argparse.Namespace, gpu_python: dict) -> str:
+    from results import processor
+
     c = cpu["split_median_us"]
     lines = [
-        f"### host_time — {date.today()} — {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        f"### host_time — {date.today()} — {processor()}, {os.cpu_count()} cores",  # (its figures hold for this processor)
         "",
         f"`python bench/host_time.py --tokens {args.tokens} --warm {args.warm} --repeats {args.repeats}`: µs of host time per MoE layer step",
         "",
