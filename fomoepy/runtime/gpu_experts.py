@@ -277,9 +277,7 @@ class GpuExperts:
         """A step begun and never computed (its plan or a copy down raised between the two): its work is
         moot, and the slots it took are free again."""
         begun, self._begun = self._begun, None
-        side = self._side_of[begun.layer]
-        for buf in begun.slots.values():
-            side.free.setdefault(buf.nbytes, []).append(buf)
+        self._side_of[begun.layer].reuse(begun.slots.values())
 
     def compute(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> DeviceArray:
         """h [T, D], ids/weights [T, k] → [T, D] on the device. The experts already in slots are launched
@@ -376,8 +374,7 @@ class GpuExperts:
             # the slots no launch reads are free again; a later copy into a slot the launches above read
             # (one evicted next) waits for them
             side.launched()
-            for buf in [slots[e] for e in missing] + temporary:
-                side.free.setdefault(buf.nbytes, []).append(buf)
+            side.reuse([slots[e] for e in missing] + temporary)
             raise
         self._join_copies(side)
         if split:
@@ -387,8 +384,8 @@ class GpuExperts:
             experts.launched_at = experts.launched_at or time.perf_counter()  # (every expert in a slot, or none was: all at once)
             self._grouped(run)
         side.launched()
-        for buf in temporary:
-            side.free.setdefault(buf.nbytes, []).append(buf)
+        if temporary:
+            side.reuse(temporary)
         side.record_downloads()  # this step's copies down: the next step's copies up wait for them
         experts.landed()  # the reads' bookkeeping (host admissions), after the launches: it delays no kernel
         return run.out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -101,6 +102,12 @@ class DeviceSide:
             for a in arrays[1:]:
                 self.rt.memset32(a.ptr, self.dev.poison, a.nbytes // 4, self.dev.stream)
         return arrays
+
+    def reuse(self, slots: Iterable[DeviceBuffer]) -> None:
+        """These slots are free for the next copies up (no copy down reads them). (An eviction, the one a
+        step makes most, files its slot inline.)"""
+        for buf in slots:
+            self.free.setdefault(buf.nbytes, []).append(buf)
 
     def cover_downloads(self, upto: int | None = None) -> None:
         """The copy stream waits for the copies down up to `upto` (default: those recorded, that is the
