@@ -154,12 +154,9 @@ class GpuExperts:
     def _pinned(self, nbytes: int) -> np.ndarray:
         """A buffer of the pinned pool (one device), the pool first told which of its join marks a wait
         for the compute stream has passed since: the buffers given back before them are free of their
-        copies, with no event to wait for. (A step takes about seven: the pool's check and its shelf's
-        take inline, the pool's own take only where the shelf has none ready.)"""
-        side = self.sides[0]
-        pending = side.joins_pending
-        if pending and pending[0][1] < side.compute_syncs.n:
-            self.pool.passed_mark(side.joins_passed())
+        copies, with no event to wait for. (A step takes about seven: its shelf's take inline, the pool's
+        own take only where the shelf has none ready.)"""
+        self._tell_pool(self.sides[0])
         buf = self._take_ready(-(-nbytes // ALIGN) * ALIGN)
         return buf if buf is not None else self.pool.take(nbytes)
 
@@ -173,7 +170,7 @@ class GpuExperts:
     def _tell_pool(self, side: DeviceSide) -> None:
         """The pinned pool learns which of its join marks a wait for the compute stream has passed."""
         pending = side.joins_pending
-        if pending and pending[0][1] < side.compute_syncs.n:  # (asked at every take: the common no, inline)
+        if pending and pending[0][1] < side.compute_syncs.n:  # (asked at every take: the common no)
             self.pool.passed_mark(side.joins_passed())
 
     def side(self, layer: int) -> DeviceSide:
