@@ -3,7 +3,8 @@ Python code they stand in for serves (the same results, more host time per step)
 
 - fomoepy/experts/_cache_core.c: the expert cache's bookkeeping; without it fomoepy.experts.fast_cache
   falls back to the Python cache (the same decisions). -ffp-contract=off: the core must round as Python
-  does (no fused multiply-adds), so its scores and their ties match the Python policies exactly.
+  does (no fused multiply-adds), so its scores and their ties match the Python policies exactly. Its
+  thread, which plans and commits beside a GPU step (_core_worker.h), is POSIX threads: -pthread.
 - fomoepy/runtime/_driver_calls.c: a decode step's launches, copies and event calls through the GPU
   bindings' own C function pointers; without it fomoepy.runtime.shim calls the bindings' Python functions.
 - fomoepy/runtime/_moe_tables.c: a decode step's grouped-launch tables packed in C; without it
@@ -17,16 +18,18 @@ from setuptools import Extension, setup
 WARNINGS = ["-Wall", "-Wno-missing-braces"]
 
 
-def optional(module: str, *flags: str) -> Extension:
-    """One compiled part, from the C file named like its module: built where a C compiler is; where not, the
-    install goes on and the Python code it stands in for serves."""
+def optional(module: str, *flags: str, depends: tuple[str, ...] = ()) -> Extension:
+    """One compiled part, from the C file named like its module (and the headers it includes, `depends`: a
+    change to one rebuilds it): built where a C compiler is; where not, the install goes on and the Python
+    code it stands in for serves."""
     source = module.replace(".", "/") + ".c"
-    return Extension(module, [source], extra_compile_args=["-O2", "-std=c11", *flags, *WARNINGS], optional=True)
+    return Extension(module, [source], depends=list(depends), extra_compile_args=["-O2", "-std=c11", *flags, *WARNINGS],
+                     extra_link_args=[f for f in flags if f == "-pthread"], optional=True)  # fmt: skip
 
 
 setup(
     ext_modules=[
-        optional("fomoepy.experts._cache_core", "-ffp-contract=off"),
+        optional("fomoepy.experts._cache_core", "-ffp-contract=off", "-pthread", depends=("fomoepy/experts/_core_worker.h",)),
         optional("fomoepy.runtime._driver_calls"),
         optional("fomoepy.runtime._moe_tables"),
         optional("fomoepy.runtime._host_memory"),

@@ -90,7 +90,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
                         int(HOST_SHARE * store_bytes), make_policy(policy), make_policy(policy), device_expert_bytes=unit)  # fmt: skip
     source = NullStore(layers)
     streamer = ExpertStreamer(source, cache, k, download=device.download if policy_demotes(policy) else None,
-                              buffers=device.host_buffer, read_ahead_pays=device.read_ahead_pays)  # as the engine builds it (fomoepy.engine)
+                              buffers=device.host_buffer, read_ahead_pays=device.read_ahead_pays,
+                              plans_beside=device.plans_beside)  # as the engine builds it (fomoepy.engine)
     # the host tier's pinned read buffers taken ahead, as the engine does (fomoepy.engine)
     device.reserve_reads(reserve_bytes(int(HOST_SHARE * store_bytes), [source.slot_nbytes(il) for il in range(n_layer)]))
     step = MoEStep(streamer, device)

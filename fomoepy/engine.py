@@ -105,7 +105,8 @@ class Engine:
         streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace,
                                   download=device.download if device.can_download else None,
                                   buffers=getattr(device, "host_buffer", None),
-                                  read_ahead_pays=getattr(device, "read_ahead_pays", None))  # fmt: skip
+                                  read_ahead_pays=getattr(device, "read_ahead_pays", None),
+                                  plans_beside=getattr(device, "plans_beside", False))  # fmt: skip
         slot_nbytes = getattr(self.source, "slot_nbytes", None)
         if host and slot_nbytes is not None and hasattr(device, "reserve_reads"):
             # the host tier's read buffers (a GPU's pinned memory) taken while the first tokens run, not as

@@ -9,7 +9,9 @@ first, co-use rows truncated and halved, announcements reordering victims, demot
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 
 import numpy as np
 import pytest
@@ -55,8 +57,11 @@ def plan_of(plan) -> tuple:
     return (plan.layer, tuple(plan.items), plan.device_evictions, plan.host_evictions, plan.generation, plan.demotions)
 
 
-def replay(seed: int, kind: str, steps: int = 300, batched: bool = False) -> int:
-    """Returns the number of evictions seen (the stream must exercise them to prove anything)."""
+def replay(seed: int, kind: str, steps: int = 300, batched: bool = False, soon: bool = False) -> tuple[int, int]:
+    """Returns the number of evictions seen (the stream must exercise them to prove anything) and the jobs the
+    core ran on its own thread. soon: the core
+    plans and commits on its own thread (plan_soon, commit_soon), asked between a plan's start and its taking
+    as a step asks it (uncached)."""
     rng = np.random.default_rng(seed)
     n_layer, n_expert = int(rng.integers(1, 5)), int(rng.integers(4, 24))
     k = int(rng.integers(1, min(6, n_expert) + 1))
@@ -104,9 +109,16 @@ def replay(seed: int, kind: str, steps: int = 300, batched: bool = False) -> int
             ids = np.stack([rng.choice(n_expert, k, replace=False, p=p) for _ in range(rows)])
             # a step of several sequences (a batched decode: co-use per sequence), or of one (None)
             seqs = rng.choice([0, 5, 7, 1 << 40], rows) if batched and rng.random() < 0.6 else None
-            a, b = ref.plan(layer, ids, seqs), core.plan(layer, ids, seqs)
+            if soon:
+                planned = core.plan_soon(layer, ids, seqs)
+                if rng.random() < 0.5:  # a query while the plan is made waits for it
+                    asked = list(range(n_expert))
+                    assert core.uncached(layer, asked) == ref.uncached(layer, asked)
+                a, b = ref.plan(layer, ids, seqs), planned()
+            else:
+                a, b = ref.plan(layer, ids, seqs), core.plan(layer, ids, seqs)
             assert plan_of(a) == plan_of(b), f"step {step}: plan"
-            ref.commit(a), core.commit(b)
+            ref.commit(a), core.commit_soon(b) if soon else core.commit(b)
             in_flight.append((a, b))
             if len(in_flight) > int(rng.integers(0, 3)):
                 a, b = in_flight.pop(0)
@@ -116,18 +128,26 @@ def replay(seed: int, kind: str, steps: int = 300, batched: bool = False) -> int
                 ref.tick(1), core.tick(1)
         assert state_of(ref) == state_of(core), f"step {step}"
     summary = ref.stats.summary()
-    return summary["device"]["evicted"] + summary["host"]["evicted"]
+    return summary["device"]["evicted"] + summary["host"]["evicted"], core._core.thread_jobs
 
 
 @pytest.mark.parametrize("kind", ["admit", "demote", "cooc"])
 def test_the_core_decides_as_the_python_cache_does(kind):
-    evictions = sum(replay(seed, kind) for seed in range(24))
+    evictions = sum(replay(seed, kind)[0] for seed in range(24))
     assert evictions > 600  # the streams did make the policies choose
 
 
 def test_the_core_learns_co_use_per_sequence_as_the_python_cache_does():
-    evictions = sum(replay(seed, "cooc", batched=True) for seed in range(40, 64))
+    evictions = sum(replay(seed, "cooc", batched=True)[0] for seed in range(40, 64))
     assert evictions > 600
+
+
+@pytest.mark.parametrize("kind", ["demote", "cooc"])
+def test_the_core_decides_on_its_own_thread_as_the_python_cache_does(kind):
+    evictions, jobs = np.sum([replay(seed, kind, soon=True, batched=kind == "cooc") for seed in range(100, 116)], axis=0)
+    assert evictions > 400
+    if len(os.sched_getaffinity(0)) > 1:  # (one CPU: the jobs run inline, on the caller's thread)
+        assert jobs > 1000
 
 
 def test_the_engine_policies_run_on_the_core():
@@ -156,3 +176,65 @@ def test_a_stale_plan_and_bad_ids_are_refused_as_the_python_cache_refuses_them()
         cache.mark_ready(plan)
         cache.release(plan)
         cache.release(plan)
+
+
+def _planned_and_committed(cache, layer: int, ids: list[int]):
+    plan = cache.plan_soon(layer, ids)()
+    cache.commit_soon(plan)
+    cache.mark_ready(plan)
+    cache.release(plan)
+    return plan
+
+
+def test_a_commit_that_fails_on_the_cores_thread_is_raised_by_the_next_call():
+    cache = make_cache(8, [100] * 2, 300, 500, make_policy("lfu-cooc"), make_policy("lfu-cooc"))
+    plan = _planned_and_committed(cache, 0, [1, 2])
+    assert plan.items[0].to_device
+    # the same plan applied again (the Python check of its generation passed by): the admission is refused
+    # on the core's thread, where no Python error can be raised; the next call into the cache raises it
+    cache._core.commit_soon(plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
+    with pytest.raises(RuntimeError, match=r"the cache's commit of layer 0 failed: tier device: \(0, 1\) admitted twice"):
+        cache.uncached(0, [1])
+    assert cache.uncached(0, [1, 5]) == [5]  # raised once: the cache answers again
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux's /proc and 2 CPUs")
+def test_the_cores_thread_ends_with_its_cache():
+    gc.collect()  # (the caches of the tests before, and their threads, gone first)
+    before = _threads()
+    caches = [make_cache(8, [100] * 2, 300, 500, make_policy("lfu-cooc"), make_policy("lfu-cooc")) for _ in range(3)]
+    for cache in caches:
+        _planned_and_committed(cache, 1, [3])
+    assert _threads() == before + 3 and all(cache._core.thread_jobs == 2 for cache in caches)
+    del cache, caches
+    gc.collect()  # (a cache and its tiers' views hold each other)
+    assert _threads() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs fork and 2 CPUs")
+def test_a_forked_child_plans_on_a_thread_of_its_own():
+    cache = make_cache(8, [100] * 2, 300, 500, make_policy("lfu-cooc"), make_policy("lfu-cooc"))
+    _planned_and_committed(cache, 0, [1])
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's thread is not here; its first job starts one
+        try:
+            plan = _planned_and_committed(cache, 0, [2, 6])
+            os._exit(0 if cache._core.thread_jobs == 4 and [i.expert for i in plan.items] == [2, 6] else 3)
+        finally:
+            os._exit(4)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's plan never came: it waited for the parent's thread")
+    assert cache._core.thread_jobs == 2  # (the parent's own, untouched)

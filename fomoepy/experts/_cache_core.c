@@ -11,13 +11,20 @@
  * same libm pow and log2), so scores and their ties agree exactly, not nearly.
  *
  * Keys are flat: key = layer * n_expert + expert, so (layer, expert) tuple order is integer order.
+ *
+ * plan_soon and commit_soon make a plan and apply one on the core's own thread (_core_worker.h), without the
+ * GIL, while the caller goes on in Python; every entry point waits for that job first. So the functions a
+ * job runs touch no Python object: a failure is kept on the core (core_fail) and raised by the caller.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdarg.h>
 #include <string.h>
+
+#include "_core_worker.h"
 
 enum { EMPTY = 0, LOADING = 1, READY = 2 };
 enum { SRC_DEVICE = 0, SRC_HOST = 1, SRC_DISK = 2 };
@@ -81,6 +88,32 @@ HEAP(EntryHeap, Entry, entry_less)
 HEAP(PendingHeap, Pending, pending_less)
 HEAP(KeyHeap, int32_t, int_less)
 
+typedef struct { int32_t *a; size_t n, cap; } Keys;
+
+/* A plan made on the core's thread (plan_soon): its input, and what Core_plan returns, as C arrays until
+   take_plan makes them Python's */
+typedef struct {
+    int layer, invalid;  /* invalid: an id outside the layer (plan's None) */
+    size_t m;
+    int64_t *experts;    /* sorted, distinct */
+    char *src, *tod, *toh;
+    Keys dev_wanted, host_wanted, to_dev, dev_victims, to_host, host_victims, demoted, demotions;
+} PlanJob;
+
+/* A commit's arguments, copied out of its Python objects (commit_soon: applied on the core's thread) */
+typedef struct {
+    int layer;
+    size_t m;
+    int64_t *experts;
+    char *src, *tod, *toh;
+    int32_t *victims[3];  /* device victims, host victims, demotions */
+    size_t n_victims[3];
+    int64_t *seqs;        /* each item's sequences: seqs[seq_at[i] .. seq_at[i + 1]]; NULL: one, 0 */
+    size_t *seq_at;
+} CommitJob;
+
+enum { FAIL_NONE, FAIL_RUNTIME, FAIL_MEMORY };
+
 /* One tier: TierDirectory's state plus its policy's residents (the frequency order, the duplicates). */
 typedef struct {
     int enabled;
@@ -138,7 +171,51 @@ typedef struct {
     int64_t *counters;  /* [3][n_layer][N_COUNTERS]: device, host, disk */
     PyObject *counters_obj;
     PyObject *plan_item, *sources[3];  /* cache.PlanItem and Source's members, for plan's items */
+    /* a failure, kept for the Python caller to raise (a job on the core's thread cannot set a Python error) */
+    int fail_kind;
+    char fail_msg[240];
+    /* plan_soon and commit_soon: the job on the core's thread, and its data */
+    Worker worker;
+    int job;            /* JOB_PLAN or JOB_COMMIT: what the worker runs or ran last */
+    PlanJob planned;
+    int plan_state;     /* PLAN_NONE; PLAN_STARTED: plan_soon's, running or done; PLAN_TAKEN once take_plan has it */
+    CommitJob committing;
+    int commit_layer;   /* (for the message of a commit that failed on the thread) */
+    int broken;         /* forked with a job in flight: its state is unknown */
 } Core;
+
+enum { JOB_PLAN = 1, JOB_COMMIT = 2 };
+
+static void plan_job_free(PlanJob *j);
+static void commit_job_free(CommitJob *j);
+enum { PLAN_NONE = 0, PLAN_STARTED = 1 };
+
+static int core_fail(Core *c, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->fail_msg, sizeof c->fail_msg, fmt, ap);
+    va_end(ap);
+    c->fail_kind = FAIL_RUNTIME;
+    return -1;
+}
+
+static int core_nomem(Core *c) {
+    if (c->fail_kind == FAIL_NONE) c->fail_kind = FAIL_MEMORY;
+    return -1;
+}
+
+/* the kept failure as the Python error (unless one is set already), prefixed by `during` */
+static void raise_failure(Core *c, const char *during) {
+    if (!PyErr_Occurred()) {
+        if (c->fail_kind == FAIL_MEMORY)
+            PyErr_NoMemory();
+        else if (c->fail_kind == FAIL_RUNTIME)
+            PyErr_Format(PyExc_RuntimeError, "%s%s", during, c->fail_msg);
+        else
+            PyErr_Format(PyExc_SystemError, "%scache core: a failure with no cause kept", during);
+    }
+    c->fail_kind = FAIL_NONE;
+}
 
 #define KEY_LAYER(c, k) ((k) / (c)->n_expert)
 
@@ -541,7 +618,6 @@ done:
 }
 
 /* -- TierDirectory.plan_admissions --------------------------------------------------------------------- */
-typedef struct { int32_t *a; size_t n, cap; } Keys;
 
 static int keys_push(Keys *k, int32_t key) {
     if (grow((void **)&k->a, &k->cap, k->n, sizeof(int32_t))) return -1;
@@ -615,17 +691,15 @@ static int tier_admit(Core *c, int which, int32_t key, int state) {
     int64_t nbytes = t->unit[KEY_LAYER(c, key)];
     int layer = KEY_LAYER(c, key), e = key % c->n_expert;
     if (t->state[key] != EMPTY) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: (%d, %d) admitted twice", TIER_NAME[which], layer, e);
-        return -1;
+        return core_fail(c, "tier %s: (%d, %d) admitted twice", TIER_NAME[which], layer, e);
     }
     if (nbytes > t->capacity - t->used) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: admitting (%d, %d) needs %lld bytes, expected at most %lld free",
-                     TIER_NAME[which], layer, e, (long long)nbytes, (long long)(t->capacity - t->used));
-        return -1;
+        return core_fail(c, "tier %s: admitting (%d, %d) needs %lld bytes, expected at most %lld free", TIER_NAME[which],
+                         layer, e, (long long)nbytes, (long long)(t->capacity - t->used));
     }
     t->state[key] = (uint8_t)state;
     t->used += nbytes;
-    if (tier_track(c, t, key, c->now)) { PyErr_NoMemory(); return -1; }
+    if (tier_track(c, t, key, c->now)) return core_nomem(c);
     return 0;
 }
 
@@ -636,14 +710,12 @@ static int64_t tier_drop(Core *c, int which, int32_t key, int from) {
     int layer = KEY_LAYER(c, key), e = key % c->n_expert;
     const char *what = from == READY ? "evicting" : "cancelling";
     if (t->pins[key]) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: %s (%d, %d), expected it unpinned, got %d pins", TIER_NAME[which], what,
-                     layer, e, t->pins[key]);
-        return -1;
+        return core_fail(c, "tier %s: %s (%d, %d), expected it unpinned, got %d pins", TIER_NAME[which], what, layer, e,
+                         t->pins[key]);
     }
     if (t->state[key] != from) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: %s (%d, %d), expected %s", TIER_NAME[which], what, layer, e,
-                     from == READY ? "READY" : "LOADING");
-        return -1;
+        return core_fail(c, "tier %s: %s (%d, %d), expected %s", TIER_NAME[which], what, layer, e,
+                         from == READY ? "READY" : "LOADING");
     }
     t->state[key] = EMPTY;
     int64_t nbytes = t->unit[layer];
@@ -655,9 +727,8 @@ static int64_t tier_drop(Core *c, int which, int32_t key, int from) {
 static int tier_pin(Core *c, int which, int32_t key) {
     Tier *t = &c->tier[which];
     if (t->state[key] == EMPTY) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: pinning (%d, %d), expected it held, got empty", TIER_NAME[which],
-                     (int)KEY_LAYER(c, key), (int)(key % c->n_expert));
-        return -1;
+        return core_fail(c, "tier %s: pinning (%d, %d), expected it held, got empty", TIER_NAME[which],
+                         (int)KEY_LAYER(c, key), (int)(key % c->n_expert));
     }
     t->pins[key]++;
     return 0;
@@ -666,9 +737,8 @@ static int tier_pin(Core *c, int which, int32_t key) {
 static int tier_unpin(Core *c, int which, int32_t key) {
     Tier *t = &c->tier[which];
     if (!t->pins[key]) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: unpinning (%d, %d), expected a pin, got none", TIER_NAME[which],
-                     (int)KEY_LAYER(c, key), (int)(key % c->n_expert));
-        return -1;
+        return core_fail(c, "tier %s: unpinning (%d, %d), expected a pin, got none", TIER_NAME[which],
+                         (int)KEY_LAYER(c, key), (int)(key % c->n_expert));
     }
     t->pins[key]--;
     return 0;
@@ -677,9 +747,8 @@ static int tier_unpin(Core *c, int which, int32_t key) {
 static int tier_ready(Core *c, int which, int32_t key) {
     Tier *t = &c->tier[which];
     if (t->state[key] == EMPTY) {
-        PyErr_Format(PyExc_RuntimeError, "tier %s: (%d, %d) marked ready, expected LOADING, got empty", TIER_NAME[which],
-                     (int)KEY_LAYER(c, key), (int)(key % c->n_expert));
-        return -1;
+        return core_fail(c, "tier %s: (%d, %d) marked ready, expected LOADING, got empty", TIER_NAME[which],
+                         (int)KEY_LAYER(c, key), (int)(key % c->n_expert));
     }
     t->state[key] = READY;
     return 0;
@@ -689,6 +758,10 @@ static int64_t *counter(Core *c, int tier, int layer) { return c->counters + ((s
 
 /* -- the Python type ------------------------------------------------------------------------------------ */
 static void Core_dealloc(Core *c) {
+    if (worker_busy(&c->worker)) worker_wait(&c->worker);  /* (a failure of its is moot: the core goes) */
+    worker_close(&c->worker);
+    plan_job_free(&c->planned);
+    commit_job_free(&c->committing);
     for (int i = 0; i < 2; i++) {
         Tier *t = &c->tier[i];
         free(t->unit), free(t->state), free(t->pins), free(t->tracked), free(t->order.a), free(t->front), free(t->dup), free(t->dup_heap.a);
@@ -816,101 +889,171 @@ static uint32_t next_stamp(Core *c) {
     return ++c->stamp_now;
 }
 
-/* plan(layer, ids int64 buffer) -> None when an id is out of range, else
-   (experts int64 bytes, sources bytes, to_device bytes, to_host bytes, items, device victims, host victims,
-    demotions, the last three as (layer, expert) pairs): ExpertCache.plan. items are PlanItem(expert, source, nbytes, to_device, to_host), built
-   with the types set_types gave. Changes no decision state. */
-static PyObject *Core_plan(Core *c, PyObject *args) {
+static void plan_job_free(PlanJob *j) {
+    free(j->experts), free(j->src), free(j->tod), free(j->toh);
+    Keys *keys[8] = {&j->dev_wanted, &j->host_wanted, &j->to_dev, &j->dev_victims, &j->to_host, &j->host_victims, &j->demoted,
+                     &j->demotions};
+    for (int i = 0; i < 8; i++) free(keys[i]->a);
+    memset(j, 0, sizeof *j);
+}
+
+/* a plan's input: layer and ids (an int64 buffer) as sorted, distinct experts (with the GIL: sets a Python
+   error) */
+static int plan_job_start(Core *c, PlanJob *j, PyObject *args) {
     int layer;
     Py_buffer ids;
-    if (!PyArg_ParseTuple(args, "iy*", &layer, &ids)) return NULL;
+    memset(j, 0, sizeof *j);
+    if (!PyArg_ParseTuple(args, "iy*", &layer, &ids)) return -1;
     if (layer < 0 || layer >= c->n_layer || !c->plan_item) {
         PyBuffer_Release(&ids);
         PyErr_SetString(PyExc_ValueError, "plan: a layer outside the cache, or set_types not called");
-        return NULL;
+        return -1;
     }
-    size_t n_ids = ids.len / sizeof(int64_t), m = 0;
-    PyObject *out = NULL, *ex = PyBytes_FromStringAndSize(ids.buf, (Py_ssize_t)(n_ids * sizeof(int64_t)));
+    size_t n = ids.len / sizeof(int64_t), m = 0;
+    j->layer = layer;
+    j->experts = malloc(sizeof(int64_t) * (n + 1));
+    j->src = malloc(n + 1), j->tod = malloc(n + 1), j->toh = malloc(n + 1);
+    if (!j->experts || !j->src || !j->tod || !j->toh) {
+        PyBuffer_Release(&ids);
+        plan_job_free(j);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(j->experts, ids.buf, n * sizeof(int64_t));
     PyBuffer_Release(&ids);
-    if (!ex) return NULL;
-    int64_t *experts = (int64_t *)PyBytes_AS_STRING(ex);
-    qsort(experts, n_ids, sizeof(int64_t), cmp_i64);
-    for (size_t i = 0; i < n_ids; i++)
+    int64_t *experts = j->experts;
+    qsort(experts, n, sizeof(int64_t), cmp_i64);
+    for (size_t i = 0; i < n; i++)
         if (!m || experts[m - 1] != experts[i]) experts[m++] = experts[i];
-    if (m && (experts[0] < 0 || experts[m - 1] >= c->n_expert)) {
-        Py_DECREF(ex);
-        Py_RETURN_NONE;
-    }
-    if (_PyBytes_Resize(&ex, (Py_ssize_t)(m * sizeof(int64_t)))) return NULL;
-    experts = (int64_t *)PyBytes_AS_STRING(ex);
-    int32_t base = layer * c->n_expert;
-    Keys dev_wanted = {0}, host_wanted = {0}, to_dev = {0}, dev_victims = {0}, to_host = {0}, host_victims = {0},
-         demoted = {0}, demotions = {0};
-    PyObject *src = PyBytes_FromStringAndSize(NULL, m), *tod = PyBytes_FromStringAndSize(NULL, m),
-             *toh = PyBytes_FromStringAndSize(NULL, m), *items = NULL;
-    if (!src || !tod || !toh) goto nomem;
-    char *s = PyBytes_AS_STRING(src), *d = PyBytes_AS_STRING(tod), *h = PyBytes_AS_STRING(toh);
+    j->m = m;
+    j->invalid = m && (experts[0] < 0 || experts[m - 1] >= c->n_expert);
+    return 0;
+}
+
+/* ExpertCache.plan's decisions, into the job: no Python (it runs on the core's thread for plan_soon);
+   changes no decision state */
+static int plan_compute(Core *c, PlanJob *j) {
+    if (j->invalid) return 0;
+    size_t m = j->m;
+    const int64_t *experts = j->experts;
+    char *s = j->src, *d = j->tod, *h = j->toh;
+    int32_t base = j->layer * c->n_expert;
     /* the keys this plan uses are protected from both tiers' evictions */
     uint32_t protect = next_stamp(c);
     for (size_t i = 0; i < m; i++) {
         int32_t key = base + (int32_t)experts[i];
         c->stamp[key] = protect;
         s[i] = c->tier[0].state[key] != EMPTY ? SRC_DEVICE : c->tier[1].state[key] != EMPTY ? SRC_HOST : SRC_DISK;
-        if (s[i] != SRC_DEVICE && keys_push(&dev_wanted, key)) goto nomem;
+        if (s[i] != SRC_DEVICE && keys_push(&j->dev_wanted, key)) return core_nomem(c);
     }
-    if (plan_admissions(c, &c->tier[0], dev_wanted.a, dev_wanted.n, 1, &to_dev, &dev_victims)) goto nomem;
+    if (plan_admissions(c, &c->tier[0], j->dev_wanted.a, j->dev_wanted.n, 1, &j->to_dev, &j->dev_victims)) return core_nomem(c);
     uint32_t in_dev = next_stamp(c);
-    for (size_t i = 0; i < to_dev.n; i++) c->stamp[to_dev.a[i]] = in_dev;
+    for (size_t i = 0; i < j->to_dev.n; i++) c->stamp[j->to_dev.a[i]] = in_dev;
     for (size_t i = 0; i < m; i++) d[i] = c->stamp[base + (int32_t)experts[i]] == in_dev;
     if (c->demote) /* (demotions first or reads first, and letting reads into both tiers: within 0.1 point) */
-        for (size_t i = 0; i < dev_victims.n; i++)
-            if (c->tier[1].state[dev_victims.a[i]] == EMPTY &&
-                (keys_push(&demoted, dev_victims.a[i]) || keys_push(&host_wanted, dev_victims.a[i])))
-                goto nomem;
+        for (size_t i = 0; i < j->dev_victims.n; i++)
+            if (c->tier[1].state[j->dev_victims.a[i]] == EMPTY &&
+                (keys_push(&j->demoted, j->dev_victims.a[i]) || keys_push(&j->host_wanted, j->dev_victims.a[i])))
+                return core_nomem(c);
     for (size_t i = 0; i < m; i++)
-        if (s[i] == SRC_DISK && !(c->demote && d[i]) && keys_push(&host_wanted, base + (int32_t)experts[i])) goto nomem;
+        if (s[i] == SRC_DISK && !(c->demote && d[i]) && keys_push(&j->host_wanted, base + (int32_t)experts[i])) return core_nomem(c);
     protect = next_stamp(c);
     for (size_t i = 0; i < m; i++) c->stamp[base + (int32_t)experts[i]] = protect;
-    if (plan_admissions(c, &c->tier[1], host_wanted.a, host_wanted.n, 1, &to_host, &host_victims)) goto nomem;
+    if (plan_admissions(c, &c->tier[1], j->host_wanted.a, j->host_wanted.n, 1, &j->to_host, &j->host_victims)) return core_nomem(c);
     uint32_t in_host = next_stamp(c);
-    for (size_t i = 0; i < to_host.n; i++) c->stamp[to_host.a[i]] = in_host;
+    for (size_t i = 0; i < j->to_host.n; i++) c->stamp[j->to_host.a[i]] = in_host;
     for (size_t i = 0; i < m; i++) h[i] = c->stamp[base + (int32_t)experts[i]] == in_host;
-    for (size_t i = 0; i < demoted.n; i++)
-        if (c->stamp[demoted.a[i]] == in_host && keys_push(&demotions, demoted.a[i])) goto nomem;
+    for (size_t i = 0; i < j->demoted.n; i++)
+        if (c->stamp[j->demoted.a[i]] == in_host && keys_push(&j->demotions, j->demoted.a[i])) return core_nomem(c);
+    return 0;
+}
+
+/* plan's value, from a computed job: None when an id is out of range, else
+   (experts int64 bytes, sources bytes, to_device bytes, to_host bytes, items, device victims, host victims,
+    demotions, the last three as (layer, expert) pairs). items are PlanItem(expert, source, nbytes, to_device,
+   to_host), built with the types set_types gave. */
+static PyObject *plan_value(Core *c, PlanJob *j) {
+    if (j->invalid) Py_RETURN_NONE;
+    size_t m = j->m;
+    PyObject *out = NULL, *items = NULL, *ex = PyBytes_FromStringAndSize((const char *)j->experts, (Py_ssize_t)(m * sizeof(int64_t))),
+             *src = PyBytes_FromStringAndSize(j->src, (Py_ssize_t)m), *tod = PyBytes_FromStringAndSize(j->tod, (Py_ssize_t)m),
+             *toh = PyBytes_FromStringAndSize(j->toh, (Py_ssize_t)m);
+    if (!ex || !src || !tod || !toh) goto done;
     items = PyTuple_New((Py_ssize_t)m);
-    if (!items) goto fail;
-    PyObject *nbytes = PyLong_FromLongLong(c->tier[1].unit[layer]);
-    if (!nbytes) goto fail;
+    if (!items) goto done;
+    PyObject *nbytes = PyLong_FromLongLong(c->tier[1].unit[j->layer]);
+    if (!nbytes) goto done;
     for (size_t i = 0; i < m; i++) {
-        PyObject *raw = Py_BuildValue("(LOOOO)", (long long)experts[i], c->sources[(int)s[i]], nbytes,
-                                      d[i] ? Py_True : Py_False, h[i] ? Py_True : Py_False);
-        if (!raw) { Py_DECREF(nbytes); goto fail; }
+        PyObject *raw = Py_BuildValue("(LOOOO)", (long long)j->experts[i], c->sources[(int)j->src[i]], nbytes,
+                                      j->tod[i] ? Py_True : Py_False, j->toh[i] ? Py_True : Py_False);
+        if (!raw) { Py_DECREF(nbytes); goto done; }
         PyObject *pair = PyTuple_Pack(1, raw);
         Py_DECREF(raw);
-        if (!pair) { Py_DECREF(nbytes); goto fail; }
+        if (!pair) { Py_DECREF(nbytes); goto done; }
         /* PlanItem._make: tuple.__new__(PlanItem, raw) */
         PyObject *item = PyTuple_Type.tp_new((PyTypeObject *)c->plan_item, pair, NULL);
         Py_DECREF(pair);
-        if (!item) { Py_DECREF(nbytes); goto fail; }
+        if (!item) { Py_DECREF(nbytes); goto done; }
         PyTuple_SET_ITEM(items, (Py_ssize_t)i, item);
     }
     Py_DECREF(nbytes);
-    out = Py_BuildValue("(OOOOONNN)", ex, src, tod, toh, items, pairs_tuple(c, &dev_victims), pairs_tuple(c, &host_victims),
-                        pairs_tuple(c, &demotions));
-    goto done;
-nomem:
-    if (!PyErr_Occurred()) PyErr_NoMemory();
-fail:
-    out = NULL;
+    out = Py_BuildValue("(OOOOONNN)", ex, src, tod, toh, items, pairs_tuple(c, &j->dev_victims), pairs_tuple(c, &j->host_victims),
+                        pairs_tuple(c, &j->demotions));
 done:
     Py_XDECREF(ex), Py_XDECREF(src), Py_XDECREF(tod), Py_XDECREF(toh), Py_XDECREF(items);
-    free(dev_wanted.a), free(host_wanted.a), free(to_dev.a), free(dev_victims.a), free(to_host.a);
-    free(host_victims.a), free(demoted.a), free(demotions.a);
+    return out;
+}
+
+static int core_join(Core *c);
+
+/* plan(layer, ids int64 buffer) -> plan_value's: ExpertCache.plan */
+static PyObject *Core_plan(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
+    PlanJob j;
+    if (plan_job_start(c, &j, args)) return NULL;
+    PyObject *out = NULL;
+    if (plan_compute(c, &j))
+        raise_failure(c, "");
+    else
+        out = plan_value(c, &j);
+    plan_job_free(&j);
+    return out;
+}
+
+static int run_plan(void *arg) {
+    Core *c = arg;
+    return plan_compute(c, &c->planned);
+}
+
+/* plan_soon(layer, ids int64 buffer): plan's, made on the core's thread while the caller goes on; take_plan()
+   gives its value. Whatever calls into the core next waits for it, so nothing sees the core mid-plan. */
+static PyObject *Core_plan_soon(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
+    plan_job_free(&c->planned);  /* (a plan started and never taken: its step failed before it needed it) */
+    c->plan_state = PLAN_NONE;
+    if (plan_job_start(c, &c->planned, args)) return NULL;
+    c->plan_state = PLAN_STARTED;
+    c->job = JOB_PLAN;
+    worker_submit(&c->worker, run_plan, c);
+    Py_RETURN_NONE;
+}
+
+/* take_plan() -> the value of the plan plan_soon started (plan's) */
+static PyObject *Core_take_plan(Core *c, PyObject *unused) {
+    if (core_join(c)) return NULL;
+    if (c->plan_state != PLAN_STARTED) {
+        PyErr_SetString(PyExc_RuntimeError, "take_plan: no plan was started (plan_soon), or it was taken");
+        return NULL;
+    }
+    PyObject *out = plan_value(c, &c->planned);
+    plan_job_free(&c->planned);
+    c->plan_state = PLAN_NONE;
     return out;
 }
 
 /* set_types(PlanItem, (Source.DEVICE, Source.HOST, Source.DISK)) */
 static PyObject *Core_set_types(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     PyObject *item, *sources;
     if (!PyArg_ParseTuple(args, "OO", &item, &sources)) return NULL;
     if (!PyType_Check(item) || !PyType_IsSubtype((PyTypeObject *)item, &PyTuple_Type) || !PyTuple_Check(sources) ||
@@ -974,98 +1117,177 @@ static int for_keys(Core *c, PyObject *seq, int32_t **out, Py_ssize_t *n) {
     return 0;
 }
 
-/* commit(layer, experts, sources, to_device, to_host, device_victims, host_victims, demotions[, users]):
-   users, when given, is a tuple per item of the sequences (ints) whose rows chose it; else one sequence, 0 */
-static PyObject *Core_commit(Core *c, PyObject *args) {
-    int layer;
-    PyObject *e, *s, *d, *h, *dv, *hv, *dm, *users = NULL;
-    if (!PyArg_ParseTuple(args, "iOOOOOOO|O", &layer, &e, &s, &d, &h, &dv, &hv, &dm, &users)) return NULL;
+static void commit_job_free(CommitJob *j) {
+    free(j->experts), free(j->src), free(j->tod), free(j->toh), free(j->seqs), free(j->seq_at);
+    for (int i = 0; i < 3; i++) free(j->victims[i]);
+    memset(j, 0, sizeof *j);
+}
+
+/* commit's arguments (layer, experts, sources, to_device, to_host, device_victims, host_victims, demotions
+   [, users]), copied into the job: users, when given, is a tuple per item of the sequences (ints) whose rows
+   chose it; else one sequence, 0. With the GIL: sets a Python error. */
+static int commit_job_parse(Core *c, PyObject *args, CommitJob *j) {
+    PyObject *e, *s, *d, *h, *lists[3], *users = NULL;
+    memset(j, 0, sizeof *j);
+    if (!PyArg_ParseTuple(args, "iOOOOOOO|O", &j->layer, &e, &s, &d, &h, &lists[0], &lists[1], &lists[2], &users)) return -1;
+    if (j->layer < 0 || j->layer >= c->n_layer) {
+        PyErr_SetString(PyExc_ValueError, "commit: a layer outside the cache");
+        return -1;
+    }
     if (users == Py_None || (users && PyTuple_Check(users) && PyTuple_GET_SIZE(users) == 0)) users = NULL;
-    int64_t *seqs = NULL;
-    size_t cap_seqs = 0;
-    static const int64_t one_sequence[1] = {0};
     PlanArgs p;
-    int32_t *victims = NULL;
-    Py_ssize_t nv;
-    PyObject *result = NULL;
-    if (plan_args(e, s, d, h, &p)) goto out;
+    if (plan_args(e, s, d, h, &p)) { plan_args_release(&p); return -1; }
+    size_t m = j->m = p.m;
+    j->experts = malloc(sizeof(int64_t) * (m + 1));
+    j->src = malloc(m + 1), j->tod = malloc(m + 1), j->toh = malloc(m + 1);
+    if (!j->experts || !j->src || !j->tod || !j->toh) { plan_args_release(&p); PyErr_NoMemory(); goto fail; }
+    memcpy(j->experts, p.experts, m * sizeof(int64_t));
+    memcpy(j->src, p.src, m), memcpy(j->tod, p.tod, m), memcpy(j->toh, p.toh, m);
+    plan_args_release(&p);
+    for (int k = 0; k < 3; k++) {
+        Py_ssize_t n;
+        if (for_keys(c, lists[k], &j->victims[k], &n)) goto fail;
+        j->n_victims[k] = (size_t)n;
+    }
+    if (users) {
+        if (!PyTuple_Check(users) || (size_t)PyTuple_GET_SIZE(users) != m) {
+            PyErr_SetString(PyExc_ValueError, "commit: expected a tuple of sequences per plan item");
+            goto fail;
+        }
+        size_t total = 0;
+        for (size_t i = 0; i < m; i++) {
+            PyObject *u = PyTuple_GET_ITEM(users, (Py_ssize_t)i);
+            if (!PyTuple_Check(u)) { PyErr_SetString(PyExc_ValueError, "commit: an item's sequences must be a tuple"); goto fail; }
+            total += (size_t)PyTuple_GET_SIZE(u);
+        }
+        j->seqs = malloc(sizeof(int64_t) * (total + 1)), j->seq_at = malloc(sizeof(size_t) * (m + 1));
+        if (!j->seqs || !j->seq_at) { PyErr_NoMemory(); goto fail; }
+        size_t at = 0;
+        for (size_t i = 0; i < m; i++) {
+            PyObject *u = PyTuple_GET_ITEM(users, (Py_ssize_t)i);
+            j->seq_at[i] = at;
+            for (Py_ssize_t q = 0; q < PyTuple_GET_SIZE(u); q++) {
+                j->seqs[at] = PyLong_AsLongLong(PyTuple_GET_ITEM(u, q));
+                if (j->seqs[at] == -1 && PyErr_Occurred()) goto fail;
+                at++;
+            }
+        }
+        j->seq_at[m] = at;
+    }
+    return 0;
+fail:
+    commit_job_free(j);
+    return -1;
+}
+
+/* apply a plan (ExpertCache.commit): no Python (it runs on the core's thread for commit_soon); a failure is
+   kept on the core */
+static int commit_apply(Core *c, const CommitJob *j) {
+    static const int64_t one_sequence[1] = {0};
+    int layer = j->layer;
     c->generation++;
     int64_t now = c->now;
-    PyObject *lists[2] = {dv, hv};
     for (int which = 0; which < 2; which++) {
-        if (for_keys(c, lists[which], &victims, &nv)) goto out;
-        for (Py_ssize_t i = 0; i < nv; i++) {
-            int64_t freed = tier_drop(c, which, victims[i], READY);
-            if (freed < 0) goto out;
-            int64_t *cnt = counter(c, which, KEY_LAYER(c, victims[i]));
+        for (size_t i = 0; i < j->n_victims[which]; i++) {
+            int32_t victim = j->victims[which][i];
+            int64_t freed = tier_drop(c, which, victim, READY);
+            if (freed < 0) return -1;
+            int64_t *cnt = counter(c, which, KEY_LAYER(c, victim));
             cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
-            if (which == 0 && host_covered(c, victims[i], 0)) goto nomem;
+            if (which == 0 && host_covered(c, victim, 0)) return core_nomem(c);
         }
-        free(victims), victims = NULL;
     }
-    if (for_keys(c, dm, &victims, &nv)) goto out;
-    for (Py_ssize_t i = 0; i < nv; i++) {
-        if (tier_admit(c, 1, victims[i], LOADING)) goto out;
-        int l = KEY_LAYER(c, victims[i]);
+    for (size_t i = 0; i < j->n_victims[2]; i++) {
+        int32_t key = j->victims[2][i];
+        if (tier_admit(c, 1, key, LOADING)) return -1;
+        int l = KEY_LAYER(c, key);
         int64_t *cnt = counter(c, 1, l);
         cnt[C_DEMOTED]++, cnt[C_DEMOTED_BYTES] += c->tier[1].unit[l];
     }
     int64_t nbytes = c->tier[1].unit[layer];
-    if (users && (!PyTuple_Check(users) || (size_t)PyTuple_GET_SIZE(users) != p.m)) {
-        PyErr_SetString(PyExc_ValueError, "commit: expected a tuple of sequences per plan item");
-        goto out;
-    }
-    for (size_t i = 0; i < p.m; i++) {
-        int32_t key = layer * c->n_expert + (int32_t)p.experts[i];
-        const int64_t *item_seqs = one_sequence;
-        size_t n_seqs = 1;
-        if (users) {
-            PyObject *u = PyTuple_GET_ITEM(users, (Py_ssize_t)i);
-            if (!PyTuple_Check(u)) { PyErr_SetString(PyExc_ValueError, "commit: an item's sequences must be a tuple"); goto out; }
-            n_seqs = (size_t)PyTuple_GET_SIZE(u);
-            if (n_seqs > cap_seqs) {
-                int64_t *q = realloc(seqs, n_seqs * sizeof(int64_t));
-                if (!q) goto nomem;
-                seqs = q, cap_seqs = n_seqs;
-            }
-            for (size_t j = 0; j < n_seqs; j++) {
-                seqs[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(u, (Py_ssize_t)j));
-                if (seqs[j] == -1 && PyErr_Occurred()) goto out;
-            }
-            item_seqs = seqs;
-        }
+    for (size_t i = 0; i < j->m; i++) {
+        int32_t key = layer * c->n_expert + (int32_t)j->experts[i];
+        const int64_t *item_seqs = j->seqs ? j->seqs + j->seq_at[i] : one_sequence;
+        size_t n_seqs = j->seqs ? j->seq_at[i + 1] - j->seq_at[i] : 1;
         /* a tier of size 0 never asks its policy, so it learns nothing */
-        if (c->tier[0].enabled && observe(c, 0, key, now, item_seqs, n_seqs)) goto nomem;
-        if (c->tier[1].enabled && observe(c, 1, key, now, item_seqs, n_seqs)) goto nomem;
-        if (p.toh[i]) {
-            if (tier_admit(c, 1, key, LOADING) || tier_pin(c, 1, key)) goto out;
-        } else if (p.src[i] == SRC_HOST) {
-            if (tier_track(c, &c->tier[1], key, now)) goto nomem;
-            if (tier_pin(c, 1, key)) goto out;
+        if (c->tier[0].enabled && observe(c, 0, key, now, item_seqs, n_seqs)) return core_nomem(c);
+        if (c->tier[1].enabled && observe(c, 1, key, now, item_seqs, n_seqs)) return core_nomem(c);
+        if (j->toh[i]) {
+            if (tier_admit(c, 1, key, LOADING) || tier_pin(c, 1, key)) return -1;
+        } else if (j->src[i] == SRC_HOST) {
+            if (tier_track(c, &c->tier[1], key, now)) return core_nomem(c);
+            if (tier_pin(c, 1, key)) return -1;
         }
-        if (p.tod[i]) {
-            if (tier_admit(c, 0, key, LOADING) || tier_pin(c, 0, key)) goto out;
-            if (host_covered(c, key, 1)) goto nomem;
-        } else if (p.src[i] == SRC_DEVICE) {
-            if (tier_track(c, &c->tier[0], key, now)) goto nomem;
-            if (tier_pin(c, 0, key)) goto out;
+        if (j->tod[i]) {
+            if (tier_admit(c, 0, key, LOADING) || tier_pin(c, 0, key)) return -1;
+            if (host_covered(c, key, 1)) return core_nomem(c);
+        } else if (j->src[i] == SRC_DEVICE) {
+            if (tier_track(c, &c->tier[0], key, now)) return core_nomem(c);
+            if (tier_pin(c, 0, key)) return -1;
         }
-        count_item(c, layer, p.src[i], p.tod[i], p.toh[i], nbytes);
+        count_item(c, layer, j->src[i], j->tod[i], j->toh[i], nbytes);
     }
-    result = Py_None;
-    Py_INCREF(result);
-    goto out;
-nomem:
-    if (!PyErr_Occurred()) PyErr_NoMemory();
-out:
-    free(victims);
-    free(seqs);
-    plan_args_release(&p);
-    return result;
+    return 0;
+}
+
+/* commit(layer, experts, sources, to_device, to_host, device_victims, host_victims, demotions[, users]) */
+static PyObject *Core_commit(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
+    CommitJob j;
+    if (commit_job_parse(c, args, &j)) return NULL;
+    int rc = commit_apply(c, &j);
+    commit_job_free(&j);
+    if (rc) {
+        raise_failure(c, "");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int run_commit(void *arg) {
+    Core *c = arg;
+    return commit_apply(c, &c->committing);
+}
+
+/* commit_soon(...commit's arguments): the commit, applied on the core's thread while the caller goes on.
+   Whatever calls into the core next waits for it, and raises its failure if it failed. */
+static PyObject *Core_commit_soon(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
+    if (commit_job_parse(c, args, &c->committing)) return NULL;
+    c->job = JOB_COMMIT;
+    worker_submit(&c->worker, run_commit, c);
+    Py_RETURN_NONE;
+}
+
+/* wait for the job on the core's thread, if there is one; its failure (or a fork's) as the Python error */
+static int core_join(Core *c) {
+    if (c->broken) {
+        PyErr_SetString(PyExc_RuntimeError, "the expert cache was forked while its thread applied a plan: its state is unknown");
+        return -1;
+    }
+    if (!worker_busy(&c->worker)) return 0;
+    int rc = worker_wait(&c->worker), layer = c->committing.layer;
+    if (c->job == JOB_COMMIT) commit_job_free(&c->committing);
+    if (rc == WORKER_FORKED) {
+        c->broken = 1;
+        return core_join(c);
+    }
+    if (!rc) return 0;
+    char during[64];
+    if (c->job == JOB_COMMIT) {
+        snprintf(during, sizeof during, "the cache's commit of layer %d failed: ", layer);
+    } else {
+        snprintf(during, sizeof during, "the cache's plan of layer %d failed: ", c->planned.layer);
+        plan_job_free(&c->planned);
+        c->plan_state = PLAN_NONE;
+    }
+    raise_failure(c, during);
+    return -1;
 }
 
 /* mark_ready(layer, experts, to_device, to_host, demotions) */
 static PyObject *Core_mark_ready(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     int layer;
     PyObject *e, *d, *h, *dm;
     if (!PyArg_ParseTuple(args, "iOOOO", &layer, &e, &d, &h, &dm)) return NULL;
@@ -1087,11 +1309,13 @@ static PyObject *Core_mark_ready(Core *c, PyObject *args) {
 out:
     free(keys);
     plan_args_release(&p);
+    if (!result) raise_failure(c, "");
     return result;
 }
 
 /* release(layer, experts, sources, to_device, to_host) */
 static PyObject *Core_release(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     int layer;
     PyObject *e, *s, *d, *h;
     if (!PyArg_ParseTuple(args, "iOOOO", &layer, &e, &s, &d, &h)) return NULL;
@@ -1107,12 +1331,14 @@ static PyObject *Core_release(Core *c, PyObject *args) {
     Py_INCREF(result);
 out:
     plan_args_release(&p);
+    if (!result) raise_failure(c, "");
     return result;
 }
 
 /* abort(layer, experts, to_device, to_host, demotions): ExpertCache.abort; returns the device keys dropped,
    as (layer, expert) pairs */
 static PyObject *Core_abort(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     int layer;
     PyObject *e, *d, *h, *dm;
     if (!PyArg_ParseTuple(args, "iOOOO", &layer, &e, &d, &h, &dm)) return NULL;
@@ -1149,11 +1375,13 @@ static PyObject *Core_abort(Core *c, PyObject *args) {
 out:
     free(keys), free(dropped.a);
     plan_args_release(&p);
+    if (!result) raise_failure(c, "");
     return result;
 }
 
 /* admit_host(keys): ExpertCache.admit_host; returns (admitted, evicted), as (layer, expert) pairs */
 static PyObject *Core_admit_host(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     PyObject *seq;
     if (!PyArg_ParseTuple(args, "O", &seq)) return NULL;
     Tier *host = &c->tier[1];
@@ -1185,6 +1413,7 @@ static PyObject *Core_admit_host(Core *c, PyObject *args) {
 nomem:
     if (!PyErr_Occurred()) PyErr_NoMemory();
 fail:
+    raise_failure(c, "");
     out = NULL;
 done:
     free(keys), free(wanted.a), free(admitted.a), free(victims.a);
@@ -1194,6 +1423,7 @@ done:
 /* seed_one(key): ExpertCache.seed's placement of one key (device, then host; nothing evicted);
    returns 0 device, 1 host, -1 not placed */
 static PyObject *Core_seed_one(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     PyObject *o;
     int32_t key;
     if (!PyArg_ParseTuple(args, "O", &o) || parse_key(c, o, &key)) return NULL;
@@ -1201,7 +1431,10 @@ static PyObject *Core_seed_one(Core *c, PyObject *args) {
         Tier *t = &c->tier[which];
         if (t->state[key] != EMPTY) return PyLong_FromLong(-1);
         if (t->unit[KEY_LAYER(c, key)] <= t->capacity - t->used) {
-            if (tier_admit(c, which, key, READY)) return NULL;
+            if (tier_admit(c, which, key, READY)) {
+                raise_failure(c, "");
+                return NULL;
+            }
             if (which == 0 && host_covered(c, key, 1)) return PyErr_NoMemory();
             return PyLong_FromLong(which);
         }
@@ -1211,6 +1444,7 @@ static PyObject *Core_seed_one(Core *c, PyObject *args) {
 
 /* held(which, layer) -> bytes of n_expert flags: the experts of layer the tier holds (LOADING or READY) */
 static PyObject *Core_held(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     int which, layer;
     if (!PyArg_ParseTuple(args, "ii", &which, &layer)) return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, c->n_expert);
@@ -1224,6 +1458,7 @@ static PyObject *Core_held(Core *c, PyObject *args) {
 /* uncached(layer, experts: a list of ints) -> the list of those neither tier holds, in order (a step asks
    twice: its reads, and the next layer's guesses to read ahead) */
 static PyObject *Core_uncached(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     int layer;
     PyObject *experts;
     if (!PyArg_ParseTuple(args, "iO!", &layer, &PyList_Type, &experts)) return NULL;
@@ -1244,6 +1479,7 @@ static PyObject *Core_uncached(Core *c, PyObject *args) {
 
 /* state(which, key): 0 EMPTY, 1 LOADING, 2 READY */
 static PyObject *Core_state(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     int which;
     PyObject *o;
     int32_t key;
@@ -1253,6 +1489,7 @@ static PyObject *Core_state(Core *c, PyObject *args) {
 
 /* count_hits(layer, n): n device hits counted as plans count them (a step that made no plan) */
 static PyObject *Core_count_hits(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     int layer;
     long long n;
     if (!PyArg_ParseTuple(args, "iL", &layer, &n)) return NULL;
@@ -1266,23 +1503,33 @@ static PyObject *Core_count_hits(Core *c, PyObject *args) {
 }
 
 static PyObject *Core_tick(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
     long long n;
     if (!PyArg_ParseTuple(args, "L", &n)) return NULL;
     c->now += n;
     Py_RETURN_NONE;
 }
 
-static PyObject *Core_get_counters(Core *c, void *closure) { Py_INCREF(c->counters_obj); return c->counters_obj; }
-static PyObject *Core_get_now(Core *c, void *closure) { return PyLong_FromLongLong(c->now); }
-static PyObject *Core_get_generation(Core *c, void *closure) { return PyLong_FromLongLong(c->generation); }
-static PyObject *Core_get_demote(Core *c, void *closure) { return PyBool_FromLong(c->demote); }
+/* (every getter waits for the core's thread too: what it reads, a commit there may be changing) */
+static PyObject *Core_get_counters(Core *c, void *closure) {
+    if (core_join(c)) return NULL;
+    Py_INCREF(c->counters_obj);
+    return c->counters_obj;
+}
+static PyObject *Core_get_now(Core *c, void *closure) { return core_join(c) ? NULL : PyLong_FromLongLong(c->now); }
+static PyObject *Core_get_generation(Core *c, void *closure) { return core_join(c) ? NULL : PyLong_FromLongLong(c->generation); }
+static PyObject *Core_get_demote(Core *c, void *closure) { return core_join(c) ? NULL : PyBool_FromLong(c->demote); }
+/* jobs the core's own thread has run (plan_soon, commit_soon; none where they run inline) */
+static PyObject *Core_get_thread_jobs(Core *c, void *closure) { return core_join(c) ? NULL : PyLong_FromLongLong(c->worker.runs); }
 static int Core_set_demote(Core *c, PyObject *v, void *closure) {
+    if (core_join(c)) return -1;
     int b = PyObject_IsTrue(v);
     if (b < 0) return -1;
     c->demote = b;
     return 0;
 }
 static PyObject *Core_get_used(Core *c, void *closure) {
+    if (core_join(c)) return NULL;
     return Py_BuildValue("(LL)", (long long)c->tier[0].used, (long long)c->tier[1].used);
 }
 
@@ -1290,6 +1537,9 @@ static PyMethodDef Core_methods[] = {
     {"plan", (PyCFunction)Core_plan, METH_VARARGS, "plan(layer, experts int64 bytes) -> sources, to_device, to_host, victims..."},
     {"set_types", (PyCFunction)Core_set_types, METH_VARARGS, "set_types(PlanItem, (DEVICE, HOST, DISK))"},
     {"commit", (PyCFunction)Core_commit, METH_VARARGS, "apply a plan"},
+    {"plan_soon", (PyCFunction)Core_plan_soon, METH_VARARGS, "plan_soon(layer, ids): plan on the core's thread; take_plan() gives it"},
+    {"take_plan", (PyCFunction)Core_take_plan, METH_NOARGS, "the value of the plan plan_soon started"},
+    {"commit_soon", (PyCFunction)Core_commit_soon, METH_VARARGS, "commit, applied on the core's thread"},
     {"mark_ready", (PyCFunction)Core_mark_ready, METH_VARARGS, "admitted slots LOADING -> READY"},
     {"release", (PyCFunction)Core_release, METH_VARARGS, "unpin a plan's experts"},
     {"abort", (PyCFunction)Core_abort, METH_VARARGS, "drop a failed plan's admissions still loading"},
@@ -1306,6 +1556,7 @@ static PyMethodDef Core_methods[] = {
 static PyGetSetDef Core_getset[] = {
     {"counters", (getter)Core_get_counters, NULL, "int64 [3][n_layer][10]: device, host, disk counters", NULL},
     {"now", (getter)Core_get_now, NULL, "logical time", NULL},
+    {"thread_jobs", (getter)Core_get_thread_jobs, NULL, "jobs run on the core's own thread", NULL},
     {"generation", (getter)Core_get_generation, NULL, "commits and admissions so far", NULL},
     {"demote", (getter)Core_get_demote, (setter)Core_set_demote, "exclusive tiers", NULL},
     {"used", (getter)Core_get_used, NULL, "(device bytes used, host bytes used)", NULL},

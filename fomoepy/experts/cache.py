@@ -27,7 +27,8 @@ Logical time, used by the policies, is the engine's token count: call `tick(n)` 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from typing import NamedTuple
 
@@ -212,7 +213,19 @@ class ExpertCache:
             raise ValueError(f"expected tier 'device' or 'host', got {name!r}")
         return self._dev(layer) if name == "device" else self.host
 
+    def plan_soon(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None
+                  ) -> Callable[[], Plan]:  # fmt: skip
+        """plan(), begun now and taken by calling what this returns: the compiled cache makes it on a thread of
+        its own while the caller goes on (fast_cache.CoreCache); this one makes it when it is taken. Between
+        the two the caller may ask the cache (it then waits for the plan), not change it."""
+        return functools.partial(self.plan, layer, ids, sequences)
+
     # -- commands ----------------------------------------------------------------------------------
+
+    def commit_soon(self, plan: Plan) -> None:
+        """commit(), which the compiled cache applies on its own thread while the caller goes on (whatever asks
+        or changes the cache next waits for it, and raises its failure); this one applies it at once."""
+        self.commit(plan)
 
     def commit(self, plan: Plan) -> None:
         """Apply plan's evictions and admissions (admitted slots LOADING), pin its experts, count it."""

@@ -93,6 +93,7 @@ class ExpertStreamer:
         download: Callable[[Key], ExpertBytes | None] | None = None,
         buffers: Callable[[int], np.ndarray] | None = None,
         read_ahead_pays: float | None = None,
+        plans_beside: bool = False,
     ):
         """options: the engine's, of which the streamer acts on car, backfill, backfill_per_token,
         prefetch, trace and freq_profile (the tiers' sizes and policies are the cache's).
@@ -104,7 +105,11 @@ class ExpertStreamer:
         compute from in place), used where the source reads into given buffers; without one,
         such a source's reads land in buffers reused from read to read (fomoepy.experts.read_buffers).
         read_ahead_pays: the share of guesses read that must be right for reading ahead to pay on the
-        device's schedule (ReadAheadGate); None: reading ahead is never turned off."""
+        device's schedule (ReadAheadGate); None: reading ahead is never turned off.
+        plans_beside: each step's cache plan is begun as its reads are issued and its commit applied while it
+        computes, on the compiled cache's own thread (ExpertCache.plan_soon, commit_soon): a device whose step
+        has host work of its own to do meanwhile (a GPU's launches and copies up) gains their time; one whose
+        cores compute the step (the cpu backend) would only lose one to the thread's spinning."""
         self.source = source
         self.options = options
         self.layers = source.layers
@@ -129,6 +134,7 @@ class ExpertStreamer:
         if buffers and slot_nbytes:
             self._read_buffer = [functools.partial(buffers, slot_nbytes(layer)) for layer in range(self.n_layer)]
         self.reads_issued_at = 0.0  # perf_counter time the last start_acquire had issued its reads
+        self.plans_beside = plans_beside
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()
         self.counter = ExpertCounter(self.n_layer, self.n_expert)
@@ -363,12 +369,14 @@ class ExpertStreamer:
         if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
             reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
+        # the plan (plans_beside: begun now, made beside `beside`; nothing there changes the cache)
+        planned = self.cache.plan_soon(layer, ids, self._sequences_of(rows)) if self.plans_beside else None
         if beside is not None:
             beside(fetched, reads)
         # the next layer's guesses (predicted in `beside`) go to the drives next, behind this step's reads in
         # the pool: a drive with no read of this step's starts on them now, not after the plan below
         self._issue_prefetch()
-        plan = self.cache.plan(layer, ids, self._sequences_of(rows))
+        plan = planned() if planned is not None else self.cache.plan(layer, ids, self._sequences_of(rows))
         disk = [item.expert for item in plan.items if item.source is Source.DISK]
         if disk != sorted([*reads, *fetched]):  # (fetched: so far, the reads made ahead that landed)
             raise RuntimeError(f"layer {layer}: the plan reads {disk}, but {sorted([*reads, *fetched])} were read")
@@ -377,7 +385,11 @@ class ExpertStreamer:
                 fetched[item.expert] = self.host_slots[(layer, item.expert)]
         # the plan committed once its reads are on their way (the drives' latency is the longer wait): nothing
         # above reads the tiers' state the commit changes, and a host hit's bytes are taken before its evictions
-        self.cache.commit(plan)
+        # (plans_beside: applied while the step goes on; finish_acquire's mark_ready waits for it)
+        if self.plans_beside:
+            self.cache.commit_soon(plan)
+        else:
+            self.cache.commit(plan)
         for victim in plan.host_evictions:
             self.host_slots.pop(victim, None)
         # the copies down of the demoted experts: after the reads are issued (a drive's latency is the

@@ -110,6 +110,7 @@ class GpuExperts:
 
     can_download = True  # a slot's bytes are the store's: a demoted expert is copied down, not re-read
     read_ahead_pays = GPU_READ_AHEAD_PAYS  # below this share of guesses read right, reading ahead is turned off
+    plans_beside = True  # a step's cache plan and commit run beside its launches and copies up (ExpertStreamer)
 
     def __init__(self, layers: tuple[LayerExperts, ...], devs: GpuBackend | list[GpuBackend], routers: list | None = None,
                  device_of_layer: tuple[int, ...] | None = None):  # fmt: skip
