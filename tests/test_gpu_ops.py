@@ -118,6 +118,16 @@ def test_linear_of_unit_vectors_decodes_columns_exactly(dev, qtype):
     assert np.array_equal(got, w[:, cols].T)
 
 
+def test_linear_into_a_given_array_writes_the_same_bits_and_refuses_one_of_another_shape(dev):
+    rng = np.random.default_rng(3)
+    x, W = dev.upload(rand(rng, 2, 256)), dev.upload(rand(rng, 40, 256))
+    out = dev.zeros((2, 40))
+    assert dev.linear(x, W, out=out) is out and np.array_equal(np.asarray(out), np.asarray(dev.linear(x, W)))
+    for wrong in (dev.zeros((2, 41)), dev.zeros((1, 40)), dev.zeros((4, 40))[::2]):  # a shape, rows, a stride
+        with pytest.raises(ValueError, match=r"its output is \(2, 40\) float32, contiguous"):
+            dev.linear(x, W, out=wrong)
+
+
 def test_linear_reads_strided_rows_and_float_arrays(dev):
     rng = np.random.default_rng(1)
     wide = dev.upload(rand(rng, 5, 2, 256))

@@ -122,6 +122,7 @@ class GpuBackend:
         # per kernel, where the binding's C functions are in use: its compiled launcher (shim.launcher)
         self._compiled: dict[str, Any] = {}
         self._mv_names: dict[tuple[int, str, int], str] = {}  # (qtype, weight, tile) -> its matvec kernel
+        self._kinds: dict[tuple, tuple] = {}  # (shape, dtype) as empty was given them -> _kind's
         self.stream = self.rt.stream()  # compute
         self.copy_stream = self.rt.stream()  # expert uploads (gpu_experts.py)
         # demoted experts' copies down: a GPU's copy engines move the two directions at once, so they need
@@ -175,13 +176,26 @@ class GpuBackend:
 
     # -- memory and transfers -----------------------------------------------------------------------
     def empty(self, shape, dtype=F32) -> DeviceArray:
+        try:  # (a shape and dtype seen before: most of a step's arrays)
+            size, shape, strides, dtype = self._kinds[shape, dtype]
+        except (KeyError, TypeError):  # a new one, or a shape that is no tuple
+            size, shape, strides, dtype = self._kind(shape, dtype)
+        out = DeviceArray.fresh(self, self.pool.get(size), shape, strides, dtype)
+        if self.poison is not None:
+            self.rt.memset32(out.ptr, self.poison, _cdiv(size, 4), self.stream)
+        return out
+
+    def _kind(self, shape, dtype) -> tuple[int, tuple[int, ...], tuple[int, ...], np.dtype]:
+        """An array's pool size class, shape and strides as tuples of ints and np.dtype, for empty: worked out
+        once per (shape, dtype) (a decode step makes the same few dozen arrays, each conversion a call)."""
+        key = (shape, dtype)
         shape = tuple(map(int, shape))
         dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize  # (np.prod of a tuple costs microseconds)
-        out = DeviceArray(self, self.pool.get(nbytes), shape, dtype)
-        if self.poison is not None:
-            self.rt.memset32(out.ptr, self.poison, _cdiv(nbytes, 4), self.stream)
-        return out
+        kind = (BufferPool.size_class(nbytes), shape, contiguous_strides(shape), dtype)
+        if type(key[0]) is tuple and len(self._kinds) < 4096:
+            self._kinds[key] = kind
+        return kind
 
     def zeros(self, shape, dtype=F32) -> DeviceArray:
         """Zero-filled, an exact allocation (KV caches, recurrent states: long-lived)."""
@@ -320,14 +334,20 @@ class GpuBackend:
         row_bytes = (w.strides[0] if w.shape[0] > 1 else w.shape[1]) * 4  # a single row may have stride 0
         return DeviceWeight(w, w.ptr, int(quants.GGMLQuantizationType.F32), w.shape, row_bytes)  # type: ignore[arg-type]
 
-    def linear(self, x: Any, w: Any) -> DeviceArray:
-        """x [..., K] · wᵀ for w [N, K] in any supported GGUF type → [..., N]."""
+    def linear(self, x: Any, w: Any, out: DeviceArray | None = None) -> DeviceArray:
+        """x [..., K] · wᵀ for w [N, K] in any supported GGUF type → [..., N]; into `out` where given (a
+        contiguous float32 array of that shape, reused step after step: fomoepy.runtime.gpu_sides)."""
         W = self._matrix(w)
         x, T, K, x_stride = self._rows(self.asdevice(x))
         N = W.shape[0]
         if K != W.shape[1]:
             raise ValueError(f"linear {W.name}: expected inputs of {W.shape[1]}, got {K}")
-        y = self.empty(x.shape[:-1] + (N,))
+        if out is None:
+            y = self.empty(x.shape[:-1] + (N,))
+        elif out.shape != x.shape[:-1] + (N,) or out.dtype != F32 or not out.is_contiguous:
+            raise ValueError(f"linear {W.name}: its output is {x.shape[:-1] + (N,)} float32, contiguous; got {out.dtype} {out.shape}")
+        else:
+            y = out
         if T:
             tile = 1 if T == 1 else 8
             name = self._mv_names.get((W.qtype, W.name, tile))
@@ -472,7 +492,10 @@ class GpuBackend:
             kernel = DEVICE_GATING.get(gating)
             if kernel is None:
                 raise FomoeError(f"gating {gating!r} has no GPU kernel (have: {', '.join(DEVICE_GATING)})")
-            logits, T, E, _ = self._rows(self.asdevice(logits).contiguous())
+            if type(logits) is DeviceArray and len(logits.shape) == 2 and logits.strides == (logits.shape[1], 1):
+                T, E = logits.shape  # (a decode step's logits, [T, E] and contiguous, without three calls)
+            else:
+                logits, T, E, _ = self._rows(self.asdevice(logits).contiguous())
             rows.append((kernel, logits, T, E, k, total))
             total += T * (E + 2 * k)
         small = READBACK_AT + 4 * total <= READBACK_BYTES  # a decode step's: read back with the error flag

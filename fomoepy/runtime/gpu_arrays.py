@@ -208,6 +208,14 @@ class DeviceArray:
         # several times a launch
         self.ptr = buf.ptr + offset * self.dtype.itemsize
 
+    @classmethod
+    def fresh(cls, dev: Any, buf: DeviceBuffer, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
+        """A contiguous array at the start of buf, its shape and strides tuples of ints and dtype a np.dtype
+        already: __init__'s result without its conversions (GpuBackend.empty, a few a layer step)."""
+        out = object.__new__(cls)
+        out.dev, out.buf, out.shape, out.strides, out.offset, out.dtype, out.ptr = dev, buf, shape, strides, 0, dtype, buf.ptr
+        return out
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

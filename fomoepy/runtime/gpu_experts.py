@@ -213,7 +213,9 @@ class GpuExperts:
         if layer + 1 >= len(self.layers) or self._side_of[layer + 1].dev is not dev:
             exact, ahead = dev.route(logits, gating, k), None
         else:
-            exact, ahead = dev.route_many([(logits, gating, k), (dev.linear(h, self.routers[layer + 1]), "softmax", k)])
+            router = self.routers[layer + 1]
+            predicted = dev.linear(h, router, out=side.router_scratch(h.shape[0], router.shape[0]))
+            exact, ahead = dev.route_many([(logits, gating, k), (predicted, "softmax", k)])
         return exact, None if ahead is None else ahead.ids
 
     def begin(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, at_hand: dict[int, ExpertBytes]) -> float:
@@ -402,6 +404,7 @@ class GpuExperts:
             side.dirty.clear()
             side.down_buffers.clear()
             side.decode_arrays.clear()
+            side.router_arrays.clear()
         self.resident.clear()
         self._downloaded.clear()
         self._begun = None
