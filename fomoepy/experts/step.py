@@ -7,7 +7,8 @@ does, in order:
     2. the step's reads, issued first (streamer.start_acquire); while they are in flight, the routing's
        record (the trace, usage counts: streamer.note) and the next layer's prediction on a decode step
        (device.route, or what route() read back with the router's own choice), whose misses are read
-       during this one; then the cache plan, and the device tier's evictions;
+       during this one; then the cache plan (on a GPU, made beside them: ExpertStreamer's plans_beside),
+       and the device tier's evictions;
     3. the device's arithmetic (device.compute), which fills the tier as the bytes land;
     4. release: the plan's experts are unpinned.
 and keeps a StepTiming record of each step when asked (`records`).

@@ -346,7 +346,8 @@ class ExpertStreamer:
         does `beside(fetched, reads)`, when given, with the bytes at hand so far (reads made ahead that
         landed; the host tier's are in `host_slots`) and the reads in flight: work of the step's that its
         reads do not wait for (MoEStep's first launch of the experts the device holds and copies up of those
-        at hand, its record of the routing and the next layer's prediction), made before the plan."""
+        at hand, its record of the routing and the next layer's prediction), made before the plan is taken
+        (with plans_beside, while the compiled cache makes it on its own thread)."""
         self._collect_backfill()
         if self._backfill_thread is not None:
             self._backfill_thread.set_io_busy(True, self.tokens_seen)
