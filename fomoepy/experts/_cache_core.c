@@ -178,9 +178,8 @@ typedef struct {
     Worker worker;
     int job;            /* JOB_PLAN or JOB_COMMIT: what the worker runs or ran last */
     PlanJob planned;
-    int plan_state;     /* PLAN_NONE; PLAN_STARTED: plan_soon's, running or done; PLAN_TAKEN once take_plan has it */
+    int plan_state;     /* PLAN_STARTED from plan_soon (running, or done) until take_plan; else PLAN_NONE */
     CommitJob committing;
-    int commit_layer;   /* (for the message of a commit that failed on the thread) */
     int broken;         /* forked with a job in flight: its state is unknown */
 } Core;
 
