@@ -238,3 +238,32 @@ def test_a_forked_child_plans_on_a_thread_of_its_own():
         os.waitpid(pid, 0)
         pytest.fail("the forked child's plan never came: it waited for the parent's thread")
     assert cache._core.thread_jobs == 2  # (the parent's own, untouched)
+
+
+def test_lfu_cooc_reads_an_announced_resident_once_a_token_not_once_a_walk():
+    """An announcement lifts most low-count residents above their frequency, and the eviction walk must
+    pass them in the frequency order before it may yield: walk after walk of a token read them all again
+    (~130 entries a walk here, ~200 at the 397B shape). The core now moves each into its tier's announced
+    order as a walk meets it, for the rest of the token (the same order: the replays above)."""
+    rng = np.random.default_rng(0)
+    n_layer, n_expert, k = 24, 64, 8
+    unit = [1000] * n_layer
+    total = sum(unit) * n_expert
+    cache = make_cache(n_expert, unit, int(0.2 * total), int(0.25 * total), make_policy("lfu-cooc"), make_policy("lfu-cooc"))
+    assert isinstance(cache, CoreCache)
+    preference = rng.random((n_layer, n_expert)) ** 3
+    last = [rng.choice(n_expert, k, replace=False) for _ in range(n_layer)]
+    for _ in range(48):
+        for layer in range(n_layer):  # half of a token's experts the last token's (co-use), half by preference
+            kept = last[layer][: k // 2]
+            p = preference[layer].copy()
+            p[kept] = 0
+            ids = np.concatenate([kept, rng.choice(n_expert, k - len(kept), replace=False, p=p / p.sum())])
+            last[layer] = ids
+            plan = cache.plan(layer, ids[None, :])
+            cache.commit(plan), cache.mark_ready(plan), cache.release(plan)
+        cache.tick(1)
+    walks, read = cache._core.walk_counts
+    summary = cache.stats.summary()
+    assert walks > 1000 and summary["device"]["evicted"] + summary["host"]["evicted"] > 1000
+    assert read / walks < 50  # (each walk read ~134 before; ~25 now, most of them a token's first walk's)

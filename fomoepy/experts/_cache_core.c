@@ -90,6 +90,21 @@ HEAP(KeyHeap, int32_t, int_less)
 
 typedef struct { int32_t *a; size_t n, cap; } Keys;
 
+static int grow(void **p, size_t *cap, size_t n, size_t size) {
+    if (n < *cap) return 0;
+    size_t nc = *cap ? 2 * *cap : 64;
+    void *q = realloc(*p, nc * size);
+    if (!q) return -1;
+    *p = q, *cap = nc;
+    return 0;
+}
+
+static int keys_push(Keys *k, int32_t key) {
+    if (grow((void **)&k->a, &k->cap, k->n, sizeof(int32_t))) return -1;
+    k->a[k->n++] = key;
+    return 0;
+}
+
 /* A plan made on the core's thread (plan_soon): its input, and what Core_plan returns, as C arrays until
    take_plan makes them Python's */
 typedef struct {
@@ -132,6 +147,13 @@ typedef struct {
     size_t n_front, cap_front;
     uint8_t *dup;       /* covered by the faster tier (the host tier's policy only) */
     KeyHeap dup_heap;   /* resident duplicates, ascending key, lazily */
+    /* lfu-cooc: the residents an announcement lifts above their frequency ("announced": f + a > f at the
+       co-use counts' token) that the walks of this token have met, in co_use's pending order (score, key),
+       lazily; moved out of the frequency order (a_out) until the next token, so each is read once a token,
+       not by every walk (the walk merges the two orders: walk_next) */
+    PendingHeap announced;
+    uint8_t *a_out;
+    Keys a_out_keys;
 } Tier;
 
 typedef struct {
@@ -181,6 +203,7 @@ typedef struct {
     int plan_state;     /* PLAN_STARTED from plan_soon (running, or done) until take_plan; else PLAN_NONE */
     CommitJob committing;
     int broken;         /* forked with a job in flight: its state is unknown */
+    int64_t walks, walk_reads;  /* eviction walks made, and the entries they read (the walks' cost) */
 } Core;
 
 enum { JOB_PLAN = 1, JOB_COMMIT = 2 };
@@ -237,6 +260,56 @@ static double freq_score(Core *c, int32_t key, int64_t now) {
 static double score(Core *c, int32_t key, int64_t now) {
     double f = freq_score(c, key, now);
     return c->policy == POLICY_COOC ? f + c->announced[key] : f;
+}
+
+/* lfu-cooc: whether key's announcement lifts its score above its frequency at the co-use counts' token.
+   co_use's eviction_order pushes every resident into its pending heap as the frequency order reaches it,
+   and yields one once the order passes its score: a key that is not announced so comes out exactly where
+   the frequency order has it, one that is comes out by (score, key) among the announced, before the first
+   unannounced key whose frequency is at least its score. So the walk merges the two orders (walk_next). */
+static int is_announced(Core *c, int32_t key) {
+    double a = c->announced[key];
+    if (!(a > 0.0)) return 0;
+    double f = freq_score(c, key, c->counts_now);
+    return f + a > f;
+}
+
+/* whether key belongs in tier t's announced order: an announced resident, not a duplicate (those go first) */
+static int announced_member(Core *c, Tier *t, int32_t key) {
+    return t->tracked[key] && !t->dup[key] && is_announced(c, key);
+}
+
+static int cmp_pending(const void *a, const void *b) {
+    return pending_less(a, b) ? -1 : pending_less(b, a) ? 1 : 0;
+}
+
+/* the announced order rebuilt: each member once, at its score now (a sorted array is a heap) */
+static void compact_announced(Core *c, Tier *t) {
+    size_t m = 0;
+    for (size_t i = 0; i < t->announced.n; i++) {
+        Pending p = t->announced.a[i];
+        if (!announced_member(c, t, p.key)) continue;
+        p.score = freq_score(c, p.key, c->counts_now) + c->announced[p.key];
+        t->announced.a[m++] = p;
+    }
+    qsort(t->announced.a, m, sizeof(Pending), cmp_pending);
+    size_t u = 0;
+    for (size_t i = 0; i < m; i++)
+        if (!u || t->announced.a[u - 1].key != t->announced.a[i].key || t->announced.a[u - 1].score != t->announced.a[i].score)
+            t->announced.a[u++] = t->announced.a[i];
+    t->announced.n = u;
+}
+
+/* key's entry in tier t's announced order, at its score now, where it is a member. Within a token a
+   member's score only rises (an announcement, a use), so an entry is never above its key's score: the
+   walk moves an entry whose key has risen since as it reaches it, and a key needs an entry pushed only as
+   it joins (announced first, made resident, no longer a duplicate, and at each token) */
+static int push_announced(Core *c, Tier *t, int32_t key) {
+    if (c->policy != POLICY_COOC || !announced_member(c, t, key)) return 0;
+    Pending p = {freq_score(c, key, c->counts_now) + c->announced[key], key};
+    if (PendingHeap_push(&t->announced, p)) return -1;
+    if (t->announced.n > 2 * t->n_tracked + 1024) compact_announced(c, t);
+    return 0;
 }
 
 /* -- a tier's frequency order ------------------------------------------------------------------------ */
@@ -323,8 +396,9 @@ static int host_covered(Core *c, int32_t key, int by_faster) {
             t->dup[key] = 1;
             return push_dup(t, key);
         }
-    } else {
+    } else if (t->dup[key]) {
         t->dup[key] = 0;
+        if (t->tracked[key]) return push_entry(c, t, key);  /* (a walk may have moved its entry out) */
     }
     return 0;
 }
@@ -416,6 +490,18 @@ static int next_token(Core *c, int64_t now) {
     }
     memset(c->announced, 0, sizeof(double) * c->n);
     for (int32_t i = 0; i < (int32_t)c->n_last; i++) announce(c, c->grouped[i], c->weight_this);
+    /* a new token's scores: the announced orders start empty, and the residents walks moved into them go
+       back into the frequency order (the walks move those still announced again as they meet them) */
+    for (int which = 0; which < 2; which++) {
+        Tier *t = &c->tier[which];
+        t->announced.n = 0;
+        for (size_t i = 0; i < t->a_out_keys.n; i++) {
+            int32_t key = t->a_out_keys.a[i];
+            t->a_out[key] = 0;
+            if (t->tracked[key] && push_entry(c, t, key)) return -1;
+        }
+        t->a_out_keys.n = 0;
+    }
     return 0;
 }
 
@@ -487,31 +573,24 @@ static int observe(Core *c, int which, int32_t key, int64_t now, const int64_t *
 typedef struct {
     Core *c;
     Tier *t;
-    int phase;          /* 0 duplicates, 1 frequency order, 2 pending drained, 3 done */
+    int phase;          /* 0 duplicates, 1 frequency order (lfu-cooc: merged with the announced), 3 done */
     int32_t *popped_dups; size_t n_dups, cap_dups;
     Entry *popped; size_t n_popped, cap_popped;  /* the current entries read, in order */
     size_t in_front;                              /* entries of the tier's front read so far */
     int have_last;
     Entry last;
-    PendingHeap pending;
-    int have_cur;
+    /* lfu-cooc: the frequency order's next key not announced (cur), and the announced order's entries read */
+    int have_cur, freq_done;
     int32_t cur_key;
     double cur_f;
+    Pending *ann_popped; size_t n_ann_popped, cap_ann_popped;
     int failed;
 } Walk;
 
 static void walk_start(Walk *w, Core *c, Tier *t) {
     memset(w, 0, sizeof(*w));
     w->c = c, w->t = t;
-}
-
-static int grow(void **p, size_t *cap, size_t n, size_t size) {
-    if (n < *cap) return 0;
-    size_t nc = *cap ? 2 * *cap : 64;
-    void *q = realloc(*p, nc * size);
-    if (!q) return -1;
-    *p = q, *cap = nc;
-    return 0;
+    c->walks++;
 }
 
 /* the smallest entry not read yet, of the front and the heap; 0 when none is left */
@@ -519,6 +598,7 @@ static int next_entry(Walk *w, Entry *e) {
     Tier *t = w->t;
     int front = w->in_front < t->n_front;
     if (!front && !t->order.n) return 0;
+    w->c->walk_reads++;
     if (front && (!t->order.n || entry_less(&t->front[w->in_front], &t->order.a[0])))
         *e = t->front[w->in_front++];
     else
@@ -532,6 +612,16 @@ static int32_t walk_freq(Walk *w) {
     Entry e;
     while (next_entry(w, &e)) {
         if (!entry_current(w->c, t, &e) || (w->have_last && entry_same(&e, &w->last))) continue;  /* stale, or a second entry */
+        if (w->c->policy == POLICY_COOC && !t->dup[e.key] && is_announced(w->c, e.key)) {
+            /* announced: moved into the announced order (and out of this one, not kept in the front) until
+               next_token, so that the next walks of the token do not read it again */
+            if (push_announced(w->c, t, e.key)) { w->failed = 1; return -1; }
+            if (!t->a_out[e.key]) {
+                if (keys_push(&t->a_out_keys, e.key)) { w->failed = 1; return -1; }
+                t->a_out[e.key] = 1;
+            }
+            continue;
+        }
         w->have_last = 1, w->last = e;
         if (grow((void **)&w->popped, &w->cap_popped, w->n_popped, sizeof(Entry))) { w->failed = 1; return -1; }
         w->popped[w->n_popped++] = e;
@@ -561,23 +651,43 @@ static int32_t walk_next(Walk *w) {
             w->phase = 3;
             return -1;
         }
-        /* an announcement only raises a score: once the frequency order reaches f, every pending entry
-           scoring at most f goes out first (co_use.CoUsePolicy.eviction_order) */
-        for (;;) {
-            if (w->have_cur) {
-                if (w->pending.n && w->pending.a[0].score <= w->cur_f) return PendingHeap_pop(&w->pending).key;
-                Pending p = {w->cur_f + c->announced[w->cur_key], w->cur_key};
-                if (PendingHeap_push(&w->pending, p)) { w->failed = 1; return -1; }
-                w->have_cur = 0;
-            }
+        /* the frequency order of the keys not announced, merged with the announced order: an announced
+           key goes first once its score is at most the next one's frequency (is_announced) */
+        if (!w->have_cur && !w->freq_done) {
             int32_t key = walk_freq(w);
-            if (key < 0) break;
-            w->have_cur = 1, w->cur_key = key, w->cur_f = freq_score(c, key, c->counts_now);
+            if (key >= 0)
+                w->have_cur = 1, w->cur_key = key, w->cur_f = freq_score(c, key, c->counts_now);
+            else if (w->failed)
+                return -1;
+            else
+                w->freq_done = 1;
         }
-        w->phase = 2;
-    }
-    if (w->phase == 2) {
-        if (w->pending.n) return PendingHeap_pop(&w->pending).key;
+        PendingHeap *ann = &t->announced;
+        while (ann->n) {  /* the head: no member any more (dropped), risen since it was pushed (moved), or current */
+            int32_t key = ann->a[0].key;
+            c->walk_reads++;
+            if (!announced_member(c, t, key)) {
+                PendingHeap_pop(ann);
+                continue;
+            }
+            double now = freq_score(c, key, c->counts_now) + c->announced[key];
+            if (now == ann->a[0].score) break;
+            PendingHeap_pop(ann);
+            Pending moved = {now, key};
+            if (PendingHeap_push(ann, moved)) { w->failed = 1; return -1; }
+        }
+        if (ann->n && (!w->have_cur || ann->a[0].score <= w->cur_f)) {
+            Pending p = PendingHeap_pop(ann);
+            if (grow((void **)&w->ann_popped, &w->cap_ann_popped, w->n_ann_popped, sizeof(Pending))) { w->failed = 1; return -1; }
+            w->ann_popped[w->n_ann_popped++] = p;
+            /* (a key pushed twice at one score: its second entry is next, and goes as stale below) */
+            while (ann->n && ann->a[0].key == p.key && ann->a[0].score == p.score) PendingHeap_pop(ann);
+            return p.key;
+        }
+        if (w->have_cur) {
+            w->have_cur = 0;
+            return w->cur_key;
+        }
         w->phase = 3;
     }
     return -1;
@@ -590,6 +700,8 @@ static int walk_close(Walk *w) {
     int rc = w->failed ? -1 : 0;
     for (size_t i = 0; i < w->n_dups; i++)
         if (KeyHeap_push(&t->dup_heap, w->popped_dups[i])) rc = -1;
+    for (size_t i = 0; i < w->n_ann_popped; i++)  /* (the announced entries it read, all current: back) */
+        if (PendingHeap_push(&t->announced, w->ann_popped[i])) rc = -1;
     size_t rest = t->n_front - w->in_front, n = w->n_popped + rest;
     if (n > t->cap_front) {
         size_t cap = t->cap_front ? t->cap_front : 64;
@@ -612,17 +724,11 @@ static int walk_close(Walk *w) {
 done:
     free(w->popped_dups);
     free(w->popped);
-    free(w->pending.a);
+    free(w->ann_popped);
     return rc;
 }
 
 /* -- TierDirectory.plan_admissions --------------------------------------------------------------------- */
-
-static int keys_push(Keys *k, int32_t key) {
-    if (grow((void **)&k->a, &k->cap, k->n, sizeof(int32_t))) return -1;
-    k->a[k->n++] = key;
-    return 0;
-}
 
 static int admits(Core *c, Tier *t, int32_t key, int32_t *victims, size_t n_victims, int64_t now) {
     double worst = 0.0;
@@ -764,6 +870,7 @@ static void Core_dealloc(Core *c) {
     for (int i = 0; i < 2; i++) {
         Tier *t = &c->tier[i];
         free(t->unit), free(t->state), free(t->pins), free(t->tracked), free(t->order.a), free(t->front), free(t->dup), free(t->dup_heap.a);
+        free(t->announced.a), free(t->a_out), free(t->a_out_keys.a);
     }
     free(c->v), free(c->t_last), free(c->scored), free(c->row_b), free(c->row_c), free(c->row_n), free(c->uses);
     free(c->announced), free(c->scores), free(c->cur), free(c->last), free(c->groups), free(c->table), free(c->grouped), free(c->stamp);
@@ -819,7 +926,8 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
         t->capacity = caps[i];
         t->enabled = caps[i] > 0;
         t->state = calloc(n, 1), t->pins = calloc(n, sizeof(int32_t)), t->tracked = calloc(n, 1), t->dup = calloc(n, 1);
-        if (!t->state || !t->pins || !t->tracked || !t->dup) { PyErr_NoMemory(); return -1; }
+        t->a_out = calloc(n, 1);
+        if (!t->state || !t->pins || !t->tracked || !t->dup || !t->a_out) { PyErr_NoMemory(); return -1; }
     }
     c->v = calloc(n, sizeof(double)), c->t_last = calloc(n, sizeof(int64_t)), c->scored = calloc(n, 1);
     c->uses = calloc(n, sizeof(double)), c->announced = calloc(n, sizeof(double));
@@ -1518,6 +1626,10 @@ static PyObject *Core_get_counters(Core *c, void *closure) {
 static PyObject *Core_get_now(Core *c, void *closure) { return core_join(c) ? NULL : PyLong_FromLongLong(c->now); }
 static PyObject *Core_get_generation(Core *c, void *closure) { return core_join(c) ? NULL : PyLong_FromLongLong(c->generation); }
 static PyObject *Core_get_demote(Core *c, void *closure) { return core_join(c) ? NULL : PyBool_FromLong(c->demote); }
+/* (eviction walks made, entries of the residents' orders they read) */
+static PyObject *Core_get_walk_counts(Core *c, void *closure) {
+    return core_join(c) ? NULL : Py_BuildValue("(LL)", (long long)c->walks, (long long)c->walk_reads);
+}
 /* jobs the core's own thread has run (plan_soon, commit_soon; none where they run inline) */
 static PyObject *Core_get_thread_jobs(Core *c, void *closure) { return core_join(c) ? NULL : PyLong_FromLongLong(c->worker.runs); }
 static int Core_set_demote(Core *c, PyObject *v, void *closure) {
@@ -1556,6 +1668,7 @@ static PyGetSetDef Core_getset[] = {
     {"counters", (getter)Core_get_counters, NULL, "int64 [3][n_layer][10]: device, host, disk counters", NULL},
     {"now", (getter)Core_get_now, NULL, "logical time", NULL},
     {"thread_jobs", (getter)Core_get_thread_jobs, NULL, "jobs run on the core's own thread", NULL},
+    {"walk_counts", (getter)Core_get_walk_counts, NULL, "(eviction walks, entries they read)", NULL},
     {"generation", (getter)Core_get_generation, NULL, "commits and admissions so far", NULL},
     {"demote", (getter)Core_get_demote, (setter)Core_set_demote, "exclusive tiers", NULL},
     {"used", (getter)Core_get_used, NULL, "(device bytes used, host bytes used)", NULL},
