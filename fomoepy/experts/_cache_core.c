@@ -1374,6 +1374,7 @@ static int core_join(Core *c) {
     }
     if (!worker_busy(&c->worker)) return 0;
     int rc = worker_wait(&c->worker), layer = c->committing.layer;
+    if (rc == WORKER_TAKEN) return 0;  /* (another Python thread waited for it and saw to it) */
     if (c->job == JOB_COMMIT) commit_job_free(&c->committing);
     if (rc == WORKER_FORKED) {
         c->broken = 1;

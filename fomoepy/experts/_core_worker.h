@@ -27,6 +27,7 @@
 
 enum { WORKER_IDLE = 0, WORKER_QUEUED = 1, WORKER_DONE = 2 };
 #define WORKER_FORKED (-2)     /* worker_wait's rc for a job queued in the parent of a forked child */
+#define WORKER_TAKEN (-3)      /* worker_wait's rc where another thread waited for the same job and took it */
 #define WORKER_SPIN_NS 2000000 /* the thread's wait for a next job before it sleeps */
 #define CALLER_SPIN_NS 50000   /* a caller's wait for a job before it blocks (and lets other Python threads run) */
 
@@ -140,7 +141,8 @@ static void worker_submit(Worker *w, int (*run)(void *), void *arg) {
 static inline int worker_busy(Worker *w) { return atomic_load(&w->phase) != WORKER_IDLE; }
 
 /* wait for the job (with the GIL held: spinning, then blocked without it) and return its rc; the worker
-   is idle after */
+   is idle after. Two Python threads may wait at once (the GIL lets the second in while the first is
+   blocked): the first to find the job done takes it, the other gets WORKER_TAKEN. */
 static int worker_wait(Worker *w) {
     if (atomic_load(&w->phase) == WORKER_QUEUED && w->started && w->pid != getpid()) {
         atomic_store(&w->phase, WORKER_IDLE);  /* forked with a job queued: its thread is the parent's */
@@ -148,22 +150,22 @@ static int worker_wait(Worker *w) {
     }
     if (atomic_load(&w->phase) == WORKER_QUEUED) {
         int64_t until = mono_ns() + CALLER_SPIN_NS;
-        for (int i = 1; atomic_load(&w->phase) != WORKER_DONE; i++) {
+        for (int i = 1; atomic_load(&w->phase) == WORKER_QUEUED; i++) {
             cpu_relax();
             if (!(i & 63) && mono_ns() > until) break;
         }
-        if (atomic_load(&w->phase) != WORKER_DONE) {
+        if (atomic_load(&w->phase) == WORKER_QUEUED) {
             Py_BEGIN_ALLOW_THREADS
             pthread_mutex_lock(&w->mu);
             atomic_store(&w->waiting, 1);
-            while (atomic_load(&w->phase) != WORKER_DONE) pthread_cond_wait(&w->done, &w->mu);
+            while (atomic_load(&w->phase) == WORKER_QUEUED) pthread_cond_wait(&w->done, &w->mu);
             atomic_store(&w->waiting, 0);
             pthread_mutex_unlock(&w->mu);
             Py_END_ALLOW_THREADS
         }
     }
-    atomic_store(&w->phase, WORKER_IDLE);
-    return w->rc;
+    int done = WORKER_DONE;
+    return atomic_compare_exchange_strong(&w->phase, &done, WORKER_IDLE) ? w->rc : WORKER_TAKEN;
 }
 
 /* the thread stopped and joined (the caller has waited for any job first) */
