@@ -109,7 +109,8 @@ class ExpertStreamer:
         plans_beside: each step's cache plan is begun as its reads are issued and its commit applied while it
         computes, on the compiled cache's own thread (ExpertCache.plan_soon, commit_soon): a device whose step
         has host work of its own to do meanwhile (a GPU's launches and copies up) gains their time; one whose
-        cores compute the step (the cpu backend) would only lose one to the thread's spinning."""
+        cores compute the step (the cpu backend) loses more than it gains: the thread's spinning takes a core
+        from ggml's products, and without it a wake per job costs more than the plan (both measured slower)."""
         self.source = source
         self.options = options
         self.layers = source.layers
