@@ -1090,17 +1090,15 @@ static PyObject *plan_value(Core *c, PlanJob *j) {
     if (!items) goto done;
     PyObject *nbytes = PyLong_FromLongLong(c->tier[1].unit[j->layer]);
     if (!nbytes) goto done;
+    PyTypeObject *item_type = (PyTypeObject *)c->plan_item;
     for (size_t i = 0; i < m; i++) {
-        PyObject *raw = Py_BuildValue("(LOOOO)", (long long)j->experts[i], c->sources[(int)j->src[i]], nbytes,
-                                      j->tod[i] ? Py_True : Py_False, j->toh[i] ? Py_True : Py_False);
-        if (!raw) { Py_DECREF(nbytes); goto done; }
-        PyObject *pair = PyTuple_Pack(1, raw);
-        Py_DECREF(raw);
-        if (!pair) { Py_DECREF(nbytes); goto done; }
-        /* PlanItem._make: tuple.__new__(PlanItem, raw) */
-        PyObject *item = PyTuple_Type.tp_new((PyTypeObject *)c->plan_item, pair, NULL);
-        Py_DECREF(pair);
-        if (!item) { Py_DECREF(nbytes); goto done; }
+        /* PlanItem(expert, source, nbytes, to_device, to_host): a named tuple is a tuple of its fields, made
+           here as tuple.__new__ would make it (one allocation, not three) */
+        PyObject *item = item_type->tp_alloc(item_type, 5), *expert = item ? PyLong_FromLongLong(j->experts[i]) : NULL;
+        if (!expert) { Py_XDECREF(item); Py_DECREF(nbytes); goto done; }
+        PyObject *fields[5] = {expert, Py_NewRef(c->sources[(int)j->src[i]]), Py_NewRef(nbytes),
+                               Py_NewRef(j->tod[i] ? Py_True : Py_False), Py_NewRef(j->toh[i] ? Py_True : Py_False)};
+        for (Py_ssize_t f = 0; f < 5; f++) PyTuple_SET_ITEM(item, f, fields[f]);
         PyTuple_SET_ITEM(items, (Py_ssize_t)i, item);
     }
     Py_DECREF(nbytes);
