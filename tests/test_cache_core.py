@@ -60,8 +60,8 @@ def plan_of(plan) -> tuple:
 def replay(seed: int, kind: str, steps: int = 300, batched: bool = False, soon: bool = False) -> tuple[int, int]:
     """Returns the number of evictions seen (the stream must exercise them to prove anything) and the jobs the
     core ran on its own thread. soon: the core
-    plans and commits on its own thread (plan_soon, commit_soon), asked between a plan's start and its taking
-    as a step asks it (uncached)."""
+    plans, commits and settles on its own thread (plan_soon, commit_soon, settle_soon), asked between a plan's
+    start and its taking as a step asks it (uncached)."""
     rng = np.random.default_rng(seed)
     n_layer, n_expert = int(rng.integers(1, 5)), int(rng.integers(4, 24))
     k = int(rng.integers(1, min(6, n_expert) + 1))
@@ -91,8 +91,8 @@ def replay(seed: int, kind: str, steps: int = 300, batched: bool = False, soon: 
             assert ref.admit_host(keys) == core.admit_host(keys), f"step {step}: admit_host"
         elif op < 0.25 and in_flight:  # land and release the oldest plan in flight
             a, b = in_flight.pop(0)
-            ref.mark_ready(a), core.mark_ready(b)
-            ref.release(a), core.release(b)
+            ref.mark_ready(a), ref.release(a)
+            core.settle_soon(b) if soon else (core.mark_ready(b), core.release(b))
         elif op < 0.20:  # hits counted by a step that made no plan (a tier holding every expert)
             layer, n = int(rng.integers(0, n_layer)), int(rng.integers(1, k + 1))
             ref.count_resident_hits(layer, n), core.count_resident_hits(layer, n)
@@ -122,8 +122,8 @@ def replay(seed: int, kind: str, steps: int = 300, batched: bool = False, soon: 
             in_flight.append((a, b))
             if len(in_flight) > int(rng.integers(0, 3)):
                 a, b = in_flight.pop(0)
-                ref.mark_ready(a), core.mark_ready(b)
-                ref.release(a), core.release(b)
+                ref.mark_ready(a), ref.release(a)
+                core.settle_soon(b) if soon else (core.mark_ready(b), core.release(b))
             if rng.random() < 0.7:
                 ref.tick(1), core.tick(1)
         assert state_of(ref) == state_of(core), f"step {step}"

@@ -198,7 +198,7 @@ typedef struct {
     char fail_msg[240];
     /* plan_soon and commit_soon: the job on the core's thread, and its data */
     Worker worker;
-    int job;            /* JOB_PLAN or JOB_COMMIT: what the worker runs or ran last */
+    int job;            /* JOB_PLAN, _COMMIT or _SETTLE: what the worker runs or ran last */
     PlanJob planned;
     int plan_state;     /* PLAN_STARTED from plan_soon (running, or done) until take_plan; else PLAN_NONE */
     CommitJob committing;
@@ -206,7 +206,7 @@ typedef struct {
     int64_t walks, walk_reads;  /* eviction walks made, and the entries they read (the walks' cost) */
 } Core;
 
-enum { JOB_PLAN = 1, JOB_COMMIT = 2 };
+enum { JOB_PLAN = 1, JOB_COMMIT = 2, JOB_SETTLE = 3 };  /* (commit and settle keep their data in `committing`) */
 
 static void plan_job_free(PlanJob *j);
 static void commit_job_free(CommitJob *j);
@@ -1373,15 +1373,15 @@ static int core_join(Core *c) {
     if (!worker_busy(&c->worker)) return 0;
     int rc = worker_wait(&c->worker), layer = c->committing.layer;
     if (rc == WORKER_TAKEN) return 0;  /* (another Python thread waited for it and saw to it) */
-    if (c->job == JOB_COMMIT) commit_job_free(&c->committing);
+    if (c->job != JOB_PLAN) commit_job_free(&c->committing);
     if (rc == WORKER_FORKED) {
         c->broken = 1;
         return core_join(c);
     }
     if (!rc) return 0;
     char during[64];
-    if (c->job == JOB_COMMIT) {
-        snprintf(during, sizeof during, "the cache's commit of layer %d failed: ", layer);
+    if (c->job != JOB_PLAN) {
+        snprintf(during, sizeof during, "the cache's %s of layer %d failed: ", c->job == JOB_COMMIT ? "commit" : "settling", layer);
     } else {
         snprintf(during, sizeof during, "the cache's plan of layer %d failed: ", c->planned.layer);
         plan_job_free(&c->planned);
@@ -1439,6 +1439,61 @@ out:
     plan_args_release(&p);
     if (!result) raise_failure(c, "");
     return result;
+}
+
+/* a landed and computed plan settled: mark_ready's then release's changes (no Python: settle_soon's job) */
+static int settle_apply(Core *c, const CommitJob *j) {
+    for (size_t i = 0; i < j->n_victims[2]; i++)
+        if (tier_ready(c, 1, j->victims[2][i])) return -1;
+    for (size_t i = 0; i < j->m; i++) {
+        int32_t key = j->layer * c->n_expert + (int32_t)j->experts[i];
+        if (j->tod[i] && tier_ready(c, 0, key)) return -1;
+        if (j->toh[i] && tier_ready(c, 1, key)) return -1;
+    }
+    for (size_t i = 0; i < j->m; i++) {
+        int32_t key = j->layer * c->n_expert + (int32_t)j->experts[i];
+        if ((j->toh[i] || j->src[i] == SRC_HOST) && tier_unpin(c, 1, key)) return -1;
+        if ((j->tod[i] || j->src[i] == SRC_DEVICE) && tier_unpin(c, 0, key)) return -1;
+    }
+    return 0;
+}
+
+static int run_settle(void *arg) {
+    Core *c = arg;
+    return settle_apply(c, &c->committing);
+}
+
+/* settle_soon(layer, experts, sources, to_device, to_host, demotions): mark_ready and release of a step
+   whose reads landed, applied on the core's thread while the caller goes on (commit_soon's way) */
+static PyObject *Core_settle_soon(Core *c, PyObject *args) {
+    if (core_join(c)) return NULL;
+    CommitJob *j = &c->committing;
+    PyObject *e, *s, *d, *h, *dm;
+    memset(j, 0, sizeof *j);
+    if (!PyArg_ParseTuple(args, "iOOOOO", &j->layer, &e, &s, &d, &h, &dm)) return NULL;
+    if (j->layer < 0 || j->layer >= c->n_layer) {
+        PyErr_SetString(PyExc_ValueError, "settle_soon: a layer outside the cache");
+        return NULL;
+    }
+    PlanArgs p;
+    if (plan_args(e, s, d, h, &p)) { plan_args_release(&p); return NULL; }
+    size_t m = j->m = p.m;
+    j->experts = malloc(sizeof(int64_t) * (m + 1));
+    j->src = malloc(m + 1), j->tod = malloc(m + 1), j->toh = malloc(m + 1);
+    if (!j->experts || !j->src || !j->tod || !j->toh) {
+        plan_args_release(&p);
+        commit_job_free(j);
+        return PyErr_NoMemory();
+    }
+    memcpy(j->experts, p.experts, m * sizeof(int64_t));
+    memcpy(j->src, p.src, m), memcpy(j->tod, p.tod, m), memcpy(j->toh, p.toh, m);
+    plan_args_release(&p);
+    Py_ssize_t n;
+    if (for_keys(c, dm, &j->victims[2], &n)) { commit_job_free(j); return NULL; }
+    j->n_victims[2] = (size_t)n;
+    c->job = JOB_SETTLE;
+    worker_submit(&c->worker, run_settle, c);
+    Py_RETURN_NONE;
 }
 
 /* abort(layer, experts, to_device, to_host, demotions): ExpertCache.abort; returns the device keys dropped,
@@ -1650,6 +1705,7 @@ static PyMethodDef Core_methods[] = {
     {"plan_soon", (PyCFunction)Core_plan_soon, METH_VARARGS, "plan_soon(layer, ids): plan on the core's thread; take_plan() gives it"},
     {"take_plan", (PyCFunction)Core_take_plan, METH_NOARGS, "the value of the plan plan_soon started"},
     {"commit_soon", (PyCFunction)Core_commit_soon, METH_VARARGS, "commit, applied on the core's thread"},
+    {"settle_soon", (PyCFunction)Core_settle_soon, METH_VARARGS, "mark_ready and release, applied on the core's thread"},
     {"mark_ready", (PyCFunction)Core_mark_ready, METH_VARARGS, "admitted slots LOADING -> READY"},
     {"release", (PyCFunction)Core_release, METH_VARARGS, "unpin a plan's experts"},
     {"abort", (PyCFunction)Core_abort, METH_VARARGS, "drop a failed plan's admissions still loading"},

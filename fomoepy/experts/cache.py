@@ -227,6 +227,12 @@ class ExpertCache:
         or changes the cache next waits for it, and raises its failure); this one applies it at once."""
         self.commit(plan)
 
+    def settle_soon(self, plan: Plan) -> None:
+        """mark_ready and release of a step whose reads landed, which the compiled cache applies on its own
+        thread (as commit_soon); this one applies them at once."""
+        self.mark_ready(plan)
+        self.release(plan)
+
     def commit(self, plan: Plan) -> None:
         """Apply plan's evictions and admissions (admitted slots LOADING), pin its experts, count it."""
         if plan.generation != self.generation:

@@ -136,6 +136,7 @@ class ExpertStreamer:
             self._read_buffer = [functools.partial(buffers, slot_nbytes(layer)) for layer in range(self.n_layer)]
         self.reads_issued_at = 0.0  # perf_counter time the last start_acquire had issued its reads
         self.plans_beside = plans_beside
+        self._landed_plan: Plan | None = None  # plans_beside: the plan whose reads landed, made ready at its release
         self.car_stats = CarStats()
         self.prefetch_stats = PrefetchStats()
         self.counter = ExpertCounter(self.n_layer, self.n_expert)
@@ -427,7 +428,10 @@ class ExpertStreamer:
         for item in plan.items:
             if item.to_host:
                 self.host_slots[(layer, item.expert)] = fetched[item.expert]
-        self.cache.mark_ready(plan)
+        if self.plans_beside:  # the admissions are made ready with the plan's release (settle_soon): nothing between asks
+            self._landed_plan = plan
+        else:
+            self.cache.mark_ready(plan)
         if self._backfill_thread is not None:
             self._backfill_thread.set_io_busy(False, self.tokens_seen)
         return fetched
@@ -438,7 +442,11 @@ class ExpertStreamer:
         return self.cache.abort(plan)
 
     def release(self, plan: Plan) -> None:
-        self.cache.release(plan)
+        if self._landed_plan is plan:  # (plans_beside: its reads landed) made ready and released on the core's thread
+            self._landed_plan = None
+            self.cache.settle_soon(plan)
+        else:
+            self.cache.release(plan)
         # A source that maps its file (the GGUF, no store), when the user bounded memory, unmaps what
         # computing from an expert made resident: a fault maps up to a 2 MiB folio around the bytes it
         # needs, so the touched pages, not the host tier's budget, would otherwise bound the memory
