@@ -573,7 +573,7 @@ static int observe(Core *c, int which, int32_t key, int64_t now, const int64_t *
 typedef struct {
     Core *c;
     Tier *t;
-    int phase;          /* 0 duplicates, 1 frequency order (lfu-cooc: merged with the announced), 3 done */
+    int phase;          /* 0 duplicates, 1 frequency order (lfu-cooc: merged with the announced), 2 done */
     int32_t *popped_dups; size_t n_dups, cap_dups;
     Entry *popped; size_t n_popped, cap_popped;  /* the current entries read, in order */
     size_t in_front;                              /* entries of the tier's front read so far */
@@ -648,7 +648,7 @@ static int32_t walk_next(Walk *w) {
         if (c->policy != POLICY_COOC) {
             int32_t key = walk_freq(w);
             if (key >= 0) return key;
-            w->phase = 3;
+            w->phase = 2;
             return -1;
         }
         /* the frequency order of the keys not announced, merged with the announced order: an announced
@@ -680,7 +680,7 @@ static int32_t walk_next(Walk *w) {
             Pending p = PendingHeap_pop(ann);
             if (grow((void **)&w->ann_popped, &w->cap_ann_popped, w->n_ann_popped, sizeof(Pending))) { w->failed = 1; return -1; }
             w->ann_popped[w->n_ann_popped++] = p;
-            /* (a key pushed twice at one score: its second entry is next, and goes as stale below) */
+            /* (a key pushed twice at one score: its second entry is next, and is dropped here) */
             while (ann->n && ann->a[0].key == p.key && ann->a[0].score == p.score) PendingHeap_pop(ann);
             return p.key;
         }
@@ -688,7 +688,7 @@ static int32_t walk_next(Walk *w) {
             w->have_cur = 0;
             return w->cur_key;
         }
-        w->phase = 3;
+        w->phase = 2;
     }
     return -1;
 }
@@ -1228,6 +1228,24 @@ static void commit_job_free(CommitJob *j) {
     memset(j, 0, sizeof *j);
 }
 
+/* a plan's arrays (experts, sources, to_device, to_host: bytes-likes), copied into the job (with the GIL) */
+static int job_arrays(CommitJob *j, PyObject *e, PyObject *s, PyObject *d, PyObject *h) {
+    PlanArgs p;
+    if (plan_args(e, s, d, h, &p)) { plan_args_release(&p); return -1; }
+    size_t m = j->m = p.m;
+    j->experts = malloc(sizeof(int64_t) * (m + 1));
+    j->src = malloc(m + 1), j->tod = malloc(m + 1), j->toh = malloc(m + 1);
+    if (!j->experts || !j->src || !j->tod || !j->toh) {
+        plan_args_release(&p);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(j->experts, p.experts, m * sizeof(int64_t));
+    memcpy(j->src, p.src, m), memcpy(j->tod, p.tod, m), memcpy(j->toh, p.toh, m);
+    plan_args_release(&p);
+    return 0;
+}
+
 /* commit's arguments (layer, experts, sources, to_device, to_host, device_victims, host_victims, demotions
    [, users]), copied into the job: users, when given, is a tuple per item of the sequences (ints) whose rows
    chose it; else one sequence, 0. With the GIL: sets a Python error. */
@@ -1240,15 +1258,8 @@ static int commit_job_parse(Core *c, PyObject *args, CommitJob *j) {
         return -1;
     }
     if (users == Py_None || (users && PyTuple_Check(users) && PyTuple_GET_SIZE(users) == 0)) users = NULL;
-    PlanArgs p;
-    if (plan_args(e, s, d, h, &p)) { plan_args_release(&p); return -1; }
-    size_t m = j->m = p.m;
-    j->experts = malloc(sizeof(int64_t) * (m + 1));
-    j->src = malloc(m + 1), j->tod = malloc(m + 1), j->toh = malloc(m + 1);
-    if (!j->experts || !j->src || !j->tod || !j->toh) { plan_args_release(&p); PyErr_NoMemory(); goto fail; }
-    memcpy(j->experts, p.experts, m * sizeof(int64_t));
-    memcpy(j->src, p.src, m), memcpy(j->tod, p.tod, m), memcpy(j->toh, p.toh, m);
-    plan_args_release(&p);
+    if (job_arrays(j, e, s, d, h)) goto fail;
+    size_t m = j->m;
     for (int k = 0; k < 3; k++) {
         Py_ssize_t n;
         if (for_keys(c, lists[k], &j->victims[k], &n)) goto fail;
@@ -1392,6 +1403,31 @@ static int core_join(Core *c) {
 }
 
 /* mark_ready(layer, experts, to_device, to_host, demotions) */
+/* a plan's items as mark_ready and release read them: a job's copies, or a Python plan's buffers in place */
+typedef struct { int layer; size_t m; const int64_t *experts; const char *src, *tod, *toh; } Items;
+
+/* mark_ready's changes: the demoted experts and the plan's admissions LOADING -> READY (no Python) */
+static int ready_apply(Core *c, const Items *it, const int32_t *demoted, size_t n_demoted) {
+    for (size_t i = 0; i < n_demoted; i++)
+        if (tier_ready(c, 1, demoted[i])) return -1;
+    for (size_t i = 0; i < it->m; i++) {
+        int32_t key = it->layer * c->n_expert + (int32_t)it->experts[i];
+        if (it->tod[i] && tier_ready(c, 0, key)) return -1;
+        if (it->toh[i] && tier_ready(c, 1, key)) return -1;
+    }
+    return 0;
+}
+
+/* release's changes: the plan's experts unpinned (no Python) */
+static int release_apply(Core *c, const Items *it) {
+    for (size_t i = 0; i < it->m; i++) {
+        int32_t key = it->layer * c->n_expert + (int32_t)it->experts[i];
+        if ((it->toh[i] || it->src[i] == SRC_HOST) && tier_unpin(c, 1, key)) return -1;
+        if ((it->tod[i] || it->src[i] == SRC_DEVICE) && tier_unpin(c, 0, key)) return -1;
+    }
+    return 0;
+}
+
 static PyObject *Core_mark_ready(Core *c, PyObject *args) {
     if (core_join(c)) return NULL;
     int layer;
@@ -1403,13 +1439,8 @@ static PyObject *Core_mark_ready(Core *c, PyObject *args) {
     PyObject *result = NULL;
     if (plan_args(e, d, d, h, &p)) goto out;
     if (for_keys(c, dm, &keys, &nk)) goto out;
-    for (Py_ssize_t i = 0; i < nk; i++)
-        if (tier_ready(c, 1, keys[i])) goto out;
-    for (size_t i = 0; i < p.m; i++) {
-        int32_t key = layer * c->n_expert + (int32_t)p.experts[i];
-        if (p.tod[i] && tier_ready(c, 0, key)) goto out;
-        if (p.toh[i] && tier_ready(c, 1, key)) goto out;
-    }
+    Items it = {layer, p.m, p.experts, p.src, p.tod, p.toh};
+    if (ready_apply(c, &it, keys, (size_t)nk)) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
@@ -1428,11 +1459,8 @@ static PyObject *Core_release(Core *c, PyObject *args) {
     PlanArgs p;
     PyObject *result = NULL;
     if (plan_args(e, s, d, h, &p)) goto out;
-    for (size_t i = 0; i < p.m; i++) {
-        int32_t key = layer * c->n_expert + (int32_t)p.experts[i];
-        if ((p.toh[i] || p.src[i] == SRC_HOST) && tier_unpin(c, 1, key)) goto out;
-        if ((p.tod[i] || p.src[i] == SRC_DEVICE) && tier_unpin(c, 0, key)) goto out;
-    }
+    Items it = {layer, p.m, p.experts, p.src, p.tod, p.toh};
+    if (release_apply(c, &it)) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
@@ -1443,19 +1471,8 @@ out:
 
 /* a landed and computed plan settled: mark_ready's then release's changes (no Python: settle_soon's job) */
 static int settle_apply(Core *c, const CommitJob *j) {
-    for (size_t i = 0; i < j->n_victims[2]; i++)
-        if (tier_ready(c, 1, j->victims[2][i])) return -1;
-    for (size_t i = 0; i < j->m; i++) {
-        int32_t key = j->layer * c->n_expert + (int32_t)j->experts[i];
-        if (j->tod[i] && tier_ready(c, 0, key)) return -1;
-        if (j->toh[i] && tier_ready(c, 1, key)) return -1;
-    }
-    for (size_t i = 0; i < j->m; i++) {
-        int32_t key = j->layer * c->n_expert + (int32_t)j->experts[i];
-        if ((j->toh[i] || j->src[i] == SRC_HOST) && tier_unpin(c, 1, key)) return -1;
-        if ((j->tod[i] || j->src[i] == SRC_DEVICE) && tier_unpin(c, 0, key)) return -1;
-    }
-    return 0;
+    Items it = {j->layer, j->m, j->experts, j->src, j->tod, j->toh};
+    return ready_apply(c, &it, j->victims[2], j->n_victims[2]) || release_apply(c, &it) ? -1 : 0;
 }
 
 static int run_settle(void *arg) {
@@ -1475,19 +1492,7 @@ static PyObject *Core_settle_soon(Core *c, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "settle_soon: a layer outside the cache");
         return NULL;
     }
-    PlanArgs p;
-    if (plan_args(e, s, d, h, &p)) { plan_args_release(&p); return NULL; }
-    size_t m = j->m = p.m;
-    j->experts = malloc(sizeof(int64_t) * (m + 1));
-    j->src = malloc(m + 1), j->tod = malloc(m + 1), j->toh = malloc(m + 1);
-    if (!j->experts || !j->src || !j->tod || !j->toh) {
-        plan_args_release(&p);
-        commit_job_free(j);
-        return PyErr_NoMemory();
-    }
-    memcpy(j->experts, p.experts, m * sizeof(int64_t));
-    memcpy(j->src, p.src, m), memcpy(j->tod, p.tod, m), memcpy(j->toh, p.toh, m);
-    plan_args_release(&p);
+    if (job_arrays(j, e, s, d, h)) { commit_job_free(j); return NULL; }
     Py_ssize_t n;
     if (for_keys(c, dm, &j->victims[2], &n)) { commit_job_free(j); return NULL; }
     j->n_victims[2] = (size_t)n;

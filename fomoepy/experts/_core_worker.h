@@ -62,6 +62,9 @@ static inline int64_t mono_ns(void) {
 
 static void *worker_main(void *arg) {
     Worker *w = arg;
+#ifdef __linux__
+    pthread_setname_np(pthread_self(), "fomoe-cache");  /* (what `top -H` and /proc call the spinning thread) */
+#endif
     for (;;) {
         if (atomic_load(&w->phase) != WORKER_QUEUED) {
             int64_t until = mono_ns() + WORKER_SPIN_NS;
