@@ -140,22 +140,23 @@ class CoreCache:
 
     # -- queries -------------------------------------------------------------------------------------
     def plan(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> Plan:
-        if not 0 <= layer < self.n_layer:
-            raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
-        raw = np.ascontiguousarray(ids, dtype=np.int64)
-        # (the core copies the ids out of the array's buffer)
+        raw = self._ids(layer, ids)
         return self._plan_of(self._core.plan(layer, raw), layer, raw, sequences, self.generation)
 
     def plan_soon(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None
                   ) -> Callable[[], Plan]:  # fmt: skip
         """ExpertCache.plan_soon: made on the core's thread, without the GIL (a step's plan is ~20 µs of C at
         the 397B shape, made while the step's first launches go out in Python)."""
-        if not 0 <= layer < self.n_layer:
-            raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
-        raw = np.ascontiguousarray(ids, dtype=np.int64)
+        raw = self._ids(layer, ids)
         generation = self.generation
         self._core.plan_soon(layer, raw)
         return functools.partial(self._taken, layer, raw, sequences, generation)
+
+    def _ids(self, layer: int, ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        """A plan's ids as the core reads them (it copies them out of the array's buffer), its layer checked."""
+        if not 0 <= layer < self.n_layer:
+            raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
+        return np.ascontiguousarray(ids, dtype=np.int64)
 
     def _taken(self, layer: int, raw: np.ndarray, sequences: Sequence[int] | np.ndarray | None, generation: int) -> Plan:
         return self._plan_of(self._core.take_plan(), layer, raw, sequences, generation)
@@ -187,16 +188,18 @@ class CoreCache:
 
     # -- commands ------------------------------------------------------------------------------------
     def commit(self, plan: Plan) -> None:
-        if plan.generation != self.generation:
-            raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
-        self._core.commit(plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
+        self._core.commit(*self._commit_args(plan))
 
     def commit_soon(self, plan: Plan) -> None:
         """ExpertCache.commit_soon: applied on the core's thread, without the GIL (~13 µs of C a step at the
         397B shape, while the step's copies up and launches go out)."""
+        self._core.commit_soon(*self._commit_args(plan))
+
+    def _commit_args(self, plan: Plan) -> tuple:
+        """What the core's commit takes of a plan, which must be of the cache as it is now."""
         if plan.generation != self.generation:
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
-        self._core.commit_soon(plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
+        return (plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
 
     def settle_soon(self, plan: Plan) -> None:
         """ExpertCache.settle_soon: on the core's thread (its parse of the plan's arrays stays here, ~1.5 µs; its

@@ -247,10 +247,7 @@ class GpuExperts:
         if not held and not early:
             return 0.0
         side = self._side_of[layer]
-        side.fence_launches()  # (before this step's launches: its copies need not wait for them)
-        if side.down_recorded > side.down_covered:  # the earlier steps' copies down (the slots and buffers these copies may reuse)
-            side.cover_downloads()
-        self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
+        self._open_step(side)
         slots = {}  # the slots of the experts the tier does not hold (after the covering: dirty ones may be free now)
         if len(held) < len(chosen):
             for e in chosen:
@@ -294,10 +291,7 @@ class GpuExperts:
             self._drop_begun()
         begun, self._begun = self._begun, None
         copied = begun.copied if begun is not None else {}
-        side.fence_launches()  # (before this step's launches: its copies need not wait for them)
-        if side.down_recorded > side.down_covered:  # the earlier steps' copies down (this step's, issued since, go on beside its copies up)
-            side.cover_downloads()
-        self._join_copies(side)  # copies queued outside a step (install) land before any slot is read
+        self._open_step(side)
         missing: dict[int, bool] = {}  # expert -> whether its slot joins the device tier (to_device)
         if begun is not None:  # every slot taken and the tables up (begin): the plan says which slots join the tier
             slots, resident = begun.slots, self.resident
@@ -412,6 +406,16 @@ class GpuExperts:
             self.pool.close()
 
     # -- copies -------------------------------------------------------------------------------------
+    def _open_step(self, side: DeviceSide) -> None:
+        """Before a step's copies and launches (begin's, and compute's): the launches still unsynced get their
+        event (this step's copies need not wait for them); the earlier steps' copies down are covered (the
+        slots and buffers this step's copies may reuse; a copy down of this step's, issued since begin, goes
+        on beside its copies up); copies queued outside a step (install) land before any slot is read."""
+        side.fence_launches()
+        if side.down_recorded > side.down_covered:
+            side.cover_downloads()
+        self._join_copies(side)
+
     def _join_copies(self, side: DeviceSide) -> None:
         """The compute stream waits for every copy up issued so far (on the device: the host goes on). The
         pinned pool learns of the point: once the compute stream has been waited for, so have these copies."""
