@@ -6,7 +6,9 @@ Python code they stand in for serves (the same results, more host time per step)
   does (no fused multiply-adds), so its scores and their ties match the Python policies exactly. Its
   thread, which plans and commits beside a GPU step (_core_worker.h), is POSIX threads: -pthread.
 - fomoepy/runtime/_driver_calls.c: a decode step's launches, copies and event calls through the GPU
-  bindings' own C function pointers; without it fomoepy.runtime.shim calls the bindings' Python functions.
+  bindings' own C function pointers, and its tables and grouped launches each in one call (DecodeLaunch);
+  without it fomoepy.runtime.shim calls the bindings' Python functions and fomoepy.runtime.gpu_launches
+  makes the tables and launches in Python. It shares the tables' packing (_moe_pack.h) with _moe_tables.c.
 - fomoepy/runtime/_moe_tables.c: a decode step's grouped-launch tables packed in C; without it
   fomoepy.runtime.moe_tables packs them in Python (the same bytes).
 - fomoepy/runtime/_host_memory.c: a host buffer's address, and a pinned buffer lent out that goes back to
@@ -30,8 +32,8 @@ def optional(module: str, *flags: str, depends: tuple[str, ...] = ()) -> Extensi
 setup(
     ext_modules=[
         optional("fomoepy.experts._cache_core", "-ffp-contract=off", "-pthread", depends=("fomoepy/experts/_core_worker.h",)),
-        optional("fomoepy.runtime._driver_calls"),
-        optional("fomoepy.runtime._moe_tables"),
+        optional("fomoepy.runtime._driver_calls", depends=("fomoepy/runtime/_moe_pack.h",)),
+        optional("fomoepy.runtime._moe_tables", depends=("fomoepy/runtime/_moe_pack.h",)),
         optional("fomoepy.runtime._host_memory"),
     ]
 )

@@ -26,6 +26,8 @@
 #include <time.h>
 #include <structmember.h>
 
+#include "_moe_pack.h"
+
 enum { LAUNCH, HTOD, DTOH, DTOD, RECORD, WAIT, SYNC, EVENT_SYNC, MEMSET32, N_CALLS };
 
 /* Both APIs pass every handle and pointer in one 64-bit integer register (hipStream_t, CUstream: pointers;
@@ -354,6 +356,23 @@ static int pack_argument(Launcher *self, int i, PyObject *v) {
     return 0;
 }
 
+/* the launch of the arguments packed in self->slots (the shim's device made current first) */
+static PyObject *launch_packed(Launcher *self, const uint64_t g[3], uint64_t block, uint64_t shared) {
+    if (make_current(self->calls)) return NULL;
+    int rc;
+    double t0 = self->timed ? now_seconds() : 0.0;
+    launch_fn launch = (launch_fn)self->calls->fn[LAUNCH];
+    Py_BEGIN_ALLOW_THREADS
+    rc = launch(self->function, (unsigned)g[0], (unsigned)g[1], (unsigned)g[2], (unsigned)block, 1, 1,
+                                   (unsigned)shared, self->stream, self->params, NULL);
+    Py_END_ALLOW_THREADS
+    if (self->timed) {
+        self->seconds += now_seconds() - t0;
+        self->count++;
+    }
+    return status(self->calls, LAUNCH, rc);
+}
+
 static PyObject *Launcher_launch(Launcher *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "launch(grid: tuple, block, shared, args: tuple)");
@@ -375,19 +394,7 @@ static PyObject *Launcher_launch(Launcher *self, PyObject *const *args, Py_ssize
     if (as_u64(args[1], &block) || as_u64(args[2], &shared)) return NULL;
     for (int i = 0; i < self->n_args; i++)
         if (pack_argument(self, i, PyTuple_GET_ITEM(kernel_args, i))) return NULL;
-    if (make_current(self->calls)) return NULL;
-    int rc;
-    double t0 = self->timed ? now_seconds() : 0.0;
-    launch_fn launch = (launch_fn)self->calls->fn[LAUNCH];
-    Py_BEGIN_ALLOW_THREADS
-    rc = launch(self->function, (unsigned)g[0], (unsigned)g[1], (unsigned)g[2], (unsigned)block, 1, 1,
-                                   (unsigned)shared, self->stream, self->params, NULL);
-    Py_END_ALLOW_THREADS
-    if (self->timed) {
-        self->seconds += now_seconds() - t0;
-        self->count++;
-    }
-    return status(self->calls, LAUNCH, rc);
+    return launch_packed(self, g, block, shared);
 }
 
 static int Launcher_init(Launcher *self, PyObject *args, PyObject *kw) {
@@ -445,6 +452,221 @@ static PyTypeObject LauncherType = {
     .tp_members = Launcher_members,
 };
 
+/* -- DecodeLaunch: one layer's decode-step tables and grouped launches, each in one call ---------------
+
+   A decode step (one token) of GpuExperts uploads its tables and launches its stages through Python: the
+   tables object, the upload, and per stage the grid and arguments worked out and GpuBackend.launch, about
+   a sixth of the step's host time at the 397B shape. A DecodeLaunch holds what those work out from the
+   layer alone (its kernels' Launchers, the device side's decode arrays, the layer's sizes and slot
+   offsets) and makes each in one C call: the same driver calls, with the same arguments, in the same
+   order as fomoepy.runtime.gpu_experts' own path, which stays the definition and serves where this is not
+   built or the direct calls are off (tests/test_decode_launch.py compares the two).
+
+       DecodeLaunch(gate_up, down, down_sum, combine, tables, act, part, offsets, F, D, k, gate_row, down_row,
+                    keepalive)
+       n_first, experts = dl.tables(row, weights, slot_ptr, first, then)  # packed (_moe_pack.h), copied up
+       dl.stages(start, stop, h)    # gate/up, then down, over work items [start, stop): act and part rows
+       dl.combine(out)              # out = sum_j weight_j part_j, j ascending
+       dl.grouped(h, out)           # every work item's gate/up, then down fused with the weighted sum
+
+   gate_up, down, down_sum, combine: the layer's kernels' Launchers (one stream: the device's compute
+   stream, which the tables' copy is queued on too); tables, act, part: device addresses of the side's
+   decode arrays (fomoepy.runtime.gpu_sides.DeviceSide.decode_scratch); h, out: device addresses. The
+   packed tables' bytes are appended to `keepalive` (GpuBackend._keepalive, emptied when the host next
+   waits for the stream: the copy may read them until then, as the Python path keeps its own). */
+
+typedef struct {
+    PyObject_HEAD
+    Launcher *gate_up, *down, *down_sum, *combine;
+    uint64_t tables, act, part;
+    PyObject *offsets; /* (gate, up, down) in a slot: a tuple, as the packer takes it */
+    long long F, D, k, gate_row, down_row;
+    PyObject *keepalive;
+} DecodeLaunch;
+
+#define WORK_BYTES 64 /* sizeof(Work), _moe_pack.h's */
+#define PAIR_BYTES 16
+
+/* a launch of `L` with the kernel arguments `values` (integers: 'i' checked to fit an int32) */
+static PyObject *launch_values(Launcher *L, uint64_t gx, uint64_t gy, uint64_t block, const long long *values, int n) {
+    if (n != L->n_args) {
+        PyErr_Format(PyExc_TypeError, "the kernel takes %d arguments, got %d", L->n_args, n);
+        return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        long long x = values[i];
+        uint64_t slot = 0;
+        if (L->codes[i] == 'i') {
+            if (x < INT32_MIN || x > INT32_MAX) {
+                PyErr_Format(PyExc_TypeError, "kernel argument %d: %lld does not fit an int32", i, x);
+                return NULL;
+            }
+            int32_t y = (int32_t)x;
+            memcpy(&slot, &y, 4);
+        } else if (L->codes[i] == 'p' || L->codes[i] == 'l') {
+            memcpy(&slot, &x, 8);
+        } else {
+            PyErr_Format(PyExc_TypeError, "kernel argument %d is a float: a decode launch passes integers", i);
+            return NULL;
+        }
+        L->slots[i] = slot;
+    }
+    const uint64_t g[3] = {gx, gy, 1};
+    return launch_packed(L, g, block, 0);
+}
+
+static long long cdiv(long long a, long long b) { return (a + b - 1) / b; }
+
+static int as_ll(PyObject *o, long long *out) {
+    *out = PyLong_AsLongLong(o);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *DecodeLaunch_tables(DecodeLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "tables(row, weights, slot_ptr, first, then)");
+        return NULL;
+    }
+    if (PyList_Check(args[0]) && PyList_GET_SIZE(args[0]) != self->k) {
+        PyErr_Format(PyExc_ValueError, "this layer's decode step takes %lld choices, got %zd", self->k, PyList_GET_SIZE(args[0]));
+        return NULL;
+    }
+    int n_first;
+    PyObject *experts;
+    PyObject *bytes = pack_decode_tables(args[0], args[1], args[2], self->offsets, args[3], args[4], &n_first, &experts);
+    if (!bytes) return NULL;
+    PyObject *r = NULL;
+    if (PyList_Append(self->keepalive, bytes) == 0) {
+        Calls *calls = self->gate_up->calls;
+        if (make_current(calls) == 0) {
+            int rc;
+            copy_fn htod = (copy_fn)calls->fn[HTOD];
+            uint64_t src = (uint64_t)(uintptr_t)PyByteArray_AS_STRING(bytes);
+            size_t n = (size_t)PyByteArray_GET_SIZE(bytes);
+            void *stream = self->gate_up->stream;
+            Py_BEGIN_ALLOW_THREADS
+            rc = htod(self->tables, src, n, stream);
+            Py_END_ALLOW_THREADS
+            PyObject *ok = status(calls, HTOD, rc);
+            if (ok) {
+                Py_DECREF(ok);
+                r = Py_BuildValue("(iO)", n_first, experts);
+            }
+        }
+    }
+    Py_DECREF(bytes);
+    Py_DECREF(experts);
+    return r;
+}
+
+static PyObject *DecodeLaunch_stages(DecodeLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long start, stop, h;
+    if (nargs != 3 || as_ll(args[0], &start) || as_ll(args[1], &stop) || as_ll(args[2], &h)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "stages(start, stop, h)");
+        return NULL;
+    }
+    if (start < 0 || stop > self->k) {
+        PyErr_Format(PyExc_ValueError, "work items [%lld, %lld) of %lld", start, stop, self->k);
+        return NULL;
+    }
+    if (stop <= start) Py_RETURN_NONE;
+    long long work = (long long)self->tables + self->k * PAIR_BYTES + start * WORK_BYTES;
+    long long act = (long long)self->act, part = (long long)self->part;
+    const long long gate_up[] = {work, h, self->D, self->F, self->k, self->gate_row, act};
+    PyObject *r = launch_values(self->gate_up, cdiv(self->F, 4), stop - start, 128, gate_up, 7);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    const long long down[] = {work, act, self->D, self->F, self->down_row, part};
+    return launch_values(self->down, cdiv(self->D, 4), stop - start, 128, down, 6);
+}
+
+static PyObject *DecodeLaunch_combine(DecodeLaunch *self, PyObject *out) {
+    long long o;
+    if (as_ll(out, &o)) return NULL;
+    const long long values[] = {(long long)self->tables, (long long)self->part, 1, self->D, self->k, o};
+    return launch_values(self->combine, cdiv(self->D, 256), 1, 256, values, 6);
+}
+
+static PyObject *DecodeLaunch_grouped(DecodeLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long h, o;
+    if (nargs != 2 || as_ll(args[0], &h) || as_ll(args[1], &o)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "grouped(h, out)");
+        return NULL;
+    }
+    long long act = (long long)self->act;
+    const long long gate_up[] = {(long long)self->tables + self->k * PAIR_BYTES, h, self->D, self->F, self->k, self->gate_row, act};
+    PyObject *r = launch_values(self->gate_up, cdiv(self->F, 4), self->k, 128, gate_up, 7);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    const long long down_sum[] = {(long long)self->tables, act, self->D, self->F, self->k, self->down_row, o};
+    return launch_values(self->down_sum, cdiv(self->D, 4), 1, 128, down_sum, 7);
+}
+
+static int DecodeLaunch_init(DecodeLaunch *self, PyObject *args, PyObject *kw) {
+    PyObject *gate_up, *down, *down_sum, *combine, *offsets, *keepalive;
+    unsigned long long tables, act, part;
+    long long F, D, k, gate_row, down_row;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!KKKO!LLLLLO!", &LauncherType, &gate_up, &LauncherType, &down, &LauncherType, &down_sum,
+                          &LauncherType, &combine, &tables, &act, &part, &PyTuple_Type, &offsets, &F, &D, &k, &gate_row,
+                          &down_row, &PyList_Type, &keepalive))
+        return -1;
+    if (PyTuple_GET_SIZE(offsets) != 3 || k < 1 || k > MAX_K || F < 1 || D < 1) {
+        PyErr_Format(PyExc_ValueError, "DecodeLaunch: 3 offsets, 1 <= k <= %d, F and D >= 1", MAX_K);
+        return -1;
+    }
+    Launcher *all[4] = {(Launcher *)gate_up, (Launcher *)down, (Launcher *)down_sum, (Launcher *)combine};
+    for (int i = 1; i < 4; i++)
+        if (all[i]->calls != all[0]->calls || all[i]->stream != all[0]->stream) {
+            PyErr_SetString(PyExc_ValueError, "DecodeLaunch: the four kernels launch through one Calls on one stream");
+            return -1;
+        }
+    Py_INCREF(gate_up);
+    Py_XSETREF(self->gate_up, (Launcher *)gate_up);
+    Py_INCREF(down);
+    Py_XSETREF(self->down, (Launcher *)down);
+    Py_INCREF(down_sum);
+    Py_XSETREF(self->down_sum, (Launcher *)down_sum);
+    Py_INCREF(combine);
+    Py_XSETREF(self->combine, (Launcher *)combine);
+    Py_INCREF(offsets);
+    Py_XSETREF(self->offsets, offsets);
+    Py_INCREF(keepalive);
+    Py_XSETREF(self->keepalive, keepalive);
+    self->tables = tables, self->act = act, self->part = part;
+    self->F = F, self->D = D, self->k = k, self->gate_row = gate_row, self->down_row = down_row;
+    return 0;
+}
+
+static void DecodeLaunch_dealloc(DecodeLaunch *self) {
+    Py_XDECREF(self->gate_up);
+    Py_XDECREF(self->down);
+    Py_XDECREF(self->down_sum);
+    Py_XDECREF(self->combine);
+    Py_XDECREF(self->offsets);
+    Py_XDECREF(self->keepalive);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef DecodeLaunch_methods[] = {
+    {"tables", (PyCFunction)(void (*)(void))DecodeLaunch_tables, METH_FASTCALL,
+     "tables(row, weights, slot_ptr, first, then) -> (n_first, experts): packed and copied up on the stream"},
+    {"stages", (PyCFunction)(void (*)(void))DecodeLaunch_stages, METH_FASTCALL, "stages(start, stop, h): gate/up then down over work items [start, stop)"},
+    {"combine", (PyCFunction)DecodeLaunch_combine, METH_O, "combine(out): the weighted sum of the pairs' outputs"},
+    {"grouped", (PyCFunction)(void (*)(void))DecodeLaunch_grouped, METH_FASTCALL, "grouped(h, out): every work item, down fused with the sum"},
+    {NULL},
+};
+
+static PyTypeObject DecodeLaunchType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fomoepy.runtime._driver_calls.DecodeLaunch",
+    .tp_basicsize = sizeof(DecodeLaunch),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One layer's decode-step tables and grouped launches, each in one C call.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)DecodeLaunch_init,
+    .tp_dealloc = (destructor)DecodeLaunch_dealloc,
+    .tp_methods = DecodeLaunch_methods,
+};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_driver_calls",
                                     "The hot driver calls through the bindings' C layer.", -1, NULL};
 
@@ -455,7 +677,8 @@ PyMODINIT_FUNC PyInit__driver_calls(void) {
     if (!str_shim || !str_current_here || !str_failed) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    if (PyModule_AddType(m, &CallsType) < 0 || PyModule_AddType(m, &LauncherType) < 0) {  /* (each readied) */
+    if (PyModule_AddType(m, &CallsType) < 0 || PyModule_AddType(m, &LauncherType) < 0 ||
+        PyModule_AddType(m, &DecodeLaunchType) < 0) {  /* (each readied) */
         Py_DECREF(m);
         return NULL;
     }

@@ -158,21 +158,37 @@ class GpuBackend:
             fast.launch(grid, block, shared, args)
             return
         launcher = self._launchers.get(name)
-        if launcher is None:  # first launch of this kernel: its function and reusable parameter block
-            signature = kernels.KERNEL_SIGNATURES[name]
-            launcher = self._launchers[name] = (self.function(name), param_block(signature), len(signature), signature)
-            compiled = self.rt.launcher(launcher[0], self.stream, signature)
-            if compiled is not None:
-                self._compiled[name] = compiled
-                if len(args) == len(signature):
-                    compiled.launch(grid, block, shared, args)
-                    return
+        if launcher is None:  # first launch of this kernel
+            launcher = self._first_launch(name)
+            compiled = self._compiled.get(name)
+            if compiled is not None and len(args) == len(launcher[3]):
+                compiled.launch(grid, block, shared, args)
+                return
         fn, params, n_args, signature = launcher
         if params is None or len(args) != n_args:  # a struct argument (or a wrong count: PackedParams says so)
             packed = PackedParams(signature, args)
             self.rt.launch(fn, grid, (block,), shared, self.stream, packed.address)
         else:
             self.rt.launch(fn, grid, (block,), shared, self.stream, params.pack(args))
+
+    def _first_launch(self, name: str) -> tuple:
+        """Kernel `name`'s function and reusable parameter block, and its compiled launcher where the direct
+        calls are in use (_compiled)."""
+        signature = kernels.KERNEL_SIGNATURES[name]
+        launcher = self._launchers[name] = (self.function(name), param_block(signature), len(signature), signature)
+        compiled = self.rt.launcher(launcher[0], self.stream, signature)
+        if compiled is not None:
+            self._compiled[name] = compiled
+        return launcher
+
+    def compiled_launcher(self, name: str) -> Any:
+        """Kernel `name`'s compiled launcher (_driver_calls.Launcher, made at its first use), or None where its
+        launches go through Python (the direct calls off, or an argument a Launcher does not pack)."""
+        if self.rt.direct is None:
+            return None
+        if name not in self._launchers:
+            self._first_launch(name)
+        return self._compiled.get(name)
 
     # -- memory and transfers -----------------------------------------------------------------------
     def empty(self, shape, dtype=F32) -> DeviceArray:

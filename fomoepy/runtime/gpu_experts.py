@@ -9,7 +9,7 @@ pinned staging buffers (the host side packs buffer i+1 while buffer i crosses PC
 stream waits on an event, not the host. The experts already in slots are computed first (their gate/up
 and down stages, launched before any wait on the copies), then each stretch of copied ones as soon as
 its copies are issued, then one combine of every pair (the same sums as one launch over all of them:
-moe_tables.py). A demoting policy's evictees are copied device → host on a third stream, beside the
+moe_tables.py; the tables and launches themselves: fomoepy.runtime.gpu_launches). A demoting policy's evictees are copied device → host on a third stream, beside the
 copies up. What says when a slot, a pinned or a staging buffer may be touched again is each device's
 bookkeeping (fomoepy.runtime.gpu_sides.DeviceSide).
 Slot layout, mirrored in the staging buffers so one copy moves an expert:
@@ -24,24 +24,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fomoepy.errors import UnsupportedQuantType
 from fomoepy.experts.device import StepExperts
 from fomoepy.experts.policy import Key
 from fomoepy.experts.read_ahead import GPU_READ_AHEAD_PAYS
 from fomoepy.experts.routing import Routing
 from fomoepy.experts.source import LayerExperts
-from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.gpu_arrays import DeviceArray, DeviceBuffer
+from fomoepy.runtime.gpu_launches import ExpertLaunches, Launch
 from fomoepy.runtime.gpu_sides import DeviceSide
-from fomoepy.runtime.moe_tables import MOE_TILE, MoETables, build_tables
 from fomoepy.runtime.pinned import ALIGN, PinnedPool, contiguous_address
 from fomoepy.scheduler import relay
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 SLOT_ALIGN = 256
-DOWN_SUM_MAX_TOKENS = 4  # up to this many tokens (all in slots, or all copied) the fused down + weighted-sum kernel is used
 # slots a device side may hold beyond its tier so that a step's copies up need not wait for the copies down
 # of the slots it evicts (those are reused a step later): one step's evictions, at most; 8 of the 397B's
 # 7.25 MiB experts are 58 MiB
@@ -76,19 +73,6 @@ def gpu_expert_nbytes(layout: LayerExperts) -> int:
 
 
 @dataclass(slots=True)
-class _Launch:
-    """One layer step's grouped launches: its tables on the device and the arrays its stages write."""
-
-    layer: int
-    tables: MoETables
-    on_device: DeviceArray  # tables.host, uploaded
-    h: DeviceArray  # [T, D]
-    act: DeviceArray  # [T*k, F]
-    part: DeviceArray | None  # [T*k, D]: each pair's down output, when a combine sums them
-    out: DeviceArray  # [T, D]
-
-
-@dataclass(slots=True)
 class _Begun:
     """A decode step's work made before its cache plan (GpuExperts.begin): the experts the device held
     then, launched; those at hand then (after them in the tables), copied up; the launch."""
@@ -97,7 +81,7 @@ class _Begun:
     ids: np.ndarray  # the step's own (compute knows its step's begin by them)
     held: list[int]
     at_hand: list[int]
-    run: _Launch  # the step's tables, uploaded with every slot, and its arrays
+    run: Launch  # the step's tables, uploaded with every slot, and its arrays
     slots: dict[int, DeviceBuffer]  # the slots of the experts not held (those at hand and the reads)
     copied: dict[int, DeviceBuffer]  # of them, those at hand, copied up
 
@@ -122,23 +106,13 @@ class GpuExperts:
         self.layers = layers
         self.routers = routers
         self.slot_layouts = [SlotLayout.of(layer) for layer in self.layers]
-        self.kernel_names: list[dict] = []  # per layer: gate/up by tile, down, fused down + sum; looked up once
-        for layer in self.layers:
-            gate, up, down = layer.parts
-            if gate.qtype != up.qtype:
-                raise UnsupportedQuantType(
-                    f"layer {layer.layer}: gate is {gate.qtype.name} and up is {up.qtype.name}; the grouped expert kernel needs one type for both"
-                )
-            gate_up = kernels.kernel_name("moe_gate_up", gate.qtype, gate.tensor)
-            self.kernel_names.append({"gate_up": {t: f"{gate_up}_t{t}" for t in (1, MOE_TILE)},
-                                      "down": kernels.kernel_name("moe_down", down.qtype, down.tensor),
-                                      "down_sum": kernels.kernel_name("moe_down_sum", down.qtype, down.tensor)})  # fmt: skip
         self.resident: dict[Key, DeviceBuffer] = {}
         self.sides: list[DeviceSide] = []
         for d, dev in enumerate(self.devs):
             on_d = [s.nbytes for s, owner in zip(self.slot_layouts, self.device_of_layer) if owner == d]
             self.sides.append(DeviceSide(dev, max(on_d, default=SLOT_ALIGN)))
         self._side_of = [self.sides[d] for d in self.device_of_layer]  # each layer's device side
+        self.launches = ExpertLaunches(layers, self._side_of, [s.offsets for s in self.slot_layouts])
         self.uploads = 0
         self.downloads = 0
         self.direct_uploads = 0  # of those, copied straight from a pinned read buffer (no staging memcpy)
@@ -255,14 +229,14 @@ class GpuExperts:
                     buf = slots[e] = self._take_slot(layer)
                     ptrs[e] = buf.ptr
         # the held experts first in the tables (launched now), then those at hand, then the reads
-        run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, ptrs, held if slots else None, early)
+        run = self.launches.prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, ptrs, held if slots else None, early)
         launched_at = 0.0
         if held:
             launched_at = time.perf_counter()
             if slots:
-                self._stages(run, 0, run.tables.n_first)
+                self.launches.stages(run, 0, run.tables.n_first)
             else:
-                self._grouped(run)
+                self.launches.grouped(run)
         copied = {}
         for e in early:  # (after the launch: the compute stream is busy first)
             launched_at = launched_at or time.perf_counter()
@@ -322,12 +296,12 @@ class GpuExperts:
                 slots[item.expert] = buf
             split = len(missing) not in (0, len(slots))
             at_hand = [e for e in missing if e in experts.fetched]
-            run = self._prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, {e: buf.ptr for e, buf in slots.items()},
+            run = self.launches.prepare(layer, side.dev.asdevice(h).contiguous(), ids, weights, {e: buf.ptr for e, buf in slots.items()},
                                 [e for e in slots if e not in missing] if split else None, at_hand)  # fmt: skip
             launched = 0  # work items launched (split): the table's stretch whose experts are all in slots
             if split:  # what the slots hold computes while the misses are read and copied up
                 experts.launched_at = experts.launched_at or time.perf_counter()  # (begin's copies may have come first)
-                self._stages(run, 0, run.tables.n_first)
+                self.launches.stages(run, 0, run.tables.n_first)
                 launched = run.tables.n_first
         temporary: list[DeviceBuffer] = []
 
@@ -348,7 +322,7 @@ class GpuExperts:
                 stop += 1
             if stop > launched:
                 self._join_copies(side)
-                self._stages(run, launched, stop)
+                self.launches.stages(run, launched, stop)
                 launched = stop
 
         try:
@@ -372,11 +346,11 @@ class GpuExperts:
             raise
         self._join_copies(side)
         if split:
-            self._stages(run, launched, run.tables.n_work)
-            self._combine(run)
+            self.launches.stages(run, launched, run.tables.n_work)
+            self.launches.combine(run)
         else:
             experts.launched_at = experts.launched_at or time.perf_counter()  # (every expert in a slot, or none was: all at once)
-            self._grouped(run)
+            self.launches.grouped(run)
         side.launched()
         if temporary:
             side.reuse(temporary)
@@ -399,6 +373,7 @@ class GpuExperts:
             side.down_buffers.clear()
             side.decode_arrays.clear()
             side.router_arrays.clear()
+        self.launches.close()
         self.resident.clear()
         self._downloaded.clear()
         self._begun = None
@@ -532,64 +507,3 @@ class GpuExperts:
         self.downloads += 1
         (g0, g1), (u0, u1), (d0, d1) = layout.spans
         return out[g0:g1], out[u0:u1], out[d0:d1]
-
-    # -- arithmetic ---------------------------------------------------------------------------------
-    def _prepare(self, layer: int, h: DeviceArray, ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int],
-                 first: list[int] | None, at_hand: list[int]) -> _Launch:  # fmt: skip
-        """The step's tables, in one upload, and its arrays. `first`: when given (a step split between the
-        experts in slots and those copied up), they get the first work items, to be launched on their own,
-        and those `at_hand` (copied before any read lands) the next ones."""
-        gate_m, _, down_m = self.layers[layer].parts
-        T, k = ids.shape
-        F, D = gate_m.shape[0], down_m.shape[0]
-        tables = build_tables(ids, weights, slot_ptr, self.slot_layouts[layer].offsets, first or (), at_hand if first is not None else ())
-        side = self._side_of[layer]
-        dev = side.dev
-        if T == 1:  # a decode step: its tables and intermediate arrays are the side's, reused (decode_scratch)
-            on_device, act, part = side.decode_scratch(k, F, D)
-            run = _Launch(layer, tables, on_device, h, act, part if first is not None else None, dev.empty((T, D)))
-            self._upload_tables(side, run)
-            return run
-        part = dev.empty((T * k, D)) if first is not None or T > DOWN_SUM_MAX_TOKENS else None
-        return _Launch(layer, tables, dev.upload(tables.host), h, dev.empty((T * k, F)), part, dev.empty((T, D)))
-
-    def _upload_tables(self, side: DeviceSide, run: _Launch) -> None:
-        """A decode step's tables into the side's reused device table, on the compute stream (behind the
-        launches that read the last ones)."""
-        side.dev._keepalive.append(run.tables.host)  # (until the stream is next waited for, as dev.upload keeps it)
-        side.rt.htod(run.on_device.ptr, contiguous_address(run.tables.host), run.tables.host.nbytes, side.dev.stream)
-
-    def _stages(self, run: _Launch, start: int, stop: int) -> None:
-        """gate/up, then down, over work items [start, stop): the act and part rows of their pairs."""
-        if stop <= start:
-            return
-        gate_m, _, down_m = self.layers[run.layer].parts
-        F, D = gate_m.shape[0], down_m.shape[0]
-        k = run.act.shape[0] // run.h.shape[0]
-        dev = self._side_of[run.layer].dev
-        work = run.on_device.ptr + run.tables.work_row(start)
-        names = self.kernel_names[run.layer]
-        dev.launch(names["gate_up"][run.tables.tile], (-(-F // 4), stop - start), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
-        dev.launch(names["down"], (-(-D // 4), stop - start), 128, work, run.act.ptr, D, F, down_m.nbytes // D, run.part.ptr)
-
-    def _combine(self, run: _Launch) -> None:
-        """out[t] = sum_j w[t, j] * part[t*k + j], j ascending (the fused kernel's order)."""
-        T, D = run.out.shape
-        k = run.act.shape[0] // T
-        self._side_of[run.layer].dev.launch("moe_combine", (-(-(T * D) // 256),), 256, run.on_device.ptr, run.part.ptr, T, D, k, run.out.ptr)
-
-    def _grouped(self, run: _Launch) -> None:
-        """Every work item in one launch per stage; a few tokens fuse down and the weighted sum."""
-        T, D = run.out.shape
-        if T > DOWN_SUM_MAX_TOKENS:
-            self._stages(run, 0, run.tables.n_work)
-            self._combine(run)
-            return
-        gate_m, _, down_m = self.layers[run.layer].parts
-        F = gate_m.shape[0]
-        k = run.act.shape[0] // T
-        dev = self._side_of[run.layer].dev
-        work = run.on_device.ptr + run.tables.work_offset
-        names = self.kernel_names[run.layer]
-        dev.launch(names["gate_up"][run.tables.tile], (-(-F // 4), run.tables.n_work), 128, work, run.h.ptr, D, F, k, gate_m.nbytes // F, run.act.ptr)
-        dev.launch(names["down_sum"], (-(-D // 4), T), 128, run.on_device.ptr, run.act.ptr, D, F, k, down_m.nbytes // D, run.out.ptr)

@@ -34,12 +34,12 @@ EXPERT_WORK_DTYPE = np.dtype(
     [("gate", "<u8"), ("up", "<u8"), ("down", "<u8"), ("n_pairs", "<i4"), ("pad", "<i4"), ("pair", "<i4", (MOE_TILE,))]
 )
 PAIR_DTYPE = np.dtype([("down", "<u8"), ("weight", "<f4"), ("pad", "<i4")])
-DECODE_MAX_K = 64  # choices per token the compiled packer takes (MAX_K in fomoepy/runtime/_moe_tables.c)
+DECODE_MAX_K = 64  # choices per token the compiled packer takes (MAX_K in fomoepy/runtime/_moe_pack.h)
 
 
 @dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs a microsecond, and a step makes one)
 class MoETables:
-    host: np.ndarray  # uint8: the bytes to upload, pairs then work items
+    host: np.ndarray | None  # uint8: the bytes to upload, pairs then work items (None: packed and uploaded in C, DecodeLaunch)
     work_offset: int  # bytes before the first work item (T*k PairInfo: a multiple of 16)
     n_first: int  # work items of the `first` experts: rows [0, n_first)
     n_work: int

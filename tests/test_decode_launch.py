@@ -1,0 +1,80 @@
+"""A decode step's tables and grouped launches made in C (fomoepy/runtime/_driver_calls.c's DecodeLaunch,
+used by fomoepy.runtime.gpu_launches where the binding's C functions are): through the real bindings over
+the stand-in drivers, with deferred streams (a stream runs only what a sync or an event needs), a model's
+decode steps give the bits of the same steps made by the Python path (the same kernels with the same
+arguments in the same order), with the device tier capped (steps split between the experts in slots and
+those copied up: stages by stretch, then a combine), full (one grouped launch with the fused sum) and
+empty (every expert streamed through a temporary slot). Bad arguments are refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_standin_bindings import standin_environ
+
+from fomoepy.runtime.sim.build import standin_drivers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import sys
+import numpy as np
+sys.path.insert(0, "tests")
+from conftest import ORACLE
+from test_gpu_model import device_state, gpu_model
+from fomoepy.experts.device import Phase
+from fomoepy.runtime import gpu_launches
+from fomoepy.runtime._driver_calls import DecodeLaunch
+from fomoepy.runtime.gpu import GpuBackend
+
+dev = GpuBackend(sys.argv[1])
+name = "qwen3moe_q4_k_m"
+tokens = np.load(ORACLE / f"{name}.tokens.npy")
+
+
+def decode(fraction):
+    # prefill half the tokens, decode the rest: the decode steps' logits, and how many layers made theirs in C
+    model, spec, experts = gpu_model(dev, name, fraction)
+    state = device_state(dev, spec, 64)
+    half = len(tokens) // 2
+    model.forward(tokens[:half], state)
+    out = [np.asarray(model.forward(np.array([t]), state, all_logits=True, phase=Phase.DECODE)) for t in tokens[half:]]
+    compiled = [c for c in experts.launches._compiled if isinstance(c, DecodeLaunch)]
+    if fraction == 0.3 and compiled:  # a bad call is refused before any driver call
+        k = spec.moe.n_expert_used
+        for bad in (lambda: compiled[0].stages(0, k + 1, 0), lambda: compiled[0].tables([0] * (k + 1), [0.0] * (k + 1), {}, (), ())):
+            try:
+                bad()
+                print("ACCEPTED")
+            except ValueError:
+                print("REFUSED")
+    experts.close()
+    return np.concatenate(out), len(compiled), spec.n_layer
+
+
+for fraction in (0.3, 1.0, 0.0):
+    in_c, n_c, n_layer = decode(fraction)
+    gpu_launches.DecodeLaunch, kept = None, gpu_launches.DecodeLaunch
+    in_python, n_python, _ = decode(fraction)
+    gpu_launches.DecodeLaunch = kept
+    print(fraction, "SAME" if in_c.tobytes() == in_python.tobytes() else "DIFFERENT", n_c == n_layer, n_python == 0)
+"""
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> Path:
+    return standin_drivers(tmp_path_factory.mktemp("standin"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_decode_steps_launched_in_c_give_the_python_paths_bits(standin, vendor):
+    env = standin_environ(standin, vendor) | {"FOMOE_STANDIN_DEFERRED": "1"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, vendor], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["REFUSED", "REFUSED"], lines
+    assert lines[2:] == [f"{f} SAME True True" for f in (0.3, 1.0, 0.0)], lines
