@@ -2,7 +2,8 @@
 (bench/host_time.py, bench/plan_fidelity_emulated.py).
 
 The trace is fitted to the demo model's (fomoepy.plan.routing), at the shape being measured. The device's
-`route_many` still makes its launches and its one read-back; what it returns is the trace's choice (a
+`route_many` (or, for a decode step routed in C, `compiled_route`'s launches and `read_routings`) still
+makes its launches and its one read-back; what it returns is the trace's choice (a
 null device computes nothing): for each MoE layer step, the step's own routing and the prediction of the
 next layer's, which gets `accuracy` of that layer's experts right (at every rank alike, or rank by rank:
 the demo model's, `demo_accuracy_by_rank`).
@@ -43,13 +44,17 @@ class TraceRouting:
         self.weights = np.full((1, k), 1.0 / k, np.float32)
         self.probs = np.full((1, n_expert), 1.0 / n_expert, np.float32)
         self._answers: list[Routing] = []
-        real_route_many = dev.route_many
+        real_route_many, real_read_routings = dev.route_many, dev.read_routings
 
         def route_many(requests):
             real_route_many(requests)
             return [self._answers.pop() for _ in requests]
 
-        dev.route_many = route_many
+        def read_routings(total, shapes):  # (a decode step's compiled routing: GpuBackend.compiled_route)
+            real_read_routings(total, shapes)
+            return [self._answers.pop() for _ in shapes]
+
+        dev.route_many, dev.read_routings = route_many, read_routings
 
     def queue(self, t: int, il: int) -> None:
         """What the device answers for token t's step of layer il: its routing, then (before the last layer)

@@ -488,7 +488,7 @@ typedef struct {
 #define PAIR_BYTES 16
 
 /* a launch of `L` with the kernel arguments `values` (integers: 'i' checked to fit an int32) */
-static PyObject *launch_values(Launcher *L, uint64_t gx, uint64_t gy, uint64_t block, const long long *values, int n) {
+static PyObject *launch_values(Launcher *L, uint64_t gx, uint64_t gy, uint64_t block, uint64_t shared, const long long *values, int n) {
     if (n != L->n_args) {
         PyErr_Format(PyExc_TypeError, "the kernel takes %d arguments, got %d", L->n_args, n);
         return NULL;
@@ -512,7 +512,7 @@ static PyObject *launch_values(Launcher *L, uint64_t gx, uint64_t gy, uint64_t b
         L->slots[i] = slot;
     }
     const uint64_t g[3] = {gx, gy, 1};
-    return launch_packed(L, g, block, 0);
+    return launch_packed(L, g, block, shared);
 }
 
 static long long cdiv(long long a, long long b) { return (a + b - 1) / b; }
@@ -573,18 +573,18 @@ static PyObject *DecodeLaunch_stages(DecodeLaunch *self, PyObject *const *args, 
     long long work = (long long)self->tables + self->k * PAIR_BYTES + start * WORK_BYTES;
     long long act = (long long)self->act, part = (long long)self->part;
     const long long gate_up[] = {work, h, self->D, self->F, self->k, self->gate_row, act};
-    PyObject *r = launch_values(self->gate_up, cdiv(self->F, 4), stop - start, 128, gate_up, 7);
+    PyObject *r = launch_values(self->gate_up, cdiv(self->F, 4), stop - start, 128, 0, gate_up, 7);
     if (!r) return NULL;
     Py_DECREF(r);
     const long long down[] = {work, act, self->D, self->F, self->down_row, part};
-    return launch_values(self->down, cdiv(self->D, 4), stop - start, 128, down, 6);
+    return launch_values(self->down, cdiv(self->D, 4), stop - start, 128, 0, down, 6);
 }
 
 static PyObject *DecodeLaunch_combine(DecodeLaunch *self, PyObject *out) {
     long long o;
     if (as_ll(out, &o)) return NULL;
     const long long values[] = {(long long)self->tables, (long long)self->part, 1, self->D, self->k, o};
-    return launch_values(self->combine, cdiv(self->D, 256), 1, 256, values, 6);
+    return launch_values(self->combine, cdiv(self->D, 256), 1, 256, 0, values, 6);
 }
 
 static PyObject *DecodeLaunch_grouped(DecodeLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -595,11 +595,11 @@ static PyObject *DecodeLaunch_grouped(DecodeLaunch *self, PyObject *const *args,
     }
     long long act = (long long)self->act;
     const long long gate_up[] = {(long long)self->tables + self->k * PAIR_BYTES, h, self->D, self->F, self->k, self->gate_row, act};
-    PyObject *r = launch_values(self->gate_up, cdiv(self->F, 4), self->k, 128, gate_up, 7);
+    PyObject *r = launch_values(self->gate_up, cdiv(self->F, 4), self->k, 128, 0, gate_up, 7);
     if (!r) return NULL;
     Py_DECREF(r);
     const long long down_sum[] = {(long long)self->tables, act, self->D, self->F, self->k, self->down_row, o};
-    return launch_values(self->down_sum, cdiv(self->D, 4), 1, 128, down_sum, 7);
+    return launch_values(self->down_sum, cdiv(self->D, 4), 1, 128, 0, down_sum, 7);
 }
 
 static int DecodeLaunch_init(DecodeLaunch *self, PyObject *args, PyObject *kw) {
@@ -667,6 +667,146 @@ static PyTypeObject DecodeLaunchType = {
     .tp_methods = DecodeLaunch_methods,
 };
 
+/* -- DecodeRoute: a decode step's routing read back in one call -----------------------------------------
+
+   A decode step routes its one token on the device and reads the choice back (GpuBackend.route_many): a
+   top-k launch per request (the layer's own logits; where the step predicts the next layer's experts, that
+   layer's router product of the same hidden state and its top-k too), then one copy of the read-back area
+   and a wait for the stream (GpuBackend.synchronize). Through Python that is a product's and two launches'
+   argument work, the copy, the shim's sync and its count, about a tenth of the step at the 397B shape. A
+   DecodeRoute makes the same driver calls, with the same arguments, in the same order, in one C call; the
+   Python path stays the definition and serves everywhere else (tests/test_decode_launch.py compares them):
+
+       DecodeRoute(route, mv, weight, row_bytes, predicted, E, K, k, err, err_host, readback_at, keepalive,
+                   sync_count)
+       n = r.route(logits, h)   # read back: n floats at err_host + readback_at, probabilities then ids
+                                # then weights of each request; the error flag at err_host
+
+   route: the top-k kernel's Launcher (its stream is the one waited for); mv: the next layer's router
+   product's Launcher (None: no prediction), over `weight` (rows of `row_bytes`) into `predicted` [1, E]
+   from h [1, K]; E experts, top k; err: the device's error flag (its read-back area follows it from
+   readback_at). After the wait, `sync_count.n` is counted up and `keepalive` emptied, as the shim's sync
+   and GpuBackend.synchronize do; the caller reads the flag. */
+
+typedef struct {
+    PyObject_HEAD
+    Launcher *route, *mv;
+    long long weight, row_bytes, predicted, E, K, k, err, readback_at;
+    uint64_t err_host;
+    PyObject *keepalive, *sync_count;
+} DecodeRoute;
+
+static PyObject *str_n;
+
+static PyObject *DecodeRoute_route(DecodeRoute *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long logits, h;
+    if (nargs != 2 || as_ll(args[0], &logits) || as_ll(args[1], &h)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "route(logits, h)");
+        return NULL;
+    }
+    const long long E = self->E, k = self->k, per = E + 2 * k; /* one request's floats: probabilities, ids, weights */
+    long long base = self->err + self->readback_at, total = per;
+    PyObject *r;
+    if (self->mv) { /* the next layer's router product first, as route_ahead makes it before the top-k */
+        const long long mv[] = {self->weight, self->row_bytes, h, self->K, self->predicted, E, E, self->K, 1};
+        if (!(r = launch_values(self->mv, cdiv(E, 4), 1, 128, 0, mv, 9))) return NULL;
+        Py_DECREF(r);
+    }
+    const long long own[] = {logits, 1, E, k, base, base + 4 * E, base + 4 * (E + k), self->err};
+    if (!(r = launch_values(self->route, 1, 1, 256, 4 * E, own, 8))) return NULL;
+    Py_DECREF(r);
+    if (self->mv) {
+        long long at = base + 4 * per;
+        const long long ahead[] = {self->predicted, 1, E, k, at, at + 4 * E, at + 4 * (E + k), self->err};
+        if (!(r = launch_values(self->route, 1, 1, 256, 4 * E, ahead, 8))) return NULL;
+        Py_DECREF(r);
+        total += per;
+    }
+    Calls *calls = self->route->calls;
+    if (make_current(calls)) return NULL;
+    void *stream = self->route->stream;
+    int rc;
+    copy_fn dtoh = (copy_fn)calls->fn[DTOH];
+    Py_BEGIN_ALLOW_THREADS
+    rc = dtoh(self->err_host, (uint64_t)self->err, (size_t)(self->readback_at + 4 * total), stream);
+    Py_END_ALLOW_THREADS
+    if (!(r = status(calls, DTOH, rc))) return NULL;
+    Py_DECREF(r);
+    one_fn sync = (one_fn)calls->fn[SYNC];
+    Py_BEGIN_ALLOW_THREADS
+    rc = sync(stream);
+    Py_END_ALLOW_THREADS
+    if (!(r = status(calls, SYNC, rc))) return NULL;
+    Py_DECREF(r);
+    PyObject *n = PyObject_GetAttr(self->sync_count, str_n); /* the shim's count of waits for this stream */
+    if (!n) return NULL;
+    long long waits = PyLong_AsLongLong(n);
+    Py_DECREF(n);
+    if (waits == -1 && PyErr_Occurred()) return NULL;
+    PyObject *n1 = PyLong_FromLongLong(waits + 1);
+    if (!n1 || PyObject_SetAttr(self->sync_count, str_n, n1)) {
+        Py_XDECREF(n1);
+        return NULL;
+    }
+    Py_DECREF(n1);
+    if (PyList_SetSlice(self->keepalive, 0, PyList_GET_SIZE(self->keepalive), NULL)) return NULL;
+    return PyLong_FromLongLong(total);
+}
+
+static int DecodeRoute_init(DecodeRoute *self, PyObject *args, PyObject *kw) {
+    PyObject *route, *mv, *keepalive, *sync_count;
+    long long weight, row_bytes, predicted, E, K, k, err, readback_at;
+    unsigned long long err_host;
+    if (!PyArg_ParseTuple(args, "O!OLLLLLLLKLO!O", &LauncherType, &route, &mv, &weight, &row_bytes, &predicted, &E, &K, &k,
+                          &err, &err_host, &readback_at, &PyList_Type, &keepalive, &sync_count))
+        return -1;
+    if (mv != Py_None && (!PyObject_TypeCheck(mv, &LauncherType) || ((Launcher *)mv)->calls != ((Launcher *)route)->calls ||
+                          ((Launcher *)mv)->stream != ((Launcher *)route)->stream)) {
+        PyErr_SetString(PyExc_TypeError, "DecodeRoute: mv is None or a Launcher through the route's Calls, on its stream");
+        return -1;
+    }
+    if (E < 1 || k < 1 || k > E || K < 1 || readback_at < 4) {
+        PyErr_SetString(PyExc_ValueError, "DecodeRoute: 1 <= k <= E, K >= 1, the read-back area after the flag");
+        return -1;
+    }
+    Py_INCREF(route);
+    Py_XSETREF(self->route, (Launcher *)route);
+    if (mv != Py_None) Py_INCREF(mv);
+    Py_XSETREF(self->mv, mv != Py_None ? (Launcher *)mv : NULL);
+    Py_INCREF(keepalive);
+    Py_XSETREF(self->keepalive, keepalive);
+    Py_INCREF(sync_count);
+    Py_XSETREF(self->sync_count, sync_count);
+    self->weight = weight, self->row_bytes = row_bytes, self->predicted = predicted, self->E = E, self->K = K, self->k = k;
+    self->err = err, self->err_host = err_host, self->readback_at = readback_at;
+    return 0;
+}
+
+static void DecodeRoute_dealloc(DecodeRoute *self) {
+    Py_XDECREF(self->route);
+    Py_XDECREF(self->mv);
+    Py_XDECREF(self->keepalive);
+    Py_XDECREF(self->sync_count);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef DecodeRoute_methods[] = {
+    {"route", (PyCFunction)(void (*)(void))DecodeRoute_route, METH_FASTCALL,
+     "route(logits, h) -> floats read back: the top-k of each request, copied down after a wait for the stream"},
+    {NULL},
+};
+
+static PyTypeObject DecodeRouteType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fomoepy.runtime._driver_calls.DecodeRoute",
+    .tp_basicsize = sizeof(DecodeRoute),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A decode step's routing (and the next layer's prediction) launched and read back in one C call.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)DecodeRoute_init,
+    .tp_dealloc = (destructor)DecodeRoute_dealloc,
+    .tp_methods = DecodeRoute_methods,
+};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_driver_calls",
                                     "The hot driver calls through the bindings' C layer.", -1, NULL};
 
@@ -674,11 +814,12 @@ PyMODINIT_FUNC PyInit__driver_calls(void) {
     str_shim = PyUnicode_InternFromString("shim");
     str_current_here = PyUnicode_InternFromString("_current_here");
     str_failed = PyUnicode_InternFromString("_failed");
-    if (!str_shim || !str_current_here || !str_failed) return NULL;
+    str_n = PyUnicode_InternFromString("n");
+    if (!str_shim || !str_current_here || !str_failed || !str_n) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddType(m, &CallsType) < 0 || PyModule_AddType(m, &LauncherType) < 0 ||
-        PyModule_AddType(m, &DecodeLaunchType) < 0) {  /* (each readied) */
+        PyModule_AddType(m, &DecodeLaunchType) < 0 || PyModule_AddType(m, &DecodeRouteType) < 0) {  /* (each readied) */
         Py_DECREF(m);
         return NULL;
     }

@@ -42,6 +42,11 @@ from fomoepy.runtime.shim import (
     param_block,
 )
 
+try:  # optional (setup.py): without it a decode step's routing goes through route_many (the same calls)
+    from fomoepy.runtime._driver_calls import DecodeRoute
+except ImportError:
+    DecodeRoute = None
+
 F32 = np.float32
 I32 = np.int32
 
@@ -121,6 +126,7 @@ class GpuBackend:
         self._launchers: dict[str, tuple] = {}  # per kernel: its function, reusable parameter block, signature
         # per kernel, where the binding's C functions are in use: its compiled launcher (shim.launcher)
         self._compiled: dict[str, Any] = {}
+        self._decode_routes: dict[tuple[int, int], Any] = {}  # (E, k) -> a decode step's DecodeRoute (False: none)
         self._mv_names: dict[tuple[int, str, int], str] = {}  # (qtype, weight, tile) -> its matvec kernel
         self._kinds: dict[tuple, tuple] = {}  # (shape, dtype) as empty was given them -> _kind's
         self.stream = self.rt.stream()  # compute
@@ -254,6 +260,10 @@ class GpuBackend:
         self.rt.dtoh(self._err_host, self.err.ptr, READBACK_AT + readback if readback else 4, self.stream)
         self.rt.sync(self.stream)
         self._keepalive.clear()
+        self._check_flag()
+
+    def _check_flag(self) -> None:
+        """Raise if a kernel flagged an error (the flag read back by the last wait), the flag cleared first."""
         code = int(self._err_code[0])
         if code:
             self.rt.memset32(self.err.ptr, 0, 1, self.stream)
@@ -497,7 +507,53 @@ class GpuBackend:
     # -- on-device decisions (one read-back each) ---------------------------------------------------
     def route(self, logits: Any, gating: str, k: int) -> Routing:
         """The router's selection computed on the device; ids, weights and probabilities read back once."""
+        if gating == "softmax" and type(logits) is DeviceArray and logits.shape[0] == 1 and len(logits.shape) == 2 and self.rt.direct is not None:
+            E = logits.shape[1]
+            compiled = self._decode_routes.get((E, k))
+            if compiled is None:
+                compiled = self._decode_routes[E, k] = self.compiled_route(E, k) or False
+            if compiled and logits.strides == (E, 1):  # a decode step's: launched and read back in one C call
+                return self.read_routings(compiled.route(logits.ptr, 0), ((1, E, k),))[0]
         return self.route_many([(logits, gating, k)])[0]
+
+    def compiled_route(self, E: int, k: int, router: Any = None, predicted: DeviceArray | None = None) -> Any:
+        """A decode step's routing in one C call (_driver_calls.DecodeRoute): the top-k of [1, E] softmax
+        logits, and, given the next layer's `router` [E, K] and `predicted` [1, E] (its output), that product
+        of the step's hidden state and its top-k too; read back together (read_routings). None where the
+        launches go through Python (route_many, the definition)."""
+        if DecodeRoute is None or READBACK_AT + 4 * 2 * (E + 2 * k) > READBACK_BYTES:
+            return None
+        route = self.compiled_launcher(DEVICE_GATING["softmax"])
+        mv, weight, row_bytes, K = None, 0, 0, 1
+        if router is not None:
+            W = self._matrix(router)
+            K = W.shape[1]
+            mv = self.compiled_launcher(f"{kernels.kernel_name('mv', W.qtype, W.name)}_t1")
+            if mv is None or W.shape[0] != E or predicted is None or predicted.shape != (1, E):
+                return None
+            weight, row_bytes = W.ptr, W.row_bytes
+        if route is None:
+            return None
+        return DecodeRoute(route, mv, weight, row_bytes, 0 if predicted is None else predicted.ptr, E, K, k, self.err.ptr,
+                           self._err_host, READBACK_AT, self._keepalive, self.rt.sync_count(self.stream))  # fmt: skip
+
+    def read_routings(self, total: int, shapes: Sequence[tuple[int, int, int]]) -> list[Routing]:
+        """The routings a compiled route read back (`total` floats, the read-back area's (T, E, k) requests in
+        order), after the flag is checked."""
+        self._check_flag()
+        first = READBACK_AT // 4
+        return self._routings(self._readback_host[first : first + total].copy(), shapes)
+
+    @staticmethod
+    def _routings(host: np.ndarray, shapes: Sequence[tuple[int, int, int]]) -> list[Routing]:
+        """Each request's probabilities [T, E], ids [T, k], weights [T, k], one after another in `host`."""
+        routings, at = [], 0
+        for T, E, k in shapes:
+            ids_at, weights_at = at + T * E, at + T * (E + k)
+            routings.append(Routing(host[ids_at:weights_at].view(I32).astype(np.int64).reshape(T, k),
+                                    host[weights_at : weights_at + T * k].reshape(T, k), host[at:ids_at].reshape(T, E)))  # fmt: skip
+            at = weights_at + T * k
+        return routings
 
     def route_many(self, requests: Sequence[tuple[Any, str, int]]) -> list[Routing]:
         """route for each (logits, gating, k), with one read-back for all: probabilities, ids and weights of
@@ -528,12 +584,7 @@ class GpuBackend:
             host = self._readback_host[first : first + total].copy()
         else:
             host = self.to_host(out)
-        routings = []
-        for _, _, T, E, k, at in rows:  # each request's probabilities [T, E], ids [T, k], weights [T, k]
-            ids_at, weights_at = at + T * E, at + T * (E + k)
-            routings.append(Routing(host[ids_at:weights_at].view(I32).astype(np.int64).reshape(T, k),
-                                    host[weights_at : weights_at + T * k].reshape(T, k), host[at:ids_at].reshape(T, E)))  # fmt: skip
-        return routings
+        return self._routings(host, [(T, E, k) for _, _, T, E, k, _ in rows])
 
     def argmax(self, x: Any) -> np.ndarray:
         """First index of the maximum of each row (greedy sampling without reading logits back)."""

@@ -113,6 +113,7 @@ class GpuExperts:
             self.sides.append(DeviceSide(dev, max(on_d, default=SLOT_ALIGN)))
         self._side_of = [self.sides[d] for d in self.device_of_layer]  # each layer's device side
         self.launches = ExpertLaunches(layers, self._side_of, [s.offsets for s in self.slot_layouts])
+        self._decode_routes: list = [None] * len(layers)  # per layer: its DecodeRoute with the next layer's prediction
         self.uploads = 0
         self.downloads = 0
         self.direct_uploads = 0  # of those, copied straight from a pinned read buffer (no staging memcpy)
@@ -188,9 +189,27 @@ class GpuExperts:
             exact, ahead = dev.route(logits, gating, k), None
         else:
             router = self.routers[layer + 1]
-            predicted = dev.linear(h, router, out=side.router_scratch(h.shape[0], router.shape[0]))
-            exact, ahead = dev.route_many([(logits, gating, k), (predicted, "softmax", k)])
+            E = router.shape[0]
+            predicted = side.router_scratch(h.shape[0], E)
+            compiled = self._decode_route(layer, dev, gating, k, router, predicted) if h.shape[0] == 1 else None
+            if compiled is not None and type(h) is DeviceArray and h.strides == (h.shape[1], 1) and logits.shape == (1, E) \
+                    and logits.strides == (E, 1):  # fmt: skip
+                # (a decode step: the product, both top-k and the read-back in one C call)
+                exact, ahead = dev.read_routings(compiled.route(logits.ptr, h.ptr), ((1, E, k), (1, E, k)))
+            else:
+                dev.linear(h, router, out=predicted)
+                exact, ahead = dev.route_many([(logits, gating, k), (predicted, "softmax", k)])
         return exact, None if ahead is None else ahead.ids
+
+    def _decode_route(self, layer: int, dev: GpuBackend, gating: str, k: int, router, predicted: DeviceArray):
+        """The layer's compiled routing with the next layer's prediction (GpuBackend.compiled_route), made at
+        its first decode step; None where there is none (the direct calls off, another gating)."""
+        if gating != "softmax" or dev.rt.direct is None:
+            return None
+        compiled = self._decode_routes[layer]
+        if compiled is None:
+            compiled = self._decode_routes[layer] = dev.compiled_route(router.shape[0], k, router, predicted) or False
+        return compiled or None
 
     def begin(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, at_hand: dict[int, ExpertBytes]) -> float:
         """A decode step's device work that need not wait for its cache plan, made as soon as its reads are
@@ -374,6 +393,7 @@ class GpuExperts:
             side.decode_arrays.clear()
             side.router_arrays.clear()
         self.launches.close()
+        self._decode_routes = [None] * len(self.layers)  # (their predictions' arrays are the sides' router_arrays)
         self.resident.clear()
         self._downloaded.clear()
         self._begun = None
