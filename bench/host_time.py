@@ -71,7 +71,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
     from fomoepy.runtime.gpu import GpuBackend
     from fomoepy.runtime.gpu_experts import GpuExperts
     from fomoepy.runtime.pinned import reserve_bytes
-    from fomoepy.runtime.shim import DriverShim
+    from fomoepy.runtime.shim import DIRECT_CALLS, DriverShim
 
     shape = shape_by_name(SHAPE)
     layers = shape_layers(shape)
@@ -111,13 +111,13 @@ def gpu_child(args: argparse.Namespace) -> dict:
         finally:
             calls["pack"] += time.perf_counter() - t
 
-    def counted_as(name: str, dt: float) -> None:
+    def counted_as(name: str, dt: float, n: int = 1) -> None:
         calls["s"] += dt
-        calls["n"] += 1
+        calls["n"] += n
         if "Synchronize" in name:  # the host waiting for the device: on a real one, not host work
             calls["wait"] += dt
         entry = by_name.setdefault(name, [0, 0.0])
-        entry[0] += 1
+        entry[0] += n
         entry[1] += dt
 
     def counted(self, name, *a):
@@ -140,12 +140,25 @@ def gpu_child(args: argparse.Namespace) -> dict:
         fast = dev._compiled.values()
         return sum(f.count for f in fast), sum(f.seconds for f in fast)
 
+    made_so_far: dict[str, tuple[int, float]] = {}
+
+    def count_made() -> None:
+        """The calls the compiled steps made themselves since the last count (the decode tables' copy, the
+        routing's read-back and wait: fomoepy/runtime/_driver_calls.c), counted as the shim's are."""
+        for call, (n_made, s_made) in real_direct.made_calls().items():
+            n_was, s_was = made_so_far.get(call, (0, 0.0))
+            made_so_far[call] = (n_made, s_made)
+            if n_made > n_was:
+                counted_as(getattr(dev.rt.names, DIRECT_CALLS[call]), s_made - s_was, n_made - n_was)
+
     def run(tokens: range, instrumented: bool) -> list[tuple]:
         samples = []
         DriverShim.call = counted if instrumented else real_call  # type: ignore[method-assign]
         dev.rt.direct = counted_direct if instrumented else real_direct
         for fast in dev._compiled.values():
             fast.timed = instrumented
+        if real_direct is not None:
+            real_direct.timed = instrumented
         GpuExperts._pack = staticmethod(timed_pack) if instrumented else staticmethod(real_pack)  # type: ignore[method-assign]
         try:
             for t in tokens:
@@ -165,6 +178,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
                         calls["n"] += n0 - calls["launched_n"]
                         calls["s"] += s0_ - calls["launched_s"]
                         calls["launched_n"], calls["launched_s"] = n0, s0_
+                        if real_direct is not None:
+                            count_made()
                     rec = step.records[-1] if step.records else None
                     samples.append((t2 - t0, t1 - t0, rec, calls["n"] - c0, calls["s"] - s0, calls["pack"] - p0, cpu, calls["wait"] - w0))
                 step.end_step(1)
@@ -174,6 +189,8 @@ def gpu_child(args: argparse.Namespace) -> dict:
             GpuExperts._pack = staticmethod(real_pack)  # type: ignore[method-assign]
             for fast in dev._compiled.values():
                 fast.timed = False
+            if real_direct is not None:
+                real_direct.timed = False
         return samples
 
     run(range(args.warm), False)

@@ -54,7 +54,19 @@ typedef struct {
     PyObject *handle_obj[HANDLES_KEPT];
     uint64_t handle_raw[HANDLES_KEPT];
     int n_handles;
+    /* the calls a compiled step makes itself (DecodeLaunch's tables copy, DecodeRoute's read-back): counted
+       and timed by kind while `timed` is set (bench/host_time.py's count of binding calls; the calls made
+       through the methods below are counted by whoever calls them) */
+    int timed;
+    unsigned long long made[N_CALLS];
+    double made_seconds[N_CALLS];
 } Calls;
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static PyObject *str_shim, *str_current_here, *str_failed;
 
@@ -135,6 +147,14 @@ static const struct {
 };
 
 #define P(x) ((void *)(uintptr_t)(x))
+
+/* a call a compiled step made itself, started at t0 (now_seconds, when timed): counted by kind */
+static void made(Calls *calls, int which, double t0) {
+    if (calls->timed) {
+        calls->made[which]++;
+        calls->made_seconds[which] += now_seconds() - t0;
+    }
+}
 
 static PyObject *direct(Calls *self, int which, PyObject *const *args, Py_ssize_t nargs) {
     const char *kinds = CALLS[which].kinds;
@@ -248,7 +268,25 @@ static void Calls_dealloc(Calls *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* made_calls() -> {call: (count, seconds)}: the calls compiled steps made themselves while `timed` was set */
+static PyObject *Calls_made_calls(Calls *self, PyObject *unused) {
+    PyObject *out = PyDict_New();
+    for (int i = 0; out && i < N_CALLS; i++) {
+        if (!self->made[i]) continue;
+        PyObject *v = Py_BuildValue("(Kd)", self->made[i], self->made_seconds[i]);
+        if (!v || PyDict_SetItemString(out, CALLS[i].name, v)) Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+static PyMemberDef Calls_members[] = {
+    {"timed", T_INT, offsetof(Calls, timed), 0, "count and time the calls compiled steps make themselves (made_calls)"},
+    {NULL},
+};
+
 static PyMethodDef Calls_methods[] = {
+    {"made_calls", (PyCFunction)Calls_made_calls, METH_NOARGS, "made_calls() -> {call: (count, seconds)} made by compiled steps while timed"},
     {"launch", (PyCFunction)(void (*)(void))Calls_launch, METH_FASTCALL, "launch(function, gx, gy, gz, bx, by, bz, shared, stream, params)"},
     {"htod", (PyCFunction)(void (*)(void))Calls_htod, METH_FASTCALL, "htod(dst, src, nbytes, stream)"},
     {"dtoh", (PyCFunction)(void (*)(void))Calls_dtoh, METH_FASTCALL, "dtoh(dst, src, nbytes, stream)"},
@@ -272,6 +310,7 @@ static PyTypeObject CallsType = {
     .tp_init = (initproc)Calls_init,
     .tp_dealloc = (destructor)Calls_dealloc,
     .tp_methods = Calls_methods,
+    .tp_members = Calls_members,
 };
 
 /* -- Launcher: one kernel's launches, its arguments packed here ------------------------------------------
@@ -305,12 +344,6 @@ typedef struct {
     unsigned long long count;
     double seconds;
 } Launcher;
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int pack_argument(Launcher *self, int i, PyObject *v) {
     uint64_t slot = 0;
@@ -544,9 +577,11 @@ static PyObject *DecodeLaunch_tables(DecodeLaunch *self, PyObject *const *args, 
             uint64_t src = (uint64_t)(uintptr_t)PyByteArray_AS_STRING(bytes);
             size_t n = (size_t)PyByteArray_GET_SIZE(bytes);
             void *stream = self->gate_up->stream;
+            double t0 = calls->timed ? now_seconds() : 0.0;
             Py_BEGIN_ALLOW_THREADS
             rc = htod(self->tables, src, n, stream);
             Py_END_ALLOW_THREADS
+            made(calls, HTOD, t0);
             PyObject *ok = status(calls, HTOD, rc);
             if (ok) {
                 Py_DECREF(ok);
@@ -727,15 +762,19 @@ static PyObject *DecodeRoute_route(DecodeRoute *self, PyObject *const *args, Py_
     void *stream = self->route->stream;
     int rc;
     copy_fn dtoh = (copy_fn)calls->fn[DTOH];
+    double t0 = calls->timed ? now_seconds() : 0.0;
     Py_BEGIN_ALLOW_THREADS
     rc = dtoh(self->err_host, (uint64_t)self->err, (size_t)(self->readback_at + 4 * total), stream);
     Py_END_ALLOW_THREADS
+    made(calls, DTOH, t0);
     if (!(r = status(calls, DTOH, rc))) return NULL;
     Py_DECREF(r);
     one_fn sync = (one_fn)calls->fn[SYNC];
+    t0 = calls->timed ? now_seconds() : 0.0;
     Py_BEGIN_ALLOW_THREADS
     rc = sync(stream);
     Py_END_ALLOW_THREADS
+    made(calls, SYNC, t0);
     if (!(r = status(calls, SYNC, rc))) return NULL;
     Py_DECREF(r);
     PyObject *n = PyObject_GetAttr(self->sync_count, str_n); /* the shim's count of waits for this stream */
