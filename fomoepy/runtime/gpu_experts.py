@@ -9,9 +9,10 @@ pinned staging buffers (the host side packs buffer i+1 while buffer i crosses PC
 stream waits on an event, not the host. The experts already in slots are computed first (their gate/up
 and down stages, launched before any wait on the copies), then each stretch of copied ones as soon as
 its copies are issued, then one combine of every pair (the same sums as one launch over all of them:
-moe_tables.py; the tables and launches themselves: fomoepy.runtime.gpu_launches). A demoting policy's evictees are copied device → host on a third stream, beside the
-copies up. What says when a slot, a pinned or a staging buffer may be touched again is each device's
-bookkeeping (fomoepy.runtime.gpu_sides.DeviceSide).
+moe_tables.py; the tables and launches themselves: fomoepy.runtime.gpu_launches). A demoting policy's
+evictees are copied device → host on a third stream, beside the copies up. What says when a slot, a
+pinned or a staging buffer may be touched again is each device's bookkeeping
+(fomoepy.runtime.gpu_sides.DeviceSide).
 Slot layout, mirrored in the staging buffers so one copy moves an expert:
 
     | gate (F rows) | pad to 256 | up (F rows) | pad to 256 | down (D rows) |
