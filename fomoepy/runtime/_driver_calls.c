@@ -148,26 +148,11 @@ static const struct {
 
 #define P(x) ((void *)(uintptr_t)(x))
 
-/* a call a compiled step made itself, started at t0 (now_seconds, when timed): counted by kind */
-static void made(Calls *calls, int which, double t0) {
-    if (calls->timed) {
-        calls->made[which]++;
-        calls->made_seconds[which] += now_seconds() - t0;
-    }
-}
 
-static PyObject *direct(Calls *self, int which, PyObject *const *args, Py_ssize_t nargs) {
-    const char *kinds = CALLS[which].kinds;
-    Py_ssize_t n = (Py_ssize_t)strlen(kinds);
-    if (nargs != n) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", CALLS[which].name, n, nargs);
-        return NULL;
-    }
-    uint64_t a[10];
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (kinds[i] == 'h' ? handle_u64(self, args[i], &a[i]) : as_u64(args[i], &a[i])) return NULL;
-    /* nothing to copy or set: no call, as DriverShim's own methods make none (so the shim can hand these
-       methods out as its own) */
+/* call `which` with its arguments as integers (the GIL released around it), as DriverShim's own methods
+   make it: none where there is nothing to copy or set (so the shim can hand these methods out as its
+   own), the shim's device made current first; None, or NULL with the call's error set */
+static PyObject *driver_call(Calls *self, int which, const uint64_t a[]) {
     if ((which == HTOD || which == DTOH || which == DTOD || which == MEMSET32) && a[2] == 0) Py_RETURN_NONE;
     if (make_current(self)) return NULL;
     void *f = self->fn[which];
@@ -186,6 +171,34 @@ static PyObject *direct(Calls *self, int which, PyObject *const *args, Py_ssize_
     }
     Py_END_ALLOW_THREADS
     return status(self, which, rc);
+}
+
+static PyObject *direct(Calls *self, int which, PyObject *const *args, Py_ssize_t nargs) {
+    const char *kinds = CALLS[which].kinds;
+    Py_ssize_t n = (Py_ssize_t)strlen(kinds);
+    if (nargs != n) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", CALLS[which].name, n, nargs);
+        return NULL;
+    }
+    uint64_t a[10];
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (kinds[i] == 'h' ? handle_u64(self, args[i], &a[i]) : as_u64(args[i], &a[i])) return NULL;
+    return driver_call(self, which, a);
+}
+
+/* a call a compiled step makes itself (driver_call's), counted and timed by kind while `timed` is set
+   (made_calls); 0, or -1 with the call's error set */
+static int step_call(Calls *calls, int which, uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3) {
+    const uint64_t a[4] = {a0, a1, a2, a3};
+    double t0 = calls->timed ? now_seconds() : 0.0;
+    PyObject *r = driver_call(calls, which, a);
+    if (calls->timed) {
+        calls->made[which]++;
+        calls->made_seconds[which] += now_seconds() - t0;
+    }
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
 }
 
 #define DIRECT(method, which) \
@@ -230,14 +243,10 @@ static int Calls_init(Calls *self, PyObject *args, PyObject *kw) {
     PyObject *current = PyObject_GetAttrString((PyObject *)Py_TYPE(shim), "_current");
     if (!current) return -1;
     Py_XSETREF(self->current, current);
-    Py_INCREF(capsules);
-    Py_XSETREF(self->capsules, capsules);
-    Py_INCREF(shim);
-    Py_XSETREF(self->shim, shim);
-    Py_INCREF(address);
-    Py_XSETREF(self->address, address);
-    Py_INCREF(names);
-    Py_XSETREF(self->names, names);
+    Py_XSETREF(self->capsules, Py_NewRef(capsules));
+    Py_XSETREF(self->shim, Py_NewRef(shim));
+    Py_XSETREF(self->address, Py_NewRef(address));
+    Py_XSETREF(self->names, Py_NewRef(names));
     return 0;
 }
 
@@ -345,28 +354,32 @@ typedef struct {
     double seconds;
 } Launcher;
 
-static int pack_argument(Launcher *self, int i, PyObject *v) {
+/* argument i, an integer of code 'i' (checked to fit an int32) or 'l', into its slot */
+static int pack_integer(Launcher *self, int i, long long x) {
     uint64_t slot = 0;
-    switch (self->codes[i]) {
-    case 'p':
-        if (as_u64(v, &slot)) return -1;
-        break;
-    case 'i': {
-        long long x = PyLong_AsLongLong(v);
-        if (x == -1 && PyErr_Occurred()) return -1;
+    if (self->codes[i] == 'i') {
         if (x < INT32_MIN || x > INT32_MAX) {
             PyErr_Format(PyExc_TypeError, "kernel argument %d: %lld does not fit an int32", i, x);
             return -1;
         }
         int32_t y = (int32_t)x;
         memcpy(&slot, &y, 4);
-        break;
-    }
-    case 'l': {
-        long long x = PyLong_AsLongLong(v);
-        if (x == -1 && PyErr_Occurred()) return -1;
+    } else {
         memcpy(&slot, &x, 8);
+    }
+    self->slots[i] = slot;
+    return 0;
+}
+
+static int pack_argument(Launcher *self, int i, PyObject *v) {
+    uint64_t slot = 0;
+    switch (self->codes[i]) {
+    case 'p':
+        if (as_u64(v, &slot)) return -1;
         break;
+    case 'i': case 'l': {
+        long long x = PyLong_AsLongLong(v);
+        return x == -1 && PyErr_Occurred() ? -1 : pack_integer(self, i, x);
     }
     case 'f': {
         double x = PyFloat_AsDouble(v);
@@ -450,8 +463,7 @@ static int Launcher_init(Launcher *self, PyObject *args, PyObject *kw) {
     for (int i = 0; i < MAX_ARGS; i++) self->params[i] = &self->slots[i];
     self->function = (void *)(uintptr_t)function;
     self->stream = (void *)(uintptr_t)stream;
-    Py_INCREF(calls);
-    Py_XSETREF(self->calls, (Calls *)calls);
+    Py_XSETREF(self->calls, (Calls *)Py_NewRef(calls));
     return 0;
 }
 
@@ -520,32 +532,24 @@ typedef struct {
 #define WORK_BYTES 64 /* sizeof(Work), _moe_pack.h's */
 #define PAIR_BYTES 16
 
-/* a launch of `L` with the kernel arguments `values` (integers: 'i' checked to fit an int32) */
-static PyObject *launch_values(Launcher *L, uint64_t gx, uint64_t gy, uint64_t block, uint64_t shared, const long long *values, int n) {
+/* a launch of `L` with the kernel arguments `values`, all integers (pointers as 'l'); 0, or -1 with an error set */
+static int launch_values(Launcher *L, uint64_t gx, uint64_t gy, uint64_t block, uint64_t shared, const long long *values, int n) {
     if (n != L->n_args) {
         PyErr_Format(PyExc_TypeError, "the kernel takes %d arguments, got %d", L->n_args, n);
-        return NULL;
+        return -1;
     }
     for (int i = 0; i < n; i++) {
-        long long x = values[i];
-        uint64_t slot = 0;
-        if (L->codes[i] == 'i') {
-            if (x < INT32_MIN || x > INT32_MAX) {
-                PyErr_Format(PyExc_TypeError, "kernel argument %d: %lld does not fit an int32", i, x);
-                return NULL;
-            }
-            int32_t y = (int32_t)x;
-            memcpy(&slot, &y, 4);
-        } else if (L->codes[i] == 'p' || L->codes[i] == 'l') {
-            memcpy(&slot, &x, 8);
-        } else {
+        if (!strchr("pil", L->codes[i])) {
             PyErr_Format(PyExc_TypeError, "kernel argument %d is a float: a decode launch passes integers", i);
-            return NULL;
+            return -1;
         }
-        L->slots[i] = slot;
+        if (pack_integer(L, i, values[i])) return -1;
     }
     const uint64_t g[3] = {gx, gy, 1};
-    return launch_packed(L, g, block, shared);
+    PyObject *r = launch_packed(L, g, block, shared);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
 }
 
 static long long cdiv(long long a, long long b) { return (a + b - 1) / b; }
@@ -570,24 +574,10 @@ static PyObject *DecodeLaunch_tables(DecodeLaunch *self, PyObject *const *args, 
     if (!bytes) return NULL;
     PyObject *r = NULL;
     if (PyList_Append(self->keepalive, bytes) == 0) {
-        Calls *calls = self->gate_up->calls;
-        if (make_current(calls) == 0) {
-            int rc;
-            copy_fn htod = (copy_fn)calls->fn[HTOD];
-            uint64_t src = (uint64_t)(uintptr_t)PyByteArray_AS_STRING(bytes);
-            size_t n = (size_t)PyByteArray_GET_SIZE(bytes);
-            void *stream = self->gate_up->stream;
-            double t0 = calls->timed ? now_seconds() : 0.0;
-            Py_BEGIN_ALLOW_THREADS
-            rc = htod(self->tables, src, n, stream);
-            Py_END_ALLOW_THREADS
-            made(calls, HTOD, t0);
-            PyObject *ok = status(calls, HTOD, rc);
-            if (ok) {
-                Py_DECREF(ok);
-                r = Py_BuildValue("(iO)", n_first, experts);
-            }
-        }
+        uint64_t src = (uint64_t)(uintptr_t)PyByteArray_AS_STRING(bytes);
+        if (step_call(self->gate_up->calls, HTOD, self->tables, src, (uint64_t)PyByteArray_GET_SIZE(bytes),
+                      (uint64_t)(uintptr_t)self->gate_up->stream) == 0)
+            r = Py_BuildValue("(iO)", n_first, experts);
     }
     Py_DECREF(bytes);
     Py_DECREF(experts);
@@ -608,18 +598,19 @@ static PyObject *DecodeLaunch_stages(DecodeLaunch *self, PyObject *const *args, 
     long long work = (long long)self->tables + self->k * PAIR_BYTES + start * WORK_BYTES;
     long long act = (long long)self->act, part = (long long)self->part;
     const long long gate_up[] = {work, h, self->D, self->F, self->k, self->gate_row, act};
-    PyObject *r = launch_values(self->gate_up, cdiv(self->F, 4), stop - start, 128, 0, gate_up, 7);
-    if (!r) return NULL;
-    Py_DECREF(r);
     const long long down[] = {work, act, self->D, self->F, self->down_row, part};
-    return launch_values(self->down, cdiv(self->D, 4), stop - start, 128, 0, down, 6);
+    if (launch_values(self->gate_up, cdiv(self->F, 4), stop - start, 128, 0, gate_up, 7) ||
+        launch_values(self->down, cdiv(self->D, 4), stop - start, 128, 0, down, 6))
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *DecodeLaunch_combine(DecodeLaunch *self, PyObject *out) {
     long long o;
     if (as_ll(out, &o)) return NULL;
     const long long values[] = {(long long)self->tables, (long long)self->part, 1, self->D, self->k, o};
-    return launch_values(self->combine, cdiv(self->D, 256), 1, 256, 0, values, 6);
+    if (launch_values(self->combine, cdiv(self->D, 256), 1, 256, 0, values, 6)) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *DecodeLaunch_grouped(DecodeLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -630,11 +621,11 @@ static PyObject *DecodeLaunch_grouped(DecodeLaunch *self, PyObject *const *args,
     }
     long long act = (long long)self->act;
     const long long gate_up[] = {(long long)self->tables + self->k * PAIR_BYTES, h, self->D, self->F, self->k, self->gate_row, act};
-    PyObject *r = launch_values(self->gate_up, cdiv(self->F, 4), self->k, 128, 0, gate_up, 7);
-    if (!r) return NULL;
-    Py_DECREF(r);
     const long long down_sum[] = {(long long)self->tables, act, self->D, self->F, self->k, self->down_row, o};
-    return launch_values(self->down_sum, cdiv(self->D, 4), 1, 128, 0, down_sum, 7);
+    if (launch_values(self->gate_up, cdiv(self->F, 4), self->k, 128, 0, gate_up, 7) ||
+        launch_values(self->down_sum, cdiv(self->D, 4), 1, 128, 0, down_sum, 7))
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static int DecodeLaunch_init(DecodeLaunch *self, PyObject *args, PyObject *kw) {
@@ -655,18 +646,12 @@ static int DecodeLaunch_init(DecodeLaunch *self, PyObject *args, PyObject *kw) {
             PyErr_SetString(PyExc_ValueError, "DecodeLaunch: the four kernels launch through one Calls on one stream");
             return -1;
         }
-    Py_INCREF(gate_up);
-    Py_XSETREF(self->gate_up, (Launcher *)gate_up);
-    Py_INCREF(down);
-    Py_XSETREF(self->down, (Launcher *)down);
-    Py_INCREF(down_sum);
-    Py_XSETREF(self->down_sum, (Launcher *)down_sum);
-    Py_INCREF(combine);
-    Py_XSETREF(self->combine, (Launcher *)combine);
-    Py_INCREF(offsets);
-    Py_XSETREF(self->offsets, offsets);
-    Py_INCREF(keepalive);
-    Py_XSETREF(self->keepalive, keepalive);
+    Py_XSETREF(self->gate_up, (Launcher *)Py_NewRef(gate_up));
+    Py_XSETREF(self->down, (Launcher *)Py_NewRef(down));
+    Py_XSETREF(self->down_sum, (Launcher *)Py_NewRef(down_sum));
+    Py_XSETREF(self->combine, (Launcher *)Py_NewRef(combine));
+    Py_XSETREF(self->offsets, Py_NewRef(offsets));
+    Py_XSETREF(self->keepalive, Py_NewRef(keepalive));
     self->tables = tables, self->act = act, self->part = part;
     self->F = F, self->D = D, self->k = k, self->gate_row = gate_row, self->down_row = down_row;
     return 0;
@@ -741,42 +726,23 @@ static PyObject *DecodeRoute_route(DecodeRoute *self, PyObject *const *args, Py_
     }
     const long long E = self->E, k = self->k, per = E + 2 * k; /* one request's floats: probabilities, ids, weights */
     long long base = self->err + self->readback_at, total = per;
-    PyObject *r;
     if (self->mv) { /* the next layer's router product first, as route_ahead makes it before the top-k */
         const long long mv[] = {self->weight, self->row_bytes, h, self->K, self->predicted, E, E, self->K, 1};
-        if (!(r = launch_values(self->mv, cdiv(E, 4), 1, 128, 0, mv, 9))) return NULL;
-        Py_DECREF(r);
+        if (launch_values(self->mv, cdiv(E, 4), 1, 128, 0, mv, 9)) return NULL;
     }
     const long long own[] = {logits, 1, E, k, base, base + 4 * E, base + 4 * (E + k), self->err};
-    if (!(r = launch_values(self->route, 1, 1, 256, 4 * E, own, 8))) return NULL;
-    Py_DECREF(r);
+    if (launch_values(self->route, 1, 1, 256, 4 * E, own, 8)) return NULL;
     if (self->mv) {
         long long at = base + 4 * per;
         const long long ahead[] = {self->predicted, 1, E, k, at, at + 4 * E, at + 4 * (E + k), self->err};
-        if (!(r = launch_values(self->route, 1, 1, 256, 4 * E, ahead, 8))) return NULL;
-        Py_DECREF(r);
+        if (launch_values(self->route, 1, 1, 256, 4 * E, ahead, 8)) return NULL;
         total += per;
     }
     Calls *calls = self->route->calls;
-    if (make_current(calls)) return NULL;
-    void *stream = self->route->stream;
-    int rc;
-    copy_fn dtoh = (copy_fn)calls->fn[DTOH];
-    double t0 = calls->timed ? now_seconds() : 0.0;
-    Py_BEGIN_ALLOW_THREADS
-    rc = dtoh(self->err_host, (uint64_t)self->err, (size_t)(self->readback_at + 4 * total), stream);
-    Py_END_ALLOW_THREADS
-    made(calls, DTOH, t0);
-    if (!(r = status(calls, DTOH, rc))) return NULL;
-    Py_DECREF(r);
-    one_fn sync = (one_fn)calls->fn[SYNC];
-    t0 = calls->timed ? now_seconds() : 0.0;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sync(stream);
-    Py_END_ALLOW_THREADS
-    made(calls, SYNC, t0);
-    if (!(r = status(calls, SYNC, rc))) return NULL;
-    Py_DECREF(r);
+    uint64_t stream = (uint64_t)(uintptr_t)self->route->stream;
+    if (step_call(calls, DTOH, self->err_host, (uint64_t)self->err, (uint64_t)(self->readback_at + 4 * total), stream) ||
+        step_call(calls, SYNC, stream, 0, 0, 0))
+        return NULL;
     PyObject *n = PyObject_GetAttr(self->sync_count, str_n); /* the shim's count of waits for this stream */
     if (!n) return NULL;
     long long waits = PyLong_AsLongLong(n);
@@ -808,14 +774,11 @@ static int DecodeRoute_init(DecodeRoute *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "DecodeRoute: 1 <= k <= E, K >= 1, the read-back area after the flag");
         return -1;
     }
-    Py_INCREF(route);
-    Py_XSETREF(self->route, (Launcher *)route);
+    Py_XSETREF(self->route, (Launcher *)Py_NewRef(route));
     if (mv != Py_None) Py_INCREF(mv);
     Py_XSETREF(self->mv, mv != Py_None ? (Launcher *)mv : NULL);
-    Py_INCREF(keepalive);
-    Py_XSETREF(self->keepalive, keepalive);
-    Py_INCREF(sync_count);
-    Py_XSETREF(self->sync_count, sync_count);
+    Py_XSETREF(self->keepalive, Py_NewRef(keepalive));
+    Py_XSETREF(self->sync_count, Py_NewRef(sync_count));
     self->weight = weight, self->row_bytes = row_bytes, self->predicted = predicted, self->E = E, self->K = K, self->k = k;
     self->err = err, self->err_host = err_host, self->readback_at = readback_at;
     return 0;
