@@ -23,6 +23,15 @@ def deferred():
     configure(**before)
 
 
+@pytest.fixture(scope="session")
+def standin(tmp_path_factory) -> Path:
+    """The stand-in driver libraries (fomoepy/runtime/sim: libcuda and libamdhip64 over the simulated
+    device), built once for the tests that load them under the real bindings."""
+    from fomoepy.runtime.sim.build import standin_drivers
+
+    return standin_drivers(tmp_path_factory.mktemp("standin"))
+
+
 @contextmanager
 def counting_calls(obj, name: str, which=None):
     """Count the calls of `obj`'s method `name` while the block runs (a test's check that a wait or a copy

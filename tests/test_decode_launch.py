@@ -10,16 +10,8 @@ back the Python path's ids, weights and probabilities bit for bit. Bad arguments
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from test_standin_bindings import standin_environ
-
-from fomoepy.runtime.sim.build import standin_drivers
-
-ROOT = Path(__file__).resolve().parents[1]
+from test_direct_calls import run_script
 
 SCRIPT = r"""
 import sys
@@ -92,16 +84,10 @@ for fraction in (0.3, 1.0, 0.0):
 """
 
 
-@pytest.fixture(scope="module")
-def standin(tmp_path_factory) -> Path:
-    return standin_drivers(tmp_path_factory.mktemp("standin"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 def test_decode_steps_launched_in_c_give_the_python_paths_bits(standin, vendor):
-    env = standin_environ(standin, vendor) | {"FOMOE_STANDIN_DEFERRED": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, vendor], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_script(standin, vendor, SCRIPT, FOMOE_STANDIN_DEFERRED="1")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[:3] == ["ROUTES SAME True True True", "REFUSED", "REFUSED"], lines

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from test_standin_bindings import standin_environ
 
-from fomoepy.runtime.sim.build import standin_drivers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,14 +157,10 @@ print("DIRECT" if rt.direct is not None else "KEPT PYTHON")
 """
 
 
-def run_script(standin: Path, vendor: str, script: str) -> subprocess.CompletedProcess:
-    env = standin_environ(standin, vendor)
+def run_script(standin: Path, vendor: str, script: str, **env: str) -> subprocess.CompletedProcess:
+    """`script` in a process whose bindings load the stand-in drivers of `vendor` (argv[1]), with `env` added."""
+    env = standin_environ(standin, vendor) | env
     return subprocess.run([sys.executable, "-c", script, vendor], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-
-
-@pytest.fixture(scope="module")
-def standin(tmp_path_factory) -> Path:
-    return standin_drivers(tmp_path_factory.mktemp("standin"))
 
 
 @pytest.mark.slow

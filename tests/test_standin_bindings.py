@@ -28,11 +28,6 @@ BINDINGS = {"cuda": "cuda.bindings", "hip": "hip"}
 MODEL_SUBSET = "qwen35moe_q4_k-0.3 or qwen3moe_q4_k_m-0.3 or pingpong"
 
 
-@pytest.fixture(scope="module")
-def standin(tmp_path_factory) -> Path:
-    return standin_drivers(tmp_path_factory.mktemp("standin"))
-
-
 def hiprtc_dir() -> str | None:
     out = subprocess.run(["bash", str(ROOT / "tools" / "setup_kernel_compilers.sh")], capture_output=True, text=True)
     found = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if line.startswith("hiprtc: ")]
