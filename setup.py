@@ -9,6 +9,8 @@ Python code they stand in for serves (the same results, more host time per step)
   bindings' own C function pointers, and its tables and grouped launches each in one call (DecodeLaunch);
   without it fomoepy.runtime.shim calls the bindings' Python functions and fomoepy.runtime.gpu_launches
   makes the tables and launches in Python. It shares the tables' packing (_moe_pack.h) with _moe_tables.c.
+  With it, fomoepy/runtime/_decode_experts.c: a step's device work on one GPU (GpuExperts's begin, compute,
+  copies down and evictions) each in one call; without it, GpuExperts's own Python.
 - fomoepy/runtime/_moe_tables.c: a decode step's grouped-launch tables packed in C; without it
   fomoepy.runtime.moe_tables packs them in Python (the same bytes).
 - fomoepy/runtime/_host_memory.c: a host buffer's address, and a pinned buffer lent out that goes back to
@@ -20,19 +22,20 @@ from setuptools import Extension, setup
 WARNINGS = ["-Wall", "-Wno-missing-braces"]
 
 
-def optional(module: str, *flags: str, depends: tuple[str, ...] = ()) -> Extension:
-    """One compiled part, from the C file named like its module (and the headers it includes, `depends`: a
-    change to one rebuilds it): built where a C compiler is; where not, the install goes on and the Python
-    code it stands in for serves."""
+def optional(module: str, *flags: str, depends: tuple[str, ...] = (), more: tuple[str, ...] = ()) -> Extension:
+    """One compiled part, from the C file named like its module and any `more` (and the headers they include,
+    `depends`: a change to one rebuilds it): built where a C compiler is; where not, the install goes on and
+    the Python code it stands in for serves."""
     source = module.replace(".", "/") + ".c"
-    return Extension(module, [source], depends=list(depends), extra_compile_args=["-O2", "-std=c11", *flags, *WARNINGS],
+    return Extension(module, [source, *more], depends=list(depends), extra_compile_args=["-O2", "-std=c11", *flags, *WARNINGS],
                      extra_link_args=[f for f in flags if f == "-pthread"], optional=True)  # fmt: skip
 
 
 setup(
     ext_modules=[
         optional("fomoepy.experts._cache_core", "-ffp-contract=off", "-pthread", depends=("fomoepy/experts/_core_worker.h",)),
-        optional("fomoepy.runtime._driver_calls", depends=("fomoepy/runtime/_moe_pack.h",)),
+        optional("fomoepy.runtime._driver_calls", depends=("fomoepy/runtime/_moe_pack.h", "fomoepy/runtime/_driver_calls.h"),
+                 more=("fomoepy/runtime/_decode_experts.c",)),
         optional("fomoepy.runtime._moe_tables", depends=("fomoepy/runtime/_moe_pack.h",)),
         optional("fomoepy.runtime._host_memory"),
     ]

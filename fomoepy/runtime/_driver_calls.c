@@ -26,43 +26,11 @@
 #include <time.h>
 #include <structmember.h>
 
+#include "_driver_calls.h"
 #include "_moe_pack.h"
 
-enum { LAUNCH, HTOD, DTOH, DTOD, RECORD, WAIT, SYNC, EVENT_SYNC, MEMSET32, N_CALLS };
 
-/* Both APIs pass every handle and pointer in one 64-bit integer register (hipStream_t, CUstream: pointers;
-   CUdeviceptr: unsigned long long), so one type per call serves both; a 32-bit memset pattern is an int
-   in HIP and an unsigned int in CUDA, the same register either way. */
-typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
-                         void **);
-typedef int (*copy_fn)(uint64_t, uint64_t, size_t, void *);
-typedef int (*record_fn)(void *, void *);
-typedef int (*wait_fn)(void *, void *, unsigned);
-typedef int (*one_fn)(void *);
-typedef int (*memset_fn)(uint64_t, uint32_t, size_t, void *);
-
-#define HANDLES_KEPT 256 /* handle objects whose integers are remembered (streams, events: a few dozen) */
-
-typedef struct {
-    PyObject_HEAD
-    void *fn[N_CALLS];
-    PyObject *capsules; /* kept alive: the functions live in the modules that exported them */
-    /* the shim whose device a call makes current (through `current`, DriverShim's record of each thread's)
-       and whose _failed(name, status) raises a failed call's error, with `names` the driver's names of the
-       calls; `address` turns a binding's handle object into its integer, remembered per object */
-    PyObject *shim, *current, *address, *names;
-    PyObject *handle_obj[HANDLES_KEPT];
-    uint64_t handle_raw[HANDLES_KEPT];
-    int n_handles;
-    /* the calls a compiled step makes itself (DecodeLaunch's tables copy, DecodeRoute's read-back): counted
-       and timed by kind while `timed` is set (bench/host_time.py's count of binding calls; the calls made
-       through the methods below are counted by whoever calls them) */
-    int timed;
-    unsigned long long made[N_CALLS];
-    double made_seconds[N_CALLS];
-} Calls;
-
-static double now_seconds(void) {
+double now_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -70,7 +38,7 @@ static double now_seconds(void) {
 
 static PyObject *str_shim, *str_current_here, *str_failed;
 
-static int as_u64(PyObject *o, uint64_t *out) {
+int as_u64(PyObject *o, uint64_t *out) {
     unsigned long long v = PyLong_AsUnsignedLongLongMask(o);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
     *out = (uint64_t)v;
@@ -78,7 +46,7 @@ static int as_u64(PyObject *o, uint64_t *out) {
 }
 
 /* a handle as the driver takes it: an int as it is, a binding's object through `address`, remembered */
-static int handle_u64(Calls *self, PyObject *o, uint64_t *out) {
+int handle_u64(Calls *self, PyObject *o, uint64_t *out) {
     if (PyLong_Check(o)) return as_u64(o, out);
     for (int i = 0; i < self->n_handles; i++)
         if (self->handle_obj[i] == o) {
@@ -152,9 +120,23 @@ static const struct {
 /* call `which` with its arguments as integers (the GIL released around it), as DriverShim's own methods
    make it: none where there is nothing to copy or set (so the shim can hand these methods out as its
    own), the shim's device made current first; None, or NULL with the call's error set */
+int log_call(Calls *calls, const char *name, const uint64_t *a, int n) {
+    if (!calls->log || calls->log == Py_None) return 0;
+    PyObject *entry = PyTuple_New(n + 1), *v;
+    if (!entry) return -1;
+    PyTuple_SET_ITEM(entry, 0, PyUnicode_FromString(name));
+    for (int i = 0; i < n; i++) {
+        PyTuple_SET_ITEM(entry, i + 1, v = PyLong_FromUnsignedLongLong(a[i]));
+        if (!v) break;
+    }
+    int rc = PyErr_Occurred() ? -1 : PyList_Append(calls->log, entry);
+    Py_DECREF(entry);
+    return rc;
+}
+
 static PyObject *driver_call(Calls *self, int which, const uint64_t a[]) {
     if ((which == HTOD || which == DTOH || which == DTOD || which == MEMSET32) && a[2] == 0) Py_RETURN_NONE;
-    if (make_current(self)) return NULL;
+    if (log_call(self, CALLS[which].name, a, (int)strlen(CALLS[which].kinds)) || make_current(self)) return NULL;
     void *f = self->fn[which];
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -188,7 +170,7 @@ static PyObject *direct(Calls *self, int which, PyObject *const *args, Py_ssize_
 
 /* a call a compiled step makes itself (driver_call's), counted and timed by kind while `timed` is set
    (made_calls); 0, or -1 with the call's error set */
-static int step_call(Calls *calls, int which, uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3) {
+int step_call(Calls *calls, int which, uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3) {
     const uint64_t a[4] = {a0, a1, a2, a3};
     double t0 = calls->timed ? now_seconds() : 0.0;
     PyObject *r = driver_call(calls, which, a);
@@ -256,6 +238,7 @@ static int Calls_traverse(Calls *self, visitproc visit, void *arg) {
     Py_VISIT(self->current);
     Py_VISIT(self->address);
     Py_VISIT(self->names);
+    Py_VISIT(self->log);
     for (int i = 0; i < self->n_handles; i++) Py_VISIT(self->handle_obj[i]);
     return 0;
 }
@@ -266,6 +249,7 @@ static int Calls_clear(Calls *self) {
     Py_CLEAR(self->current);
     Py_CLEAR(self->address);
     Py_CLEAR(self->names);
+    Py_CLEAR(self->log);
     for (int i = 0; i < self->n_handles; i++) Py_CLEAR(self->handle_obj[i]);
     self->n_handles = 0;
     return 0;
@@ -291,6 +275,7 @@ static PyObject *Calls_made_calls(Calls *self, PyObject *unused) {
 
 static PyMemberDef Calls_members[] = {
     {"timed", T_INT, offsetof(Calls, timed), 0, "count and time the calls compiled steps make themselves (made_calls)"},
+    {"log", T_OBJECT, offsetof(Calls, log), 0, "a list every call is appended to, as (name, integer arguments...); None: none kept"},
     {NULL},
 };
 
@@ -308,7 +293,7 @@ static PyMethodDef Calls_methods[] = {
     {NULL},
 };
 
-static PyTypeObject CallsType = {
+PyTypeObject CallsType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fomoepy.runtime._driver_calls.Calls",
     .tp_basicsize = sizeof(Calls),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -339,20 +324,6 @@ static PyTypeObject CallsType = {
    GpuError. With `timed` set,
    each launch's driver call is timed (bench/host_time.py's count of binding calls): `count`, `seconds`. */
 
-#define MAX_ARGS 24
-
-typedef struct {
-    PyObject_HEAD
-    Calls *calls; /* whose launch function, shim and names this uses (kept alive) */
-    void *function, *stream;
-    int n_args;
-    char codes[MAX_ARGS];
-    uint64_t slots[MAX_ARGS];
-    void *params[MAX_ARGS];
-    int timed;
-    unsigned long long count;
-    double seconds;
-} Launcher;
 
 /* argument i, an integer of code 'i' (checked to fit an int32) or 'l', into its slot */
 static int pack_integer(Launcher *self, int i, long long x) {
@@ -404,6 +375,11 @@ static int pack_argument(Launcher *self, int i, PyObject *v) {
 
 /* the launch of the arguments packed in self->slots (the shim's device made current first) */
 static PyObject *launch_packed(Launcher *self, const uint64_t g[3], uint64_t block, uint64_t shared) {
+    if (self->calls->log && self->calls->log != Py_None) {
+        uint64_t a[7 + MAX_ARGS] = {(uint64_t)(uintptr_t)self->function, g[0], g[1], g[2], block, shared, (uint64_t)(uintptr_t)self->stream};
+        memcpy(a + 7, self->slots, self->n_args * sizeof(uint64_t));
+        if (log_call(self->calls, "kernel", a, 7 + self->n_args)) return NULL;
+    }
     if (make_current(self->calls)) return NULL;
     int rc;
     double t0 = self->timed ? now_seconds() : 0.0;
@@ -485,7 +461,7 @@ static PyMemberDef Launcher_members[] = {
     {NULL},
 };
 
-static PyTypeObject LauncherType = {
+PyTypeObject LauncherType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fomoepy.runtime._driver_calls.Launcher",
     .tp_basicsize = sizeof(Launcher),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -520,20 +496,9 @@ static PyTypeObject LauncherType = {
    packed tables' bytes are appended to `keepalive` (GpuBackend._keepalive, emptied when the host next
    waits for the stream: the copy may read them until then, as the Python path keeps its own). */
 
-typedef struct {
-    PyObject_HEAD
-    Launcher *gate_up, *down, *down_sum, *combine;
-    uint64_t tables, act, part;
-    PyObject *offsets; /* (gate, up, down) in a slot: a tuple, as the packer takes it */
-    long long F, D, k, gate_row, down_row;
-    PyObject *keepalive;
-} DecodeLaunch;
-
-#define WORK_BYTES 64 /* sizeof(Work), _moe_pack.h's */
-#define PAIR_BYTES 16
 
 /* a launch of `L` with the kernel arguments `values`, all integers (pointers as 'l'); 0, or -1 with an error set */
-static int launch_values(Launcher *L, uint64_t gx, uint64_t gy, uint64_t block, uint64_t shared, const long long *values, int n) {
+int launch_values(Launcher *L, uint64_t gx, uint64_t gy, uint64_t block, uint64_t shared, const long long *values, int n) {
     if (n != L->n_args) {
         PyErr_Format(PyExc_TypeError, "the kernel takes %d arguments, got %d", L->n_args, n);
         return -1;
@@ -554,9 +519,26 @@ static int launch_values(Launcher *L, uint64_t gx, uint64_t gy, uint64_t block, 
 
 static long long cdiv(long long a, long long b) { return (a + b - 1) / b; }
 
-static int as_ll(PyObject *o, long long *out) {
+int as_ll(PyObject *o, long long *out) {
     *out = PyLong_AsLongLong(o);
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+PyObject *decode_tables(DecodeLaunch *self, PyObject *row, PyObject *weights, PyObject *slot_ptr, PyObject *first,
+                        PyObject *then, int *n_first) {
+    if (PyList_Check(row) && PyList_GET_SIZE(row) != self->k) {
+        PyErr_Format(PyExc_ValueError, "this layer's decode step takes %lld choices, got %zd", self->k, PyList_GET_SIZE(row));
+        return NULL;
+    }
+    PyObject *experts;
+    PyObject *bytes = pack_decode_tables(row, weights, slot_ptr, self->offsets, first, then, n_first, &experts);
+    if (!bytes) return NULL;
+    int failed = PyList_Append(self->keepalive, bytes) ||
+                 step_call(self->gate_up->calls, HTOD, self->tables, (uint64_t)(uintptr_t)PyByteArray_AS_STRING(bytes),
+                           (uint64_t)PyByteArray_GET_SIZE(bytes), (uint64_t)(uintptr_t)self->gate_up->stream);
+    Py_DECREF(bytes);
+    if (failed) Py_CLEAR(experts);
+    return experts;
 }
 
 static PyObject *DecodeLaunch_tables(DecodeLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -564,24 +546,28 @@ static PyObject *DecodeLaunch_tables(DecodeLaunch *self, PyObject *const *args, 
         PyErr_SetString(PyExc_TypeError, "tables(row, weights, slot_ptr, first, then)");
         return NULL;
     }
-    if (PyList_Check(args[0]) && PyList_GET_SIZE(args[0]) != self->k) {
-        PyErr_Format(PyExc_ValueError, "this layer's decode step takes %lld choices, got %zd", self->k, PyList_GET_SIZE(args[0]));
-        return NULL;
-    }
     int n_first;
-    PyObject *experts;
-    PyObject *bytes = pack_decode_tables(args[0], args[1], args[2], self->offsets, args[3], args[4], &n_first, &experts);
-    if (!bytes) return NULL;
-    PyObject *r = NULL;
-    if (PyList_Append(self->keepalive, bytes) == 0) {
-        uint64_t src = (uint64_t)(uintptr_t)PyByteArray_AS_STRING(bytes);
-        if (step_call(self->gate_up->calls, HTOD, self->tables, src, (uint64_t)PyByteArray_GET_SIZE(bytes),
-                      (uint64_t)(uintptr_t)self->gate_up->stream) == 0)
-            r = Py_BuildValue("(iO)", n_first, experts);
-    }
-    Py_DECREF(bytes);
+    PyObject *experts = decode_tables(self, args[0], args[1], args[2], args[3], args[4], &n_first);
+    if (!experts) return NULL;
+    PyObject *r = Py_BuildValue("(iO)", n_first, experts);
     Py_DECREF(experts);
     return r;
+}
+
+int decode_stages(DecodeLaunch *self, long long start, long long stop, long long h) {
+    if (start < 0 || stop > self->k) {
+        PyErr_Format(PyExc_ValueError, "work items [%lld, %lld) of %lld", start, stop, self->k);
+        return -1;
+    }
+    if (stop <= start) return 0;
+    long long work = (long long)self->tables + self->k * PAIR_BYTES + start * WORK_BYTES;
+    long long act = (long long)self->act, part = (long long)self->part;
+    const long long gate_up[] = {work, h, self->D, self->F, self->k, self->gate_row, act};
+    const long long down[] = {work, act, self->D, self->F, self->down_row, part};
+    if (launch_values(self->gate_up, cdiv(self->F, 4), stop - start, 128, 0, gate_up, 7) ||
+        launch_values(self->down, cdiv(self->D, 4), stop - start, 128, 0, down, 6))
+        return -1;
+    return 0;
 }
 
 static PyObject *DecodeLaunch_stages(DecodeLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -590,27 +576,29 @@ static PyObject *DecodeLaunch_stages(DecodeLaunch *self, PyObject *const *args, 
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "stages(start, stop, h)");
         return NULL;
     }
-    if (start < 0 || stop > self->k) {
-        PyErr_Format(PyExc_ValueError, "work items [%lld, %lld) of %lld", start, stop, self->k);
-        return NULL;
-    }
-    if (stop <= start) Py_RETURN_NONE;
-    long long work = (long long)self->tables + self->k * PAIR_BYTES + start * WORK_BYTES;
-    long long act = (long long)self->act, part = (long long)self->part;
-    const long long gate_up[] = {work, h, self->D, self->F, self->k, self->gate_row, act};
-    const long long down[] = {work, act, self->D, self->F, self->down_row, part};
-    if (launch_values(self->gate_up, cdiv(self->F, 4), stop - start, 128, 0, gate_up, 7) ||
-        launch_values(self->down, cdiv(self->D, 4), stop - start, 128, 0, down, 6))
-        return NULL;
+    if (decode_stages(self, start, stop, h)) return NULL;
     Py_RETURN_NONE;
+}
+
+int decode_combine(DecodeLaunch *self, long long o) {
+    const long long values[] = {(long long)self->tables, (long long)self->part, 1, self->D, self->k, o};
+    return launch_values(self->combine, cdiv(self->D, 256), 1, 256, 0, values, 6);
 }
 
 static PyObject *DecodeLaunch_combine(DecodeLaunch *self, PyObject *out) {
     long long o;
-    if (as_ll(out, &o)) return NULL;
-    const long long values[] = {(long long)self->tables, (long long)self->part, 1, self->D, self->k, o};
-    if (launch_values(self->combine, cdiv(self->D, 256), 1, 256, 0, values, 6)) return NULL;
+    if (as_ll(out, &o) || decode_combine(self, o)) return NULL;
     Py_RETURN_NONE;
+}
+
+int decode_grouped(DecodeLaunch *self, long long h, long long o) {
+    long long act = (long long)self->act;
+    const long long gate_up[] = {(long long)self->tables + self->k * PAIR_BYTES, h, self->D, self->F, self->k, self->gate_row, act};
+    const long long down_sum[] = {(long long)self->tables, act, self->D, self->F, self->k, self->down_row, o};
+    if (launch_values(self->gate_up, cdiv(self->F, 4), self->k, 128, 0, gate_up, 7) ||
+        launch_values(self->down_sum, cdiv(self->D, 4), 1, 128, 0, down_sum, 7))
+        return -1;
+    return 0;
 }
 
 static PyObject *DecodeLaunch_grouped(DecodeLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -619,16 +607,11 @@ static PyObject *DecodeLaunch_grouped(DecodeLaunch *self, PyObject *const *args,
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "grouped(h, out)");
         return NULL;
     }
-    long long act = (long long)self->act;
-    const long long gate_up[] = {(long long)self->tables + self->k * PAIR_BYTES, h, self->D, self->F, self->k, self->gate_row, act};
-    const long long down_sum[] = {(long long)self->tables, act, self->D, self->F, self->k, self->down_row, o};
-    if (launch_values(self->gate_up, cdiv(self->F, 4), self->k, 128, 0, gate_up, 7) ||
-        launch_values(self->down_sum, cdiv(self->D, 4), 1, 128, 0, down_sum, 7))
-        return NULL;
+    if (decode_grouped(self, h, o)) return NULL;
     Py_RETURN_NONE;
 }
 
-static int DecodeLaunch_init(DecodeLaunch *self, PyObject *args, PyObject *kw) {
+int DecodeLaunch_init(DecodeLaunch *self, PyObject *args, PyObject *kw) {
     PyObject *gate_up, *down, *down_sum, *combine, *offsets, *keepalive;
     unsigned long long tables, act, part;
     long long F, D, k, gate_row, down_row;
@@ -676,7 +659,7 @@ static PyMethodDef DecodeLaunch_methods[] = {
     {NULL},
 };
 
-static PyTypeObject DecodeLaunchType = {
+PyTypeObject DecodeLaunchType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fomoepy.runtime._driver_calls.DecodeLaunch",
     .tp_basicsize = sizeof(DecodeLaunch),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -817,11 +800,12 @@ PyMODINIT_FUNC PyInit__driver_calls(void) {
     str_current_here = PyUnicode_InternFromString("_current_here");
     str_failed = PyUnicode_InternFromString("_failed");
     str_n = PyUnicode_InternFromString("n");
-    if (!str_shim || !str_current_here || !str_failed || !str_n) return NULL;
+    if (!str_shim || !str_current_here || !str_failed || !str_n || decode_experts_ready()) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddType(m, &CallsType) < 0 || PyModule_AddType(m, &LauncherType) < 0 ||
-        PyModule_AddType(m, &DecodeLaunchType) < 0 || PyModule_AddType(m, &DecodeRouteType) < 0) {  /* (each readied) */
+        PyModule_AddType(m, &DecodeLaunchType) < 0 || PyModule_AddType(m, &DecodeRouteType) < 0 ||
+        PyModule_AddType(m, &DecodeExpertsType) < 0) {  /* (each readied) */
         Py_DECREF(m);
         return NULL;
     }

@@ -12,7 +12,9 @@ its copies are issued, then one combine of every pair (the same sums as one laun
 moe_tables.py; the tables and launches themselves: fomoepy.runtime.gpu_launches). A demoting policy's
 evictees are copied device → host on a third stream, beside the copies up. What says when a slot, a
 pinned or a staging buffer may be touched again is each device's bookkeeping
-(fomoepy.runtime.gpu_sides.DeviceSide).
+(fomoepy.runtime.gpu_sides.DeviceSide). On one device, with the binding's C functions in use, a step's
+begin, compute, copies down and evictions are each one C call over the same books (DecodeExperts,
+fomoepy/runtime/_decode_experts.c); the methods here stay the definition and serve everywhere else.
 Slot layout, mirrored in the staging buffers so one copy moves an expert:
 
     | gate (F rows) | pad to 256 | up (F rows) | pad to 256 | down (D rows) |
@@ -36,6 +38,11 @@ from fomoepy.runtime.gpu_launches import ExpertLaunches, Launch
 from fomoepy.runtime.gpu_sides import DeviceSide
 from fomoepy.runtime.pinned import ALIGN, PinnedPool, contiguous_address
 from fomoepy.scheduler import relay
+
+try:  # optional (setup.py): without it a step's device work is made in Python (the same calls)
+    from fomoepy.runtime._driver_calls import Calls, DecodeExperts
+except ImportError:
+    Calls = DecodeExperts = None
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -127,6 +134,20 @@ class GpuExperts:
         self.host_buffer = self._pinned if self.pool is not None else None
         self._take_ready = self.pool.shelf.take if self.pool is not None else None  # (PinnedPool.take's first step)
         self._begun: _Begun | None = None  # the step begun before its plan, until its compute
+        self._steps: DecodeExperts | bool | None = None  # the compiled step work (made at first use; False: none)
+
+    def _compiled_steps(self) -> DecodeExperts | None:
+        """The step work in C (DecodeExperts), made at its first use: on one device with a pinned pool, while
+        the binding's C functions are in use (they make its driver calls); else None."""
+        steps, direct = self._steps, self.dev.rt.direct
+        if steps is None:
+            if DecodeExperts is None or self.pool is None:
+                steps = self._steps = False
+            elif isinstance(direct, Calls):  # (made through the binding's Calls itself, not a wrapper of them)
+                layouts = [(s.end, s.nbytes, s.offsets, s.spans, layer.parts[0].shape[0], layer.parts[2].shape[0])
+                           for s, layer in zip(self.slot_layouts, self.layers)]  # fmt: skip
+                steps = self._steps = DecodeExperts(direct, self, self.sides[0], layouts)
+        return steps if steps and direct is not None else None
 
     def _pinned(self, nbytes: int) -> np.ndarray:
         """A buffer of the pinned pool (one device), the pool first told which of its join marks a wait
@@ -164,6 +185,10 @@ class GpuExperts:
         side.installs_unjoined = True
 
     def evict(self, key: Key) -> None:
+        steps = self._steps if self._steps else self._compiled_steps()
+        if steps and self.dev.rt.direct is not None:
+            steps.evict(key)
+            return
         buf = self.resident.pop(key, None)
         if buf is not None:
             side = self._side_of[key[0]]
@@ -226,6 +251,11 @@ class GpuExperts:
         hand: compute then makes the whole step)."""
         if self._begun is not None:  # the last step failed between its begin and its compute
             self._drop_begun()
+        steps = self._compiled_steps()
+        if steps is not None:  # (None back: not there, at the layer's first decode step)
+            launched_at = steps.begin(layer, h, ids, weights, at_hand)
+            if launched_at is not None:
+                return launched_at
         if ids.shape[0] != 1:  # (a decode step: one row)
             return 0.0
         resident = self.resident
@@ -279,6 +309,11 @@ class GpuExperts:
         slots (the table puts those at hand before those read, each read in id order): its launch waits
         for the copies on the device, not on the host, and after the last read lands only the last
         experts' work is left, not every miss's."""
+        steps = self._compiled_steps()
+        if steps is not None:  # the step begun there (None back: none was)
+            out = steps.compute(layer, ids, experts)
+            if out is not None:
+                return out
         plan = experts.plan
         side = self._side_of[layer]
         if self._begun is not None and self._begun.ids is not ids:  # another step's (one that failed after its begin)
@@ -395,6 +430,9 @@ class GpuExperts:
             side.router_arrays.clear()
         self.launches.close()
         self._decode_routes = [None] * len(self.layers)  # (their predictions' arrays are the sides' router_arrays)
+        if self._steps:
+            self._steps.close()
+        self._steps = None
         self.resident.clear()
         self._downloaded.clear()
         self._begun = None
@@ -503,6 +541,9 @@ class GpuExperts:
         is not waited for by the host (the host waiting here cost an expert's transfer time per demotion,
         before the step's reads were issued); whoever reads the bytes on the host waits for the down stream
         first (`sync_downloads`). Without a pool (several devices) it is synchronous."""
+        steps = self._steps if self._steps else self._compiled_steps()
+        if steps and self.dev.rt.direct is not None:
+            return steps.download(key)
         side = self._side_of[key[0]]
         layout = self.slot_layouts[key[0]]
         end = layout.end
