@@ -133,7 +133,6 @@ def gpu_child(args: argparse.Namespace) -> dict:
     counted_direct = None if real_direct is None else CountedDirect(real_direct, dev.rt.names, counted_as)
 
     h = dev.upload(np.zeros((1, shape.n_embd), np.float32))
-    router_w = routers[0]
 
     def launched() -> tuple[int, float]:
         """The compiled launchers' timed launches so far (they time their own driver calls): count, seconds."""
@@ -168,7 +167,7 @@ def gpu_child(args: argparse.Namespace) -> dict:
                     c0, s0, p0, w0 = calls["n"], calls["s"], calls["pack"], calls["wait"]
                     cpu0 = time.thread_time()
                     t0 = time.perf_counter()
-                    exact = step.route(dev, il, h, dev.linear(h, router_w), "softmax", k)  # the model's router, as moe.py runs it
+                    exact = step.route(dev, il, h, routers[il], "softmax", k)  # the model's router, as moe.py runs it
                     t1 = time.perf_counter()
                     step(il, h, exact)
                     t2 = time.perf_counter()

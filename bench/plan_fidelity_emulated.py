@@ -145,7 +145,7 @@ def child(args: argparse.Namespace) -> dict:
                 # the host's time per layer step as bench/host_time.py times it, from the router's launch to
                 # the step's return, less what it waited there for the device and for reads
                 t0, w0 = time.perf_counter(), lib.sim_timed_waited_ns()
-                exact = step.route(dev, il, h, dev.linear(h, routers[il]), "softmax", k)  # as moe.py runs it
+                exact = step.route(dev, il, h, routers[il], "softmax", k)  # as moe.py runs it
                 t1, w1 = time.perf_counter(), lib.sim_timed_waited_ns()
                 step(il, h, exact)
                 in_step[0] += time.perf_counter() - t0 - (lib.sim_timed_waited_ns() - w0) * 1e-9 - step.records[-1].wait

@@ -1,7 +1,7 @@
 """A decode step's tables and grouped launches made in C (fomoepy/runtime/_driver_calls.c's DecodeLaunch,
 used by fomoepy.runtime.gpu_launches where the binding's C functions are), and its routing (DecodeRoute:
-the top-k, the next layer's prediction, the read-back; GpuBackend.compiled_route): through the real bindings over
-the stand-in drivers, with deferred streams (a stream runs only what a sync or an event needs), a model's
+the layer's router product, its top-k, the next layer's prediction, the read-back; GpuBackend.compiled_route):
+through the real bindings over the stand-in drivers, with deferred streams (a stream runs only what a sync or an event needs), a model's
 decode steps give the bits of the same steps made by the Python path (the same kernels with the same
 arguments in the same order), with the device tier capped (steps split between the experts in slots and
 those copied up: stages by stretch, then a combine), full (one grouped launch with the fused sum) and
@@ -45,13 +45,13 @@ def decode(fraction):
         k = spec.moe.n_expert_used
         waits = dev.rt.syncs(dev.stream)
         dev._keepalive.append(b"bytes a copy queued before the routing may read")
-        in_c = experts.route_ahead(0, h, logits, "softmax", k)
+        in_c = experts.route_ahead(0, h, experts.routers[0], "softmax", k)
         alone_c = dev.route(logits, "softmax", k)
         counted = dev.rt.syncs(dev.stream) - waits == 2 and not dev._keepalive  # each a wait, as the shim counts them
         kept_route, experts._decode_routes = experts._decode_routes, [False] * spec.n_layer
         kept_plain, dev._decode_routes = dev._decode_routes, {}
         gpu.DecodeRoute, kept_type = None, gpu.DecodeRoute
-        in_python = experts.route_ahead(0, h, logits, "softmax", k)
+        in_python = experts.route_ahead(0, h, experts.routers[0], "softmax", k)
         alone_python = dev.route(logits, "softmax", k)
         experts._decode_routes, dev._decode_routes, gpu.DecodeRoute = kept_route, kept_plain, kept_type
         def arrays(ahead, alone):

@@ -149,8 +149,9 @@ class ExpertDevice(Protocol):
 
     def route(self, layer: int, h: Any, k: int) -> np.ndarray: ...
 
-    # optional: route_ahead(layer, h, logits, gating, k) -> (Routing, next layer's ids or None), the step's
-    # routing and the next layer's prediction in one device round trip (GpuExperts)
+    # optional: route_ahead(layer, h, router, gating, k) -> (Routing, next layer's ids or None), the step's
+    # routing (its router's product of h and the top-k) and the next layer's prediction in one device round
+    # trip (GpuExperts)
 
     # optional: begin(layer, h, ids, weights, at_hand) -> the perf_counter time of a launch (0.0: none), a
     # decode step's experts the device holds launched, and those at hand (expert -> bytes) copied up, once

@@ -60,14 +60,14 @@ class MoEStep:
         a prefill one tick per token."""
         self.streamer.end_step(n_tokens, ticks=1 if self.phase is Phase.DECODE else n_tokens)
 
-    def route(self, ops: Any, layer: int, h: Any, logits: Any, gating: str, k: int) -> Routing:
-        """The router's own choice from its logits (ops.route); on a decode step whose device can, the next
-        layer's prediction comes back with it, in the same read-back (route_ahead), as the routing's
-        `ahead` for the step to use."""
+    def route(self, ops: Any, layer: int, h: Any, router: Any, gating: str, k: int) -> Routing:
+        """The router's own choice: the top-k of its logits h · routerᵀ (ops.linear, ops.route); on a decode
+        step whose device can, the logits, their top-k and the next layer's prediction are made in one device
+        round trip (route_ahead), the prediction as the routing's `ahead` for the step to use."""
         route_ahead = getattr(self.device, "route_ahead", None)
         if route_ahead is None or not self.predicts_after(layer):
-            return ops.route(logits, gating, k)
-        exact, ahead = route_ahead(layer, h, logits, gating, k)
+            return ops.route(ops.linear(h, router), gating, k)
+        exact, ahead = route_ahead(layer, h, router, gating, k)
         return exact if ahead is None else Routing(exact.ids, exact.weights, exact.probs, ahead)
 
     def in_graph(self, layer: int) -> tuple | None:

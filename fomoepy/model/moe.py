@@ -42,8 +42,9 @@ def moe_ffn_runs(ops, w, m: MoESpec, experts, layer: int, hs: list[np.ndarray], 
 
 
 def _route(ops, w, m: MoESpec, experts, layer: int, h: np.ndarray) -> Routing:
-    router_logits = ops.linear(h, w.ffn_gate_inp)  # [T, E]
-    return experts.route(ops, layer, h, router_logits, m.gating, m.n_expert_used)  # ids, weights [T, k]; probs [T, E]
+    # top-k of the router's logits h · W_gate_inpᵀ [T, E] (the step makes the product: on a GPU's decode step,
+    # in the same device round trip as the top-k): ids, weights [T, k]; probs [T, E]
+    return experts.route(ops, layer, h, w.ffn_gate_inp, m.gating, m.n_expert_used)
 
 
 def _shared_expert(ops, w, m: MoESpec, h: np.ndarray) -> np.ndarray:

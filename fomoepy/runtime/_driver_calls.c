@@ -681,32 +681,30 @@ PyTypeObject DecodeLaunchType = {
    Python path stays the definition and serves everywhere else (tests/test_decode_launch.py compares them):
 
        DecodeRoute(route, mv, weight, row_bytes, predicted, E, K, k, err, err_host, readback_at, keepalive,
-                   sync_count)
+                   sync_count[, own, own_weight, own_row_bytes, logits])
        n = r.route(logits, h)   # read back: n floats at err_host + readback_at, probabilities then ids
                                 # then weights of each request; the error flag at err_host
+       n = r.route_from(h)      # the same, the layer's own router product of h into `logits` made first
 
    route: the top-k kernel's Launcher (its stream is the one waited for); mv: the next layer's router
    product's Launcher (None: no prediction), over `weight` (rows of `row_bytes`) into `predicted` [1, E]
    from h [1, K]; E experts, top k; err: the device's error flag (its read-back area follows it from
    readback_at). After the wait, `sync_count.n` is counted up and `keepalive` emptied, as the shim's sync
-   and GpuBackend.synchronize do; the caller reads the flag. */
+   and GpuBackend.synchronize do; the caller reads the flag. own: the layer's own router product's Launcher
+   (over `own_weight`, rows of `own_row_bytes`, into `logits` [1, E]), which route_from launches first, as
+   the model makes the router's product before the MoE step routes (fomoepy.model.moe). */
 
 typedef struct {
     PyObject_HEAD
-    Launcher *route, *mv;
-    long long weight, row_bytes, predicted, E, K, k, err, readback_at;
+    Launcher *route, *mv, *own;
+    long long weight, row_bytes, predicted, E, K, k, err, readback_at, own_weight, own_row_bytes, logits;
     uint64_t err_host;
     PyObject *keepalive, *sync_count;
 } DecodeRoute;
 
 static PyObject *str_n;
 
-static PyObject *DecodeRoute_route(DecodeRoute *self, PyObject *const *args, Py_ssize_t nargs) {
-    long long logits, h;
-    if (nargs != 2 || as_ll(args[0], &logits) || as_ll(args[1], &h)) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "route(logits, h)");
-        return NULL;
-    }
+static PyObject *route_read_back(DecodeRoute *self, long long logits, long long h) {
     const long long E = self->E, k = self->k, per = E + 2 * k; /* one request's floats: probabilities, ids, weights */
     long long base = self->err + self->readback_at, total = per;
     if (self->mv) { /* the next layer's router product first, as route_ahead makes it before the top-k */
@@ -741,13 +739,40 @@ static PyObject *DecodeRoute_route(DecodeRoute *self, PyObject *const *args, Py_
     return PyLong_FromLongLong(total);
 }
 
+static PyObject *DecodeRoute_route(DecodeRoute *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long logits, h;
+    if (nargs != 2 || as_ll(args[0], &logits) || as_ll(args[1], &h)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "route(logits, h)");
+        return NULL;
+    }
+    return route_read_back(self, logits, h);
+}
+
+static PyObject *DecodeRoute_route_from(DecodeRoute *self, PyObject *arg) {
+    long long h;
+    if (as_ll(arg, &h)) return NULL;
+    if (!self->own) {
+        PyErr_SetString(PyExc_TypeError, "route_from: this DecodeRoute was made with no router product of its own");
+        return NULL;
+    }
+    const long long own[] = {self->own_weight, self->own_row_bytes, h, self->K, self->logits, self->E, self->E, self->K, 1};
+    if (launch_values(self->own, cdiv(self->E, 4), 1, 128, 0, own, 9)) return NULL;
+    return route_read_back(self, self->logits, h);
+}
+
 static int DecodeRoute_init(DecodeRoute *self, PyObject *args, PyObject *kw) {
-    PyObject *route, *mv, *keepalive, *sync_count;
-    long long weight, row_bytes, predicted, E, K, k, err, readback_at;
+    PyObject *route, *mv, *keepalive, *sync_count, *own = Py_None;
+    long long weight, row_bytes, predicted, E, K, k, err, readback_at, own_weight = 0, own_row_bytes = 0, logits = 0;
     unsigned long long err_host;
-    if (!PyArg_ParseTuple(args, "O!OLLLLLLLKLO!O", &LauncherType, &route, &mv, &weight, &row_bytes, &predicted, &E, &K, &k,
-                          &err, &err_host, &readback_at, &PyList_Type, &keepalive, &sync_count))
+    if (!PyArg_ParseTuple(args, "O!OLLLLLLLKLO!O|OLLL", &LauncherType, &route, &mv, &weight, &row_bytes, &predicted, &E, &K, &k,
+                          &err, &err_host, &readback_at, &PyList_Type, &keepalive, &sync_count, &own, &own_weight,
+                          &own_row_bytes, &logits))
         return -1;
+    if (own != Py_None && (!PyObject_TypeCheck(own, &LauncherType) || ((Launcher *)own)->calls != ((Launcher *)route)->calls ||
+                           ((Launcher *)own)->stream != ((Launcher *)route)->stream || !logits)) {
+        PyErr_SetString(PyExc_TypeError, "DecodeRoute: own is None or a Launcher through the route's Calls, on its stream, with logits");
+        return -1;
+    }
     if (mv != Py_None && (!PyObject_TypeCheck(mv, &LauncherType) || ((Launcher *)mv)->calls != ((Launcher *)route)->calls ||
                           ((Launcher *)mv)->stream != ((Launcher *)route)->stream)) {
         PyErr_SetString(PyExc_TypeError, "DecodeRoute: mv is None or a Launcher through the route's Calls, on its stream");
@@ -760,6 +785,9 @@ static int DecodeRoute_init(DecodeRoute *self, PyObject *args, PyObject *kw) {
     Py_XSETREF(self->route, (Launcher *)Py_NewRef(route));
     if (mv != Py_None) Py_INCREF(mv);
     Py_XSETREF(self->mv, mv != Py_None ? (Launcher *)mv : NULL);
+    if (own != Py_None) Py_INCREF(own);
+    Py_XSETREF(self->own, own != Py_None ? (Launcher *)own : NULL);
+    self->own_weight = own_weight, self->own_row_bytes = own_row_bytes, self->logits = logits;
     Py_XSETREF(self->keepalive, Py_NewRef(keepalive));
     Py_XSETREF(self->sync_count, Py_NewRef(sync_count));
     self->weight = weight, self->row_bytes = row_bytes, self->predicted = predicted, self->E = E, self->K = K, self->k = k;
@@ -770,6 +798,7 @@ static int DecodeRoute_init(DecodeRoute *self, PyObject *args, PyObject *kw) {
 static void DecodeRoute_dealloc(DecodeRoute *self) {
     Py_XDECREF(self->route);
     Py_XDECREF(self->mv);
+    Py_XDECREF(self->own);
     Py_XDECREF(self->keepalive);
     Py_XDECREF(self->sync_count);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -778,6 +807,7 @@ static void DecodeRoute_dealloc(DecodeRoute *self) {
 static PyMethodDef DecodeRoute_methods[] = {
     {"route", (PyCFunction)(void (*)(void))DecodeRoute_route, METH_FASTCALL,
      "route(logits, h) -> floats read back: the top-k of each request, copied down after a wait for the stream"},
+    {"route_from", (PyCFunction)DecodeRoute_route_from, METH_O, "route_from(h) -> route(logits, h) with the layer's own router product of h first"},
     {NULL},
 };
 

@@ -516,11 +516,14 @@ class GpuBackend:
                 return self.read_routings(compiled.route(logits.ptr, 0), ((1, E, k),))[0]
         return self.route_many([(logits, gating, k)])[0]
 
-    def compiled_route(self, E: int, k: int, router: Any = None, predicted: DeviceArray | None = None) -> Any:
+    def compiled_route(self, E: int, k: int, router: Any = None, predicted: DeviceArray | None = None, own: Any = None,
+                       logits: DeviceArray | None = None) -> Any:  # fmt: skip
         """A decode step's routing in one C call (_driver_calls.DecodeRoute): the top-k of [1, E] softmax
         logits, and, given the next layer's `router` [E, K] and `predicted` [1, E] (its output), that product
-        of the step's hidden state and its top-k too; read back together (read_routings). None where the
-        launches go through Python (route_many, the definition)."""
+        of the step's hidden state and its top-k too; read back together (read_routings). Given the layer's
+        `own` router [E, K] and `logits` [1, E] (its output), its product of the hidden state is made first
+        (DecodeRoute.route_from). None where the launches go through Python (linear and route_many, the
+        definition)."""
         if DecodeRoute is None or READBACK_AT + 4 * 2 * (E + 2 * k) > READBACK_BYTES:
             return None
         route = self.compiled_launcher(DEVICE_GATING["softmax"])
@@ -532,10 +535,17 @@ class GpuBackend:
             if mv is None or W.shape[0] != E or predicted is None or predicted.shape != (1, E):
                 return None
             weight, row_bytes = W.ptr, W.row_bytes
+        first: tuple = ()  # the layer's own router product, made first
+        if own is not None:
+            O = self._matrix(own)
+            own_mv = self.compiled_launcher(f"{kernels.kernel_name('mv', O.qtype, O.name)}_t1")
+            if own_mv is None or O.shape != (E, K) or logits is None or logits.shape != (1, E):
+                return None
+            first = (own_mv, O.ptr, O.row_bytes, logits.ptr)
         if route is None:
             return None
         return DecodeRoute(route, mv, weight, row_bytes, 0 if predicted is None else predicted.ptr, E, K, k, self.err.ptr,
-                           self._err_host, READBACK_AT, self._keepalive, self.rt.sync_count(self.stream))  # fmt: skip
+                           self._err_host, READBACK_AT, self._keepalive, self.rt.sync_count(self.stream), *first)  # fmt: skip
 
     def read_routings(self, total: int, shapes: Sequence[tuple[int, int, int]]) -> list[Routing]:
         """The routings a compiled route read back (`total` floats, the read-back area's (T, E, k) requests in

@@ -205,36 +205,39 @@ class GpuExperts:
             h = relay(h, here, dev)
         return dev.route(dev.linear(h, self.routers[layer]), "softmax", k).ids
 
-    def route_ahead(self, layer: int, h, logits, gating: str, k: int) -> tuple[Routing, np.ndarray | None]:
-        """The router's choice for `layer` (its logits already computed) and the next layer's predicted ids
-        (its router applied to h), read back together: one device round trip per decode step, not two.
+    def route_ahead(self, layer: int, h, router, gating: str, k: int) -> tuple[Routing, np.ndarray | None]:
+        """The router's choice for `layer` (its product of h, then the top-k) and the next layer's predicted
+        ids (its router applied to h), read back together: one device round trip per decode step, not two.
         None for the prediction when the next layer sits on another device (route() relays h there)."""
         side = self._side_of[layer]
         dev = side.dev
         if layer + 1 >= len(self.layers) or self._side_of[layer + 1].dev is not dev:
-            exact, ahead = dev.route(logits, gating, k), None
-        else:
-            router = self.routers[layer + 1]
-            E = router.shape[0]
-            predicted = side.router_scratch(h.shape[0], E)
-            compiled = self._decode_route(layer, dev, gating, k, router, predicted) if h.shape[0] == 1 else None
-            if compiled is not None and type(h) is DeviceArray and h.strides == (h.shape[1], 1) and logits.shape == (1, E) \
-                    and logits.strides == (E, 1):  # fmt: skip
-                # (a decode step: the product, both top-k and the read-back in one C call)
-                exact, ahead = dev.read_routings(compiled.route(logits.ptr, h.ptr), ((1, E, k), (1, E, k)))
-            else:
-                dev.linear(h, router, out=predicted)
-                exact, ahead = dev.route_many([(logits, gating, k), (predicted, "softmax", k)])
-        return exact, None if ahead is None else ahead.ids
+            return dev.route(dev.linear(h, router), gating, k), None
+        ahead_router = self.routers[layer + 1]
+        E = ahead_router.shape[0]
+        predicted = side.router_scratch(h.shape[0], E)
+        if h.shape[0] == 1 and type(h) is DeviceArray and h.strides == (h.shape[1], 1) and router is self.routers[layer]:
+            compiled = self._decode_route(layer, dev, gating, k, ahead_router, predicted)
+            if compiled is not None:  # (a decode step: both products, both top-k and the read-back in one C call)
+                exact, ahead = dev.read_routings(compiled.route_from(h.ptr), ((1, E, k), (1, E, k)))
+                return exact, ahead.ids
+        logits = dev.linear(h, router)
+        dev.linear(h, ahead_router, out=predicted)
+        exact, ahead = dev.route_many([(logits, gating, k), (predicted, "softmax", k)])
+        return exact, ahead.ids
 
-    def _decode_route(self, layer: int, dev: GpuBackend, gating: str, k: int, router, predicted: DeviceArray):
-        """The layer's compiled routing with the next layer's prediction (GpuBackend.compiled_route), made at
-        its first decode step; None where there is none (the direct calls off, another gating)."""
+    def _decode_route(self, layer: int, dev: GpuBackend, gating: str, k: int, ahead_router, predicted: DeviceArray):
+        """The layer's compiled routing, its own router's product first and the next layer's prediction
+        after (GpuBackend.compiled_route), made at its first decode step; None where there is none (the direct
+        calls off, another gating)."""
         if gating != "softmax" or dev.rt.direct is None:
             return None
         compiled = self._decode_routes[layer]
         if compiled is None:
-            compiled = self._decode_routes[layer] = dev.compiled_route(router.shape[0], k, router, predicted) or False
+            E = ahead_router.shape[0]
+            logits = self._side_of[layer].router_scratch(1, E, own=True)
+            compiled = dev.compiled_route(E, k, ahead_router, predicted, self.routers[layer], logits)
+            compiled = self._decode_routes[layer] = compiled or False
         return compiled or None
 
     def begin(self, layer: int, h, ids: np.ndarray, weights: np.ndarray, at_hand: dict[int, ExpertBytes]) -> float:

@@ -89,7 +89,7 @@ class DeviceSide:
         self.computed_at = 0  # the sync count when `computed` was recorded
         self.joins_pending: deque[tuple[int, int]] = deque()  # (the pinned pool's mark of a join, the sync count then)
         self.decode_arrays: dict[tuple[int, int, int], tuple[DeviceArray, DeviceArray, DeviceArray]] = {}
-        self.router_arrays: dict[tuple[int, int], DeviceArray] = {}  # router_scratch's, by (T, E)
+        self.router_arrays: dict[tuple[int, int, bool], DeviceArray] = {}  # router_scratch's, by (T, E, own)
 
     def decode_scratch(self, k: int, F: int, D: int) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
         """A decode step's tables, activations [k, F] and pairs' outputs [k, D] on the device: made once, and
@@ -104,13 +104,13 @@ class DeviceSide:
                 self.rt.memset32(a.ptr, self.dev.poison, a.nbytes // 4, self.dev.stream)
         return arrays
 
-    def router_scratch(self, T: int, E: int) -> DeviceArray:
-        """The next layer's router logits [T, E] of a decode step's prediction (GpuExperts.route_ahead): made
-        once and reused, as decode_scratch's arrays are (its top-k, on this compute stream, reads them before
-        the next step's product writes them)."""
-        logits = self.router_arrays.get((T, E))
+    def router_scratch(self, T: int, E: int, own: bool = False) -> DeviceArray:
+        """The next layer's router logits [T, E] of a decode step's prediction (GpuExperts.route_ahead), or
+        (own) the layer's own router's: made once and reused, as decode_scratch's arrays are (its top-k, on
+        this compute stream, reads them before the next step's product writes them)."""
+        logits = self.router_arrays.get((T, E, own))
         if logits is None:
-            logits = self.router_arrays[T, E] = self.dev.zeros((T, E))
+            logits = self.router_arrays[T, E, own] = self.dev.zeros((T, E))
         if self.dev.poison is not None:
             self.rt.memset32(logits.ptr, self.dev.poison, logits.nbytes // 4, self.dev.stream)
         return logits
