@@ -15,6 +15,8 @@ Python code they stand in for serves (the same results, more host time per step)
   fomoepy.runtime.moe_tables packs them in Python (the same bytes).
 - fomoepy/runtime/_host_memory.c: a host buffer's address, and a pinned buffer lent out that goes back to
   its pool when dropped, each in one call; without it fomoepy.runtime.pinned does both through ctypes.
+- fomoepy/experts/_reads.c: a read in flight's state and asks (done, result, landed...) each one C call;
+  without it fomoepy.experts.reads.PyRead (the same semantics, a Python frame each).
 """
 
 from setuptools import Extension, setup
@@ -38,5 +40,6 @@ setup(
                  more=("fomoepy/runtime/_decode_experts.c",)),
         optional("fomoepy.runtime._moe_tables", depends=("fomoepy/runtime/_moe_pack.h",)),
         optional("fomoepy.runtime._host_memory"),
+        optional("fomoepy.experts._reads"),
     ]
 )

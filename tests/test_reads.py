@@ -1,7 +1,8 @@
 """Reads in flight and the reader threads (fomoepy.experts.reads): a Read settles once, runs its callbacks
 once on the thread that settles it (at once when added after), and hands its value or its error to
 whoever waits; a ReadPool runs jobs on at most its threads, lets the queued ones finish at close and
-refuses new ones after; as_landed gives reads in the order they land, those landed first."""
+refuses new ones after; as_landed gives reads in the order they land, those landed first. A Read's
+tests run on the definition (PyRead) and on the compiled one (fomoepy/experts/_reads.c), where built."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from concurrent.futures import Future, InvalidStateError
 
 import pytest
 
-from fomoepy.experts.reads import Read, ReadPool, as_landed
+from fomoepy.experts import reads
+from fomoepy.experts.reads import PyRead, ReadPool, as_landed
+
+# the definition, and the compiled Read where setup.py built it
+READS = [PyRead] + ([reads.Read] if reads._reads is not None else [])
 
 WAIT = 10.0  # seconds a test waits for what should happen at once before it fails (never a hang)
 
@@ -25,7 +30,8 @@ def in_thread(fn) -> list:
     return out
 
 
-def test_a_read_settles_once_and_runs_each_callback_once_on_the_settling_thread():
+@pytest.mark.parametrize("Read", READS, ids=lambda r: r.__name__ if r is PyRead else "compiled")
+def test_a_read_settles_once_and_runs_each_callback_once_on_the_settling_thread(Read):
     read = Read()
     seen = []
     read.add_done_callback(lambda r: seen.append(("first", threading.current_thread().name, r.result())))
@@ -41,7 +47,8 @@ def test_a_read_settles_once_and_runs_each_callback_once_on_the_settling_thread(
     assert Read.landed("x").done() and Read.landed("x").result() == "x"
 
 
-def test_waiting_for_a_read_returns_its_value_or_raises_its_error_when_it_lands():
+@pytest.mark.parametrize("Read", READS, ids=lambda r: r.__name__ if r is PyRead else "compiled")
+def test_waiting_for_a_read_returns_its_value_or_raises_its_error_when_it_lands(Read):
     read = Read()
     threading.Timer(0.05, read.set_result, args=("bytes",)).start()
     assert in_thread(read.result) == ["bytes"]
@@ -54,7 +61,8 @@ def test_waiting_for_a_read_returns_its_value_or_raises_its_error_when_it_lands(
         Read().result(timeout=0.01)
 
 
-def test_a_callback_that_raises_does_not_stop_the_others():
+@pytest.mark.parametrize("Read", READS, ids=lambda r: r.__name__ if r is PyRead else "compiled")
+def test_a_callback_that_raises_does_not_stop_the_others(Read):
     read = Read()
     seen = []
     read.add_done_callback(lambda r: 1 / 0)
@@ -63,7 +71,8 @@ def test_a_callback_that_raises_does_not_stop_the_others():
     assert seen == [7]
 
 
-def test_as_landed_gives_reads_and_futures_in_the_order_they_land_those_landed_first():
+@pytest.mark.parametrize("Read", READS, ids=lambda r: r.__name__ if r is PyRead else "compiled")
+def test_as_landed_gives_reads_and_futures_in_the_order_they_land_those_landed_first(Read):
     early, late, later = Read.landed("early"), Read(), Future()
     threading.Timer(0.05, late.set_result, args=("late",)).start()
     threading.Timer(0.15, later.set_result, args=("later",)).start()

@@ -10,7 +10,9 @@ the futures were about a quarter of the Python calls of a step.
 A Read is one small object: whether it landed, its value or its error are plain attributes, set once,
 under one lock shared by every read (it is held for a few attribute stores); asking `done()` takes no
 lock. It has the methods of a Future the engine uses (done, result, exception, add_done_callback), so
-the code that waits for reads takes either (a test's stub source may hand back Futures).
+the code that waits for reads takes either (a test's stub source may hand back Futures). Where setup.py
+built it, a Read's state and asks are C's (fomoepy/experts/_reads.c: a step makes some twenty-five of them,
+each a Python frame here); PyRead below is the definition, and serves where it is not built.
 
 A ReadPool is `threads` reader threads taking jobs from one queue (queue.SimpleQueue: put and get are C
 calls), started at its first job. Closing it lets the jobs queued so far finish, then stops the threads,
@@ -27,12 +29,17 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+try:  # optional (setup.py)
+    from fomoepy.experts import _reads
+except ImportError:
+    _reads = None
+
 log = logging.getLogger(__name__)
 
 _settled = threading.Lock()  # held while a read is settled or a callback is added to one
 
 
-class Read:
+class PyRead:
     __slots__ = ("_callbacks", "_done", "_error", "_value")
 
     def __init__(self) -> None:
@@ -95,12 +102,32 @@ class Read:
                 log.exception("a callback of a read raised")
 
     def _wait(self, timeout: float | None) -> None:
-        arrived: queue.SimpleQueue = queue.SimpleQueue()
-        self.add_done_callback(arrived.put)
-        try:
-            arrived.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"a read did not land within {timeout} s") from None
+        _wait_for(self, timeout)
+
+
+def _wait_for(read, timeout: float | None) -> None:
+    """Block until `read` lands (its callback, on the thread that lands it, wakes this one)."""
+    arrived: queue.SimpleQueue = queue.SimpleQueue()
+    read.add_done_callback(arrived.put)
+    try:
+        arrived.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError(f"a read did not land within {timeout} s") from None
+
+
+if _reads is not None:
+
+    class Read(_reads.Read):
+        """PyRead's semantics, its state and asks in C (fomoepy/experts/_reads.c); waiting is _wait_for's."""
+
+        __slots__ = ()
+
+        def _wait(self, timeout: float | None) -> None:
+            _wait_for(self, timeout)
+
+    _reads.set_callback_failed(lambda error: log.error("a callback of a read raised", exc_info=error))
+else:
+    Read = PyRead  # type: ignore[misc,assignment]
 
 
 def as_landed(reads: Iterable[InFlight]) -> Iterator[InFlight]:
