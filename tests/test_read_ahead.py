@@ -1,11 +1,17 @@
-"""fomoepy.experts.read_ahead: guesses fed to the drives a few at a time, handed to their step or dropped."""
+"""fomoepy.experts.read_ahead: guesses fed to the drives a few at a time, handed to their step or dropped;
+each test on the definition (PyReadAhead) and on the compiled ReadAhead where built."""
 
 import threading
 from concurrent.futures import Future
 
 import pytest
 
-from fomoepy.experts.read_ahead import ReadAhead
+from fomoepy.experts import read_ahead
+from fomoepy.experts.read_ahead import PyReadAhead
+
+# the definition, and the compiled one (fomoepy/experts/_reads.c) where setup.py built it
+AHEADS = [PyReadAhead] + ([read_ahead.ReadAhead] if read_ahead.ReadAhead is not PyReadAhead else [])
+ids = lambda c: "python" if c is PyReadAhead else "compiled"  # noqa: E731
 
 
 class Drive:
@@ -24,7 +30,8 @@ class Drive:
         self.futures[(layer, expert)].set_result(("bytes of", layer, expert))
 
 
-def test_a_landing_read_issues_the_next_guess_in_order():
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+def test_a_landing_read_issues_the_next_guess_in_order(ReadAhead):
     drive = Drive()
     ahead = ReadAhead(drive.submit, depth=2)
     ahead.queue(4, [9, 1, 7, 3])
@@ -38,7 +45,8 @@ def test_a_landing_read_issues_the_next_guess_in_order():
     assert drive.issued[-1] == (4, 3)
 
 
-def test_reads_that_land_as_they_are_issued_free_the_drive_at_once():
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+def test_reads_that_land_as_they_are_issued_free_the_drive_at_once(ReadAhead):
     """A store that completes a read on the issuing thread (a null store, a cached read): each frees its
     place, so every guess goes out, one after another, and none stays counted in flight."""
 
@@ -57,7 +65,8 @@ def test_reads_that_land_as_they_are_issued_free_the_drive_at_once():
     assert sorted(ahead.take(5, [6, 8])) == [6, 8]
 
 
-def test_take_hands_over_the_chosen_reads_and_drops_the_other_guesses():
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+def test_take_hands_over_the_chosen_reads_and_drops_the_other_guesses(ReadAhead):
     drive = Drive()
     ahead = ReadAhead(drive.submit, depth=2)
     ahead.queue(4, [9, 1, 7, 3])
@@ -75,7 +84,8 @@ def test_take_hands_over_the_chosen_reads_and_drops_the_other_guesses():
     assert (c.read_at, c.used_at) == ([2, 2], [1, 1])
 
 
-def test_guesses_for_a_step_that_never_came_do_not_linger():
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+def test_guesses_for_a_step_that_never_came_do_not_linger(ReadAhead):
     drive = Drive()
     ahead = ReadAhead(drive.submit, depth=4)
     ahead.queue(2, [5, 6])
@@ -85,7 +95,8 @@ def test_guesses_for_a_step_that_never_came_do_not_linger():
     assert set(ahead.take(3, [8])) == {8}
 
 
-def test_a_step_waits_for_a_guess_being_issued_rather_than_read_it_again():
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+def test_a_step_waits_for_a_guess_being_issued_rather_than_read_it_again(ReadAhead):
     # a reader thread is inside submit() for guess (1, 4) when the step takes layer 1: the step must get
     # that read (filed a moment later), not miss it and read expert 4 a second time
     inside, go_on = threading.Event(), threading.Event()
@@ -113,7 +124,8 @@ def test_a_step_waits_for_a_guess_being_issued_rather_than_read_it_again():
     assert set(taken) == {4} and taken[4] is drive.futures[(1, 4)]
 
 
-def test_close_issues_nothing_more_and_a_depth_below_one_is_refused():
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+def test_close_issues_nothing_more_and_a_depth_below_one_is_refused(ReadAhead):
     drive = Drive()
     ahead = ReadAhead(drive.submit, depth=1)
     ahead.queue(0, [1, 2])
@@ -125,7 +137,8 @@ def test_close_issues_nothing_more_and_a_depth_below_one_is_refused():
         ReadAhead(drive.submit, depth=0)
 
 
-def test_what_a_read_needs_is_made_on_the_queuing_thread_and_the_read_issued_on_the_landing_one():
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+def test_what_a_read_needs_is_made_on_the_queuing_thread_and_the_read_issued_on_the_landing_one(ReadAhead):
     # a GPU device's pinned buffers are the inference thread's alone: a guess's buffer is taken when it is
     # queued, even when its read is issued later by a store's thread as the one before it lands
     drive = Drive()

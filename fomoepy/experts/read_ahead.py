@@ -125,14 +125,16 @@ class ReadAheadGate:
                      "on" if reading else "off", 100 * self.share, 100 * self.pays_above)  # fmt: skip
 
 
-class ReadAhead:
+class PyReadAhead:
     """Feeds guesses to `submit(layer, expert, prepared) -> a read in flight` at most `depth` at a time.
 
     The inference thread calls `queue` and `take`; a landing read's callback (on whichever thread completes
     it) issues the next guess. What a read needs from objects only the inference thread may touch (a
     pinned buffer from a GPU device's pool) is made when the guess is queued, by `prepare(layer, expert)`,
     and handed to `submit` with it. All state is under one lock; `submit` is called outside it, since a
-    store may complete a read at once and so call back into this object on the same thread."""
+    store may complete a read at once and so call back into this object on the same thread. The
+    definition: where setup.py built it, ReadAhead is fomoepy/experts/_reads.c's, the same in C (a step
+    queues and takes about three guesses, some fifteen Python frames and twenty lock operations here)."""
 
     def __init__(self, submit: Callable[[int, int, Any], InFlight], depth: int, prepare: Callable[[int, int], Any] | None = None):
         if depth < 1:
@@ -247,3 +249,9 @@ class ReadAhead:
             self.counts.skipped += len(self._queued)
             self._queued.clear()
             self._issued.clear()
+
+
+try:  # optional (setup.py): without it the Python definition above serves (the same reads, more host time)
+    from fomoepy.experts._reads import ReadAhead
+except ImportError:
+    ReadAhead = PyReadAhead  # type: ignore[misc,assignment]
