@@ -11,7 +11,10 @@ from fomoepy.experts.read_ahead import PyReadAhead
 
 # the definition, and the compiled one (fomoepy/experts/_reads.c) where setup.py built it
 AHEADS = [PyReadAhead] + ([read_ahead.ReadAhead] if read_ahead.ReadAhead is not PyReadAhead else [])
-ids = lambda c: "python" if c is PyReadAhead else "compiled"  # noqa: E731
+
+
+def ids(c) -> str:
+    return "python" if c is PyReadAhead else "compiled"
 
 
 class Drive:
