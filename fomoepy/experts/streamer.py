@@ -350,8 +350,8 @@ class ExpertStreamer:
         reads do not wait for (MoEStep's first launch of the experts the device holds and copies up of those
         at hand, its record of the routing and the next layer's prediction), made before the plan is taken
         (with plans_beside, while the compiled cache makes it on its own thread)."""
-        self._collect_backfill()
         if self._backfill_thread is not None:
+            self._collect_backfill()
             self._backfill_thread.set_io_busy(True, self.tokens_seen)
         experts = sorted(set(np.asarray(ids).ravel().tolist()))
         valid = not experts or (experts[0] >= 0 and experts[-1] < self.cache.n_expert)
@@ -369,8 +369,13 @@ class ExpertStreamer:
                     del reads[e]
                 else:
                     reads[e] = f
-        if reads and getattr(self.source, "submit", None) is not None:  # issue every read before waiting on any
-            reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
+        submit = getattr(self.source, "submit", None)
+        if reads and submit is not None:  # issue every read before waiting on any
+            if self._read_buffer is not None:  # (into a given buffer: the source's submit itself, a frame fewer a read)
+                buffer = self._read_buffer[layer]
+                reads = {e: f if f is not None else submit(layer, e, buffer()) for e, f in reads.items()}
+            else:
+                reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
         # the plan (plans_beside: begun now, made beside `beside`; nothing there changes the cache)
         planned = self.cache.plan_soon(layer, ids, self._sequences_of(rows)) if self.plans_beside else None
@@ -380,12 +385,18 @@ class ExpertStreamer:
         # the pool: a drive with no read of this step's starts on them now, not after the plan below
         self._issue_prefetch()
         plan = planned() if planned is not None else self.cache.plan(layer, ids, self._sequences_of(rows))
-        disk = [item.expert for item in plan.items if item.source is Source.DISK]
+        disk, host = [], []
+        for item in plan.items:  # (one pass over the plan: its disk items, its host hits)
+            source = item.source
+            if source is Source.DISK:
+                disk.append(item.expert)
+            elif source is Source.HOST:
+                host.append(item.expert)
         if disk != sorted([*reads, *fetched]):  # (fetched: so far, the reads made ahead that landed)
             raise RuntimeError(f"layer {layer}: the plan reads {disk}, but {sorted([*reads, *fetched])} were read")
-        for item in plan.items:
-            if item.source is Source.HOST:
-                fetched[item.expert] = self.host_slots[(layer, item.expert)]
+        host_slots = self.host_slots
+        for e in host:
+            fetched[e] = host_slots[(layer, e)]
         # the plan committed once its reads are on their way (the drives' latency is the longer wait): nothing
         # above reads the tiers' state the commit changes, and a host hit's bytes are taken before its evictions
         # (plans_beside: applied while the step goes on; finish_acquire's mark_ready waits for it)

@@ -17,6 +17,7 @@
        de.compute(layer, ids, experts)            # GpuExperts.compute of the step begun here; None: none was
        de.download(key)                           # GpuExperts.download
        de.evict(key)                              # GpuExperts.evict
+       de.pinned(nbytes)                          # GpuExperts._pinned: a read's pinned buffer
        de.drop_begun(), de.close()
 
    calls: the binding's Calls (its driver functions); gpu: the GpuExperts; side: its one DeviceSide; layouts:
@@ -1138,6 +1139,13 @@ static void DecodeExperts_dealloc(DecodeExperts *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* pinned(nbytes): GpuExperts._pinned (a read's buffer) */
+static PyObject *DecodeExperts_pinned(DecodeExperts *self, PyObject *arg) {
+    long long nbytes = PyLong_AsLongLong(arg);
+    if ((nbytes == -1 && PyErr_Occurred()) || is_open(self)) return NULL;
+    return pinned_buffer(self, nbytes);
+}
+
 /* close(): the step begun, if any, forgotten (GpuExperts.close frees every slot), and every reference let go */
 static PyObject *DecodeExperts_close(DecodeExperts *self, PyObject *unused) {
     DecodeExperts_clear(self);
@@ -1151,6 +1159,7 @@ static PyMethodDef DecodeExperts_methods[] = {
      "compute(layer, ids, experts) -> the step's output, or None: no step of these ids was begun here"},
     {"download", (PyCFunction)DecodeExperts_download, METH_O, "download(key) -> (gate, up, down): a copy down, into pinned memory"},
     {"evict", (PyCFunction)DecodeExperts_evict, METH_O, "evict(key): the expert's slot free (or dirty, while a copy down reads it)"},
+    {"pinned", (PyCFunction)DecodeExperts_pinned, METH_O, "pinned(nbytes) -> a buffer of the pinned pool (GpuExperts._pinned)"},
     {"drop_begun", (PyCFunction)DecodeExperts_drop_begun, METH_NOARGS, "drop_begun(): a step begun and not computed; its slots free"},
     {"close", (PyCFunction)DecodeExperts_close, METH_NOARGS, "close(): let every reference go"},
     {NULL},
