@@ -6,13 +6,13 @@ the exact selection made here, and needs the full distribution too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class Routing:
+class Routing(NamedTuple):  # (a named tuple, as the cache's Plan: a decode step makes three, and a frozen dataclass's
+    # __init__ sets each field through object.__setattr__)
     ids: np.ndarray  # [T, k] int64, by descending score
     weights: np.ndarray  # [T, k] float32, as the architecture normalises them
     probs: np.ndarray  # [T, E] float32, the distribution the selection was made from

@@ -361,7 +361,7 @@ class ExpertStreamer:
         if self.gate is not None:
             guessed = self._guessed.pop(layer, None)
             if guessed is not None:  # the guesses this step reads from disk were right (read ahead or not)
-                self.gate.score(len(guessed), sum(1 for e in guessed if e in reads))
+                self.gate.score(len(guessed), len(reads.keys() & guessed))  # (guesses are distinct)
         if self.read_ahead is not None and valid:  # those read ahead are handed over; the other guesses are dropped
             for e, f in self.read_ahead.take(layer, reads).items():
                 if f.done() and f.exception() is None:  # landed: its bytes are at hand, as a host hit's are
