@@ -10,7 +10,8 @@ Python code they stand in for serves (the same results, more host time per step)
   without it fomoepy.runtime.shim calls the bindings' Python functions and fomoepy.runtime.gpu_launches
   makes the tables and launches in Python. It shares the tables' packing (_moe_pack.h) with _moe_tables.c.
   With it, fomoepy/runtime/_decode_experts.c: a step's device work on one GPU (GpuExperts's begin, compute,
-  copies down and evictions) each in one call; without it, GpuExperts's own Python.
+  copies down and evictions) each in one call, and _resident_map.c: the device tier's slots by (layer,
+  expert) in an array per layer; without them, GpuExperts's own Python and a dict.
 - fomoepy/runtime/_moe_tables.c: a decode step's grouped-launch tables packed in C; without it
   fomoepy.runtime.moe_tables packs them in Python (the same bytes).
 - fomoepy/runtime/_host_memory.c: a host buffer's address, and a pinned buffer lent out that goes back to
@@ -37,7 +38,7 @@ setup(
     ext_modules=[
         optional("fomoepy.experts._cache_core", "-ffp-contract=off", "-pthread", depends=("fomoepy/experts/_core_worker.h",)),
         optional("fomoepy.runtime._driver_calls", depends=("fomoepy/runtime/_moe_pack.h", "fomoepy/runtime/_driver_calls.h"),
-                 more=("fomoepy/runtime/_decode_experts.c",)),
+                 more=("fomoepy/runtime/_decode_experts.c", "fomoepy/runtime/_resident_map.c")),
         optional("fomoepy.runtime._moe_tables", depends=("fomoepy/runtime/_moe_pack.h",)),
         optional("fomoepy.runtime._host_memory"),
         optional("fomoepy.experts._reads"),

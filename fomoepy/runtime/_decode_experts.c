@@ -72,7 +72,8 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Calls *calls;
-    PyObject *gpu, *side, *dev, *launches, *resident, *downloaded, *pool, *shelf, *written, *starts, *ends, *take_ready,
+    ResidentMap *resident;
+    PyObject *gpu, *side, *dev, *launches, *downloaded, *pool, *shelf, *written, *starts, *ends, *take_ready,
         *compute_syncs, *joins_pending, *free;
     uint64_t stream, copy_stream, down_stream, copied, computed, down_done;
     int n_layer;
@@ -134,8 +135,6 @@ static int address_of(PyObject *a, uint64_t *address, uint64_t *nbytes) {
     PyBuffer_Release(&view);
     return 0;
 }
-
-static PyObject *key_of(PyObject *layer, PyObject *expert) { return PyTuple_Pack(2, layer, expert); }
 
 /* side.free.setdefault(buf.nbytes, []).append(buf) */
 static int file_free(DecodeExperts *self, PyObject *buf) {
@@ -414,7 +413,7 @@ static PyObject *pinned_buffer(DecodeExperts *self, long long nbytes) {
     return buf;
 }
 
-static int layer_of(DecodeExperts *self, PyObject *key, int *layer) {
+static int layer_of(DecodeExperts *self, PyObject *key, int *layer, Py_ssize_t *expert) {
     if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
         PyErr_SetString(PyExc_TypeError, "a key is (layer, expert)");
         return -1;
@@ -426,13 +425,15 @@ static int layer_of(DecodeExperts *self, PyObject *key, int *layer) {
         return -1;
     }
     *layer = (int)v;
-    return 0;
+    *expert = PyLong_AsSsize_t(PyTuple_GET_ITEM(key, 1));
+    return *expert == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
 /* GpuExperts.download */
 static PyObject *DecodeExperts_download(DecodeExperts *self, PyObject *key) {
     int layer;
-    if (is_open(self) || layer_of(self, key, &layer)) return NULL;
+    Py_ssize_t expert;
+    if (is_open(self) || layer_of(self, key, &layer, &expert)) return NULL;
     Layout *L = &self->layouts[layer];
     PyObject *out = pinned_buffer(self, L->end), *result = NULL, *number = NULL, *address_obj = NULL, *slot_obj = NULL;
     if (!out) return NULL;
@@ -448,9 +449,9 @@ static PyObject *DecodeExperts_download(DecodeExperts *self, PyObject *key) {
     }
     uint64_t address;
     long long slot, downloads;
-    PyObject *buf = PyDict_GetItemWithError(self->resident, key);
+    PyObject *buf = resident_get(self->resident, layer, expert);
     if (!buf) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+        PyErr_SetObject(PyExc_KeyError, key);
         goto done;
     }
     if (address_of(out, &address, NULL) || ptr_of(buf, &slot) ||
@@ -487,16 +488,14 @@ done:
 /* GpuExperts.evict */
 static PyObject *DecodeExperts_evict(DecodeExperts *self, PyObject *key) {
     int layer;
-    if (is_open(self) || layer_of(self, key, &layer)) return NULL;
-    PyObject *buf = PyDict_GetItemWithError(self->resident, key);
-    if (!buf) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NONE;
-    }
+    Py_ssize_t expert;
+    if (is_open(self) || layer_of(self, key, &layer, &expert)) return NULL;
+    PyObject *buf = resident_get(self->resident, layer, expert);
+    if (!buf) Py_RETURN_NONE;
     Py_INCREF(buf);
     PyObject *ptr = NULL, *seq_obj = NULL;
     long long seq = 0, covered;
-    int rc = PyDict_DelItem(self->resident, key);
+    int rc = resident_set(self->resident, layer, expert, NULL);
     if (!rc) rc = (ptr = PyObject_GetAttr(buf, NM[A_PTR])) ? 0 : -1;
     if (!rc) {
         seq_obj = PyDict_GetItemWithError(self->downloaded, ptr);
@@ -649,18 +648,14 @@ static PyObject *DecodeExperts_begin(DecodeExperts *self, PyObject *const *args,
     held = PyList_New(0), early = PyList_New(0), ptrs = PyDict_New();
     if (!held || !early || !ptrs) goto done;
     for (Py_ssize_t j = 0; j < k; j++) { /* (one pass: a decode step's host time is counted in microseconds) */
-        PyObject *e = PyList_GET_ITEM(row, j), *key = key_of(L->layer_obj, e);
-        if (!key) goto done;
-        PyObject *buf = PyDict_GetItemWithError(self->resident, key);
-        Py_DECREF(key);
+        PyObject *e = PyList_GET_ITEM(row, j);
+        PyObject *buf = resident_get(self->resident, layer, PyLong_AsSsize_t(e));
         if (buf) {
             PyObject *ptr = PyObject_GetAttr(buf, NM[A_PTR]);
             int rc = ptr ? PyList_Append(held, e) || PyDict_SetItem(ptrs, e, ptr) : -1;
             Py_XDECREF(ptr);
             if (rc) goto done;
-        } else if (PyErr_Occurred())
-            goto done;
-        else {
+        } else {
             int in = PyDict_Contains(at_hand, e);
             if (in < 0 || (in && PyList_Append(early, e))) goto done;
         }
@@ -781,10 +776,7 @@ static int place(Placing *p, PyObject *expert, PyObject *parts) {
     p->m->missing[i] = 0;
     p->m->live--;
     if (!p->m->to_device[i]) return PyList_Append(p->temporary, buf);
-    PyObject *key = key_of(p->self->layouts[b->layer].layer_obj, expert);
-    int rc = key ? PyDict_SetItem(p->self->resident, key, buf) : -1;
-    Py_XDECREF(key);
-    return rc;
+    return resident_set(p->self->resident, b->layer, (Py_ssize_t)p->m->id[i], buf);
 }
 
 /* compute's launch_placed: the work items from `launched` up to the first whose expert is still missing */
@@ -908,11 +900,10 @@ static PyObject *DecodeExperts_compute(DecodeExperts *self, PyObject *const *arg
             m.live++;
             continue;
         }
-        PyObject *key = key_of(self->layouts[b.layer].layer_obj, e);
-        int held = key ? PyDict_Contains(self->resident, key) : -1;
-        Py_XDECREF(key);
-        if (held <= 0) {
-            if (!held) PyErr_Format(PyExc_RuntimeError, "layer %d: expert %S was held before the plan, and is not now", b.layer, e);
+        Py_ssize_t id = PyLong_AsSsize_t(e);
+        if (id == -1 && PyErr_Occurred()) goto bad_item_e;
+        if (!resident_get(self->resident, b.layer, id)) {
+            PyErr_Format(PyExc_RuntimeError, "layer %d: expert %S was held before the plan, and is not now", b.layer, e);
             goto bad_item_e;
         }
         Py_DECREF(e);
@@ -1067,16 +1058,17 @@ static int DecodeExperts_init(DecodeExperts *self, PyObject *args, PyObject *kw)
     self->calls = (Calls *)Py_NewRef(calls);
     self->gpu = Py_NewRef(gpu);
     self->side = Py_NewRef(side);
-    if (!(self->dev = attr(side, A_DEV)) || !(self->launches = attr(gpu, A_LAUNCHES)) || !(self->resident = attr(gpu, A_RESIDENT)) ||
+    if (!(self->dev = attr(side, A_DEV)) || !(self->launches = attr(gpu, A_LAUNCHES)) ||
+        !(self->resident = (ResidentMap *)attr(gpu, A_RESIDENT)) ||
         !(self->downloaded = attr(gpu, A_DOWNLOADED_)) || !(self->pool = attr(gpu, A_POOL)) ||
         !(self->shelf = attr(self->pool, A_SHELF)) || !(self->written = attr(self->pool, A_WRITTEN)) ||
         !(self->starts = attr(self->pool, A_STARTS)) || !(self->ends = attr(self->pool, A_ENDS)) ||
         !(self->take_ready = attr(gpu, A_TAKE_READY)) || !(self->compute_syncs = attr(side, A_COMPUTE_SYNCS)) ||
         !(self->joins_pending = attr(side, A_JOINS_PENDING)) || !(self->free = attr(side, A_FREE)))
         return -1;
-    if (!PyDict_Check(self->resident) || !PyDict_Check(self->downloaded) || !PyDict_Check(self->written) ||
+    if (!PyObject_TypeCheck((PyObject *)self->resident, &ResidentMapType) || !PyDict_Check(self->downloaded) || !PyDict_Check(self->written) ||
         !PyList_Check(self->starts) || !PyList_Check(self->ends) || !PyDict_Check(self->free)) {
-        PyErr_SetString(PyExc_TypeError, "DecodeExperts: GpuExperts's books are dicts and lists");
+        PyErr_SetString(PyExc_TypeError, "DecodeExperts: GpuExperts's books are a ResidentMap, dicts and lists");
         return -1;
     }
     if (handle_of(self, self->dev, A_STREAM, &self->stream) || handle_of(self, self->dev, A_COPY_STREAM, &self->copy_stream) ||

@@ -835,7 +835,7 @@ PyMODINIT_FUNC PyInit__driver_calls(void) {
     if (!m) return NULL;
     if (PyModule_AddType(m, &CallsType) < 0 || PyModule_AddType(m, &LauncherType) < 0 ||
         PyModule_AddType(m, &DecodeLaunchType) < 0 || PyModule_AddType(m, &DecodeRouteType) < 0 ||
-        PyModule_AddType(m, &DecodeExpertsType) < 0) {  /* (each readied) */
+        PyModule_AddType(m, &DecodeExpertsType) < 0 || PyModule_AddType(m, &ResidentMapType) < 0) {  /* (each readied) */
         Py_DECREF(m);
         return NULL;
     }

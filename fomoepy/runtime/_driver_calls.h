@@ -77,7 +77,19 @@ typedef struct {
 #define WORK_BYTES 64 /* sizeof(Work), _moe_pack.h's */
 #define PAIR_BYTES 16
 
-extern PyTypeObject CallsType, LauncherType, DecodeLaunchType, DecodeExpertsType;
+/* the device tier's slots by (layer, expert): per layer an array indexed by expert (_resident_map.c) */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n_layer, len;
+    PyObject ***slot; /* [layer][expert]: the slot's DeviceBuffer, or NULL */
+    Py_ssize_t *cap;  /* [layer]: its array's length */
+} ResidentMap;
+
+/* a slot held (borrowed), or NULL; and set (value: a new reference taken; NULL clears): 0, or -1 with an error */
+PyObject *resident_get(ResidentMap *m, Py_ssize_t layer, Py_ssize_t expert);
+int resident_set(ResidentMap *m, Py_ssize_t layer, Py_ssize_t expert, PyObject *value);
+
+extern PyTypeObject CallsType, LauncherType, DecodeLaunchType, DecodeExpertsType, ResidentMapType;
 
 double now_seconds(void);
 int as_u64(PyObject *o, uint64_t *out);

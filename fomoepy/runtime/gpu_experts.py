@@ -39,10 +39,10 @@ from fomoepy.runtime.gpu_sides import DeviceSide
 from fomoepy.runtime.pinned import ALIGN, PinnedPool, contiguous_address
 from fomoepy.scheduler import relay
 
-try:  # optional (setup.py): without it a step's device work is made in Python (the same calls)
-    from fomoepy.runtime._driver_calls import Calls, DecodeExperts
+try:  # optional (setup.py): without it a step's device work is made in Python (the same calls), over a dict
+    from fomoepy.runtime._driver_calls import Calls, DecodeExperts, ResidentMap
 except ImportError:
-    Calls = DecodeExperts = None
+    Calls = DecodeExperts = ResidentMap = None
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -114,7 +114,9 @@ class GpuExperts:
         self.layers = layers
         self.routers = routers
         self.slot_layouts = [SlotLayout.of(layer) for layer in self.layers]
-        self.resident: dict[Key, DeviceBuffer] = {}
+        # the device tier's slots by (layer, expert): an array per layer where built (a step asks it some thirty
+        # times; a dict's tuple keys are made, hashed and compared each time), else a dict
+        self.resident: dict[Key, DeviceBuffer] = ResidentMap(len(layers)) if ResidentMap is not None else {}
         self.sides: list[DeviceSide] = []
         for d, dev in enumerate(self.devs):
             on_d = [s.nbytes for s, owner in zip(self.slot_layouts, self.device_of_layer) if owner == d]
