@@ -113,7 +113,7 @@ class MoEStep:
         experts.launched_at = launched[0]
         t2 = time.perf_counter()
         try:
-            out = compute_in_runs(device, layer, h, ids, weights, experts, runs)
+            out = device.compute(layer, h, ids, weights, experts) if runs is None else compute_in_runs(device, layer, h, ids, weights, experts, runs)
         finally:
             t3 = time.perf_counter()
             waited_inside = experts.done
