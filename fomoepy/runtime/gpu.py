@@ -560,9 +560,9 @@ class GpuBackend:
         routings, at = [], 0
         for T, E, k in shapes:
             ids_at, weights_at = at + T * E, at + T * (E + k)
-            if T == 1:  # (a decode step's: one row's views of one [1, E + 2k] view)
-                row = host[at : weights_at + k].reshape(1, E + 2 * k)
-                routings.append(Routing(row[:, E : E + k].view(I32).astype(np.int64), row[:, E + k :], row[:, :E]))
+            if T == 1:  # (a decode step's: each a [1, n] view in one indexing, not a slice and a reshape)
+                routings.append(Routing(host[None, ids_at:weights_at].view(I32).astype(np.int64), host[None, weights_at : weights_at + k],
+                                        host[None, at:ids_at]))  # fmt: skip
             else:
                 routings.append(Routing(host[ids_at:weights_at].view(I32).astype(np.int64).reshape(T, k),
                                         host[weights_at : weights_at + T * k].reshape(T, k), host[at:ids_at].reshape(T, E)))  # fmt: skip
