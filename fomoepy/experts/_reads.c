@@ -381,14 +381,19 @@ static PyObject *ReadAhead_queue(ReadAheadObject *self, PyObject *const *args, P
     Py_RETURN_NONE;
 }
 
-/* whether a guess of `layer` is being issued by another thread now (popped, its read not yet filed) */
+/* whether a guess of `layer` is being issued by another thread now (popped, its read not yet filed): 1, 0,
+   or -1 with an error set */
 static int submitting_layer(ReadAheadObject *self, long layer) {
-    Py_ssize_t pos = 0;
-    PyObject *key;
-    Py_hash_t hash;
-    while (_PySet_NextEntry(self->submitting, &pos, &key, &hash))
-        if (layer_of_key(key) == layer) return 1;
-    return 0;
+    if (!PySet_GET_SIZE(self->submitting)) return 0;
+    PyObject *it = PyObject_GetIter(self->submitting), *key;
+    if (!it) return -1;
+    int found = 0;
+    while (!found && (key = PyIter_Next(it))) {
+        found = layer_of_key(key) == layer;
+        Py_DECREF(key);
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : found;
 }
 
 static PyObject *ReadAhead_take(ReadAheadObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -401,11 +406,16 @@ static PyObject *ReadAhead_take(ReadAheadObject *self, PyObject *const *args, Py
     PyObject *wanted = PySet_New(args[1]);
     if (!wanted) return NULL;
     /* a guess another thread is issuing right now is filed in a moment: wait for it, not read it twice */
-    while (submitting_layer(self, layer)) {
+    int busy;
+    while ((busy = submitting_layer(self, layer)) == 1) {
         Py_BEGIN_ALLOW_THREADS
         struct timespec pause = {0, 20000};
         nanosleep(&pause, NULL);
         Py_END_ALLOW_THREADS
+    }
+    if (busy < 0) {
+        Py_DECREF(wanted);
+        return NULL;
     }
     Py_ssize_t kept = self->head, skipped = 0;
     for (Py_ssize_t i = self->head; i < self->n_queued; i++) {

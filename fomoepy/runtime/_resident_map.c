@@ -81,25 +81,29 @@ static int ResidentMap_contains(ResidentMap *m, PyObject *key) {
     return resident_get(m, layer, expert) != NULL;
 }
 
-static PyObject *ResidentMap_get(ResidentMap *m, PyObject *const *args, Py_ssize_t nargs) {
+/* get's and pop's arguments, (key[, default]): the slot held (borrowed) or NULL, in *held; 0, or -1 with an error */
+static int key_and_default(ResidentMap *m, PyObject *const *args, Py_ssize_t nargs, const char *usage, Py_ssize_t *layer,
+                           Py_ssize_t *expert, PyObject **held) {
     if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
     }
+    if (key_of(args[0], layer, expert)) return -1;
+    *held = resident_get(m, *layer, *expert);
+    return 0;
+}
+
+static PyObject *ResidentMap_get(ResidentMap *m, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t layer, expert;
-    if (key_of(args[0], &layer, &expert)) return NULL;
-    PyObject *v = resident_get(m, layer, expert);
+    PyObject *v;
+    if (key_and_default(m, args, nargs, "get(key, default=None)", &layer, &expert, &v)) return NULL;
     return Py_NewRef(v ? v : nargs == 2 ? args[1] : Py_None);
 }
 
 static PyObject *ResidentMap_pop(ResidentMap *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
-        return NULL;
-    }
     Py_ssize_t layer, expert;
-    if (key_of(args[0], &layer, &expert)) return NULL;
-    PyObject *v = resident_get(m, layer, expert);
+    PyObject *v;
+    if (key_and_default(m, args, nargs, "pop(key[, default])", &layer, &expert, &v)) return NULL;
     if (!v) {
         if (nargs == 2) return Py_NewRef(args[1]);
         PyErr_SetObject(PyExc_KeyError, args[0]);
