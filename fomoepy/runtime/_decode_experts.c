@@ -3,10 +3,11 @@
 
    At the 397B shape a decode step's device half took about 60 µs of host time in Python (bench/host_time.py
    with it stubbed out): per expert a dictionary walk, a slot taken, a copy up and its checks, per demotion
-   a pinned buffer, a copy down and four books. Most of that is the interpreter's calls, not the work. A
-   DecodeExperts does the same work over the same books: GpuExperts's `resident` and `_downloaded`, its
-   DeviceSide's counters, free and dirty slots and held buffers, the pinned pool's marks and `written`, all
-   read and written where Python keeps them, so the Python methods (the definition, which serve two devices,
+   a pinned buffer, a copy down and four books. Most of that is the interpreter's calls, not the work (in C:
+   13-18 µs a step less, measured against the Python methods in one process). A DecodeExperts does the same
+   work over the same books: GpuExperts's `resident` (a ResidentMap, _resident_map.c, read here directly)
+   and `_downloaded`, its DeviceSide's counters, free and dirty slots and held buffers, the pinned pool's
+   marks and `written`, all read and written where Python keeps them, so the Python methods (the definition, which serve two devices,
    the binding's Python functions and the first decode step of each layer) and these interleave freely. It
    makes the same driver calls, with the same arguments, in the same order (tests/test_decode_experts.py
    compares the two, call for call and bit for bit):
@@ -35,7 +36,7 @@
 enum {
     A_PENDING_UPLOADS, A_INSTALLS_UNJOINED, A_JOINS, A_JOINED_AT, A_DOWN_SAW_JOINS, A_DOWNLOADS, A_DOWN_RECORDED,
     A_DOWN_COVERED, A_DIRTY, A_DOWN_BUFFERS, A_LAUNCHES_UNSYNCED, A_LAUNCHED_AT, A_COPIES_WAIT, A_COMPUTED_AT,
-    A_DECODE_SCRATCH, A_N, A_MARKS, A_PASSED, A_UPLOADS, A_DIRECT_UPLOADS, A_TAKE_SLOT, A_UPLOAD, A_PTR, A_NBYTES, A_TAKE,
+    A_N, A_MARKS, A_PASSED, A_UPLOADS, A_DIRECT_UPLOADS, A_TAKE_SLOT, A_UPLOAD, A_PTR, A_NBYTES, A_TAKE,
     A_POPLEFT, A_COMPILED, A_EMPTY, A_ASDEVICE, A_CONTIGUOUS, A_PLAN, A_ITEMS, A_FETCHED, A_AS_THEY_LAND, A_LANDED,
     A_FREE, A_STREAM, A_COPY_STREAM, A_DOWN_STREAM, A_COPIED, A_COMPUTED, A_DOWN_DONE, A_COMPUTE_SYNCS, A_JOINS_PENDING,
     A_DEV, A_RESIDENT, A_DOWNLOADED_, A_POOL, A_SHELF, A_WRITTEN, A_STARTS, A_ENDS, A_TAKE_READY, A_LAUNCHES, A_APPEND, A_POISON, N_NAMES
@@ -43,7 +44,7 @@ enum {
 static const char *NAME_TEXT[N_NAMES] = {
     "pending_uploads", "installs_unjoined", "joins", "joined_at", "down_saw_joins", "downloads", "down_recorded",
     "down_covered", "dirty", "down_buffers", "launches_unsynced", "launched_at", "copies_wait", "computed_at",
-    "decode_scratch", "n", "marks", "passed", "uploads", "direct_uploads", "_take_slot", "_upload", "ptr", "nbytes", "take",
+    "n", "marks", "passed", "uploads", "direct_uploads", "_take_slot", "_upload", "ptr", "nbytes", "take",
     "popleft", "_compiled", "empty", "asdevice", "contiguous", "plan", "items", "fetched", "as_they_land", "landed",
     "free", "stream", "copy_stream", "down_stream", "copied", "computed", "down_done", "compute_syncs", "joins_pending",
     "dev", "resident", "_downloaded", "pool", "shelf", "written", "_starts", "_ends", "_take_ready", "launches", "append", "poison",
@@ -689,7 +690,7 @@ static PyObject *DecodeExperts_begin(DecodeExperts *self, PyObject *const *args,
     int poisoned = poison != Py_None;
     Py_DECREF(poison);
     if (poisoned) {
-        PyObject *scratch = PyObject_CallMethod(self->side, "decode_scratch", "nLL", k, L->F, L->D);
+        PyObject *scratch = PyObject_CallMethod(self->side, "decode_scratch", "nLL", k, L->F, L->D);  /* (tests only) */
         if (!scratch) goto done;
         Py_DECREF(scratch);
     }
