@@ -20,7 +20,7 @@ sys.path.insert(0, "tests")
 from conftest import ORACLE
 from test_gpu_model import device_state, gpu_model
 from fomoepy.experts.device import Phase
-from fomoepy.runtime import gpu, gpu_launches
+from fomoepy.runtime import gpu_launches, gpu_routing
 from fomoepy.runtime._driver_calls import DecodeLaunch, DecodeRoute
 from fomoepy.runtime.gpu import GpuBackend
 
@@ -50,10 +50,10 @@ def decode(fraction):
         counted = dev.rt.syncs(dev.stream) - waits == 2 and not dev._keepalive  # each a wait, as the shim counts them
         kept_route, experts._decode_routes = experts._decode_routes, [False] * spec.n_layer
         kept_plain, dev._decode_routes = dev._decode_routes, {}
-        gpu.DecodeRoute, kept_type = None, gpu.DecodeRoute
+        gpu_routing.DecodeRoute, kept_type = None, gpu_routing.DecodeRoute
         in_python = experts.route_ahead(0, h, experts.routers[0], "softmax", k)
         alone_python = dev.route(logits, "softmax", k)
-        experts._decode_routes, dev._decode_routes, gpu.DecodeRoute = kept_route, kept_plain, kept_type
+        experts._decode_routes, dev._decode_routes, gpu_routing.DecodeRoute = kept_route, kept_plain, kept_type
         def arrays(ahead, alone):
             (exact, guess), r = ahead, alone
             return exact.ids, exact.weights, exact.probs, guess, r.ids, r.weights, r.probs
@@ -75,10 +75,10 @@ def decode(fraction):
 
 for fraction in (0.3, 1.0, 0.0):
     in_c, n_c, n_layer = decode(fraction)
-    gpu_launches.DecodeLaunch, kept, gpu.DecodeRoute, kept_route = None, gpu_launches.DecodeLaunch, None, gpu.DecodeRoute
+    gpu_launches.DecodeLaunch, kept, gpu_routing.DecodeRoute, kept_route = None, gpu_launches.DecodeLaunch, None, gpu_routing.DecodeRoute
     dev._decode_routes.clear()
     in_python, n_python, _ = decode(fraction)
-    gpu_launches.DecodeLaunch, gpu.DecodeRoute = kept, kept_route
+    gpu_launches.DecodeLaunch, gpu_routing.DecodeRoute = kept, kept_route
     dev._decode_routes.clear()
     print(fraction, "SAME" if in_c.tobytes() == in_python.tobytes() else "DIFFERENT", n_c == n_layer, n_python == 0)
 """
