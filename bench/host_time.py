@@ -305,7 +305,7 @@ def cpu_path(args: argparse.Namespace) -> dict:
     host_all = sum(layer.expert_nbytes for layer in probe.source.layers) * probe.spec.moe.n_expert
     probe.close()
     engine = Engine(model, EngineOptions(backend="cpu", threads=args.threads, store=(str(store),), vram_cache=0,
-                                         ram_cache=int(float(os.environ.get("SHARE", "0.25")) * host_all)))  # fmt: skip
+                                         ram_cache=int(0.25 * host_all)))  # fmt: skip
     step = engine.experts
     products: list[float] = []
     repacks: list[float] = []
