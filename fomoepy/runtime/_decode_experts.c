@@ -414,20 +414,16 @@ static PyObject *pinned_buffer(DecodeExperts *self, long long nbytes) {
     return buf;
 }
 
+/* a key's (layer, expert) (ResidentMap's parse), its layer one of this model's */
 static int layer_of(DecodeExperts *self, PyObject *key, int *layer, Py_ssize_t *expert) {
-    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
-        PyErr_SetString(PyExc_TypeError, "a key is (layer, expert)");
-        return -1;
-    }
-    long v = PyLong_AsLong(PyTuple_GET_ITEM(key, 0));
-    if (v == -1 && PyErr_Occurred()) return -1;
+    Py_ssize_t v;
+    if (resident_key(key, &v, expert)) return -1;
     if (v < 0 || v >= self->n_layer) {
-        PyErr_Format(PyExc_IndexError, "layer %ld of %d", v, self->n_layer);
+        PyErr_Format(PyExc_IndexError, "layer %zd of %d", v, self->n_layer);
         return -1;
     }
     *layer = (int)v;
-    *expert = PyLong_AsSsize_t(PyTuple_GET_ITEM(key, 1));
-    return *expert == -1 && PyErr_Occurred() ? -1 : 0;
+    return 0;
 }
 
 /* GpuExperts.download */

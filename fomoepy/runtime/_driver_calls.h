@@ -85,6 +85,8 @@ typedef struct {
     Py_ssize_t *cap;  /* [layer]: its array's length */
 } ResidentMap;
 
+/* a key's (layer, expert), parsed: 0, or -1 with an error set (not a pair of ints) */
+int resident_key(PyObject *key, Py_ssize_t *layer, Py_ssize_t *expert);
 /* a slot held (borrowed), or NULL; and set (value: a new reference taken; NULL clears): 0, or -1 with an error */
 PyObject *resident_get(ResidentMap *m, Py_ssize_t layer, Py_ssize_t expert);
 int resident_set(ResidentMap *m, Py_ssize_t layer, Py_ssize_t expert, PyObject *value);

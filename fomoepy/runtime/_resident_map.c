@@ -9,7 +9,7 @@
 
 #include "_driver_calls.h"
 
-static int key_of(PyObject *key, Py_ssize_t *layer, Py_ssize_t *expert) {
+int resident_key(PyObject *key, Py_ssize_t *layer, Py_ssize_t *expert) {
     if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
         PyErr_SetString(PyExc_TypeError, "a resident key is (layer, expert)");
         return -1;
@@ -56,7 +56,7 @@ static Py_ssize_t ResidentMap_length(ResidentMap *m) { return m->len; }
 
 static PyObject *ResidentMap_subscript(ResidentMap *m, PyObject *key) {
     Py_ssize_t layer, expert;
-    if (key_of(key, &layer, &expert)) return NULL;
+    if (resident_key(key, &layer, &expert)) return NULL;
     PyObject *v = resident_get(m, layer, expert);
     if (!v) {
         PyErr_SetObject(PyExc_KeyError, key);
@@ -67,7 +67,7 @@ static PyObject *ResidentMap_subscript(ResidentMap *m, PyObject *key) {
 
 static int ResidentMap_ass_subscript(ResidentMap *m, PyObject *key, PyObject *value) {
     Py_ssize_t layer, expert;
-    if (key_of(key, &layer, &expert)) return -1;
+    if (resident_key(key, &layer, &expert)) return -1;
     if (!value && !resident_get(m, layer, expert)) {
         PyErr_SetObject(PyExc_KeyError, key);
         return -1;
@@ -77,7 +77,7 @@ static int ResidentMap_ass_subscript(ResidentMap *m, PyObject *key, PyObject *va
 
 static int ResidentMap_contains(ResidentMap *m, PyObject *key) {
     Py_ssize_t layer, expert;
-    if (key_of(key, &layer, &expert)) return -1;
+    if (resident_key(key, &layer, &expert)) return -1;
     return resident_get(m, layer, expert) != NULL;
 }
 
@@ -88,7 +88,7 @@ static int key_and_default(ResidentMap *m, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_TypeError, usage);
         return -1;
     }
-    if (key_of(args[0], layer, expert)) return -1;
+    if (resident_key(args[0], layer, expert)) return -1;
     *held = resident_get(m, *layer, *expert);
     return 0;
 }
