@@ -371,11 +371,11 @@ class ExpertStreamer:
                     reads[e] = f
         submit = getattr(self.source, "submit", None)
         if reads and submit is not None:  # issue every read before waiting on any
-            if self._read_buffer is not None:  # (into a given buffer: the source's submit itself, a frame fewer a read)
+            if self._read_buffer is not None:  # (each into a buffer of its own)
                 buffer = self._read_buffer[layer]
                 reads = {e: f if f is not None else submit(layer, e, buffer()) for e, f in reads.items()}
             else:
-                reads = {e: f if f is not None else self._submit(layer, e) for e, f in reads.items()}
+                reads = {e: f if f is not None else submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
         # the plan (plans_beside: begun now, made beside `beside`; nothing there changes the cache)
         planned = self.cache.plan_soon(layer, ids, self._sequences_of(rows)) if self.plans_beside else None
@@ -421,9 +421,6 @@ class ExpertStreamer:
             if e not in reads and e not in at_hand and (layer, e) in host:
                 at_hand[e] = host[(layer, e)]
         return at_hand
-
-    def _submit(self, layer: int, expert: int) -> InFlight:
-        return self._submit_into(layer, expert, self._read_buffer[layer]() if self._read_buffer is not None else None)
 
     def _submit_into(self, layer: int, expert: int, out: np.ndarray | None) -> InFlight:
         if out is not None:
