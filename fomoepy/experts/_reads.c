@@ -180,7 +180,7 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *submit, *prepare, *counts, *landed; /* landed: this object's _landed, the reads' callback */
+    PyObject *submit, *prepare, *counts;
     PyObject *submitting;                         /* keys popped from the queue whose read is not yet filed */
     Py_ssize_t depth, in_flight, n_queued, head, n_issued, cap_issued;
     Guess *queued;
@@ -188,7 +188,7 @@ typedef struct {
     int closed;
 } ReadAheadObject;
 
-static PyObject *one, *log_debug, *str_done, *str_add_done_callback, *str_read_at, *str_used_at;
+static PyObject *one, *str__landed, *log_debug, *str_done, *str_add_done_callback, *str_read_at, *str_used_at;
 static PyObject *COUNT[6]; /* issued, used, landed, wasted, in_the_way, skipped */
 enum { C_ISSUED, C_USED, C_LANDED, C_WASTED, C_IN_THE_WAY, C_SKIPPED };
 
@@ -319,7 +319,10 @@ static int issue(ReadAheadObject *self) {
             return rc;
         }
         if (!landed) { /* added after the future is filed: a read that lands meanwhile calls back at once */
-            PyObject *r = PyObject_CallMethodOneArg(future, str_add_done_callback, self->landed);
+            /* (its _landed bound now, as PyReadAhead's: held by the read until it lands, no cycle after) */
+            PyObject *landed = PyObject_GetAttr((PyObject *)self, str__landed);
+            PyObject *r = landed ? PyObject_CallMethodOneArg(future, str_add_done_callback, landed) : NULL;
+            Py_XDECREF(landed);
             Py_XDECREF(r);
             if (!r) {
                 Py_DECREF(future);
@@ -519,17 +522,14 @@ static int ReadAhead_init(ReadAheadObject *self, PyObject *args, PyObject *kw) {
     Py_XDECREF(module);
     PyObject *counts = counts_type ? PyObject_CallNoArgs(counts_type) : NULL;
     Py_XDECREF(counts_type);
-    PyObject *landed = counts ? PyObject_GetAttrString((PyObject *)self, "_landed") : NULL;
-    PyObject *submitting = landed ? PySet_New(NULL) : NULL;
+    PyObject *submitting = counts ? PySet_New(NULL) : NULL;
     if (!submitting) {
         Py_XDECREF(counts);
-        Py_XDECREF(landed);
         return -1;
     }
     Py_XSETREF(self->submit, Py_NewRef(submit));
     Py_XSETREF(self->prepare, Py_NewRef(prepare));
     Py_XSETREF(self->counts, counts);
-    Py_XSETREF(self->landed, landed);
     Py_XSETREF(self->submitting, submitting);
     return 0;
 }
@@ -538,7 +538,6 @@ static int ReadAhead_traverse(ReadAheadObject *self, visitproc visit, void *arg)
     Py_VISIT(self->submit);
     Py_VISIT(self->prepare);
     Py_VISIT(self->counts);
-    Py_VISIT(self->landed);
     Py_VISIT(self->submitting);
     for (Py_ssize_t i = self->head; i < self->n_queued; i++) Py_VISIT(self->queued[i].prepared);
     for (Py_ssize_t i = 0; i < self->n_issued; i++) Py_VISIT(self->issued[i].future);
@@ -549,7 +548,6 @@ static int ReadAhead_clear(ReadAheadObject *self) {
     Py_CLEAR(self->submit);
     Py_CLEAR(self->prepare);
     Py_CLEAR(self->counts);
-    Py_CLEAR(self->landed);
     Py_CLEAR(self->submitting);
     clear_queued(self);
     while (self->n_issued) drop_issued(self, self->n_issued - 1);
@@ -614,6 +612,7 @@ PyMODINIT_FUNC PyInit__reads(void) {
     str_wait = PyUnicode_InternFromString("_wait");
     str_done = PyUnicode_InternFromString("done");
     one = PyLong_FromLong(1);
+    str__landed = PyUnicode_InternFromString("_landed");
     str_add_done_callback = PyUnicode_InternFromString("add_done_callback");
     str_read_at = PyUnicode_InternFromString("read_at");
     str_used_at = PyUnicode_InternFromString("used_at");
@@ -625,7 +624,7 @@ PyMODINIT_FUNC PyInit__reads(void) {
     Py_XDECREF(logging);
     log_debug = logger ? PyObject_GetAttrString(logger, "debug") : NULL;
     Py_XDECREF(logger);
-    if (!InvalidStateError || !str_wait || !str_done || !str_add_done_callback || !str_read_at || !str_used_at || !log_debug)
+    if (!InvalidStateError || !str_wait || !str__landed || !str_done || !str_add_done_callback || !str_read_at || !str_used_at || !log_debug)
         return NULL;
     callback_failed = Py_NewRef(Py_None);
     PyObject *m = PyModule_Create(&module);
