@@ -16,11 +16,19 @@ LOAD_AT_START = os.getloadavg()  # 1, 5 and 15 minute load averages when the scr
 
 
 def processor() -> str:
-    """The host processor's name: a host-time or CPU-speed figure holds for it alone."""
+    """The host processor's name: a host-time or CPU-speed figure holds for it alone. A virtual machine's
+    name may be a bare family ("AMD EPYC" names Zen 3, 4 and 5 alike), so its family and model numbers
+    follow it: two records of one name on different generations are told apart."""
     try:
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
+            key, sep, value = line.partition(":")
+            if not sep:
+                break  # (the first processor's block is enough)
+            fields.setdefault(key.strip(), value.strip())
+        if "model name" in fields:
+            numbers = [f"{k} {fields[k]}" for k in ("cpu family", "model") if k in fields]
+            return fields["model name"] + (f" ({', '.join(numbers)})" if numbers else "")
     except OSError:
         pass
     import platform
