@@ -165,6 +165,35 @@ def test_what_a_read_needs_is_made_on_the_queuing_thread_and_the_read_issued_on_
     assert used[1][0] == ("buffer for", 8) and used[1][1] == landing.ident
 
 
+
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+def test_a_list_of_prepares_gives_each_guess_what_its_layer_makes(ReadAhead):
+    # prepare as one callable per layer (the streamer's read buffers, each of its layer's size), called with
+    # no arguments, on the queuing thread, once per guess, in order
+    drive = Drive()
+    made, used = [], []
+
+    def buffer_of(layer):
+        def take():
+            made.append((layer, threading.get_ident()))
+            return f"buffer {len(made)} of layer {layer}"
+
+        return take
+
+    def submit(layer, expert, prepared):
+        used.append((layer, expert, prepared))
+        return drive.submit(layer, expert)
+
+    ahead = ReadAhead(submit, depth=1, prepare=[buffer_of(layer) for layer in range(3)])
+    ahead.queue(2, [7, 8])
+    me = threading.get_ident()
+    assert made == [(2, me), (2, me)] and used == [(2, 7, "buffer 1 of layer 2")]
+    drive.land(2, 7)
+    assert used[1] == (2, 8, "buffer 2 of layer 2")
+    with pytest.raises(IndexError):
+        ahead.queue(3, [1])  # no layer 3 among the prepares: the guesses of layer 2 stay as they were
+    assert ahead.take(2, {8: None}).keys() == {8}
+
 def test_the_gate_turns_reading_ahead_off_below_the_share_that_pays_and_on_again_above_it():
     from fomoepy.experts.read_ahead import ReadAheadGate
 

@@ -348,11 +348,23 @@ static PyObject *ReadAhead_queue(ReadAheadObject *self, PyObject *const *args, P
     Guess *guesses = PyMem_Calloc(n ? n : 1, sizeof(Guess));
     Py_ssize_t made = 0;
     int rc = guesses ? 0 : -1;
+    /* a list: one callable per layer, called with no arguments (PyReadAhead's semantics) */
+    PyObject *take = NULL;
+    if (!rc && PyList_Check(self->prepare)) {
+        Py_ssize_t at = PyLong_AsSsize_t(layer);
+        if (at < 0 || at >= PyList_GET_SIZE(self->prepare)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "ReadAhead: no prepare for this layer");
+            rc = -1;
+        } else {
+            take = Py_NewRef(PyList_GET_ITEM(self->prepare, at)); /* (held: a call may change the list) */
+        }
+    }
     for (; !rc && made < n; made++) { /* (what each read needs, made on this thread, in order) */
         PyObject *e = PyNumber_Long(PySequence_Fast_GET_ITEM(seq, made));
         PyObject *key = e ? PyTuple_Pack(2, layer, e) : NULL;
-        PyObject *prepared = !key ? NULL : self->prepare != Py_None ? PyObject_CallFunctionObjArgs(self->prepare, layer, e, NULL)
-                                                                     : Py_NewRef(Py_None);
+        PyObject *prepared = !key ? NULL : take ? PyObject_CallNoArgs(take)
+                             : self->prepare != Py_None ? PyObject_CallFunctionObjArgs(self->prepare, layer, e, NULL)
+                                                        : Py_NewRef(Py_None);
         Py_XDECREF(e);
         if (!prepared) {
             Py_XDECREF(key);
@@ -361,6 +373,7 @@ static PyObject *ReadAhead_queue(ReadAheadObject *self, PyObject *const *args, P
         }
         guesses[made] = (Guess){key, prepared, (long)made};
     }
+    Py_XDECREF(take);
     Py_DECREF(seq);
     if (rc) {
         for (Py_ssize_t i = 0; guesses && i < made; i++) {

@@ -130,13 +130,15 @@ class PyReadAhead:
 
     The inference thread calls `queue` and `take`; a landing read's callback (on whichever thread completes
     it) issues the next guess. What a read needs from objects only the inference thread may touch (a
-    pinned buffer from a GPU device's pool) is made when the guess is queued, by `prepare(layer, expert)`,
-    and handed to `submit` with it. All state is under one lock; `submit` is called outside it, since a
+    pinned buffer from a GPU device's pool) is made when the guess is queued, by `prepare(layer, expert)`
+    (or, where `prepare` is a list, one callable per layer: `prepare[layer]()`, no frame of a function that
+    only picks the layer's), and handed to `submit` with it. All state is under one lock; `submit` is called outside it, since a
     store may complete a read at once and so call back into this object on the same thread. The
     definition: where setup.py built it, ReadAhead is fomoepy/experts/_reads.c's, the same in C (a step
     queues and takes about three guesses, some fifteen Python frames and twenty lock operations here)."""
 
-    def __init__(self, submit: Callable[[int, int, Any], InFlight], depth: int, prepare: Callable[[int, int], Any] | None = None):
+    def __init__(self, submit: Callable[[int, int, Any], InFlight], depth: int,
+                 prepare: Callable[[int, int], Any] | list[Callable[[], Any]] | None = None):  # fmt: skip
         if depth < 1:
             raise ValueError(f"read-ahead depth must be >= 1, got {depth}")
         self._submit = submit
@@ -158,6 +160,8 @@ class PyReadAhead:
         """Read these guesses for `layer` (most confident first) as the drives free up. Guesses for another
         layer still queued are dropped: a read made ahead is worth it for the next step only."""
         prepare = self._prepare or (lambda layer, expert: None)
+        if isinstance(prepare, list):  # one callable per layer
+            prepare = (lambda take: lambda layer, expert: take())(prepare[layer])
         # (key, what its read needs, its position in the reading order), made on the calling thread
         guesses = deque([((layer, e), prepare(layer, e), i) for i, e in enumerate(map(int, experts))])  # (a list: one frame, not one per guess)
         with self._lock:
