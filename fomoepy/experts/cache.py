@@ -77,6 +77,11 @@ class Plan(NamedTuple):
         return tuple(item.expert for item in self.items)
 
 
+# plan_of((layer, items, device_evictions, host_evictions, generation, demotions, users, arrays)): a Plan made by
+# tuple.__new__ itself, every field given (the compiled cache's, one a step: the named tuple's __new__ is a frame)
+plan_of = functools.partial(tuple.__new__, Plan)
+
+
 class StalePlanError(RuntimeError):
     """A plan committed after another commit changed the cache it was made against."""
 

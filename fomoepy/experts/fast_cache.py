@@ -23,6 +23,7 @@ from fomoepy.experts.cache import (
     ExpertCache,
     Plan,
     PlanItem,
+    plan_of,
     Source,
     StalePlanError,
     expert_sizes,
@@ -148,7 +149,7 @@ class CoreCache:
         """ExpertCache.plan_soon: made on the core's thread, without the GIL (a step's plan is ~20 µs of C at
         the 397B shape, made while the step's first launches go out in Python)."""
         raw = self._ids(layer, ids)
-        generation = self.generation
+        generation = self._core.generation + self._seeded_generation  # (self.generation, without its frame)
         self._core.plan_soon(layer, raw)
         return functools.partial(self._taken, layer, raw, sequences, generation)
 
@@ -169,7 +170,7 @@ class CoreCache:
             raise ValueError(f"layer {layer}: expected expert ids in [0, {self.n_expert}), got {experts}")
         experts, sources, to_device, to_host, items, dev_victims, host_victims, demotions = out  # victims as (layer, expert)
         users = users_of([item.expert for item in items], raw, sequences) if sequences is not None else ()
-        return Plan(layer, items, dev_victims, host_victims, generation, demotions, users, (experts, sources, to_device, to_host))
+        return plan_of((layer, items, dev_victims, host_victims, generation, demotions, users, (experts, sources, to_device, to_host)))
 
     def on_device(self, key: Key) -> bool:
         return key in self.device
@@ -197,7 +198,7 @@ class CoreCache:
 
     def _commit_args(self, plan: Plan) -> tuple:
         """What the core's commit takes of a plan, which must be of the cache as it is now."""
-        if plan.generation != self.generation:
+        if plan.generation != self._core.generation + self._seeded_generation:  # (self.generation, without its frame)
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
         return (plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
 

@@ -6,6 +6,7 @@ the exact selection made here, and needs the full distribution too.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +22,11 @@ class Routing(NamedTuple):  # (a named tuple, as the cache's Plan: a decode step
     # GPU's read-back of both: GpuExperts.route_ahead); the MoE step then reads them ahead without a
     # product of its own
     ahead: np.ndarray | None = None
+
+
+# routing_of((ids, weights, probs, ahead)): a Routing made by tuple.__new__ itself, for the decode step's hot
+# paths: the named tuple's own __new__ is a Python function, a frame each (a decode step makes three)
+routing_of = functools.partial(tuple.__new__, Routing)
 
 
 def softmax_probs(logits: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.device import ExpertDevice, Phase, StepExperts, StepTiming
-from fomoepy.experts.routing import Routing
+from fomoepy.experts.routing import Routing, routing_of
 from fomoepy.experts.streamer import ExpertStreamer, Rows, rows_of
 
 
@@ -65,10 +65,11 @@ class MoEStep:
         step whose device can, the logits, their top-k and the next layer's prediction are made in one device
         round trip (route_ahead), the prediction as the routing's `ahead` for the step to use."""
         route_ahead = getattr(self.device, "route_ahead", None)
-        if route_ahead is None or not self.predicts_after(layer):
+        # (predicts_after's test, inline: the step's host time is counted in frames)
+        if route_ahead is None or not (self.phase is Phase.DECODE and self._predicts_now and layer + 1 < self.streamer.n_layer):
             return ops.route(ops.linear(h, router), gating, k)
         exact, ahead = route_ahead(layer, h, router, gating, k)
-        return exact if ahead is None else Routing(exact.ids, exact.weights, exact.probs, ahead)
+        return exact if ahead is None else routing_of((exact[0], exact[1], exact[2], ahead))
 
     def in_graph(self, layer: int) -> tuple | None:
         """What a backend's decode graph would need to compute this step itself: never here (a step may
@@ -95,14 +96,16 @@ class MoEStep:
         h = rows_of(h, rows)
         t1 = time.perf_counter()
 
-        begin = getattr(device, "begin", None) if self.phase is Phase.DECODE else None
+        decode = self.phase is Phase.DECODE
+        begin = getattr(device, "begin", None) if decode else None
+        predicts = decode and self._predicts_now and layer + 1 < s.n_layer  # (predicts_after, inline)
         launched = [0.0]
 
         def beside(fetched, reads) -> None:  # while the step's reads are in flight: the first launch, the routing's record, the next layer's guesses
             if begin is not None:  # the experts the device holds compute from here, those at hand are copied up
                 launched[0] = begin(layer, h, ids, weights, s.at_hand(layer, ids, fetched, reads))
             s.note(layer, exact, rows)
-            if self.predicts_after(layer):  # with the routing where its router gave it (Routing.ahead), else a product here
+            if predicts:  # with the routing where its router gave it (Routing.ahead), else a product here
                 ahead = exact.ahead
                 s.predict(layer + 1, ahead if ahead is not None else device.route(layer + 1, h, exact.ids.shape[1]))
 

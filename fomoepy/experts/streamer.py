@@ -147,9 +147,7 @@ class ExpertStreamer:
         depth = getattr(source, "read_ahead_depth", DEPTH_PER_DRIVE)
         # a guess's read buffer is taken as it is queued, on this thread (a GPU device's pinned pool is the
         # inference thread's alone); the read is issued later, by whichever thread saw the last one land
-        read_buffer = self._read_buffer
-        prepare = (lambda layer, expert: read_buffer[layer]()) if read_buffer is not None else None
-        self.read_ahead = ReadAhead(self._submit_into, depth, prepare) if self._prefetching() else None
+        self.read_ahead = ReadAhead(self._submit_into, depth, self._read_buffer) if self._prefetching() else None
         self.gate = ReadAheadGate(read_ahead_pays) if read_ahead_pays is not None and self.read_ahead is not None else None
         self._guessed: dict[int, list[int]] = {}  # layer -> its guesses no tier held when they were made (the gate's)
         self.trace: TraceWriter | None = None
@@ -237,7 +235,7 @@ class ExpertStreamer:
                 for run in rows:
                     self._record(layer, _rows_of(exact, run), self._first_token + run.start, self._sequences_of(run), None)
             return
-        first, sequences = self._first_token, self._sequences_of(rows)
+        first = self._first_token
         if rows is not None:
             exact = _rows_of(exact, rows)
             first += rows.start
@@ -248,7 +246,7 @@ class ExpertStreamer:
             self.prefetch_stats.predicted += len(predicted)
             self.prefetch_stats.correct += len(actual.intersection(predicted))
         if self.trace is not None:  # (asked here: a decode step without a trace makes no call for it)
-            self._record(layer, exact, first, sequences, predicted)
+            self._record(layer, exact, first, self._sequences_of(rows), predicted)
 
     def _record(self, layer: int, exact: Routing, first: int, sequences: list[int] | None, predicted) -> None:
         """The trace's record of rows from token `first` on."""
@@ -378,13 +376,14 @@ class ExpertStreamer:
                 reads = {e: f if f is not None else submit(layer, e) for e, f in reads.items()}
         self.reads_issued_at = time.perf_counter()  # (MoEStep's record of the host time before it)
         # the plan (plans_beside: begun now, made beside `beside`; nothing there changes the cache)
-        planned = self.cache.plan_soon(layer, ids, self._sequences_of(rows)) if self.plans_beside else None
+        sequences = self._sequences if rows is None else self._sequences_of(rows)
+        planned = self.cache.plan_soon(layer, ids, sequences) if self.plans_beside else None
         if beside is not None:
             beside(fetched, reads)
         # the next layer's guesses (predicted in `beside`) go to the drives next, behind this step's reads in
         # the pool: a drive with no read of this step's starts on them now, not after the plan below
         self._issue_prefetch()
-        plan = planned() if planned is not None else self.cache.plan(layer, ids, self._sequences_of(rows))
+        plan = planned() if planned is not None else self.cache.plan(layer, ids, sequences)
         disk, host = [], []
         for item in plan.items:  # (one pass over the plan: its disk items, its host hits)
             source = item.source

@@ -137,10 +137,13 @@ class GpuExperts:
         self._take_ready = self.pool.shelf.take if self.pool is not None else None  # (PinnedPool.take's first step)
         self._begun: _Begun | None = None  # the step begun before its plan, until its compute
         self._steps: DecodeExperts | bool | None = None  # the compiled step work (made at first use; False: none)
+        if self._compiled_steps() is not None:  # made now where it can be: the reads' buffers are then its
+            self.host_buffer = self._steps.pinned  # one C call each (_pinned's own frame is one more)
 
     def _compiled_steps(self) -> DecodeExperts | None:
-        """The step work in C (DecodeExperts), made at its first use: on one device with a pinned pool, while
-        the binding's C functions are in use (they make its driver calls); else None."""
+        """The step work in C (DecodeExperts): on one device with a pinned pool, while the binding's C functions
+        are in use (they make its driver calls); else None. Made at construction where they are in use then
+        (GpuExperts.__init__), else at its first use."""
         steps, direct = self._steps, self.dev.rt.direct
         if steps is None:
             if DecodeExperts is None or self.pool is None:
@@ -259,7 +262,8 @@ class GpuExperts:
         hand: compute then makes the whole step)."""
         if self._begun is not None:  # the last step failed between its begin and its compute
             self._drop_begun()
-        steps = self._compiled_steps()
+        steps = self._steps  # (_compiled_steps' answer, without its frame once made)
+        steps = steps if steps and self.dev.rt.direct is not None else self._compiled_steps()
         if steps is not None:  # (None back: not there, at the layer's first decode step)
             launched_at = steps.begin(layer, h, ids, weights, at_hand)
             if launched_at is not None:
@@ -317,7 +321,8 @@ class GpuExperts:
         slots (the table puts those at hand before those read, each read in id order): its launch waits
         for the copies on the device, not on the host, and after the last read lands only the last
         experts' work is left, not every miss's."""
-        steps = self._compiled_steps()
+        steps = self._steps  # (_compiled_steps' answer, without its frame once made)
+        steps = steps if steps and self.dev.rt.direct is not None else self._compiled_steps()
         if steps is not None:  # the step begun there (None back: none was)
             out = steps.compute(layer, ids, experts)
             if out is not None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from fomoepy.errors import FomoeError
-from fomoepy.experts.routing import Routing
+from fomoepy.experts.routing import Routing, routing_of
 from fomoepy.runtime import kernels
 from fomoepy.runtime.gpu_arrays import DeviceArray
 
@@ -88,8 +88,8 @@ class DeviceRouting:
         for T, E, k in shapes:
             ids_at, weights_at = at + T * E, at + T * (E + k)
             if T == 1:  # (a decode step's: each a [1, n] view in one indexing, not a slice and a reshape)
-                routings.append(Routing(host[None, ids_at:weights_at].view(I32).astype(np.int64), host[None, weights_at : weights_at + k],
-                                        host[None, at:ids_at]))  # fmt: skip
+                routings.append(routing_of((host[None, ids_at:weights_at].view(I32).astype(np.int64), host[None, weights_at : weights_at + k],
+                                            host[None, at:ids_at], None)))  # fmt: skip
             else:
                 routings.append(Routing(host[ids_at:weights_at].view(I32).astype(np.int64).reshape(T, k),
                                         host[weights_at : weights_at + T * k].reshape(T, k), host[at:ids_at].reshape(T, E)))  # fmt: skip
