@@ -1621,25 +1621,26 @@ static PyObject *Core_held(Core *c, PyObject *args) {
     return out;
 }
 
-/* uncached(layer, experts: a list of ints) -> the list of those neither tier holds, in order (a step asks
-   twice: its reads, and the next layer's guesses to read ahead) */
+/* uncached(layer, experts: an iterable of ints) -> the list of those neither tier holds, in order (a step
+   asks twice: its reads, and the next layer's guesses to read ahead; CoreCache.uncached is this, bound) */
 static PyObject *Core_uncached(Core *c, PyObject *args) {
     if (core_join(c)) return NULL;
     int layer;
-    PyObject *experts;
-    if (!PyArg_ParseTuple(args, "iO!", &layer, &PyList_Type, &experts)) return NULL;
+    PyObject *given;
+    if (!PyArg_ParseTuple(args, "iO", &layer, &given)) return NULL;
     if (layer < 0 || layer >= c->n_layer) return PyErr_Format(PyExc_ValueError, "uncached: layer %d outside the cache", layer);
+    PyObject *experts = PySequence_Fast(given, "uncached: experts is an iterable of ints");
+    if (!experts) return NULL;
     const uint8_t *dev = c->tier[0].state + (size_t)layer * c->n_expert, *host = c->tier[1].state + (size_t)layer * c->n_expert;
     PyObject *out = PyList_New(0);
-    if (!out) return NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(experts); i++) {
-        PyObject *o = PyList_GET_ITEM(experts, i);
+    for (Py_ssize_t i = 0; out && i < PySequence_Fast_GET_SIZE(experts); i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(experts, i);
         long e = PyLong_AsLong(o);
-        if (e == -1 && PyErr_Occurred()) { Py_DECREF(out); return NULL; }
         /* (an id outside the layer no tier holds, as ExpertCache.uncached says: the plan names it wrong) */
         int held = e >= 0 && e < c->n_expert && (dev[e] != EMPTY || host[e] != EMPTY);
-        if (!held && PyList_Append(out, o)) { Py_DECREF(out); return NULL; }
+        if ((e == -1 && PyErr_Occurred()) || (!held && PyList_Append(out, o))) Py_CLEAR(out);
     }
+    Py_DECREF(experts);
     return out;
 }
 

@@ -118,6 +118,8 @@ class CoreCache:
         self._device_on, self._host_on = device_bytes > 0, host_bytes > 0
         self._carried: CacheStats | None = None
         self._seeded_generation = 0
+        # ExpertCache.uncached(layer, experts), the core's own (no frame of ours: a step asks twice)
+        self.uncached = self._core.uncached
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -148,7 +150,9 @@ class CoreCache:
                   ) -> Callable[[], Plan]:  # fmt: skip
         """ExpertCache.plan_soon: made on the core's thread, without the GIL (a step's plan is ~20 µs of C at
         the 397B shape, made while the step's first launches go out in Python)."""
-        raw = self._ids(layer, ids)
+        if not 0 <= layer < self.n_layer:  # (_ids, inline: a decode step's plan is asked here)
+            raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
+        raw = np.ascontiguousarray(ids, dtype=np.int64)
         generation = self._core.generation + self._seeded_generation  # (self.generation, without its frame)
         self._core.plan_soon(layer, raw)
         return functools.partial(self._taken, layer, raw, sequences, generation)
@@ -174,10 +178,6 @@ class CoreCache:
 
     def on_device(self, key: Key) -> bool:
         return key in self.device
-
-    def uncached(self, layer: int, experts: Iterable[int]) -> list[int]:
-        """ExpertCache.uncached, in one core call (a step asks twice)."""
-        return self._core.uncached(layer, experts if isinstance(experts, list) else list(experts))
 
     def resident(self, layer: int, tier: str = "device") -> frozenset[int]:
         return frozenset(int(e) for e in np.flatnonzero(self.cached_mask(layer, tier)))

@@ -93,7 +93,8 @@ class MoEStep:
         if runs is not None and not getattr(device, "computes_runs", False):
             raise FomoeError(f"{type(device).__name__} cannot compute a step's rows in runs")
         ids, weights = s.substitute(layer, exact, rows)  # (CAR: what the step's reads are of)
-        h = rows_of(h, rows)
+        if rows is not None:
+            h = rows_of(h, rows)
         t1 = time.perf_counter()
 
         decode = self.phase is Phase.DECODE

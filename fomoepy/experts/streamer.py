@@ -113,6 +113,7 @@ class ExpertStreamer:
         from ggml's products, and without it a wake per job costs more than the plan (both measured slower)."""
         self.source = source
         self.options = options
+        self._car_on = options.car.enabled  # (options are frozen: asked once, not a property's frame a step)
         self.layers = source.layers
         self.n_layer = len(self.layers)
         self.n_expert = cache.n_expert
@@ -260,7 +261,7 @@ class ExpertStreamer:
         cached experts in place of uncached ones where the scores allow (what the step then reads)."""
         if rows is not None:
             exact = _rows_of(exact, rows)
-        if not self.options.car.enabled:
+        if not self._car_on:
             return exact.ids, exact.weights
         first = self._first_token + ((rows if isinstance(rows, slice) else rows[0]).start if rows is not None else 0)
         cached = self.cache.cached_mask(layer, "device") | self.cache.cached_mask(layer, "host")

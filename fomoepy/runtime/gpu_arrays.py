@@ -66,7 +66,10 @@ class BufferPool:
         return -(-nbytes // (16 << 20)) * (16 << 20)
 
     def get(self, nbytes: int) -> DeviceBuffer:
-        size = self.size_class(nbytes)
+        return self.get_class(self.size_class(nbytes))
+
+    def get_class(self, size: int) -> DeviceBuffer:
+        """get of a size that is a size class already (GpuBackend.empty's, worked out once per shape)."""
         stack = self.free.get(size)
         if stack:
             return DeviceBuffer(self, stack.pop(), size)
@@ -207,14 +210,6 @@ class DeviceArray:
         # the first element's address: a view's buffer and offset never change, and kernels ask for it
         # several times a launch
         self.ptr = buf.ptr + offset * self.dtype.itemsize
-
-    @classmethod
-    def fresh(cls, dev: Any, buf: DeviceBuffer, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
-        """A contiguous array at the start of buf, its shape and strides tuples of ints and dtype a np.dtype
-        already: __init__'s result without its conversions (GpuBackend.empty, a few a layer step)."""
-        out = object.__new__(cls)
-        out.dev, out.buf, out.shape, out.strides, out.offset, out.dtype, out.ptr = dev, buf, shape, strides, 0, dtype, buf.ptr
-        return out
 
     @property
     def ndim(self) -> int:
