@@ -370,6 +370,7 @@ def test_a_prefetched_read_is_issued_before_the_layers_expert_kernels_and_in_fli
             source.release("the compute stream ran the layer's kernels")
 
     streamer.substitute, source.submit, dev.rt.sync = substitute, submit, sync
+    streamer.source = source  # (the reads made ahead take the source's submit as the source is set)
     log: list[str] = []
     expert_launches(dev, log, lambda name: events.append(("launch", name, layer[0])))
     try:

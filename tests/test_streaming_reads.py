@@ -151,9 +151,11 @@ def test_a_steps_routing_record_and_next_guess_are_made_while_its_reads_are_in_f
     streamer.note = lambda layer, *a: events.append(("note", layer)) or real_note(layer, *a)
     streamer.predict = lambda layer, ids: events.append(("predict", layer - 1)) or real_predict(layer, ids)
     streamer.cache.plan = lambda layer, *a, **kw: events.append(("plan", layer)) or real_plan(layer, *a, **kw)
+    streamer.source = streamer.source  # (the reads made ahead take the source's submit as the source is set)
     state = engine.new_state()
     got = np.stack([engine.decode_token(state, int(t)) for t in tokens[:3]])
     del streamer.source.submit, streamer.note, streamer.predict, streamer.cache.plan
+    streamer.source = streamer.source
     noted = [i for i, e in enumerate(events) if e[0] == "note"]
     assert len(noted) == 3 * engine.spec.n_layer
     read_first = guessed = 0

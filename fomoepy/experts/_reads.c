@@ -514,6 +514,17 @@ static int ReadAhead_set_counts(ReadAheadObject *self, PyObject *value, void *un
 
 static PyObject *ReadAhead_get_depth(ReadAheadObject *self, void *unused) { return PyLong_FromSsize_t(self->depth); }
 
+static PyObject *ReadAhead_get_submit(ReadAheadObject *self, void *unused) { return Py_NewRef(self->submit); }
+
+static int ReadAhead_set_submit(ReadAheadObject *self, PyObject *value, void *unused) {
+    if (!value || !PyCallable_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "submit is a callable");
+        return -1;
+    }
+    Py_XSETREF(self->submit, Py_NewRef(value));
+    return 0;
+}
+
 static int ReadAhead_set_depth(ReadAheadObject *self, PyObject *value, void *unused) {
     Py_ssize_t depth = value ? PyLong_AsSsize_t(value) : -1;
     if (depth == -1 && PyErr_Occurred()) return -1;
@@ -586,6 +597,7 @@ static PyGetSetDef ReadAhead_getset[] = {
     {"in_flight", (getter)ReadAhead_get_in_flight, NULL, "reads issued and not landed", NULL},
     {"counts", (getter)ReadAhead_get_counts, (setter)ReadAhead_set_counts, "its ReadAheadCounts", NULL},
     {"depth", (getter)ReadAhead_get_depth, (setter)ReadAhead_set_depth, "reads made ahead in flight at most", NULL},
+    {"submit", (getter)ReadAhead_get_submit, (setter)ReadAhead_set_submit, "submit(layer, expert, prepared) -> a read in flight", NULL},
     {"_issued", (getter)ReadAhead_get_issued, NULL, "the guesses issued and not taken: {key: (read, position)}", NULL},
     {NULL},
 };

@@ -141,7 +141,7 @@ class PyReadAhead:
                  prepare: Callable[[int, int], Any] | list[Callable[[], Any]] | None = None):  # fmt: skip
         if depth < 1:
             raise ValueError(f"read-ahead depth must be >= 1, got {depth}")
-        self._submit = submit
+        self.submit = submit  # (replaceable: the reads queued after go to the new one)
         self._prepare = prepare
         self.depth = depth
         self.counts = ReadAheadCounts()
@@ -220,7 +220,7 @@ class PyReadAhead:
                 self._submitting.add(key)
             future, landed = None, False
             try:
-                future = self._submit(*key, prepared)
+                future = self.submit(*key, prepared)
             except RuntimeError as e:  # a closed store's pool: a guess is optional; a step's own read reports it
                 log.debug("read ahead of %s not issued: %s", key, e)
             finally:

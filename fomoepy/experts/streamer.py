@@ -18,6 +18,7 @@ through futures and a queue.
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,7 +149,7 @@ class ExpertStreamer:
         depth = getattr(source, "read_ahead_depth", DEPTH_PER_DRIVE)
         # a guess's read buffer is taken as it is queued, on this thread (a GPU device's pinned pool is the
         # inference thread's alone); the read is issued later, by whichever thread saw the last one land
-        self.read_ahead = ReadAhead(self._submit_into, depth, self._read_buffer) if self._prefetching() else None
+        self.read_ahead = ReadAhead(self._read_ahead_submit(), depth, self._read_buffer) if self._prefetching() else None
         self.gate = ReadAheadGate(read_ahead_pays) if read_ahead_pays is not None and self.read_ahead is not None else None
         self._guessed: dict[int, list[int]] = {}  # layer -> its guesses no tier held when they were made (the gate's)
         self.trace: TraceWriter | None = None
@@ -421,6 +422,21 @@ class ExpertStreamer:
             if e not in reads and e not in at_hand and (layer, e) in host:
                 at_hand[e] = host[(layer, e)]
         return at_hand
+
+    def _set_source(self, source: ExpertSourceLike) -> None:
+        """The source, replaced (a test's wrapper of the store): the reads made ahead go to it from now on."""
+        self._source = source
+        ahead = getattr(self, "read_ahead", None)  # (None while __init__ sets the first)
+        if ahead is not None:
+            ahead.submit = self._read_ahead_submit()
+
+    # what the experts are read from (a store, the GGUF); read through a C getter, no frame (a step asks often)
+    source = property(operator.attrgetter("_source"), _set_source)
+
+    def _read_ahead_submit(self) -> Callable[[int, int, Any], InFlight]:
+        """What a read made ahead is issued by: with read buffers, the source's own submit (every read has its
+        buffer, as the step's own reads do); else _submit_into, which leaves out the buffer it does not have."""
+        return self._source.submit if self._read_buffer is not None else self._submit_into  # type: ignore[attr-defined]
 
     def _submit_into(self, layer: int, expert: int, out: np.ndarray | None) -> InFlight:
         if out is not None:

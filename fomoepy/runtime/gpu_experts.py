@@ -137,8 +137,11 @@ class GpuExperts:
         self._take_ready = self.pool.shelf.take if self.pool is not None else None  # (PinnedPool.take's first step)
         self._begun: _Begun | None = None  # the step begun before its plan, until its compute
         self._steps: DecodeExperts | bool | None = None  # the compiled step work (made at first use; False: none)
-        if self._compiled_steps() is not None:  # made now where it can be: the reads' buffers are then its
-            self.host_buffer = self._steps.pinned  # one C call each (_pinned's own frame is one more)
+        steps = self._compiled_steps()
+        if steps is not None:  # made now where it can be: the reads' buffers, evictions and copies down are then
+            # its methods, one C call each where the methods below would forward to them (their own frame is one
+            # more, ~5 a decode step); the binding's C functions stay in use (shim.use_direct_calls, for good)
+            self.host_buffer, self.evict, self.download = steps.pinned, steps.evict, steps.download
 
     def _compiled_steps(self) -> DecodeExperts | None:
         """The step work in C (DecodeExperts): on one device with a pinned pool, while the binding's C functions
