@@ -18,6 +18,8 @@ Python code they stand in for serves (the same results, more host time per step)
   its pool when dropped, each in one call; without it fomoepy.runtime.pinned does both through ctypes.
 - fomoepy/experts/_reads.c: a read in flight's state and asks (done, result, landed...) each one C call;
   without it fomoepy.experts.reads.PyRead (the same semantics, a Python frame each).
+- fomoepy/experts/_acquire.c: a step's reads issued and its plan taken and committed
+  (ExpertStreamer.start_acquire) in one C call; without it the Python method, its definition.
 """
 
 from setuptools import Extension, setup
@@ -42,5 +44,6 @@ setup(
         optional("fomoepy.runtime._moe_tables", depends=("fomoepy/runtime/_moe_pack.h",)),
         optional("fomoepy.runtime._host_memory"),
         optional("fomoepy.experts._reads"),
+        optional("fomoepy.experts._acquire"),
     ]
 )

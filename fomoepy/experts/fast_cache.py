@@ -23,10 +23,10 @@ from fomoepy.experts.cache import (
     ExpertCache,
     Plan,
     PlanItem,
-    plan_of,
     Source,
     StalePlanError,
     expert_sizes,
+    plan_of,
     users_of,
 )
 from fomoepy.experts.cache_stats import CacheStats, DiskCounters, TierCounters

@@ -82,6 +82,12 @@ def _rows_of(exact: Routing, rows: slice | list[slice]) -> Routing:
     return Routing(rows_of(exact.ids, rows), rows_of(exact.weights, rows), rows_of(exact.probs, rows))
 
 
+try:  # ExpertStreamer.start_acquire in C (setup.py builds it where a compiler is; its definition is the method)
+    from fomoepy.experts import _acquire
+except ImportError:
+    _acquire = None
+
+
 class ExpertStreamer:
     def __init__(
         self,
@@ -543,3 +549,11 @@ class ExpertStreamer:
         if self.trace is not None:
             self.trace.close()
             self.trace = None
+
+
+# start_acquire's definition, kept by name; where setup.py built it, start_acquire is fomoepy/experts/_acquire.c's:
+# the same statements in C for a step of all its rows with no backfill thread (every decode step), this
+# method for any other call
+ExpertStreamer.py_start_acquire = ExpertStreamer.start_acquire
+if _acquire is not None:
+    ExpertStreamer.start_acquire = _acquire.install(ExpertStreamer, ExpertStreamer.py_start_acquire, Source.DISK, Source.HOST)
