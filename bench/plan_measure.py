@@ -14,7 +14,9 @@ with the same seed, so their hit rates are the same, which the round checks). `-
 machine anew each round (the drive as the engine reads the store, the host's time per layer step, the
 slot fills, the products, the model's own predictions): a virtual disk's rate moves by half within
 minutes here, so a projection is only checked against runs made in the same minute. Prints each round
-and the median of the rounds' errors.
+and the median of the rounds' errors; beside the drive figure, the rate each run's own disk reads came at
+(the bytes the kernel read for it over its decode's time: a floor, since its reads are not in flight all
+the time), which tells a drive figure that missed the runs' minute from a schedule that misprojects them.
 
     python bench/plan_measure.py [--rounds 5] [--tokens 96] [--threads 2] [--ram-frac 0.25] [--record]
 """
@@ -26,6 +28,7 @@ import json
 import os
 import platform
 import re
+import resource
 import subprocess
 import sys
 from datetime import date
@@ -48,10 +51,13 @@ def fomoe(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fomoepy.cli", *args], capture_output=True, text=True, check=True)
 
 
-def generate(model: Path, store: Path, ram: int, threads: int, tokens: int, seed: int) -> tuple[float, tuple[float, float, float], int]:
+def generate(model: Path, store: Path, ram: int, threads: int, tokens: int, seed: int) -> tuple[float, tuple[float, float, float], int, float]:
     """(tok/s, (device, host, disk) shares of the expert uses in percent, reads made ahead that landed before
-    their step asked) of one `fomoe generate` run; the same seed samples the same tokens, so two runs with it
-    route alike."""
+    their step asked, the bytes/s its own disk reads came at over its decode) of one `fomoe generate` run; the
+    same seed samples the same tokens, so two runs with it route alike. The last is the bytes the kernel read
+    from the disk for the run (its file system inputs, as `time -v` counts them: O_DIRECT's too) over its decode's
+    time: a floor of the rate its reads got, to set beside the drive figure `--measure` takes in the minute after."""
+    blocks = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
     err = fomoe("generate", str(model), "--store", str(store), "--vram-cache", "0", "--ram-cache", str(ram), "-t", str(threads),
                 "-n", str(tokens), "--ignore-eos", "-p", "The", "--seed", str(seed)).stderr  # fmt: skip
     speed = GENERATED.search(err)
@@ -61,7 +67,9 @@ def generate(model: Path, store: Path, ram: int, threads: int, tokens: int, seed
     landed = LANDED.search(err)
     if speed is None or disk is None or landed is None or set(shares) != {"device", "host"}:
         raise SystemExit(f"could not read the run's speed, hit rates and reads ahead from:\n{err}")
-    return float(speed.group(2)), (shares["device"], shares["host"], float(disk.group(1))), int(landed.group(1))
+    read = 512 * (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - blocks)  # (inputs are counted in 512-byte blocks)
+    tok_s = float(speed.group(2))
+    return tok_s, (shares["device"], shares["host"], float(disk.group(1))), int(landed.group(1)), read / (tokens / tok_s)
 
 
 def plan(model: Path, store: Path, shares: tuple[float, float, float], threads: int) -> dict:
@@ -85,9 +93,9 @@ def main() -> int:
     ram = int(args.ram_frac * experts)
     rows, errors = [], []
     for r in range(args.rounds):
-        before, shares, landed_before = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
+        before, shares, landed_before, read_before = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
         out = plan(model, store, shares, args.threads)
-        after, shares_after, landed_after = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
+        after, shares_after, landed_after, read_after = generate(model, store, ram, args.threads, args.tokens, seed=r + 1)
         if shares_after != shares:
             raise SystemExit(f"round {r + 1}: the two runs' hit rates differ ({shares} and {shares_after}): not the same run")
         measured = 2 / (1 / before + 1 / after)  # the two runs' tokens over their time
@@ -99,7 +107,7 @@ def main() -> int:
         landed = (landed_before / steps, landed_after / steps, out["projection"]["landed_ahead"])
         errors.append(projected / measured - 1)
         rows.append(f"| {r + 1} | {before:.2f}, {after:.2f}: {measured:.2f} | {shares[0]:.1f} / {shares[1]:.1f} / {shares[2]:.1f} | {projected:.2f} "
-                    f"| {100 * errors[-1]:+.1f} % | {drive / 1e9:.2f} | {host * 1e6:.0f} | {100 * ahead:.0f} % "
+                    f"| {100 * errors[-1]:+.1f} % | {drive / 1e9:.2f} | {read_before / 1e9:.2f}, {read_after / 1e9:.2f} | {host * 1e6:.0f} | {100 * ahead:.0f} % "
                     f"| {landed[0]:.2f}, {landed[1]:.2f} / {landed[2]:.2f} |")  # fmt: skip
         print(rows[-1], file=sys.stderr)
     median = float(np.median(errors))
@@ -112,9 +120,9 @@ def main() -> int:
         "rates (every figure of this machine measured anew in that round), then the same run again: the projection against "
         "the two runs' tokens over their time\n\n"
         "| round | generate tok/s (before, after: both) | hit rates device / host / disk % | plan --measure tok/s | projected vs measured "
-        "| drive GB/s (as the engine reads the store) | host µs per layer step | misses read ahead "
-        "| reads ahead landed before their step, a layer step: runs / projected |\n"
-        "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        "| drive GB/s (as the engine reads the store) | the runs' own disk reads, GB/s over their decode (a floor) "
+        "| host µs per layer step | misses read ahead | reads ahead landed before their step, a layer step: runs / projected |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
         f"Median error {100 * median:+.1f} %, largest {100 * worst:+.1f} % (over {args.rounds} rounds).\n"
     )  # fmt: skip
     return publish(report, args.record)
