@@ -225,3 +225,30 @@ def test_measure_leaves_the_slot_fills_out_of_the_host_time(oracle_store, monkey
     monkeypatch.setattr(measure, "slot_fill_rate", lambda engine: 1e30)
     fast, _, _ = measure.engine_figures(str(model), str(store), tokens=8, warm=8)
     assert slow < -1.0 < 0 < fast
+
+
+@pytest.mark.parametrize("decoded", [1 << 50, 1, None], ids=["decode-faster", "passes-faster", "not-said"])
+def test_a_decode_that_read_the_disk_faster_than_the_passes_sets_the_drive_figure(oracle_store, monkeypatch, decoded):
+    # a disk whose rate depends on what read before it (this project's virtual one) can serve the model's decode
+    # faster than the passes before and after it: the drive is at least as fast as the decode's own reads came
+    # (the bytes the process read from the disk over the decode's time), so that rate is the figure where it
+    # is the higher; the passes' where not, or where the system does not say what the process read
+    from fomoepy.plan import measure
+
+    model, store = oracle_store
+    asked = []
+
+    def disk_read_bytes():  # the decode's counted tokens read `decoded` bytes from the disk
+        asked.append(None)
+        return None if decoded is None else 0 if len(asked) == 1 else decoded
+
+    monkeypatch.setattr(measure, "disk_read_bytes", disk_read_bytes)
+    monkeypatch.setattr(measure, "store_figures", lambda d, m, between=None: (between(), ({"bandwidth": 1e9, "latency": 1e-4}, []))[1])
+    found = measure.measured(load_hardware("cpu-only-64g"), str(store), str(model))
+    note = next(n for n in found.notes if n.startswith("drive"))
+    assert len(asked) == 2  # (before the counted tokens and after them)
+    if decoded == 1 << 50:
+        assert found.hardware.drives.bandwidth > 1e12 and f"drive {found.hardware.drives.bandwidth / 1e9:.2f} GB/s" in note
+        assert "the rate that decode's own reads came at" in note and "above the 1.00 GB/s" in note
+    else:
+        assert found.hardware.drives.bandwidth == 1e9 and note.endswith("before and after that decode")
