@@ -9,7 +9,10 @@ would live on) with O_DIRECT reads, so the page cache does not answer for it. Wh
 model's store, its bandwidth is the store's records read as the engine reads them (in a random order,
 through the store's own reader, several in flight): a scratch file read in order, one 4 MiB block at a
 time, gave 1.15-1.94 GB/s on this project's virtual disk where the engine's pattern gave 1.08-1.56 in
-the same minutes. Otherwise a scratch file is written there, read, and removed. Where the file system
+the same minutes; or, where it is higher, the rate at which the model's decode under --measure read the
+disk (its bytes over its time: a drive is at least that fast, and a virtual disk whose rate depends on what
+read before it can serve a decode faster than passes made right before and after it). Otherwise a
+scratch file is written there, read, and removed. Where the file system
 refuses O_DIRECT the figure is the page cache's, and the returned notes say so.
 """
 
