@@ -160,8 +160,12 @@ class PyReadAhead:
         """Read these guesses for `layer` (most confident first) as the drives free up. Guesses for another
         layer still queued are dropped: a read made ahead is worth it for the next step only."""
         prepare = self._prepare or (lambda layer, expert: None)
-        if isinstance(prepare, list):  # one callable per layer
-            prepare = (lambda take: lambda layer, expert: take())(prepare[layer])
+        if isinstance(prepare, list):  # one callable per layer, called with no arguments
+            take = prepare[layer]
+
+            def prepare(layer: int, expert: int) -> Any:
+                return take()
+
         # (key, what its read needs, its position in the reading order), made on the calling thread
         guesses = deque([((layer, e), prepare(layer, e), i) for i, e in enumerate(map(int, experts))])  # (a list: one frame, not one per guess)
         with self._lock:
