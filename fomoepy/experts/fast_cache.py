@@ -150,10 +150,8 @@ class CoreCache:
                   ) -> Callable[[], Plan]:  # fmt: skip
         """ExpertCache.plan_soon: made on the core's thread, without the GIL (a step's plan is ~20 µs of C at
         the 397B shape, made while the step's first launches go out in Python)."""
-        if not 0 <= layer < self.n_layer:  # (_ids, inline: a decode step's plan is asked here)
-            raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
-        raw = np.ascontiguousarray(ids, dtype=np.int64)
-        generation = self._core.generation + self._seeded_generation  # (self.generation, without its frame)
+        raw = self._ids(layer, ids)
+        generation = self.generation
         self._core.plan_soon(layer, raw)
         return functools.partial(self._taken, layer, raw, sequences, generation)
 
@@ -198,7 +196,7 @@ class CoreCache:
 
     def _commit_args(self, plan: Plan) -> tuple:
         """What the core's commit takes of a plan, which must be of the cache as it is now."""
-        if plan.generation != self._core.generation + self._seeded_generation:  # (self.generation, without its frame)
+        if plan.generation != self.generation:
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
         return (plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
 

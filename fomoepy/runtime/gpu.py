@@ -195,9 +195,8 @@ class GpuBackend(DeviceRouting):
             size, shape, strides, dtype = self._kinds[shape, dtype]
         except (KeyError, TypeError):  # a new one, or a shape that is no tuple
             size, shape, strides, dtype = self._kind(shape, dtype)
-        stack = self.pool.free.get(size)  # (BufferPool.get_class's reuse and DeviceArray.fresh, inline: a step makes a few)
-        buf = DeviceBuffer(self.pool, stack.pop(), size) if stack else self.pool.get_class(size)
-        out = object.__new__(DeviceArray)
+        buf = self.pool.get_class(size)
+        out = object.__new__(DeviceArray)  # (__init__'s result without its conversions: a step makes a few)
         out.dev, out.buf, out.shape, out.strides, out.offset, out.dtype, out.ptr = self, buf, shape, strides, 0, dtype, buf.ptr
         if self.poison is not None:
             self.rt.memset32(out.ptr, self.poison, _cdiv(size, 4), self.stream)
