@@ -11,7 +11,7 @@ back the Python path's ids, weights and probabilities bit for bit. Bad arguments
 from __future__ import annotations
 
 import pytest
-from test_direct_calls import run_script
+from test_direct_calls import script_lines
 
 SCRIPT = r"""
 import sys
@@ -87,8 +87,6 @@ for fraction in (0.3, 1.0, 0.0):
 @pytest.mark.slow
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 def test_decode_steps_launched_in_c_give_the_python_paths_bits(standin, vendor):
-    proc = run_script(standin, vendor, SCRIPT, FOMOE_STANDIN_DEFERRED="1")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    lines = script_lines(standin, vendor, SCRIPT, FOMOE_STANDIN_DEFERRED="1")
     assert lines[:3] == ["ROUTES SAME True True True", "REFUSED", "REFUSED"], lines
     assert lines[3:] == [f"{f} SAME True True" for f in (0.3, 1.0, 0.0)], lines

@@ -163,6 +163,13 @@ def run_script(standin: Path, vendor: str, script: str, **env: str) -> subproces
     return subprocess.run([sys.executable, "-c", script, vendor], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+def script_lines(standin: Path, vendor: str, script: str, **env: str) -> list[str]:
+    """run_script's printed lines, the script required to have exited cleanly (its output's tail otherwise)."""
+    proc = run_script(standin, vendor, script, **env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 def test_each_direct_call_does_what_the_bindings_python_function_does(standin, vendor):
