@@ -53,6 +53,13 @@ OTHERS_IDLE = 4
 # A round of more picks than MAX_CACHED_PICKS (a prompt's) gets a graph built for the call, as
 # SlotLayer.pick_outputs' do.
 _MAX_ROUNDS = 64
+# Rounds of several rows (a short prompt's, a batch of sequences' decode rows: a pick a row) are kept within
+# this many bytes all told, the oldest dropped first; one larger alone is built for its call. Their splits
+# are many and each holds its picks' rows, intermediates and outputs (~1 MB at 100 picks on the bench
+# model): kept by count alone, a 16-token prompt's over a 19-layer model held ~30 MB, which under
+# bench/over_memory.py's 320 MiB cap pushed the mapped dense weights out of the page cache and back in
+# every token (its 4.1x case: 244 MiB read a token and 3.7 tok/s, against 192 and 6.0 before such rounds).
+PER_PICK_KEPT_BYTES = 4 << 20
 
 
 class ReadArena:
@@ -129,20 +136,29 @@ class DeviceReads:
         set into into[at_slots]) and partly in buffers of the arena their reads landed in (`bufs`, into
         into[at_bufs]), computed there: no copy into a staging slot first. One graph, kept per pick counts;
         each pick's output has the bits a plain slot gives it (the same one-row products)."""
-        self._round(layer, len(slots), len(bufs), threads, arena, False).run_into(row, slots, bufs, into, at_slots, at_bufs)
+        g = self._round(layer, len(slots), len(bufs), threads, arena, False)
+        try:
+            g.run_into(row, slots, bufs, into, at_slots, at_bufs)
+        finally:
+            if not g.kept:
+                g.free()
 
     def pick_outputs(self, layer: SlotLayer, rows: np.ndarray, slots: np.ndarray, arena: ReadArena, buf_rows: np.ndarray,
                      bufs: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """SlotLayer.pick_outputs of picks partly in the layer's slots (rows [P1, K], slots [P1]) and partly in
         buffers of the arena their reads landed in (buf_rows [P2, K], bufs [P2]), computed there: each pick's
         output, [P1, K] and [P2, K], with the bits a plain slot gives it."""
-        if len(slots) + len(bufs) > MAX_CACHED_PICKS:
-            g = InPlaceRound(layer, self._matrices(layer, arena), len(slots), len(bufs), threads, True)
-            try:
-                return g.run(rows, slots, buf_rows, bufs)
-            finally:
+        g = self._round(layer, len(slots), len(bufs), threads, arena, True)
+        try:
+            return g.run(rows, slots, buf_rows, bufs)
+        finally:
+            if not g.kept:
                 g.free()
-        return self._round(layer, len(slots), len(bufs), threads, arena, True).run(rows, slots, buf_rows, bufs)
+
+    @property
+    def per_pick_bytes(self) -> int:
+        """Bytes the rounds of a pick a row kept hold (within PER_PICK_KEPT_BYTES)."""
+        return sum(g.nbytes for key, g in self._rounds.items() if key[5])
 
     def close(self) -> None:
         for g in self._rounds.values():
@@ -153,14 +169,27 @@ class DeviceReads:
         self._tensors.clear()
 
     def _round(self, layer: SlotLayer, P1: int, P2: int, threads: int, arena: ReadArena, per_pick: bool) -> InPlaceRound:
+        """The round kept for these picks, or a new one, kept where the bounds allow (its `kept`)."""
         key = (id(layer), P1, P2, threads, id(arena), per_pick)
         g = self._rounds.get(key)
-        if g is None or g.layer is not layer:
-            if g is not None:
-                self._rounds.pop(key).free()
-            if len(self._rounds) >= _MAX_ROUNDS:
-                self._rounds.pop(next(iter(self._rounds))).free()
-            g = self._rounds[key] = InPlaceRound(layer, self._matrices(layer, arena), P1, P2, threads, per_pick)
+        if g is not None and g.layer is layer:
+            return g
+        if g is not None:
+            self._rounds.pop(key).free()
+        g = InPlaceRound(layer, self._matrices(layer, arena), P1, P2, threads, per_pick)
+        if P1 + P2 > MAX_CACHED_PICKS or (per_pick and g.nbytes > PER_PICK_KEPT_BYTES):
+            return g  # (for its call only)
+        if per_pick:  # the oldest of a pick a row dropped until it fits beside them
+            held = self.per_pick_bytes
+            for old in [k for k in self._rounds if k[5]]:
+                if held + g.nbytes <= PER_PICK_KEPT_BYTES:
+                    break
+                held -= self._rounds[old].nbytes
+                self._rounds.pop(old).free()
+        if len(self._rounds) >= _MAX_ROUNDS:
+            self._rounds.pop(next(iter(self._rounds))).free()
+        g.kept = True
+        self._rounds[key] = g
         return g
 
     def _matrices(self, layer: SlotLayer, arena: ReadArena) -> list:
@@ -193,8 +222,9 @@ class InPlaceRound:
         K, F = layer.n_embd, layer.n_ff
         self.layer = layer
         scratch = 4 * 4 * F * (P1 + P2) + 64 * 16
-        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * (_OVERHEAD + 64) + 2 * ggml.ggml_graph_overhead() + scratch,
-                                                        mem_buffer=None, no_alloc=False))  # fmt: skip
+        mem_size = 16 * (_OVERHEAD + 64) + 2 * ggml.ggml_graph_overhead() + scratch
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem_size, mem_buffer=None, no_alloc=False))
+        self.kept = False  # whether DeviceReads keeps it for later rounds (else freed after its call)
         if not self.ctx:
             raise FomoeError("ggml could not allocate a graph context")
         ctx = self.ctx
@@ -220,6 +250,8 @@ class InPlaceRound:
             y.contents.data = out.ctypes.data
             ggml.ggml_build_forward_expand(self.gf, y)
         self.plan, self.work = graph_plan(self.gf, threads)
+        arrays = (self._slots, self._bufs, self._from_slots, self._from_bufs, *self._rows[: 2 if per_pick else 1])
+        self.nbytes = mem_size + self.work.nbytes + sum(a.nbytes for a in arrays)  # what it holds
 
     def run_into(self, row: np.ndarray, slots: list[int], bufs: list[int], into: np.ndarray, at_slots, at_bufs) -> None:
         """One shared row: the picks' outputs set into into[at_slots] and into[at_bufs]."""
