@@ -15,7 +15,7 @@ import pytest
 
 from fomoepy.experts.source import expert_index
 from fomoepy.experts.store_format import ALIGN, align_up
-from fomoepy.experts.store_reader import DEFAULT_THREADS
+from fomoepy.experts.store_reader import MAX_THREADS
 from fomoepy.model.gguf_file import GGUFFile
 from fomoepy.model.spec import ModelSpec
 
@@ -91,7 +91,7 @@ def memory_bound(path, libraries_bytes: int) -> int:
     a = spec.attention
     kv = 2 * spec.context_length * a.n_head_kv * a.head_dim * 4 * spec.n_layer
     record = align_up(max(layer.expert_nbytes for layer in layers)) + ALIGN  # aligned_empty's buffer
-    records = (RECORDS_PER_READER * DEFAULT_THREADS + spec.moe.n_expert_used) * record
+    records = (RECORDS_PER_READER * MAX_THREADS + spec.moe.n_expert_used) * record
     bound = dense + RAM_CACHE + kv + libraries_bytes + records + WORK_AREAS
     assert bound < 0.5 * path.stat().st_size  # the point: a model twice the memory it is given
     return bound

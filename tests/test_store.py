@@ -124,6 +124,18 @@ def test_store_is_a_drop_in_source_for_the_engine(striped):
     assert np.array_equal(got, want)  # bit for bit
 
 
+@pytest.mark.parametrize("cpus, threads", [(1, 2), (2, 4), (3, 6), (4, 8), (64, 8)])
+def test_a_store_starts_two_reader_threads_a_cpu_it_may_run_on_at_most_eight(striped, monkeypatch, cpus, threads):
+    # (measured on 2 vCPUs: four readers decoded faster than eight; see store_reader.default_threads)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    with ExpertStore.open([str(d) for d in striped], Q4KM) as store:
+        assert store.threads == threads
+        assert len(store.read_many([(0, e) for e in range(4)])) == 4
+        assert store._pool is not None and store._pool.n_threads == threads
+    with ExpertStore.open([str(d) for d in striped], Q4KM, threads=3) as store:  # a count given is kept
+        assert store.threads == 3
+
+
 def resident_offsets(path: Path) -> np.ndarray:
     """File offsets of the pages of `path` this process has mapped and resident (Linux pagemap)."""
     out = []

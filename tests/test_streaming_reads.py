@@ -382,7 +382,7 @@ def test_a_predictor_whose_guesses_do_not_pay_stops_reading_ahead_and_a_better_o
     assert wrong == [True, True] and not gate.reading and gate.share == 0.0
     assert streamer.lines()[-1] == "reading ahead off: 0% of 8 guesses no tier held were right, it pays above 44%"  # (the user sees why)
     issued = streamer.read_ahead.counts.issued
-    assert issued == 8
+    assert issued > 0 and issued + streamer.read_ahead.counts.skipped == 8  # (those not yet issued when their layer routed: skipped)
     off = [token([4, 5, 6, 7]) for _ in range(8)]
     assert off == [False, False, True, False] * 2  # sampled (the gate counts tokens from its start): still scored
     assert streamer.read_ahead.counts.issued == issued and gate.guessed == 16  # none read, still scored

@@ -37,7 +37,24 @@ from fomoepy.model.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
-DEFAULT_THREADS = 8
+MAX_THREADS = 8
+
+
+def default_threads() -> int:
+    """Reader threads a store starts by default: two for each CPU this process may run on, at most eight.
+
+    A reader thread is Python's: it takes the GIL three times a read, between its preadv and its CRC, and
+    each read's bytes then cost the CPU that ran it. On a 2-vCPU machine eight of them cost more than the
+    reads they overlap gain (`fomoe generate`'s decode of the bench model, 128 tokens, its host tier at
+    25 %, six runs each, alternating, by hand: 40.9-45.0 tok/s with eight against 44.8-49.9 with four, the
+    faster in every pair; `bench/over_memory.py` at 2x the cap 30.9-36.6 against 30.4-39.5, at 4x
+    7.5-11.5 against 7.0-10.9; one thread was slower, two no faster than eight). Four is two a CPU there;
+    a machine of four CPUs or more keeps the eight a drive's queue was given before (not measured here)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, 2 * cpus))
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: plain buffered reads
 
 
@@ -88,12 +105,14 @@ class ExpertStore:
 
     @classmethod
     def open(cls, dirs: Sequence[str | os.PathLike[str]], gguf_file: GGUFFile | str | os.PathLike[str], *,
-             threads: int = DEFAULT_THREADS, verify: bool = True, direct: bool = True) -> ExpertStore:
+             threads: int | None = None, verify: bool = True, direct: bool = True) -> ExpertStore:
         """Open the store in `dirs` (any order; a mirrored store needs only some of its copies) for `gguf_file`.
 
         Raises StoreError if a directory holds no complete store, the directories are not one store, the
         store was prepared from another GGUF, or a record file is missing, truncated or not the one expected.
         """
+        if threads is None:
+            threads = default_threads()
         if threads < 1:
             raise ValueError(f"threads: expected >= 1, got {threads}")
         gf = gguf_file if isinstance(gguf_file, GGUFFile) else GGUFFile(gguf_file)

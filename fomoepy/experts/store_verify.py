@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from fomoepy.errors import StoreError
 from fomoepy.experts.reads import Read
-from fomoepy.experts.store_reader import DEFAULT_THREADS, ExpertBytes, ExpertStore
+from fomoepy.experts.store_reader import ExpertBytes, ExpertStore
 from fomoepy.model.gguf_file import GGUFFile
 
 MAX_LISTED = 3  # errors quoted in the one-line report; the count says how many there were
@@ -42,7 +42,7 @@ class VerifyReport:
 
 
 def verify_store(gguf_path: str | os.PathLike[str], dirs: Sequence[str | os.PathLike[str]], progress: bool = True,
-                 threads: int = DEFAULT_THREADS) -> VerifyReport:
+                 threads: int | None = None) -> VerifyReport:
     """Read every record of every copy through the reader pool; raise one StoreError listing what is wrong."""
     gf = GGUFFile(gguf_path)
     data = gf.raw_file()
@@ -71,7 +71,7 @@ def verify_store(gguf_path: str | os.PathLike[str], dirs: Sequence[str | os.Path
             for copy in range(store.n_copies):
                 for layer, expert in keys:
                     window.append((layer, expert, copy, store.submit(layer, expert, copy=copy)))
-                    if len(window) >= 2 * threads:  # bounded: memory stays at a few records per thread
+                    if len(window) >= 2 * store.threads:  # bounded: memory stays at a few records per thread
                         check(*window.popleft())
                     bar.update(m.layers[layer].slot_nbytes)
             while window:
