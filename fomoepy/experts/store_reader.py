@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 MAX_THREADS = 8
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: plain buffered reads
 
 
 def default_threads() -> int:
@@ -55,7 +56,6 @@ def default_threads() -> int:
     except AttributeError:  # (not Linux)
         cpus = os.cpu_count() or 1
     return max(1, min(MAX_THREADS, 2 * cpus))
-O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: plain buffered reads
 
 
 def aligned_empty(nbytes: int, alignment: int = ALIGN) -> np.ndarray:
