@@ -39,7 +39,7 @@ class MoEStep:
         self.streamer = streamer
         self.device = device
         self.predicts = predicts
-        self._predicts_now = predicts  # (begin_step asks the streamer each pass)
+        self._predicting = False  # whether this pass's steps predict the next layer's experts (begin_step)
         self.timer = timer
         self.layers = streamer.layers
         self.phase = Phase.PREFILL
@@ -52,8 +52,8 @@ class MoEStep:
         one sequence)."""
         self.phase = phase
         self.streamer.begin_step(sequences)
-        # (asked once a pass: whether reading ahead, which uses the prediction, is on for now)
-        self._predicts_now = self.predicts and self.streamer.wants_prediction()
+        # (asked once a pass: a decode pass predicts while reading ahead, which uses the prediction, is on for now)
+        self._predicting = phase is Phase.DECODE and self.predicts and self.streamer.wants_prediction()
 
     def end_step(self, n_tokens: int) -> None:
         """The forward pass is done: a decode step (one row per sequence) is one tick of the policies' time,
@@ -66,7 +66,7 @@ class MoEStep:
         round trip (route_ahead), the prediction as the routing's `ahead` for the step to use."""
         route_ahead = getattr(self.device, "route_ahead", None)
         # (predicts_after's test, inline: the step's host time is counted in frames)
-        if route_ahead is None or not (self.phase is Phase.DECODE and self._predicts_now and layer + 1 < self.streamer.n_layer):
+        if route_ahead is None or not (self._predicting and layer + 1 < self.streamer.n_layer):
             return ops.route(ops.linear(h, router), gating, k)
         exact, ahead = route_ahead(layer, h, router, gating, k)
         return exact if ahead is None else routing_of((exact[0], exact[1], exact[2], ahead))
@@ -79,7 +79,7 @@ class MoEStep:
     def predicts_after(self, layer: int) -> bool:
         """Whether `layer`'s step will predict the next layer's experts: a router that gives them with its
         routing (Routing.ahead: the cpu backend's decode-row attention graph) saves the step a product."""
-        return self.phase is Phase.DECODE and self._predicts_now and layer + 1 < self.streamer.n_layer
+        return self._predicting and layer + 1 < self.streamer.n_layer
 
     def __call__(self, layer: int, h: Any, exact: Routing, rows: Rows = None) -> Any:
         """Σ_j weights[t, j] · expert_{ids[t, j]}(h[t]) over the experts routing settles on → [T, D]; of the
@@ -97,9 +97,8 @@ class MoEStep:
             h = rows_of(h, rows)
         t1 = time.perf_counter()
 
-        decode = self.phase is Phase.DECODE
-        begin = getattr(device, "begin", None) if decode else None
-        predicts = decode and self._predicts_now and layer + 1 < s.n_layer  # (predicts_after, inline)
+        begin = getattr(device, "begin", None) if self.phase is Phase.DECODE else None
+        predicts = self._predicting and layer + 1 < s.n_layer  # (predicts_after, inline)
         launched = [0.0]
 
         def beside(fetched, reads) -> None:  # while the step's reads are in flight: the first launch, the routing's record, the next layer's guesses
