@@ -3,7 +3,8 @@
 
 The machine's load when the script started is part of every entry: a benchmark run beside other
 work measures the other work too. It is taken when a script imports this module, before it measures
-anything, and added to the report's first line unless the script already states it.
+anything, and added to the report's first line unless the script already states it; so is the
+processor the script ran on (`stamped`).
 """
 
 from __future__ import annotations
@@ -41,17 +42,29 @@ def load_line() -> str:
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) at start on {os.cpu_count()} cores"
 
 
-def record(report: str) -> None:
-    """Append one report (a markdown section that names the command that made it)."""
+def stamped(report: str) -> str:
+    """The report with the processor it ran on and the load at its start in its first line, where that line
+    does not state them already: a speed holds for its processor alone (AVX2 or AVX-512 moves a ratio to
+    llama.cpp), and a report's heading line is where a reader looks for it."""
     first, _, rest = report.partition("\n")
+    host = processor()
+    if host not in first:
+        first = f"{first} — {host}"
     if "load" not in first.lower():
         first = f"{first} — {load_line()}"
+    return first + "\n" + rest
+
+
+def record(report: str) -> None:
+    """Append one report (a markdown section that names the command that made it), stamped."""
     existing = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    RESULTS.write_text(existing.rstrip("\n") + "\n\n" + (first + "\n" + rest).rstrip("\n") + "\n")
+    RESULTS.write_text(existing.rstrip("\n") + "\n\n" + stamped(report).rstrip("\n") + "\n")
 
 
 def publish(report: str, keep: bool) -> int:
-    """A bench script's last step: print its report, append it here when `keep` (--record); its exit code."""
+    """A bench script's last step: print its report (stamped), append it here when `keep` (--record); its
+    exit code."""
+    report = stamped(report)
     print(report)
     if keep:
         record(report)
