@@ -407,7 +407,7 @@ def report_real(gpu: dict, args: argparse.Namespace) -> str:
         f"{os.cpu_count()} cores",
         "",
         f"`python bench/host_time.py --real-gpu --vendor {gpu['vendor']} --tokens {args.tokens} --warm {args.warm} --record`: "
-        "µs per MoE layer step, the null store's reads (no disk), the device's work and the driver real",
+        "µs per MoE layer step, the null store's reads (no disk), the device's work and the driver real; beside it the same trace and tiers over the null stand-in on the same host, in the same run",
         "",
         "| path | shape | median µs | p90 µs | steps | split (medians, µs) |",
         "|---|---|---|---|---|---|",
@@ -423,6 +423,11 @@ def report_real(gpu: dict, args: argparse.Namespace) -> str:
         "|---|---|---|",
         *(f"| {name} | {c['per_step']:.2f} | {c['mean_us']:.1f} |" for name, c in gpu["calls_by_name"].items()),
     ]
+    null = gpu.get("null_same_host")
+    if isinstance(null, dict):
+        lines[7:7] = [gpu_cells(null, "binding (its C functions) over the null stand-in, same host, same run") + gpu_split(null) + " |"]
+    elif null:
+        lines += ["", f"The null stand-in beside it on this host did not run: {null}"]
     return "\n".join(lines) + "\n"
 
 
@@ -448,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         result = gpu_child(args)
         if args.real_gpu:
             result["driver"] = "real"
+            # the same trace and tiers over the null stand-in, on this host, in this run: what the real
+            # driver and device add to the step, apart from the host's own speed
+            try:
+                result["null_same_host"] = gpu_path(args)
+            except (SystemExit, OSError, subprocess.SubprocessError) as e:
+                result["null_same_host"] = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
         print(json.dumps(result))
         if args.real_gpu and args.record:
             from results import record

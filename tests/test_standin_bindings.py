@@ -26,6 +26,8 @@ BINDINGS = {"cuda": "cuda.bindings", "hip": "hip"}
 # two architectures at a device tier that both hits and misses, and ping-pong; every model and tier
 # size runs on the simulated device itself (test_gpu_model.py)
 MODEL_SUBSET = "qwen35moe_q4_k-0.3 or qwen3moe_q4_k_m-0.3 or pingpong"
+# "cuda" or "hip": the scripts these tests run go to that vendor's real driver, not the stand-in
+REAL_DRIVER = os.environ.get("FOMOEPY_TEST_REAL_DRIVER", "")
 
 
 def hiprtc_dir() -> str | None:
@@ -39,11 +41,17 @@ def modules(standin: Path, vendor: str) -> str:
     return str(standin / ("modules-hip" if vendor == "hip" else "modules"))
 
 
-def standin_environ(standin: Path, vendor: str) -> dict[str, str]:
+def standin_environ(standin: Path | None, vendor: str) -> dict[str, str]:
     """This process's environment with the loader finding `vendor`'s stand-in driver (and, for HIP,
-    Debian's hiprtc); skips where the binding or the compiler is not here."""
+    Debian's hiprtc); skips where the binding or the compiler is not here. Where FOMOEPY_TEST_REAL_DRIVER
+    names the vendor (bench/gpu_checks.sh on a machine with a GPU), the environment as it is: the same
+    scripts and checks over the real driver; the other vendor's are skipped there."""
     if importlib.util.find_spec(BINDINGS[vendor].split(".")[0]) is None:
         pytest.skip(f"{BINDINGS[vendor]} is not installed")
+    if REAL_DRIVER:
+        if vendor != REAL_DRIVER:
+            pytest.skip(f"FOMOEPY_TEST_REAL_DRIVER={REAL_DRIVER}: {vendor}'s stand-in is not run beside the real driver")
+        return dict(os.environ)
     paths = [str(standin)]
     if vendor == "hip":
         lib = hiprtc_dir()
