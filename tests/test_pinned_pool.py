@@ -7,6 +7,7 @@ tests/test_pinned_reads.py."""
 
 from __future__ import annotations
 
+import gc
 import mmap
 import threading
 
@@ -138,6 +139,36 @@ def test_a_reserve_takes_its_chunks_on_the_pools_thread_before_any_take_needs_th
     del held
     pool.close()
     assert log.all_given_back()
+
+
+def mapped(address: int) -> bool:
+    """Whether the process has `address` mapped (/proc/self/maps): asked without touching it."""
+    with open("/proc/self/maps") as maps:
+        spans = (line.split(maxsplit=1)[0].split("-") for line in maps)
+        return any(int(a, 16) <= address < int(b, 16) for a, b in spans)
+
+
+def test_a_pool_closed_with_a_buffer_out_leaves_its_pages_mapped_and_registered_once_dropped():
+    """A read in flight at a reset: its buffer is still out when the pool closes, and the pool is then
+    dropped. Its pages must stay under that buffer (the read still writes them, a copy up may read them) and
+    registered (a mapping freed while registered left an H200's driver refusing later allocations,
+    CUDA_ERROR_ALREADY_MAPPED). Closed again once the buffer is back, the pool gives them back."""
+    log, pool = logged_pool()
+    held = pool.take(ALIGN)
+    address = host_address(held)
+    chunk = pool.blocks[0]
+    pool.close()
+    del pool
+    gc.collect()
+    assert mapped(address) and chunk not in log.given
+    held[:] = 7  # (unmapped, this write would kill the process)
+    log, pool = logged_pool()
+    held = pool.take(ALIGN)
+    pool.close()
+    assert not log.all_given_back()
+    del held
+    pool.close()
+    assert log.all_given_back() and not pool._mappings
 
 
 def test_a_reserve_not_yet_taken_is_given_back_at_close():

@@ -168,6 +168,13 @@ class PyShelf:
             self.free.setdefault(size, deque()).append((address, mark))
 
 
+# the mappings of pools closed while buffers of theirs were still out (a read in flight at a reset), kept
+# for the life of the process: those buffers may still be written and copied from, and a mapping dropped
+# with its pool unmaps its pages under them and leaves the driver a registration of pages no longer there
+# (on an H200 a later allocation was then refused, CUDA_ERROR_ALREADY_MAPPED). A pool closed again once
+# they are back releases them from the same dict.
+_OUTLIVING: list[dict[int, mmap.mmap]] = []
+
 CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a time (its calls are slow)
 # A buffer given back is free once a point marked after it has passed, about a step later (a step gives
 # back read buffers it does not keep and host-tier evictees). A take that finds only such buffers takes a
@@ -386,11 +393,14 @@ class PinnedPool:
             self._taker.shutdown()
             self._taker = None
         if self.shelf.held() < len(self.addresses):
+            if not any(kept is self._mappings for kept in _OUTLIVING):
+                _OUTLIVING.append(self._mappings)
             return
         for stream in self.copy_streams:
             self.rt.sync(stream)
         for base in self.blocks:
             self._release_chunk(base)
+        _OUTLIVING[:] = [kept for kept in _OUTLIVING if kept is not self._mappings]
         self.blocks.clear()
         self.shelf.clear()
         self.written.clear()
