@@ -1,7 +1,7 @@
 """Continuous batching: the same requests served one at a time, then by 1, 2, 4 and 8 concurrent clients.
 
 `fomoe serve` runs in its own process on the bench model of bench/decode.py (`--shape bench`, its
-expert store beside it), cpu backend, in two configurations:
+expert store beside it), cpu backend unless `--backend` names a GPU, in two configurations:
 - all resident: every expert in the host tier from the start (seeded by a profile listing them all);
 - host tier at 25 % of the experts (`--ram-frac`): misses are read from the store.
 
@@ -31,7 +31,10 @@ is greedy, ignores end-of-generation and streams its tokens. Per run it prints:
 (bench/batch_step.py times the engine's step over B sequences itself, and the bound these runs could
 reach were every step full.)
 
-    python bench/batch.py [--requests 16] [--tokens 48] [--clients 1,2,4,8] [--max-batch 8] [--record]
+    python bench/batch.py [--requests 16] [--tokens 48] [--clients 1,2,4,8] [--max-batch 8] [--backend cpu] [--record]
+
+With `--backend cuda` (or hip) the daemon computes on the GPU: all resident is every expert in its
+device tier; capped is its device and host tiers at `--ram-frac` each.
 """
 
 from __future__ import annotations
@@ -191,6 +194,17 @@ def bound(r: dict, rates: list[float]) -> str:
     return f"{max(rates) / r['disk_per_tok']:.2f} ({r['tok_s'] * r['disk_per_tok'] / 1e6:.0f} MB/s read)"
 
 
+def gpu_name(backend: str) -> str:
+    """", NVIDIA H200" for a cuda run (nvidia-smi's name of the first GPU), "" for the cpu backend or where none is named."""
+    if backend != "cuda":
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f", {out.stdout.splitlines()[0].strip()}" if out.stdout.strip() else ""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=16)
@@ -199,6 +213,9 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=8, help="the batching daemon's --max-batch")
     ap.add_argument("--ram-frac", type=float, default=0.25, help="host tier of the second configuration")
     ap.add_argument("--threads", type=int, default=None, help="ggml threads (default: all cores)")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip"],
+                    help="cpu: the tiers are the host's (ggml's slots); cuda/hip: all resident is every expert in "
+                         "the device tier, capped is device and host tiers at --ram-frac each")  # fmt: skip
     ap.add_argument("--only", choices=["resident", "capped"], default=None, help="run one configuration")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
@@ -208,11 +225,18 @@ def main() -> int:
     threads = args.threads or os.cpu_count() or 1
     clients = [int(c) for c in args.clients.split(",")]
     texts = prompts(args.requests)
-    base = ["--backend", "cpu", "-t", str(threads), "--store", str(store)]
-    configs = {
-        "resident": ("all experts resident", ["--ram-cache", str(all_bytes), "--freq-profile", str(profile)]),
-        "capped": (f"host tier {args.ram_frac:.0%}, misses from the store", ["--ram-cache", str(int(all_bytes * args.ram_frac))]),
-    }  # fmt: skip
+    base = ["--backend", args.backend, "-t", str(threads), "--store", str(store)]
+    share = str(int(all_bytes * args.ram_frac))
+    if args.backend == "cpu":
+        configs = {
+            "resident": ("all experts resident", ["--ram-cache", str(all_bytes), "--freq-profile", str(profile)]),
+            "capped": (f"host tier {args.ram_frac:.0%}, misses from the store", ["--ram-cache", share]),
+        }  # fmt: skip
+    else:  # a GPU's device tier holds store bytes (fomoepy.runtime.gpu_experts): every expert fits in all_bytes
+        configs = {
+            "resident": ("all experts resident on the device", ["--vram-cache", str(all_bytes), "--ram-cache", "0", "--freq-profile", str(profile)]),
+            "capped": (f"device and host tiers {args.ram_frac:.0%} each, misses from the store", ["--vram-cache", share, "--ram-cache", share]),
+        }  # fmt: skip
     rows = []
     rates: list[float] = []  # the store's read rate, before and after the runs that read from it
     for key, (title, flags) in configs.items():
@@ -244,11 +268,12 @@ def main() -> int:
                 f"| {r['step_tok_s']:.1f} | {r['prompt_share']:.0%} |"
             )
     report = (
-        f"### batch — {date.today()} — cpu backend, {platform.machine()}, {os.cpu_count()} cores — {load_line()}; "
+        f"### batch — {date.today()} — {args.backend} backend{gpu_name(args.backend)}, {platform.machine()}, {os.cpu_count()} cores — {load_line()}; "
         f"load {os.getloadavg()[0]:.2f} at the end\n\n"
         f"`python bench/batch.py --requests {args.requests} --tokens {args.tokens} --clients {args.clients} "
         f"--max-batch {args.max_batch} --ram-frac {args.ram_frac}" + (f" --threads {args.threads}" if args.threads else "")
-        + (f" --only {args.only}" if args.only else "") + f"`; bench model, -t {threads}, greedy, {args.tokens} tokens per request\n\n"
+        + (f" --only {args.only}" if args.only else "") + (f" --backend {args.backend}" if args.backend != "cpu" else "")
+        + f"`; bench model, -t {threads}, greedy, {args.tokens} tokens per request\n\n"
         "| configuration | served by | aggregate tok/s | vs one at a time (mean of before and after) | inter-token p50 / p99 ms | first token p50 ms "
         "| expert MB used / token | of which read from store MB / token | store's bound tok/s (its MB/s ÷ MB read / token) "
         "| decode steps' own tok/s (their tokens over the engine's time in them) | share of the wall in prompts "
