@@ -210,8 +210,8 @@ class Engine:
 
     @property
     def batches(self) -> bool:
-        """Whether one decode step can evaluate several sequences (the backend's products give each row
-        the bits it gets alone; not the gpu backends yet)."""
+        """Whether one decode step can evaluate several sequences (every device's products give each row
+        the bits it gets alone: fomoepy.model.rows)."""
         return self.model.batches
 
     def kv_nbytes(self, n_tokens: int) -> int:
