@@ -271,6 +271,34 @@ def test_attention_past_the_cache_is_an_error_not_a_read(dev):
         dev.to_host(dev.empty((1,)))
 
 
+def test_a_batched_decode_rows_attention_writes_each_cache_and_gives_each_rows_lone_bits(dev):
+    # three sequences' caches of different sizes and fill: each row's key and value land at its own position
+    # of its own cache, and its output is the bits the lone step (copies into its cache, then attention) gives
+    from fomoepy.model.state import KVCache
+
+    rng = np.random.default_rng(11)
+    H, Hkv, hd = 8, 2, 64
+    sizes, positions = (8, 16, 12), np.array([3, 15, 0])
+    past = [(rand(rng, n, Hkv, hd), rand(rng, n, Hkv, hd)) for n in sizes]
+    q, k, v = rand(rng, 3, H, hd), rand(rng, 3, Hkv, hd), rand(rng, 3, Hkv, hd)
+    caches = [KVCache(dev.upload(pk), dev.upload(pv)) for pk, pv in past]
+    got = np.asarray(dev.to_host(dev.attend_rows(q, k, v, caches, positions)))
+    for b, ((pk, pv), cache, pos) in enumerate(zip(past, caches, positions)):
+        alone = KVCache(dev.upload(pk), dev.upload(pv))
+        alone.k[pos : pos + 1] = dev.upload(k[b : b + 1])
+        alone.v[pos : pos + 1] = dev.upload(v[b : b + 1])
+        want = dev.to_host(dev.attention(dev.upload(q[b : b + 1]), alone.k, alone.v, int(pos)))
+        assert np.array_equal(got[b], want[0])
+        assert np.array_equal(np.asarray(dev.to_host(cache.k)), np.asarray(dev.to_host(alone.k)))
+        assert np.array_equal(np.asarray(dev.to_host(cache.v)), np.asarray(dev.to_host(alone.v)))
+    # a row at its cache's end is refused, and writes nothing past it (the cache a view of a longer buffer)
+    longer = dev.upload(np.concatenate([past[0][0], past[0][0][:1]]))
+    dev.attend_rows(q[:1], k[:1], v[:1], [KVCache(longer[: sizes[0]], longer[: sizes[0]])], np.array([sizes[0]]))
+    with pytest.raises(FomoeError, match="KV position past the context"):
+        dev.to_host(dev.empty((1,)))
+    assert np.array_equal(np.asarray(dev.to_host(longer))[sizes[0]], past[0][0][0])
+
+
 # -- Gated DeltaNet -----------------------------------------------------------------------------------
 
 

@@ -21,14 +21,17 @@ def attention_mixer(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
     k = ops.linear(x, w.attn_k)
     v = ops.linear(x, w.attn_v)
     single = len(segments) == 1
-    out = stack(
-        ops,
-        [
-            _attend(ops, w, a, eps, rows_of(q, s, single), rows_of(k, s, single), rows_of(v, s, single),
-                    s.state.layers[il], s.state.n_past)
-            for s in segments
-        ]
-    ).reshape(N, H * hd)  # fmt: skip
+    if not single and all(s.n == 1 for s in segments) and hasattr(ops, "attend_rows"):
+        out = _attend_rows(ops, w, a, eps, q, k, v, [s.state for s in segments], il).reshape(N, H * hd)
+    else:
+        out = stack(
+            ops,
+            [
+                _attend(ops, w, a, eps, rows_of(q, s, single), rows_of(k, s, single), rows_of(v, s, single),
+                        s.state.layers[il], s.state.n_past)
+                for s in segments
+            ]
+        ).reshape(N, H * hd)  # fmt: skip
     if a.gated:
         out = out * ops.sigmoid(gate)
     return ops.linear(out, w.attn_output)
@@ -61,6 +64,19 @@ def _attend(ops, w, a: AttentionSpec, eps: float, q, k, v, cache: KVCache, n_pas
     q = ops.rope_neox(ops.rms_norm(q.reshape(T, H, hd), w.attn_q_norm, eps), positions, a.rotary_dim, a.rope_base)
     k = ops.rope_neox(ops.rms_norm(k.reshape(T, Hkv, hd), w.attn_k_norm, eps), positions, a.rotary_dim, a.rope_base)
     return _cache_attend(ops, q, k, v, cache, n_past)
+
+
+def _attend_rows(ops, w, a: AttentionSpec, eps: float, q, k, v, states: list, il: int):
+    """A batched decode step's rows, one of each sequence, as _attend takes each alone, in the backend's
+    one call for all (ops.attend_rows: each row's key and value into its own cache, its query over it):
+    q [B, H·hd], k, v [B, Hkv·hd] → [B, H, hd]. The norms and RoPE run on every row at once, each row at
+    its own position."""
+    B = q.shape[0]
+    H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+    positions = np.array([s.n_past for s in states])
+    q = ops.rope_neox(ops.rms_norm(q.reshape(B, H, hd), w.attn_q_norm, eps), positions, a.rotary_dim, a.rope_base)
+    k = ops.rope_neox(ops.rms_norm(k.reshape(B, Hkv, hd), w.attn_k_norm, eps), positions, a.rotary_dim, a.rope_base)
+    return ops.attend_rows(q, k, v.reshape(B, Hkv, hd), [s.layers[il] for s in states], positions)
 
 
 def _cache_attend(ops, q, k, v, cache: KVCache, n_past: int) -> np.ndarray:

@@ -477,6 +477,35 @@ class GpuBackend(DeviceRouting):
                         T, H, Hkv, hd, int(n_past), n_ctx, scale, self.err.ptr)  # fmt: skip
         return out
 
+    def attend_rows(self, q: Any, k: Any, v: Any, caches: Sequence[Any], positions: np.ndarray) -> DeviceArray:
+        """A batched decode step's attention, one row of each sequence: row b's key and value into caches[b]
+        at positions[b], then its query over that cache, for every row in two launches (one table of the
+        caches' addresses, positions and sizes goes up). q [B, H, hd], k [B, Hkv, hd] normed and rotated,
+        v [B, Hkv, hd] → [B, H, hd]; each row gets the bits the copies into its cache and `attention` give it
+        alone (attention.hip: both kernels run the same block arithmetic)."""
+        q = self.asdevice(q)
+        if q.strides[-1] != 1:
+            q = q.contiguous()
+        k, v = self.asdevice(k).contiguous(), self.asdevice(v).contiguous()
+        B, H, hd = q.shape
+        Hkv = k.shape[1]
+        ks = [self.asdevice(c.k) for c in caches]
+        vs = [self.asdevice(c.v) for c in caches]
+        if any(not (a.is_contiguous and a.shape[1:] == (Hkv, hd)) for a in ks + vs):
+            raise ValueError(f"attend_rows: every cache is [n_ctx, {Hkv}, {hd}] float32, contiguous")
+        table = np.array([[a.ptr for a in ks], [a.ptr for a in vs], np.asarray(positions).reshape(-1),
+                          [a.shape[0] for a in ks]], np.int64)  # fmt: skip
+        t = self.upload(table)
+        caches_k, caches_v, rows = t.ptr, t.ptr + 8 * B, t.ptr + 16 * B
+        out = self.empty((B, H, hd))
+        if B:
+            n = Hkv * hd
+            self.launch("kv_append_rows_f32", (_cdiv(n, 256), B), 256, k.ptr, v.ptr, caches_k, caches_v, rows, B, n, self.err.ptr)
+            scale = float(F32(1.0 / np.sqrt(hd)))
+            self.launch("attention_rows_f32", (H, B), 128, q.ptr, q.strides[0], q.strides[1], caches_k, caches_v, rows,
+                        out.ptr, B, H, Hkv, hd, scale, self.err.ptr)  # fmt: skip
+        return out
+
     def causal_conv1d(self, x: Any, conv_state: Any, w: Any) -> tuple[DeviceArray, DeviceArray]:
         """As CpuBackend.causal_conv1d; the state is updated in place (a numpy state is uploaded first)."""
         x = self.asdevice(x).contiguous()

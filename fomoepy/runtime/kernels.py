@@ -261,7 +261,7 @@ def compile_all(compiler: Compiler, arch: str, root: Path | None = None) -> dict
 # -- which module holds each kernel (tests/test_sim_device.py checks it against the compiled modules) --
 _FAMILY_MODULES = {
     "mv_": "matvec", "embed_": "matvec", "moe_": "experts", "rms_norm": "norm", "l2_norm": "norm", "softmax": "norm",
-    "rope": "rope", "attention": "attention", "sigmoid_gate": "attention", "causal_conv1d": "deltanet",
+    "rope": "rope", "attention": "attention", "kv_append": "attention", "sigmoid_gate": "attention", "causal_conv1d": "deltanet",
     "delta_rule": "deltanet", "route_": "router", "argmax": "router", "ew_": "elementwise", "copy_": "elementwise",
     "gather": "elementwise",
 }  # fmt: skip
@@ -296,6 +296,8 @@ KERNEL_SIGNATURES: dict[str, str] = {
     "softmax_f32": "plpii",  # x, x_stride, y, n_rows, n
     "rope_neox_f32": "pllpiiiipid",  # x, xt, xh, out, T, H, hd, rotary_dim, positions, n_past, base
     "attention_f32": "pllpppiiiiiifp",  # q, qt, qh, k, v, out, T, H, Hkv, hd, n_past, n_ctx, scale, err
+    "attention_rows_f32": "pllppppiiiifp",  # q, qt, qh, k_caches, v_caches, rows, out, B, H, Hkv, hd, scale, err
+    "kv_append_rows_f32": "pppppiip",  # k, v, k_caches, v_caches, rows, B, n, err
     "sigmoid_gate_f32": "pppl",  # a, gate, out, n
     "causal_conv1d_f32": "ppppiiip",  # x, state, w, out, T, C, K, err
     "delta_rule_f32": "pppppppiiiip",  # q, k, v, g, beta, S, o, T, Hv, dk, dv, err
