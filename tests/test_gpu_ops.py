@@ -330,6 +330,30 @@ def test_delta_rule(dev, T):
     assert rel_err(S, ref_S) <= tol
 
 
+def test_a_batched_decode_rows_convolution_and_delta_rule_give_each_row_its_lone_bits_and_states(dev):
+    # three sequences' DeltaNet states, one decode row each: each row's outputs and each state afterwards are
+    # the bits the lone kernels give that row over that state
+    rng = np.random.default_rng(12)
+    B, C, K, Hv, dk, dv = 3, 300, 4, 4, 64, 96
+    x, w = rand(rng, B, C), rand(rng, C, K)
+    q, k, v = rand(rng, B, Hv, dk), rand(rng, B, Hv, dk), rand(rng, B, Hv, dv)
+    g, beta = -np.abs(rand(rng, B, Hv, scale=0.3)), CPU.sigmoid(rand(rng, B, Hv))
+    convs, ssms = [rand(rng, K - 1, C) for _ in range(B)], [rand(rng, Hv, dk, dv, scale=0.1) for _ in range(B)]
+    conv_states, ssm_states = [dev.upload(c) for c in convs], [dev.upload(m) for m in ssms]
+    w_dev = dev.upload(w)
+    got_x = np.asarray(dev.to_host(dev.causal_conv1d_rows(x, conv_states, w_dev)))
+    got_o = np.asarray(dev.to_host(dev.delta_rule_rows(q, k, v, g, beta, ssm_states)))
+    for b in range(B):
+        want_x, conv = dev.causal_conv1d(x[b : b + 1], dev.upload(convs[b]), w_dev)
+        want_o, ssm = dev.delta_rule(q[b : b + 1], k[b : b + 1], v[b : b + 1], g[b : b + 1], beta[b : b + 1], dev.upload(ssms[b]))
+        assert np.array_equal(got_x[b], np.asarray(dev.to_host(want_x))[0])
+        assert np.array_equal(got_o[b], np.asarray(dev.to_host(want_o))[0])
+        assert np.array_equal(np.asarray(dev.to_host(conv_states[b])), np.asarray(dev.to_host(conv)))
+        assert np.array_equal(np.asarray(dev.to_host(ssm_states[b])), np.asarray(dev.to_host(ssm)))
+    with pytest.raises(ValueError, match="every state is a contiguous float32 device array"):
+        dev.delta_rule_rows(q, k, v, g, beta, ssms)  # host arrays: the kernel would write where they are not
+
+
 # -- decisions on the device --------------------------------------------------------------------------
 
 

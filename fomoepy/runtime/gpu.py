@@ -493,10 +493,8 @@ class GpuBackend(DeviceRouting):
         vs = [self.asdevice(c.v) for c in caches]
         if any(not (a.is_contiguous and a.shape[1:] == (Hkv, hd)) for a in ks + vs):
             raise ValueError(f"attend_rows: every cache is [n_ctx, {Hkv}, {hd}] float32, contiguous")
-        table = np.array([[a.ptr for a in ks], [a.ptr for a in vs], np.asarray(positions).reshape(-1),
-                          [a.shape[0] for a in ks]], np.int64)  # fmt: skip
-        t = self.upload(table)
-        caches_k, caches_v, rows = t.ptr, t.ptr + 8 * B, t.ptr + 16 * B
+        caches_k, caches_v, rows = self._row_tables([a.ptr for a in ks], [a.ptr for a in vs],
+                                                    [*np.asarray(positions).reshape(-1), *(a.shape[0] for a in ks)])  # fmt: skip
         out = self.empty((B, H, hd))
         if B:
             n = Hkv * hd
@@ -505,6 +503,47 @@ class GpuBackend(DeviceRouting):
             self.launch("attention_rows_f32", (H, B), 128, q.ptr, q.strides[0], q.strides[1], caches_k, caches_v, rows,
                         out.ptr, B, H, Hkv, hd, scale, self.err.ptr)  # fmt: skip
         return out
+
+    def _row_tables(self, *tables: Sequence[int]) -> list[int]:
+        """Int64 tables a batched step's kernel reads per row (the sequences' state addresses, positions...),
+        up in one copy: the device address of each."""
+        up = self.upload(np.concatenate([np.asarray(t, np.int64) for t in tables]))
+        starts = np.cumsum([0] + [len(t) for t in tables[:-1]])
+        return [up.ptr + 8 * int(at) for at in starts]
+
+    def _row_states(self, states: Sequence[Any], shape: tuple[int, ...], what: str) -> list[int]:
+        """The device addresses of sequences' states, each a contiguous float32 device array of `shape`."""
+        if any(not (isinstance(a, DeviceArray) and a.is_contiguous and a.dtype == F32 and a.shape == shape) for a in states):
+            raise ValueError(f"{what}: every state is a contiguous float32 device array of shape {shape}")
+        return [a.ptr for a in states]
+
+    def causal_conv1d_rows(self, x: Any, conv_states: Sequence[Any], w: Any) -> DeviceArray:
+        """A batched decode step's convolution, one row of each sequence: row b of x [B, C] through the
+        convolution whose state is conv_states[b] (updated in place) → [B, C], every row in one launch, each
+        with the bits causal_conv1d gives it alone (deltanet.hip: both kernels run conv_channel)."""
+        x, w = self.asdevice(x).contiguous(), self.asdevice(w).contiguous()
+        B, C = x.shape
+        K = w.shape[1]
+        (states,) = self._row_tables(self._row_states(conv_states, (K - 1, C), "causal_conv1d_rows"))
+        out = self.empty((B, C))
+        if B:
+            self.launch("causal_conv1d_rows_f32", (_cdiv(C, 256), B), 256, x.ptr, states, w.ptr, out.ptr, B, C, K, self.err.ptr)
+        return out
+
+    def delta_rule_rows(self, q, k, v, g, beta, ssm_states: Sequence[Any]) -> DeviceArray:
+        """A batched decode step's delta rule, one row of each sequence: q, k [B, Hv, dk], v [B, Hv, dv], g and
+        beta [B, Hv], row b through ssm_states[b] (updated in place) → o [B, Hv, dv], every row in one launch,
+        each with the bits delta_rule gives it alone (deltanet.hip: both kernels run delta_column)."""
+        q, k, v = (self.asdevice(a).contiguous() for a in (q, k, v))
+        g, beta = self.asdevice(g).contiguous(), self.asdevice(beta).contiguous()
+        B, Hv, dk = q.shape
+        dv = v.shape[2]
+        (states,) = self._row_tables(self._row_states(ssm_states, (Hv, dk, dv), "delta_rule_rows"))
+        o = self.empty((B, Hv, dv))
+        if B:
+            self.launch("delta_rule_rows_f32", (_cdiv(dv, 32), Hv, B), 128, q.ptr, k.ptr, v.ptr, g.ptr, beta.ptr, states, o.ptr,
+                        B, Hv, dk, dv, self.err.ptr)  # fmt: skip
+        return o
 
     def causal_conv1d(self, x: Any, conv_state: Any, w: Any) -> tuple[DeviceArray, DeviceArray]:
         """As CpuBackend.causal_conv1d; the state is updated in place (a numpy state is uploaded first)."""

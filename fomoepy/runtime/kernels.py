@@ -300,7 +300,9 @@ KERNEL_SIGNATURES: dict[str, str] = {
     "kv_append_rows_f32": "pppppiip",  # k, v, k_caches, v_caches, rows, B, n, err
     "sigmoid_gate_f32": "pppl",  # a, gate, out, n
     "causal_conv1d_f32": "ppppiiip",  # x, state, w, out, T, C, K, err
+    "causal_conv1d_rows_f32": "ppppiiip",  # x, states, w, out, B, C, K, err
     "delta_rule_f32": "pppppppiiiip",  # q, k, v, g, beta, S, o, T, Hv, dk, dv, err
+    "delta_rule_rows_f32": "pppppppiiiip",  # q, k, v, g, beta, states, o, B, Hv, dk, dv, err
     "route_softmax_topk": "piiipppp",  # logits, T, E, k, probs, ids, weights, err
     "argmax_f32": "piip",  # x, n_rows, n, ids
     "ew_f32": "ippfpD",  # op, a, b, s, out, dims
