@@ -65,24 +65,36 @@ def build_tables(ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int],
     order = np.argsort(ids, axis=1, kind="stable")
     flat = np.take_along_axis(ids, order, axis=1).reshape(-1)  # [T*k]
     w_s = np.take_along_axis(weights, order, axis=1).astype(np.float32)
-    base = np.fromiter((slot_ptr[e] for e in flat.tolist()), np.uint64, count=flat.size)  # each pair's slot
-    experts = np.unique(flat).tolist()  # a work item is one expert and up to MOE_TILE of its pairs
-    experts.sort(key=lambda e: 0 if e in first else 1 if e in then else 2)  # stable: ascending ids within each
-    items = []  # (expert, its pairs in this item)
-    for e in experts:
-        ps = np.flatnonzero(flat == e)
-        items += [(e, ps[s : s + MOE_TILE]) for s in range(0, len(ps), MOE_TILE)]
-    n_first = sum(1 for e, _ in items if e in first)
-    host, pairs, work = _buffers(T * k, len(items))
-    item_base = np.array([slot_ptr[e] for e, _ in items], np.uint64)
+    # a work item is one expert and up to MOE_TILE of its pairs, ascending; the experts by rank (first, then,
+    # the rest), ascending ids within each. In whole-array operations: a step of B rows has ~5B experts
+    uniq, of_pair = np.unique(flat, return_inverse=True)
+    chosen = uniq.tolist()
+    rank = np.array([0 if e in first else 1 if e in then else 2 for e in chosen], np.int64)
+    order_e = np.lexsort((uniq, rank))  # the experts' order in the table
+    place = np.empty_like(order_e)
+    place[order_e] = np.arange(len(chosen))
+    key = place[of_pair]  # each pair's expert's place
+    pair_order = np.argsort(key, kind="stable")  # the pairs by expert, ascending within each
+    counts = np.bincount(key, minlength=len(chosen))
+    per_expert = -(-counts // MOE_TILE)  # its work items
+    item_expert = np.repeat(np.arange(len(chosen)), per_expert)
+    chunk = np.arange(len(item_expert)) - np.repeat(np.cumsum(per_expert) - per_expert, per_expert)
+    start = (np.cumsum(counts) - counts)[item_expert] + chunk * MOE_TILE
+    n_pairs = np.minimum(MOE_TILE, counts[item_expert] - chunk * MOE_TILE)
+    experts = uniq[order_e][item_expert].tolist()
+    host, pairs, work = _buffers(T * k, len(experts))
+    ptr = np.fromiter((slot_ptr[e] for e in chosen), np.uint64, count=len(chosen))
+    item_base = ptr[order_e][item_expert]
     work["gate"], work["up"], work["down"] = (item_base + np.uint64(o) for o in offsets)
-    for row, (_, chunk) in enumerate(items):
-        work["n_pairs"][row] = len(chunk)
-        work["pair"][row, : len(chunk)] = chunk
-    tile = 1 if all(len(chunk) == 1 for _, chunk in items) else MOE_TILE
-    pairs["down"] = base + np.uint64(offsets[2])
+    work["n_pairs"] = n_pairs
+    lanes = np.arange(MOE_TILE)
+    used = lanes < n_pairs[:, None]
+    work["pair"][used] = pair_order[(start[:, None] + lanes)[used]]
+    n_first = int(np.count_nonzero(rank[order_e][item_expert] == 0))
+    tile = 1 if (n_pairs == 1).all() else MOE_TILE
+    pairs["down"] = ptr[of_pair] + np.uint64(offsets[2])
     pairs["weight"] = w_s.reshape(-1)
-    return MoETables(host, T * k * PAIR_DTYPE.itemsize, n_first, len(work), tile, [e for e, _ in items])
+    return MoETables(host, T * k * PAIR_DTYPE.itemsize, n_first, len(work), tile, experts)
 
 
 def _decode_tables(row: list[int], weights: np.ndarray, slot_ptr: dict[int, int], offsets: tuple[int, int, int],
