@@ -12,8 +12,8 @@ Python code they stand in for serves (the same results, more host time per step)
   With it, fomoepy/runtime/_decode_experts.c: a step's device work on one GPU (GpuExperts's begin, compute,
   copies down and evictions) each in one call, and _resident_map.c: the device tier's slots by (layer,
   expert) in an array per layer; without them, GpuExperts's own Python and a dict.
-- fomoepy/runtime/_moe_tables.c: a decode step's grouped-launch tables packed in C; without it
-  fomoepy.runtime.moe_tables packs them in Python (the same bytes).
+- fomoepy/runtime/_moe_tables.c: the grouped-launch tables of a decode step and of several rows (a batched
+  step, a prefill chunk) packed in C; without it fomoepy.runtime.moe_tables packs them in Python (the same bytes).
 - fomoepy/runtime/_host_memory.c: a host buffer's address, and a pinned buffer lent out that goes back to
   its pool when dropped, each in one call; without it fomoepy.runtime.pinned does both through ctypes.
 - fomoepy/experts/_reads.c: a read in flight's state and asks (done, result, landed...) each one C call;

@@ -14,6 +14,7 @@ from fomoepy.runtime.moe_tables import (
     MOE_TILE,
     PAIR_DTYPE,
     _decode_tables,
+    _rows_tables,
     build_tables,
 )
 
@@ -76,6 +77,29 @@ def test_a_decode_steps_tables_packed_in_c_are_the_pythons_bytes(seed):
     for first, then in [((), ()), (set(chosen[: k // 2]), chosen[k // 2 : k - 1]), ({chosen[-1]}, ()), ((), chosen[:3])]:
         compiled = build_tables(ids, weights, slot, OFFSETS, first, then)
         python = _decode_tables(chosen, weights[0], slot, OFFSETS, first, then)
+        assert compiled.host.tobytes() == python.host.tobytes()
+        assert (compiled.n_first, compiled.n_work, compiled.tile, compiled.experts, compiled.work_offset) == (
+            python.n_first, python.n_work, python.tile, python.experts, python.work_offset)  # fmt: skip
+    with pytest.raises(KeyError):  # an expert with no slot: as the Python definition
+        build_tables(ids, weights, {e: p for e, p in slot.items() if e != chosen[0]}, OFFSETS)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_tables_of_several_rows_packed_in_c_are_the_pythons_bytes(seed):
+    """The compiled packer of several rows' tables (a batched decode step, a prefill chunk: pack_rows) gives
+    the bytes, the leading count, the tile and the order of the Python definition, whatever experts lead."""
+    if moe_tables.pack_rows is None:
+        pytest.skip("fomoepy.runtime._moe_tables is not built (no C compiler at install)")
+    rng = np.random.default_rng(100 + seed)
+    E, k, T = [(8, 2, 3), (16, 4, 9), (64, 8, 8), (128, 8, 64), (512, 10, 8), (512, 22, 40), (4, 4, 20), (256, 1, 33)][seed]
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
+    weights = rng.random((T, k)).astype(np.float32)
+    chosen = sorted(set(ids.reshape(-1).tolist()))
+    slot = {e: int(rng.integers(1, 1 << 40)) << 8 for e in chosen}
+    picked = rng.permutation(chosen).tolist()
+    for first, then in [((), ()), (set(picked[: len(picked) // 2]), picked[len(picked) // 2 : -1]), ({picked[-1]}, ()), ((), picked[:3])]:
+        compiled = build_tables(ids, weights, slot, OFFSETS, first, then)
+        python = _rows_tables(ids, weights, slot, OFFSETS, first, then)
         assert compiled.host.tobytes() == python.host.tobytes()
         assert (compiled.n_first, compiled.n_work, compiled.tile, compiled.experts, compiled.work_offset) == (
             python.n_first, python.n_work, python.tile, python.experts, python.work_offset)  # fmt: skip

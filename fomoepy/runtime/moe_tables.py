@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-try:  # optional (setup.py): without it a decode step's tables are packed here, in Python (the same bytes)
-    from fomoepy.runtime._moe_tables import pack_decode
+try:  # optional (setup.py): without it the tables are packed here, in Python (the same bytes)
+    from fomoepy.runtime._moe_tables import pack_decode, pack_rows
 except ImportError:
-    pack_decode = None
+    pack_decode = pack_rows = None
 
 MOE_TILE = 8  # pairs per work item (MOE_TILE in hip_kernels/experts.hip)
 
@@ -61,6 +61,18 @@ def build_tables(ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int],
             host, n_first, experts = pack_decode(ids[0].tolist(), weights[0].tolist(), slot_ptr, tuple(offsets), first, then)
             return MoETables(np.frombuffer(host, np.uint8), k * PAIR_DTYPE.itemsize, n_first, k, 1, experts)
         return _decode_tables(ids[0].tolist(), weights[0], slot_ptr, offsets, first, then)
+    if pack_rows is not None and k <= DECODE_MAX_K:
+        host, n_first, experts, tile = pack_rows(np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(weights, np.float32), k,
+                                                 slot_ptr, tuple(offsets), first, then)  # fmt: skip
+        return MoETables(np.frombuffer(host, np.uint8), T * k * PAIR_DTYPE.itemsize, n_first, len(experts), tile, experts)
+    return _rows_tables(ids, weights, slot_ptr, offsets, first, then)
+
+
+def _rows_tables(ids: np.ndarray, weights: np.ndarray, slot_ptr: dict[int, int], offsets: tuple[int, int, int],
+                 first: Collection[int], then: Collection[int]) -> MoETables:  # fmt: skip
+    """build_tables for T > 1 tokens in whole-array numpy: the definition of what fomoepy/runtime/_moe_tables.c's
+    pack_rows packs in C, where it is built (the same bytes)."""
+    T, k = ids.shape
     # each token's choices by ascending expert id: the order the CPU backend adds them in
     order = np.argsort(ids, axis=1, kind="stable")
     flat = np.take_along_axis(ids, order, axis=1).reshape(-1)  # [T*k]
