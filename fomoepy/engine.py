@@ -63,6 +63,7 @@ class Engine:
             self.source = GGUFExpertSource(self.file, self.spec, unmap_after_use=options.ram_cache is not None)
         self.weights = load_weights(self.file, self.spec, self.devices, self.placement)
         self.timer = LayerTimer(self.spec.n_layer) if options.profile_timing else None
+        self.device_state_room: int | None = None  # a GPU's bytes for the sequences' states (set with its tier)
         self.experts = self._open_experts()
         self.model = Transformer(self.spec, self.weights, self.devices, self.experts, self.placement, self.timer)
 
@@ -96,6 +97,10 @@ class Engine:
         device_unit = [device.expert_nbytes(layer.layer) for layer in layers]
         if not is_ggml_cpu(self.ops):
             device_bytes = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
+            # what a GPU has left for the sequences' states (their KV caches and recurrent states live in its
+            # memory): the daemon admits a batch within it (fomoepy.serve.worker.default_kv_budget)
+            free = self._device_free()
+            self.device_state_room = None if free is None else max(0, free - device_bytes)
         # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
         cache = make_cache(
             self.spec.moe.n_expert, [layer.expert_nbytes for layer in layers], device_bytes, host,
@@ -136,16 +141,22 @@ class Engine:
         return sum(t.nbytes for name, t in self.file.tensors.items() if name not in expert_tensors)
 
     def _default_device_bytes(self, unit: list[int]) -> int:
+        free = self._device_free()
+        if free is None:
+            return default_device_bytes(unit, self.spec)
+        # GPU: what is free for the tier (_device_free), less the states of --max-batch sequences (`fomoe
+        # serve`'s; one elsewhere) at the whole context: their KV caches and recurrent states
+        states = self.options.sequences * kv_nbytes(self.spec, self.n_ctx)
+        return max(0, min(sum(unit) * self.spec.moe.n_expert, free - states))
+
+    def _device_free(self) -> int | None:
+        """A GPU's memory free now for the device tier and the sequences' states: less the resident weights
+        (their file bytes, twice for dequantised copies) and 1 GiB of workspace; None for the CPU backends."""
         mem_info = getattr(getattr(self.ops, "rt", None), "mem_info", None)
         if mem_info is None:
-            return default_device_bytes(unit, self.spec)
-        # GPU: what is free now, less the resident weights still to load (their file bytes, twice
-        # for dequantised copies), the KV cache of the whole context, and 1 GiB of workspace
+            return None
         free, _ = mem_info()
-        dense = self._dense_bytes()
-        a = self.spec.attention
-        kv = 2 * self.n_ctx * a.n_head_kv * a.head_dim * 4 * self.spec.layer_kinds.count("attention")
-        return max(0, min(sum(unit) * self.spec.moe.n_expert, free - 2 * dense - kv - (1 << 30)))
+        return free - 2 * self._dense_bytes() - (1 << 30)
 
     def reset_expert_cache(self) -> None:
         """Empty every expert tier (cold-start measurements); traces and counters carry on."""

@@ -50,6 +50,7 @@ class EngineOptions:
     trace: str | None = None
     prefill_chunk: int = 64  # prompt tokens per prefill step (a running stream's gap is one such step)
     repack_experts: str = "auto"  # cpu backend: expert slots in ggml's repacked form: on, off, auto (when the tier holds every expert)
+    sequences: int = 1  # sequences whose states (full-context KV caches, recurrent states) a GPU keeps room for (fomoe serve: --max-batch)
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str):
@@ -81,6 +82,8 @@ class EngineOptions:
             bad("backfill-per-token", f"must be >= 0, got {self.backfill_per_token}")
         if self.prefill_chunk < 1:
             bad("prefill-chunk", f"must be >= 1, got {self.prefill_chunk}")
+        if self.sequences < 1:
+            bad("max-batch", f"must be >= 1, got {self.sequences}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -105,6 +108,7 @@ class EngineOptions:
             trace=args.trace,
             prefill_chunk=args.prefill_chunk,
             repack_experts=args.repack_experts,
+            sequences=getattr(args, "max_batch", 1),  # (fomoe serve's; one sequence elsewhere)
         )
 
     @property
@@ -120,7 +124,7 @@ class EngineOptions:
             value = getattr(self, f.name)
             if f.name == "car":
                 out.update({f"car_{k.name}": getattr(value, k.name) for k in fields(value)})
-            elif f.name != "n_ctx":
+            elif f.name not in ("n_ctx", "sequences"):  # (sequences: room kept, no result changes with it)
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 

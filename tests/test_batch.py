@@ -222,6 +222,28 @@ def test_the_default_kv_budget_holds_one_full_context_at_least_and_the_batch_at_
     assert default_kv_budget(e, 8) == full  # one request with the whole context always fits
 
 
+def test_on_a_gpu_the_automatic_device_tier_leaves_room_for_max_batch_states_and_the_budget_keeps_within_it(monkeypatch):
+    # the sequences' KV caches and recurrent states live in a GPU's memory: the device tier sized automatically
+    # leaves --max-batch full contexts' worth (EngineOptions.sequences), and the daemon's default KV budget
+    # admits what the tier left, not a share of the host's memory
+    from fomoepy.runtime import available_memory
+    from fomoepy.runtime.shim import DriverShim
+    from fomoepy.serve.worker import default_kv_budget
+
+    monkeypatch.setattr(available_memory, "available_memory_bytes", lambda: 1 << 40)
+    probe = Engine(ORACLE / "qwen35moe_q4_k.gguf", EngineOptions(backend="sim", vram_cache=0))
+    full, dense = probe.kv_nbytes(probe.n_ctx), probe._dense_bytes()
+    every = sum(probe.experts.device.expert_nbytes(layer.layer) for layer in probe.source.layers) * probe.spec.moe.n_expert
+    probe.close()
+    free = 2 * dense + (1 << 30) + every // 2 + 4 * full  # the tier's share and the states' (Engine._device_free)
+    monkeypatch.setattr(DriverShim, "mem_info", lambda self: (free, free))
+    for sequences, tier, room in ((1, every // 2 + 3 * full, full), (4, every // 2, 4 * full)):
+        e = Engine(ORACLE / "qwen35moe_q4_k.gguf", EngineOptions(backend="sim", sequences=sequences))
+        assert e.experts.streamer.cache.device.capacity == tier and e.device_state_room == room
+        assert default_kv_budget(e, 8) == room
+        e.close()
+
+
 def test_a_batched_decode_step_is_one_tick_of_the_policies_time_whatever_its_rows():
     e = Engine(ORACLE / "qwen3moe_q4_k_m.gguf", EngineOptions(threads=1))
     gens = [e.start([1, 2, 3 + i], 4, SamplingParams.greedy()) for i in range(3)]

@@ -416,11 +416,13 @@ class InferenceWorker:
 
 def default_kv_budget(engine, max_batch: int) -> int:
     """max_batch full contexts, within a quarter of the memory available now (the host tier's default
-    takes another quarter), but always one full context: what one request could always use."""
+    takes another quarter), or on a GPU within what its device tier left for the states (they live in its
+    memory: Engine.device_state_room), but always one full context: what one request could always use."""
     from fomoepy.runtime.available_memory import available_memory_bytes
 
     full = engine.kv_nbytes(engine.n_ctx)
-    return max(full, min(max_batch * full, available_memory_bytes() // 4))
+    room = getattr(engine, "device_state_room", None)
+    return max(full, min(max_batch * full, available_memory_bytes() // 4 if room is None else room))
 
 
 def plain(value: Any, depth: int = 0) -> Any:
