@@ -21,7 +21,8 @@ def deltanet_mixer(ops, w, dn: DeltaNetSpec, eps: float, x: np.ndarray, il: int,
     qkv = ops.linear(x, w.attn_qkv)  # [N, 2·Hk·dk + Hv·dv], before the convolution
     beta = ops.sigmoid(ops.linear(x, w.ssm_beta))  # [N, Hv]
     g = ops.softplus(ops.linear(x, w.ssm_alpha) + w.ssm_dt_bias) * w.ssm_a  # log-decay, [N, Hv]
-    single = len(segments) == 1  # o: [N, Hv, dv]
+    # o [N, Hv, dv]: each sequence's rows through its own convolution and delta-rule states
+    single = len(segments) == 1
     if not single and all(s.n == 1 for s in segments) and hasattr(ops, "delta_rule_rows"):
         o = _recur_rows(ops, w, dn, eps, qkv, beta, g, [s.state.layers[il] for s in segments])
     else:
