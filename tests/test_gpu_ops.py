@@ -271,16 +271,19 @@ def test_attention_past_the_cache_is_an_error_not_a_read(dev):
         dev.to_host(dev.empty((1,)))
 
 
-def test_a_batched_decode_rows_attention_writes_each_cache_and_gives_each_rows_lone_bits(dev):
-    # three sequences' caches of different sizes and fill: each row's key and value land at its own position
-    # of its own cache, and its output is the bits the lone step (copies into its cache, then attention) gives
+@pytest.mark.parametrize("H, Hkv, hd, sizes, positions", [
+    (8, 2, 64, (8, 16, 12), (3, 15, 0)),
+    (2, 1, 32, (8,), (3,)),  # its output in the size class of the rows' tables: they must not share a buffer
+])  # fmt: skip
+def test_a_batched_decode_rows_attention_writes_each_cache_and_gives_each_rows_lone_bits(dev, H, Hkv, hd, sizes, positions):
+    # sequences' caches of different sizes and fill: each row's key and value land at its own position of its
+    # own cache, and its output is the bits the lone step (copies into its cache, then attention) gives
     from fomoepy.model.state import KVCache
 
     rng = np.random.default_rng(11)
-    H, Hkv, hd = 8, 2, 64
-    sizes, positions = (8, 16, 12), np.array([3, 15, 0])
+    B, positions = len(sizes), np.array(positions)
     past = [(rand(rng, n, Hkv, hd), rand(rng, n, Hkv, hd)) for n in sizes]
-    q, k, v = rand(rng, 3, H, hd), rand(rng, 3, Hkv, hd), rand(rng, 3, Hkv, hd)
+    q, k, v = rand(rng, B, H, hd), rand(rng, B, Hkv, hd), rand(rng, B, Hkv, hd)
     caches = [KVCache(dev.upload(pk), dev.upload(pv)) for pk, pv in past]
     got = np.asarray(dev.to_host(dev.attend_rows(q, k, v, caches, positions)))
     for b, ((pk, pv), cache, pos) in enumerate(zip(past, caches, positions)):
@@ -330,11 +333,14 @@ def test_delta_rule(dev, T):
     assert rel_err(S, ref_S) <= tol
 
 
-def test_a_batched_decode_rows_convolution_and_delta_rule_give_each_row_its_lone_bits_and_states(dev):
-    # three sequences' DeltaNet states, one decode row each: each row's outputs and each state afterwards are
-    # the bits the lone kernels give that row over that state
+@pytest.mark.parametrize("B, C, K, Hv, dk, dv", [
+    (3, 300, 4, 4, 64, 96),
+    (1, 64, 4, 1, 32, 64),  # outputs in the size class of the rows' tables: they must not share a buffer
+])  # fmt: skip
+def test_a_batched_decode_rows_convolution_and_delta_rule_give_each_row_its_lone_bits_and_states(dev, B, C, K, Hv, dk, dv):
+    # sequences' DeltaNet states, one decode row each: each row's outputs and each state afterwards are the
+    # bits the lone kernels give that row over that state
     rng = np.random.default_rng(12)
-    B, C, K, Hv, dk, dv = 3, 300, 4, 4, 64, 96
     x, w = rand(rng, B, C), rand(rng, C, K)
     q, k, v = rand(rng, B, Hv, dk), rand(rng, B, Hv, dk), rand(rng, B, Hv, dv)
     g, beta = -np.abs(rand(rng, B, Hv, scale=0.3)), CPU.sigmoid(rand(rng, B, Hv))

@@ -493,9 +493,9 @@ class GpuBackend(DeviceRouting):
         vs = [self.asdevice(c.v) for c in caches]
         if any(not (a.is_contiguous and a.shape[1:] == (Hkv, hd)) for a in ks + vs):
             raise ValueError(f"attend_rows: every cache is [n_ctx, {Hkv}, {hd}] float32, contiguous")
-        caches_k, caches_v, rows = self._row_tables([a.ptr for a in ks], [a.ptr for a in vs],
-                                                    [*np.asarray(positions).reshape(-1), *(a.shape[0] for a in ks)])  # fmt: skip
-        out = self.empty((B, H, hd))
+        table, (caches_k, caches_v, rows) = self._row_tables([a.ptr for a in ks], [a.ptr for a in vs],
+                                                             [*np.asarray(positions).reshape(-1), *(a.shape[0] for a in ks)])  # fmt: skip
+        out = self.empty((B, H, hd))  # (while `table` is held: its buffer is not handed out again before the launches)
         if B:
             n = Hkv * hd
             self.launch("kv_append_rows_f32", (_cdiv(n, 256), B), 256, k.ptr, v.ptr, caches_k, caches_v, rows, B, n, self.err.ptr)
@@ -504,12 +504,13 @@ class GpuBackend(DeviceRouting):
                         out.ptr, B, H, Hkv, hd, scale, self.err.ptr)  # fmt: skip
         return out
 
-    def _row_tables(self, *tables: Sequence[int]) -> list[int]:
+    def _row_tables(self, *tables: Sequence[int]) -> tuple[DeviceArray, list[int]]:
         """Int64 tables a batched step's kernel reads per row (the sequences' state addresses, positions...),
-        up in one copy: the device address of each."""
+        up in one copy: that array, which the caller holds until its launches are queued (dropped, its buffer
+        could be the next `empty`'s, written before the kernels read the tables), and each table's address."""
         up = self.upload(np.concatenate([np.asarray(t, np.int64) for t in tables]))
         starts = np.cumsum([0] + [len(t) for t in tables[:-1]])
-        return [up.ptr + 8 * int(at) for at in starts]
+        return up, [up.ptr + 8 * int(at) for at in starts]
 
     def _row_states(self, states: Sequence[Any], shape: tuple[int, ...], what: str) -> list[int]:
         """The device addresses of sequences' states, each a contiguous float32 device array of `shape`."""
@@ -524,8 +525,8 @@ class GpuBackend(DeviceRouting):
         x, w = self.asdevice(x).contiguous(), self.asdevice(w).contiguous()
         B, C = x.shape
         K = w.shape[1]
-        (states,) = self._row_tables(self._row_states(conv_states, (K - 1, C), "causal_conv1d_rows"))
-        out = self.empty((B, C))
+        table, (states,) = self._row_tables(self._row_states(conv_states, (K - 1, C), "causal_conv1d_rows"))
+        out = self.empty((B, C))  # (while `table` is held: _row_tables)
         if B:
             self.launch("causal_conv1d_rows_f32", (_cdiv(C, 256), B), 256, x.ptr, states, w.ptr, out.ptr, B, C, K, self.err.ptr)
         return out
@@ -538,8 +539,8 @@ class GpuBackend(DeviceRouting):
         g, beta = self.asdevice(g).contiguous(), self.asdevice(beta).contiguous()
         B, Hv, dk = q.shape
         dv = v.shape[2]
-        (states,) = self._row_tables(self._row_states(ssm_states, (Hv, dk, dv), "delta_rule_rows"))
-        o = self.empty((B, Hv, dv))
+        table, (states,) = self._row_tables(self._row_states(ssm_states, (Hv, dk, dv), "delta_rule_rows"))
+        o = self.empty((B, Hv, dv))  # (while `table` is held: _row_tables)
         if B:
             self.launch("delta_rule_rows_f32", (_cdiv(dv, 32), Hv, B), 128, q.ptr, k.ptr, v.ptr, g.ptr, beta.ptr, states, o.ptr,
                         B, Hv, dk, dv, self.err.ptr)  # fmt: skip
