@@ -96,10 +96,10 @@ class Engine:
                                     slots)  # fmt: skip
         device_unit = [device.expert_nbytes(layer.layer) for layer in layers]
         if not is_ggml_cpu(self.ops):
-            device_bytes = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit)
+            free = self._device_free()
+            device_bytes = o.vram_cache if o.vram_cache is not None else self._default_device_bytes(device_unit, free)
             # what a GPU has left for the sequences' states (their KV caches and recurrent states live in its
             # memory): the daemon admits a batch within it (fomoepy.serve.worker.default_kv_budget)
-            free = self._device_free()
             self.device_state_room = None if free is None else max(0, free - device_bytes)
         # --vram-cache, --ram-cache and --cache-policy act here: the tiers' capacities and eviction
         cache = make_cache(
@@ -140,8 +140,8 @@ class Engine:
         expert_tensors = {p.tensor for layer in self.source.layers for p in layer.parts}
         return sum(t.nbytes for name, t in self.file.tensors.items() if name not in expert_tensors)
 
-    def _default_device_bytes(self, unit: list[int]) -> int:
-        free = self._device_free()
+    def _default_device_bytes(self, unit: list[int], free: int | None) -> int:
+        """The device tier's bytes when --vram-cache is not given; free: _device_free's (None: no GPU)."""
         if free is None:
             return default_device_bytes(unit, self.spec)
         # GPU: what is free for the tier (_device_free), less the states of --max-batch sequences (`fomoe

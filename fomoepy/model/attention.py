@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fomoepy.model.rows import Segment, rows_of, stack
+from fomoepy.model.rows import Segment, one_row_each, rows_of, stack
 from fomoepy.model.spec import AttentionSpec
 from fomoepy.model.state import KVCache
 
@@ -20,10 +20,10 @@ def attention_mixer(ops, w, a: AttentionSpec, eps: float, x: np.ndarray, il: int
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(N, H * hd)
     k = ops.linear(x, w.attn_k)
     v = ops.linear(x, w.attn_v)
-    single = len(segments) == 1
-    if not single and all(s.n == 1 for s in segments) and hasattr(ops, "attend_rows"):
+    if one_row_each(segments) and hasattr(ops, "attend_rows"):
         out = _attend_rows(ops, w, a, eps, q, k, v, [s.state for s in segments], il).reshape(N, H * hd)
     else:
+        single = len(segments) == 1
         out = stack(
             ops,
             [

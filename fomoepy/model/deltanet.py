@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fomoepy.model.rows import Segment, rows_of, stack
+from fomoepy.model.rows import Segment, one_row_each, rows_of, stack
 from fomoepy.model.spec import DeltaNetSpec
 from fomoepy.model.state import DeltaNetState
 
@@ -22,10 +22,10 @@ def deltanet_mixer(ops, w, dn: DeltaNetSpec, eps: float, x: np.ndarray, il: int,
     beta = ops.sigmoid(ops.linear(x, w.ssm_beta))  # [N, Hv]
     g = ops.softplus(ops.linear(x, w.ssm_alpha) + w.ssm_dt_bias) * w.ssm_a  # log-decay, [N, Hv]
     # o [N, Hv, dv]: each sequence's rows through its own convolution and delta-rule states
-    single = len(segments) == 1
-    if not single and all(s.n == 1 for s in segments) and hasattr(ops, "delta_rule_rows"):
+    if one_row_each(segments) and hasattr(ops, "delta_rule_rows"):
         o = _recur_rows(ops, w, dn, eps, qkv, beta, g, [s.state.layers[il] for s in segments])
     else:
+        single = len(segments) == 1
         o = stack(
             ops,
             [

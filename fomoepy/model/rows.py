@@ -30,6 +30,12 @@ def rows_of(a, s: Segment, single: bool):
     return a if single else a[s.start : s.start + s.n]
 
 
+def one_row_each(segments: list[Segment]) -> bool:
+    """Whether the rows are a batched decode step's: one row of each of several sequences (the steps a
+    backend's `*_rows` calls take for all sequences at once)."""
+    return len(segments) > 1 and all(s.n == 1 for s in segments)
+
+
 def stack(ops: Any, parts: list) -> Any:
     """Segments' results in row order (one segment: itself), where the backend keeps them (a GPU's
     concat_rows: they stay on the device)."""

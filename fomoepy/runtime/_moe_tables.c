@@ -41,7 +41,7 @@ static PyObject *pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
     PyObject *out = NULL, *experts = NULL, *result = NULL;
     long long *flat = NULL, *uniq = NULL;
     float *wsorted = NULL;
-    int *rank = NULL, *order_e = NULL, *place = NULL, *count = NULL, *start = NULL, *fill = NULL, *item_of = NULL;
+    int *rank = NULL, *order_e = NULL, *place = NULL, *count = NULL, *start = NULL, *fill = NULL, *place_of = NULL;
     uint64_t *ptr = NULL;
     PyObject *slot_ptr = args[3], *offsets_tuple = args[4], *first = args[5], *then = args[6];
     const Py_ssize_t k = PyLong_AsSsize_t(args[2]);
@@ -61,8 +61,8 @@ static PyObject *pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
     flat = PyMem_Malloc(P * sizeof *flat + 1);
     uniq = PyMem_Malloc(P * sizeof *uniq + 1);
     wsorted = PyMem_Malloc(P * sizeof *wsorted + 1);
-    item_of = PyMem_Malloc(P * sizeof *item_of + 1);
-    if (!flat || !uniq || !wsorted || !item_of) {
+    place_of = PyMem_Malloc(P * sizeof *place_of + 1);
+    if (!flat || !uniq || !wsorted || !place_of) {
         PyErr_NoMemory();
         goto done;
     }
@@ -107,14 +107,14 @@ static PyObject *pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
         for (Py_ssize_t u = 0; u < U; u++)
             if (rank[u] == r) order_e[n++] = (int)u;
     for (Py_ssize_t i = 0; i < U; i++) place[order_e[i]] = (int)i;
-    for (Py_ssize_t p = 0; p < P; p++) { /* each pair's expert's place (a binary search in uniq) */
+    for (Py_ssize_t p = 0; p < P; p++) { /* each pair's expert's place in the table (a binary search in uniq) */
         Py_ssize_t lo = 0, hi = U - 1;
         while (lo < hi) {
             const Py_ssize_t mid = (lo + hi) / 2;
             if (uniq[mid] < flat[p]) lo = mid + 1;
             else hi = mid;
         }
-        item_of[p] = place[lo];
+        place_of[p] = place[lo];
         count[place[lo]]++;
     }
     int n_first = 0; /* each expert's work items: its pairs in ascending order, MOE_TILE an item */
@@ -134,7 +134,7 @@ static PyObject *pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
     Work *work = (Work *)(bytes + P * sizeof(Pair));
     int tile = 1;
     for (Py_ssize_t p = 0; p < P; p++) {
-        const int i = item_of[p];
+        const int i = place_of[p];
         pairs[p].down = ptr[order_e[i]] + offsets[2];
         pairs[p].weight = wsorted[p];
         Work *w = &work[start[i] + fill[i] / MOE_TILE];
@@ -160,7 +160,7 @@ done:
     PyMem_Free(flat);
     PyMem_Free(uniq);
     PyMem_Free(wsorted);
-    PyMem_Free(item_of);
+    PyMem_Free(place_of);
     PyMem_Free(rank);
     PyMem_Free(order_e);
     PyMem_Free(place);

@@ -173,7 +173,7 @@ class PyShelf:
 # with its pool unmaps its pages under them and leaves the driver a registration of pages no longer there
 # (on an H200 a later allocation was then refused, CUDA_ERROR_ALREADY_MAPPED). A pool closed again once
 # they are back releases them from the same dict.
-_OUTLIVING: list[dict[int, mmap.mmap]] = []
+_OUTLIVING: dict[int, dict[int, mmap.mmap]] = {}  # id of a pool's mappings -> them (held: the id stays theirs)
 
 CHUNK_BYTES = 64 << 20  # pinned memory is taken from the driver this much at a time (its calls are slow)
 # A buffer given back is free once a point marked after it has passed, about a step later (a step gives
@@ -393,14 +393,13 @@ class PinnedPool:
             self._taker.shutdown()
             self._taker = None
         if self.shelf.held() < len(self.addresses):
-            if not any(kept is self._mappings for kept in _OUTLIVING):
-                _OUTLIVING.append(self._mappings)
+            _OUTLIVING[id(self._mappings)] = self._mappings
             return
         for stream in self.copy_streams:
             self.rt.sync(stream)
         for base in self.blocks:
             self._release_chunk(base)
-        _OUTLIVING[:] = [kept for kept in _OUTLIVING if kept is not self._mappings]
+        _OUTLIVING.pop(id(self._mappings), None)
         self.blocks.clear()
         self.shelf.clear()
         self.written.clear()
