@@ -20,6 +20,10 @@ Python code they stand in for serves (the same results, more host time per step)
   without it fomoepy.experts.reads.PyRead (the same semantics, a Python frame each).
 - fomoepy/experts/_acquire.c: a step's reads issued and its plan taken and committed
   (ExpertStreamer.start_acquire) in one C call; without it the Python method, its definition.
+- fomoepy/runtime/_ggml_rounds.c: the cpu backend's decode round (a row's copy, its picks' slots, ggml's
+  graph, the outputs set at their places) in one call, and the weighted sum of a step's picks' outputs in
+  one loop; without it the same graphs run from numpy, and numpy sums (the same bits). -ffp-contract=off:
+  the sum rounds each product to float32 before adding it, as numpy's does.
 """
 
 from setuptools import Extension, setup
@@ -45,5 +49,6 @@ setup(
         optional("fomoepy.runtime._host_memory"),
         optional("fomoepy.experts._reads"),
         optional("fomoepy.experts._acquire"),
+        optional("fomoepy.runtime._ggml_rounds", "-ffp-contract=off"),
     ]
 )

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 
 from fomoepy import quants
 from fomoepy.errors import FomoeError
-from fomoepy.runtime import ggml_buffers
+from fomoepy.runtime import ggml_buffers, ggml_slots
 from fomoepy.runtime.ggml_experts import per_expert_ffn
 from fomoepy.runtime.ggml_slots import SlotLayer, SlotMatrix
 
@@ -246,3 +246,55 @@ def test_filling_repacked_slots_writes_nothing_to_stderr():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stderr == ""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_round_in_one_c_call_sets_the_numpy_rounds_bits_at_its_picks_places(experts, threads):
+    """A decode round (pick_outputs_of_row_into) through its compiled call (fomoepy/runtime/_ggml_rounds.c:
+    the row's copy, the picks' slots, ggml's graph and each output set at its pick's place) writes the bits
+    of the same graph's numpy round, at the same places, and nothing else."""
+    if ggml_slots.RoundCall is None:
+        pytest.skip("fomoepy.runtime._ggml_rounds is not built (no C compiler at install)")
+    rng = np.random.default_rng(5 + threads)
+    layer, slot_of = filled(experts, False, rng)
+    for js in ([2, 0, 3], [1], [0, 1, 2, 3]):  # the picks' places among the token's, not in order
+        h = rng.standard_normal((1, K)).astype(F32)
+        ids = rng.choice(N_EXPERT, TOP_K, replace=False)
+        slots = [int(slot_of[ids[j]]) for j in js]
+        graph = layer._pick_graph(len(js), threads, one_row=True)
+        assert graph._round is not None
+        got, want = np.full((TOP_K, K), np.nan, F32), np.full((TOP_K, K), np.nan, F32)
+        before = ggml_slots.MATMUL.seconds
+        layer.pick_outputs_of_row_into(h, slots, threads, got, js)
+        assert ggml_slots.MATMUL.seconds > before  # its ggml time counted as the products'
+        compiled, graph._round = graph._round, None  # the same graph, its numpy round
+        try:
+            layer.pick_outputs_of_row_into(h, slots, threads, want, js)
+        finally:
+            graph._round = compiled
+        assert not np.isnan(got[js]).any()
+        assert np.array_equal(got, want, equal_nan=True)  # the other places untouched in both
+        assert np.array_equal(got[js], layer.pick_outputs(np.repeat(h, len(js), axis=0), np.array(slots), threads))
+
+
+def test_the_weighted_sum_in_c_has_numpys_bits_and_leaves_what_it_cannot_take_to_numpy():
+    """weighted_sum's compiled loop (products rounded to float32, pick j added after 0..j-1) gives numpy's
+    `np.add.reduce(y * w[:, :, None], axis=1)` bit for bit, at a decode row's shape and others; arrays it
+    does not take (not float32, not contiguous, shapes that disagree) it declines, and numpy serves."""
+    if ggml_slots._rounds is None:
+        pytest.skip("fomoepy.runtime._ggml_rounds is not built (no C compiler at install)")
+    rng = np.random.default_rng(3)
+    for T, k, n in [(1, 8, 1024), (1, 10, 4096), (3, 5, 7), (1, 1, 4), (17, 10, 300)]:
+        y = (rng.standard_normal((T, k, n)) * rng.choice([1e-3, 1.0, 1e3], (T, k, 1))).astype(F32)
+        w = rng.dirichlet(np.ones(k), size=T).astype(F32)
+        out = np.full((T, n), np.nan, F32)
+        assert ggml_slots._rounds.weighted_sum(y, w, out) is True
+        want = np.add.reduce(y * w[:, :, None], axis=1)
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+        assert np.array_equal(ggml_slots.weighted_sum(y, w).view(np.uint32), want.view(np.uint32))
+    y, w = rng.standard_normal((2, 4, 6)).astype(F32), rng.random((2, 4)).astype(F32)
+    out = np.zeros((2, 6), F32)
+    for args in [(y.astype(np.float64), w, out), (y[:, ::2], w[:, ::2], out), (y, w[:, :3], out), (y, w, np.zeros((2, 5), F32))]:
+        assert ggml_slots._rounds.weighted_sum(*args) is False
+    assert not out.any()  # nothing written by those declined
+    assert np.array_equal(ggml_slots.weighted_sum(y.astype(np.float64), w), np.add.reduce(y.astype(np.float64) * w[:, :, None], axis=1))

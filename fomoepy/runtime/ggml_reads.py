@@ -36,9 +36,11 @@ from fomoepy.runtime.ggml_slots import (
     SlotLayer,
     expert_outputs,
     graph_plan,
+    round_call,
     run_graph,
 )
 from fomoepy.runtime.pinned import ALIGN, contiguous_address, hand_out
+from fomoepy.timing import MATMUL
 
 F32 = np.float32
 _OVERHEAD = ggml.ggml_tensor_overhead()
@@ -250,11 +252,26 @@ class InPlaceRound:
             y.contents.data = out.ctypes.data
             ggml.ggml_build_forward_expand(self.gf, y)
         self.plan, self.work = graph_plan(self.gf, threads)
+        # a one-row round in one C call where it is built (its sets: those with picks)
+        sets = [(ids, out) for ids, out in ((self._slots, self._from_slots), (self._bufs, self._from_bufs)) if ids.size]
+        self._round = round_call(self.gf, self.plan, self._rows[0], sets) if not per_pick else None
+        self._which = tuple(i for i, ids in enumerate((self._slots, self._bufs)) if ids.size)
         arrays = (self._slots, self._bufs, self._from_slots, self._from_bufs, *self._rows[: 2 if per_pick else 1])
         self.nbytes = mem_size + self.work.nbytes + sum(a.nbytes for a in arrays)  # what it holds
 
     def run_into(self, row: np.ndarray, slots: list[int], bufs: list[int], into: np.ndarray, at_slots, at_bufs) -> None:
         """One shared row: the picks' outputs set into into[at_slots] and into[at_bufs]."""
+        if self._round is not None:
+            which = self._which
+            if len(which) == 2:
+                seconds = self._round(row, (slots, bufs), into, (at_slots, at_bufs))
+            elif which == (0,):
+                seconds = self._round(row, (slots,), into, (at_slots,))
+            else:
+                seconds = self._round(row, (bufs,), into, (at_bufs,))
+            if seconds is not None:
+                MATMUL.seconds += seconds
+                return
         self._rows[0][:] = row  # (both sets read it)
         self._slots[0] = slots
         self._bufs[0] = bufs
@@ -274,6 +291,7 @@ class InPlaceRound:
         return self._from_slots.copy(), self._from_bufs.copy()
 
     def free(self) -> None:
+        self._round = None  # (it computes this context's graph)
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None

@@ -41,6 +41,12 @@ from fomoepy.runtime import ggml_buffers
 from fomoepy.runtime.pinned import contiguous_address
 from fomoepy.timing import MATMUL
 
+try:  # optional (setup.py): a decode round's copies, ids and computation in one call; the weighted sum's ops
+    from fomoepy.runtime import _ggml_rounds as _rounds
+    from fomoepy.runtime._ggml_rounds import RoundCall
+except ImportError:
+    _rounds = RoundCall = None
+
 F32 = np.float32
 _OVERHEAD = ggml.ggml_tensor_overhead()
 _MAX_GRAPHS = 8  # token counts kept per layer: decode (1) and a few small batches
@@ -352,6 +358,8 @@ class _SlotGraph:
         self.gf = ggml.ggml_new_graph(ctx)
         ggml.ggml_build_forward_expand(self.gf, self.out)
         self.plan, self.work = graph_plan(self.gf, threads)
+        # a one-row round (pick_outputs_of_row_into) in one C call where it is built
+        self._round = round_call(self.gf, self.plan, self._h, ((self._ids, self._rows),)) if not weighted and T == 1 else None
 
     def run(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray | None) -> np.ndarray:
         """h [T, K], ids [T, k] slots, w [T, k] (None unweighted) → a fresh [T, K] (unweighted [T, k, K])."""
@@ -371,12 +379,18 @@ class _SlotGraph:
         is the round's first touch of memory after the step's waits and slot fills: it takes ~33 µs there
         (line_profiler, bench model at a 25 % tier), whatever its size; a size of 8 KB or 64 KB made no
         difference measured."""
+        if self._round is not None and type(at) is list:
+            seconds = self._round(row, (slots,), into, (at,))
+            if seconds is not None:  # (None: a row or `into` not float32 and contiguous)
+                MATMUL.seconds += seconds
+                return
         self._h[:] = row
         self._ids[0] = slots
         run_graph(self.gf, self.plan)
         into[at] = self._rows
 
     def free(self) -> None:
+        self._round = None  # (it computes this context's graph)
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
@@ -425,6 +439,9 @@ def weighted_sum(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     product y·w rounded to float32, then added one pick after another) as two numpy calls, not 2k-1
     (~5 µs against ~15 for a decode row). numpy reduces an axis that is not the innermost one by adding
     its slices in order into a copy of the first, elementwise over the inner axis: the loop's sums."""
+    out = np.empty((y.shape[0], y.shape[2]), F32)
+    if _rounds is not None and _rounds.weighted_sum(y, w, out):  # (the same ops in C: no temporaries, no second call)
+        return out
     return np.add.reduce(y * w[:, :, None], axis=1)
 
 
@@ -472,6 +489,18 @@ def graph_plan(gf, threads: int):
     work = np.empty(max(plan.work_size, 1), np.uint8)
     plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     return plan, work  # the work buffer must outlive the plan's use
+
+
+def round_call(gf, plan, h: np.ndarray, sets) -> RoundCall | None:
+    """A RoundCall of the graph `gf` (planned: `plan`) that reads the row h [1, K] and, for each set of picks
+    (ids [1, P] int32, outputs [P, K] float32, the graph's own arrays), writes its outputs; None where
+    the C part is not built."""
+    if RoundCall is None:
+        return None
+    return RoundCall(ctypes.cast(ggml.ggml_graph_compute, ctypes.c_void_p).value, ctypes.cast(gf, ctypes.c_void_p).value,
+                     ctypes.addressof(plan), h.ctypes.data, h.shape[-1],
+                     tuple((ids.ctypes.data, ids.size, out.ctypes.data) for ids, out in sets),
+                     (h, *itertools.chain.from_iterable(sets)))  # fmt: skip
 
 
 def run_graph(gf, plan) -> None:
