@@ -153,7 +153,8 @@ class GgmlExperts:
             return pool.layer.ffn_unchecked(h, slots, weights, threads)
         slot_of: dict[int, int] = {}
         missing = []
-        held = dict(zip(*(listed or (ids.ravel().tolist(), slots.ravel().tolist()))))  # expert -> its tier slot, -1: none
+        id_list, slot_list = listed if listed is not None else (ids.ravel().tolist(), slots.ravel().tolist())
+        held = dict(zip(id_list, slot_list))  # expert -> its tier slot, -1: none
         for e in sorted(held):  # ascending expert id, as np.unique gave them (a few ints: no numpy call)
             if held[e] >= 0:
                 slot_of[e] = held[e]

@@ -262,13 +262,11 @@ class InPlaceRound:
     def run_into(self, row: np.ndarray, slots: list[int], bufs: list[int], into: np.ndarray, at_slots, at_bufs) -> None:
         """One shared row: the picks' outputs set into into[at_slots] and into[at_bufs]."""
         if self._round is not None:
-            which = self._which
-            if len(which) == 2:
+            if len(self._which) == 2:
                 seconds = self._round(row, (slots, bufs), into, (at_slots, at_bufs))
-            elif which == (0,):
-                seconds = self._round(row, (slots,), into, (at_slots,))
-            else:
-                seconds = self._round(row, (bufs,), into, (at_bufs,))
+            else:  # (the one set with picks)
+                i = self._which[0]
+                seconds = self._round(row, ((slots, bufs)[i],), into, ((at_slots, at_bufs)[i],))
             if seconds is not None:
                 MATMUL.seconds += seconds
                 return

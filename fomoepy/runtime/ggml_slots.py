@@ -439,9 +439,10 @@ def weighted_sum(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     product y·w rounded to float32, then added one pick after another) as two numpy calls, not 2k-1
     (~5 µs against ~15 for a decode row). numpy reduces an axis that is not the innermost one by adding
     its slices in order into a copy of the first, elementwise over the inner axis: the loop's sums."""
-    out = np.empty((y.shape[0], y.shape[2]), F32)
-    if _rounds is not None and _rounds.weighted_sum(y, w, out):  # (the same ops in C: no temporaries, no second call)
-        return out
+    if _rounds is not None:  # the same ops in C: no temporaries, no second call
+        out = np.empty((y.shape[0], y.shape[-1]), F32)
+        if _rounds.weighted_sum(y, w, out):
+            return out
     return np.add.reduce(y * w[:, :, None], axis=1)
 
 
