@@ -110,6 +110,7 @@ class Engine:
         streamer = ExpertStreamer(self.source, cache, self.spec.moe.n_expert_used, o, self.spec.name, record_trace=trace,
                                   download=device.download if device.can_download else None,
                                   buffers=getattr(device, "host_buffer", None),
+                                  buffers_anywhere=getattr(device, "host_buffer_anywhere", False),
                                   read_ahead_pays=getattr(device, "read_ahead_pays", None),
                                   plans_beside=getattr(device, "plans_beside", False))  # fmt: skip
         slot_nbytes = getattr(self.source, "slot_nbytes", None)

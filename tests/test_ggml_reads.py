@@ -3,6 +3,7 @@ computes the misses its tier does not keep where they landed, not from staging s
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from conftest import ORACLE
 
 from fomoepy.engine import Engine, EngineOptions
+from fomoepy.experts.read_buffers import ReadBuffers
 from fomoepy.experts.store_writer import prepare_store
 from fomoepy.runtime import ggml_experts, ggml_pool, ggml_reads
 from fomoepy.runtime.ggml_reads import DeviceReads, ReadArena
@@ -182,3 +184,63 @@ def test_the_rounds_of_a_pick_a_row_kept_stay_within_their_bytes_and_the_logits_
     assert not kept and made
     assert all(g.ctx is None for g in made)  # each one's ggml memory freed after its call
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_streamed_decode_takes_a_read_buffer_for_each_read_issued_and_none_for_a_guess_dropped_unissued(store, monkeypatch):
+    # the next layer's guesses are read ahead as the drives free up, and most are dropped unissued when that
+    # step comes: their buffers are taken as they are issued (host_buffer_anywhere), so none is taken for those
+    from fomoepy.experts.store_reader import ExpertStore
+
+    path, d, tokens, want = store
+    calls = {"takes": 0, "reads": 0}
+    real_take, real_submit = DeviceReads.take, ExpertStore.submit
+
+    def take(self, nbytes):
+        calls["takes"] += 1
+        return real_take(self, nbytes)
+
+    def submit(self, *a, **k):
+        calls["reads"] += 1
+        return real_submit(self, *a, **k)
+
+    monkeypatch.setattr(DeviceReads, "take", take)
+    monkeypatch.setattr(ExpertStore, "submit", submit)
+    engine = Engine(path, EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=0))
+    state = engine.new_state()
+    got = np.stack([engine.decode_token(state, t) for t in tokens])
+    ahead = engine.experts.streamer.read_ahead.counts
+    engine.close()
+    assert ahead.skipped > 0  # guesses were dropped unissued (the case this is about)
+    assert calls["takes"] == calls["reads"] > len(tokens)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("pool", [lambda: DeviceReads(count=4), lambda: ReadBuffers(max_idle=2)], ids=["arena", "reused"])
+def test_read_buffers_taken_and_given_back_on_many_threads_have_one_holder_each(pool):
+    # a read made ahead takes its buffer on whichever thread issues it: each buffer handed out is its
+    # holder's alone until it is given back (each holder fills its buffers with a mark and finds it intact)
+    take, errors = pool().take, []
+
+    def hold(me: int) -> None:
+        held = []
+        for i in range(2000):
+            buf = take(3 * ALIGN).view(np.int64)
+            buf[:] = mark = me << 32 | i
+            held.append((mark, buf))
+            if len(held) > 2 or i % 3 == 0:
+                mark, buf = held.pop(0)
+                if not (buf == mark).all():
+                    errors.append(f"holder {me}: buffer {mark} written by another")
+                    return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switched as often as they can be)
+    try:
+        threads = [threading.Thread(target=hold, args=(me,)) for me in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []

@@ -194,6 +194,62 @@ def test_a_list_of_prepares_gives_each_guess_what_its_layer_makes(ReadAhead):
         ahead.queue(3, [1])  # no layer 3 among the prepares: the guesses of layer 2 stay as they were
     assert ahead.take(2, {8: None}).keys() == {8}
 
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+@pytest.mark.parametrize("as_list", [False, True], ids=["function", "list"])
+def test_with_prepare_anywhere_a_guess_takes_what_its_read_needs_as_it_is_issued_and_a_dropped_one_nothing(ReadAhead, as_list):
+    # the cpu device's read arena may be taken from on any thread: a guess's buffer is taken by the thread
+    # that issues its read, and the guesses a step drops unissued (most of them) take none
+    drive = Drive()
+    made, used = [], []
+
+    def prepare(layer, expert=None):
+        made.append((layer, expert, threading.get_ident()))
+        return f"buffer {len(made)}"
+
+    def submit(layer, expert, prepared):
+        used.append((expert, prepared))
+        return drive.submit(layer, expert)
+
+    prepares = [lambda layer=layer: prepare(layer) for layer in range(3)] if as_list else prepare
+    ahead = ReadAhead(submit, depth=1, prepare=prepares, prepare_anywhere=True)
+    ahead.queue(2, [7, 8, 9])
+    me = threading.get_ident()
+    assert made == [(2, None if as_list else 7, me)] and used == [(7, "buffer 1")]  # the one issued, no more
+    landing = threading.Thread(target=drive.land, args=(2, 7))
+    landing.start()
+    landing.join()
+    assert made[1] == (2, None if as_list else 8, landing.ident) and used[1] == (8, "buffer 2")
+    assert ahead.take(2, {8: None}).keys() == {8}  # 9 dropped unissued: nothing was made for it
+    assert len(made) == 2 and ahead.counts.skipped == 1
+    if as_list:
+        with pytest.raises(IndexError):
+            ahead.queue(3, [1])  # no layer 3 among the prepares: refused as it is queued, as before
+
+
+@pytest.mark.parametrize("ReadAhead", AHEADS, ids=ids)
+def test_with_prepare_anywhere_a_failing_prepare_is_a_refused_read(ReadAhead):
+    # made as the guess is issued, a prepare that fails fails as its submit would: a RuntimeError (a closed
+    # pool) leaves the guess unissued and the drive free, and issues nothing more for now; any other error
+    # is raised to the caller, the drive free too
+    drive = Drive()
+    failures = [RuntimeError("closed"), None, ValueError("bad")]
+
+    def prepare(layer, expert):
+        error = failures.pop(0)
+        if error is not None:
+            raise error
+        return "buffer"
+
+    ahead = ReadAhead(lambda layer, expert, prepared: drive.submit(layer, expert), depth=2, prepare=prepare, prepare_anywhere=True)
+    ahead.queue(0, [1, 2])
+    assert drive.issued == [] and ahead.in_flight == 0 and ahead.counts.issued == 1
+    ahead.queue(1, [3])
+    assert drive.issued == [(1, 3)] and ahead.in_flight == 1
+    with pytest.raises(ValueError, match="bad"):
+        ahead.queue(2, [5])
+    assert ahead.in_flight == 1 and drive.issued == [(1, 3)]  # 3's read still holds its drive; 5's none
+
+
 def test_the_gate_turns_reading_ahead_off_below_the_share_that_pays_and_on_again_above_it():
     from fomoepy.experts.read_ahead import ReadAheadGate
 

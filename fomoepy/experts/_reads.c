@@ -160,7 +160,8 @@ static PyTypeObject ReadType = {
 /* -- ReadAhead: guesses fed to the drives a few at a time (fomoepy.experts.read_ahead.PyReadAhead) -------
 
    The same semantics as PyReadAhead, the definition (read its docstring): queue(layer, experts) makes what
-   each guess's read needs (prepare, on the calling thread) and issues them as the depth allows; a landing
+   each guess's read needs (prepare, on the calling thread; with prepare_anywhere, as each is issued, on the
+   issuing thread) and issues them as the depth allows; a landing
    read (its callback, on whichever thread lands it) issues the next; take(layer, wanted) hands over the
    reads the step chose and drops the other guesses of its layer; close() issues nothing more. Its state
    is changed only under the GIL with no Python code between a test and its update (PyReadAhead's lock);
@@ -169,7 +170,7 @@ static PyTypeObject ReadType = {
 
 typedef struct {
     PyObject *key;      /* (layer, expert) */
-    PyObject *prepared; /* what its read needs (prepare's), or None */
+    PyObject *prepared; /* what its read needs (prepare's), or None; NULL: made as it is issued (anywhere) */
     long at;            /* its position in its step's reading order */
 } Guess;
 
@@ -186,6 +187,7 @@ typedef struct {
     Guess *queued;
     Issued *issued;
     int closed;
+    int anywhere; /* prepare may run on any thread: called as a guess is issued, never for one dropped unissued */
 } ReadAheadObject;
 
 static PyObject *one, *str__landed, *log_debug, *str_done, *str_add_done_callback, *str_read_at, *str_used_at;
@@ -228,7 +230,7 @@ static int count_read(ReadAheadObject *self, long at, int used) {
 static void clear_queued(ReadAheadObject *self) {
     for (Py_ssize_t i = self->head; i < self->n_queued; i++) {
         Py_DECREF(self->queued[i].key);
-        Py_DECREF(self->queued[i].prepared);
+        Py_XDECREF(self->queued[i].prepared);
     }
     PyMem_Free(self->queued);
     self->queued = NULL;
@@ -253,6 +255,24 @@ static int ask(PyObject *future, PyObject *name) {
     return truth;
 }
 
+/* what the read of the guess `key` needs: prepare[layer](), prepare(layer, expert), or None (a new reference;
+   NULL with an error set) */
+static PyObject *prepared_for(ReadAheadObject *self, PyObject *key) {
+    if (PyList_Check(self->prepare)) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(key, 0));
+        if (at < 0 || at >= PyList_GET_SIZE(self->prepare)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "ReadAhead: no prepare for this layer");
+            return NULL;
+        }
+        PyObject *take = Py_NewRef(PyList_GET_ITEM(self->prepare, at)); /* (held: a call may change the list) */
+        PyObject *prepared = PyObject_CallNoArgs(take);
+        Py_DECREF(take);
+        return prepared;
+    }
+    if (self->prepare == Py_None) return Py_NewRef(Py_None);
+    return PyObject_CallFunctionObjArgs(self->prepare, PyTuple_GET_ITEM(key, 0), PyTuple_GET_ITEM(key, 1), NULL);
+}
+
 /* PyReadAhead._issue */
 static int issue(ReadAheadObject *self) {
     for (;;) {
@@ -261,12 +281,15 @@ static int issue(ReadAheadObject *self) {
         self->in_flight++;
         if (count(self, C_ISSUED, 1) || PySet_Add(self->submitting, g.key)) {
             Py_DECREF(g.key);
-            Py_DECREF(g.prepared);
+            Py_XDECREF(g.prepared);
             return -1;
         }
-        PyObject *future = PyObject_CallFunctionObjArgs(self->submit, PyTuple_GET_ITEM(g.key, 0), PyTuple_GET_ITEM(g.key, 1),
-                                                        g.prepared, NULL);
-        Py_DECREF(g.prepared);
+        /* (prepare_anywhere: made now, here; its failure is the submit's, the guess not issued) */
+        PyObject *prepared = g.prepared ? g.prepared : prepared_for(self, g.key);
+        PyObject *future = !prepared ? NULL
+                           : PyObject_CallFunctionObjArgs(self->submit, PyTuple_GET_ITEM(g.key, 0), PyTuple_GET_ITEM(g.key, 1),
+                                                          prepared, NULL);
+        Py_XDECREF(prepared);
         PyObject *type = NULL, *value = NULL, *trace = NULL;
         if (!future) {
             if (PyErr_ExceptionMatches(PyExc_RuntimeError)) { /* a closed store's pool: a guess is optional */
@@ -359,14 +382,14 @@ static PyObject *ReadAhead_queue(ReadAheadObject *self, PyObject *const *args, P
             take = Py_NewRef(PyList_GET_ITEM(self->prepare, at)); /* (held: a call may change the list) */
         }
     }
-    for (; !rc && made < n; made++) { /* (what each read needs, made on this thread, in order) */
+    for (; !rc && made < n; made++) { /* (what each read needs, made on this thread, in order; anywhere: as issued) */
         PyObject *e = PyNumber_Long(PySequence_Fast_GET_ITEM(seq, made));
         PyObject *key = e ? PyTuple_Pack(2, layer, e) : NULL;
-        PyObject *prepared = !key ? NULL : take ? PyObject_CallNoArgs(take)
+        PyObject *prepared = !key ? NULL : self->anywhere ? NULL : take ? PyObject_CallNoArgs(take)
                              : self->prepare != Py_None ? PyObject_CallFunctionObjArgs(self->prepare, layer, e, NULL)
                                                         : Py_NewRef(Py_None);
         Py_XDECREF(e);
-        if (!prepared) {
+        if (!key || (!prepared && !self->anywhere)) {
             Py_XDECREF(key);
             rc = -1;
             break;
@@ -378,7 +401,7 @@ static PyObject *ReadAhead_queue(ReadAheadObject *self, PyObject *const *args, P
     if (rc) {
         for (Py_ssize_t i = 0; guesses && i < made; i++) {
             Py_DECREF(guesses[i].key);
-            Py_DECREF(guesses[i].prepared);
+            Py_XDECREF(guesses[i].prepared);
         }
         PyMem_Free(guesses);
         Py_DECREF(layer);
@@ -438,7 +461,7 @@ static PyObject *ReadAhead_take(ReadAheadObject *self, PyObject *const *args, Py
         Guess g = self->queued[i];
         if (layer_of_key(g.key) == layer) {
             Py_DECREF(g.key);
-            Py_DECREF(g.prepared);
+            Py_XDECREF(g.prepared);
             skipped++;
         } else
             self->queued[kept++] = g;
@@ -537,9 +560,10 @@ static int ReadAhead_set_depth(ReadAheadObject *self, PyObject *value, void *unu
 }
 
 static int ReadAhead_init(ReadAheadObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"submit", "depth", "prepare", NULL};
+    static char *names[] = {"submit", "depth", "prepare", "prepare_anywhere", NULL};
     PyObject *submit, *depth, *prepare = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", names, &submit, &depth, &prepare)) return -1;
+    int anywhere = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|Op", names, &submit, &depth, &prepare, &anywhere)) return -1;
     if (ReadAhead_set_depth(self, depth, NULL)) return -1;
     PyObject *module = PyImport_ImportModule("fomoepy.experts.read_ahead");
     PyObject *counts_type = module ? PyObject_GetAttrString(module, "ReadAheadCounts") : NULL;
@@ -553,6 +577,7 @@ static int ReadAhead_init(ReadAheadObject *self, PyObject *args, PyObject *kw) {
     }
     Py_XSETREF(self->submit, Py_NewRef(submit));
     Py_XSETREF(self->prepare, Py_NewRef(prepare));
+    self->anywhere = anywhere;
     Py_XSETREF(self->counts, counts);
     Py_XSETREF(self->submitting, submitting);
     return 0;

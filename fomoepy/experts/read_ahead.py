@@ -125,6 +125,11 @@ class ReadAheadGate:
                      "on" if reading else "off", 100 * self.share, 100 * self.pays_above)  # fmt: skip
 
 
+def _unmade(key: Key) -> Any:
+    """What a guess's read needs, not made yet (prepare_anywhere: made as it is issued)."""
+    return _unmade
+
+
 class PyReadAhead:
     """Feeds guesses to `submit(layer, expert, prepared) -> a read in flight` at most `depth` at a time.
 
@@ -132,17 +137,23 @@ class PyReadAhead:
     it) issues the next guess. What a read needs from objects only the inference thread may touch (a
     pinned buffer from a GPU device's pool) is made when the guess is queued, by `prepare(layer, expert)`
     (or, where `prepare` is a list, one callable per layer: `prepare[layer]()`, no frame of a function that
-    only picks the layer's), and handed to `submit` with it. All state is under one lock; `submit` is called outside it, since a
+    only picks the layer's), and handed to `submit` with it. With `prepare_anywhere` (a prepare that any
+    thread may call: the cpu device's read arena) it is made as the guess is issued, on the issuing thread:
+    most guesses are dropped unissued (a decode step's next layer's, on the bench model at a 25 % tier: 4.4
+    taken a step and 0.4 issued), and each made for nothing cost a buffer's taking and giving back on the
+    inference thread (8-19 µs of its host time a step, by hand). All state is under one lock; `submit` is called outside it, since a
     store may complete a read at once and so call back into this object on the same thread. The
     definition: where setup.py built it, ReadAhead is fomoepy/experts/_reads.c's, the same in C (a step
     queues and takes about three guesses, some fifteen Python frames and twenty lock operations here)."""
 
     def __init__(self, submit: Callable[[int, int, Any], InFlight], depth: int,
-                 prepare: Callable[[int, int], Any] | list[Callable[[], Any]] | None = None):  # fmt: skip
+                 prepare: Callable[[int, int], Any] | list[Callable[[], Any]] | None = None,
+                 prepare_anywhere: bool = False):  # fmt: skip
         if depth < 1:
             raise ValueError(f"read-ahead depth must be >= 1, got {depth}")
         self.submit = submit  # (replaceable: the reads queued after go to the new one)
         self._prepare = prepare
+        self._anywhere = prepare_anywhere
         self.depth = depth
         self.counts = ReadAheadCounts()
         # a plain lock for the state (a Condition's own `with` is Python code, and a step takes it a few
@@ -159,15 +170,11 @@ class PyReadAhead:
     def queue(self, layer: int, experts: Iterable[int]) -> None:
         """Read these guesses for `layer` (most confident first) as the drives free up. Guesses for another
         layer still queued are dropped: a read made ahead is worth it for the next step only."""
-        prepare = self._prepare or (lambda layer, expert: None)
-        if isinstance(prepare, list):  # one callable per layer, called with no arguments
-            take = prepare[layer]
-
-            def prepare(layer: int, expert: int) -> Any:
-                return take()
-
-        # (key, what its read needs, its position in the reading order), made on the calling thread
-        guesses = deque([((layer, e), prepare(layer, e), i) for i, e in enumerate(map(int, experts))])  # (a list: one frame, not one per guess)
+        if isinstance(self._prepare, list):
+            self._prepare[layer]  # (a layer with none refused here, as the guesses are queued)
+        prepare = _unmade if self._anywhere else self._prepared_for
+        # (key, what its read needs, its position in the reading order), made on the calling thread (anywhere: as issued)
+        guesses = deque([((layer, e), prepare((layer, e)), i) for i, e in enumerate(map(int, experts))])  # (a list: one frame, not one per guess)
         with self._lock:
             self.counts.skipped += len(self._queued)
             self._queued = guesses
@@ -213,6 +220,13 @@ class PyReadAhead:
     def in_flight(self) -> int:
         return self._in_flight
 
+    def _prepared_for(self, key: Key) -> Any:
+        """What the read of the guess `key` needs: prepare[layer](), prepare(layer, expert), or None."""
+        prepare = self._prepare
+        if prepare is None:
+            return None
+        return prepare[key[0]]() if isinstance(prepare, list) else prepare(*key)
+
     def _issue(self) -> None:
         while True:
             with self._lock:
@@ -223,8 +237,8 @@ class PyReadAhead:
                 self.counts.issued += 1
                 self._submitting.add(key)
             future, landed = None, False
-            try:
-                future = self.submit(*key, prepared)
+            try:  # (prepare_anywhere: what the read needs made now, here; its failure the submit's)
+                future = self.submit(*key, self._prepared_for(key) if prepared is _unmade else prepared)
             except RuntimeError as e:  # a closed store's pool: a guess is optional; a step's own read reports it
                 log.debug("read ahead of %s not issued: %s", key, e)
             finally:

@@ -17,6 +17,7 @@ bounded engine's memory is that many experts' bytes; buffers in use are the read
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import numpy as np
@@ -27,10 +28,12 @@ MAX_IDLE = 16  # about what is in flight at once: the store's reads, reads made 
 
 
 class ReadBuffers:
-    """`take(nbytes)` on the inference thread; buffers come back from any thread."""
+    """`take(nbytes)` from any thread (a read made ahead takes its buffer as it is issued, on whichever
+    thread issues it); buffers come back from any thread."""
 
     def __init__(self, max_idle: int = MAX_IDLE):
         self.max_idle = max_idle
+        self._lock = threading.Lock()
         self._owners: dict[int, np.ndarray] = {}  # address -> the allocation a buffer views (kept alive here)
         self._idle: dict[int, list[int]] = {}  # size -> addresses nobody holds
         self._n_idle = 0
@@ -40,23 +43,25 @@ class ReadBuffers:
     def take(self, nbytes: int) -> np.ndarray:
         """A 4 KiB-aligned uint8 buffer of exactly `nbytes` (as O_DIRECT reads need), not held by anyone."""
         size = -(-nbytes // ALIGN) * ALIGN
-        self._collect()
-        free = self._idle.get(size)
-        if free:
-            address = free.pop()
-            self._n_idle -= 1
-        else:
-            owner = np.empty(size + ALIGN, np.uint8)
-            address = owner.ctypes.data + (-owner.ctypes.data % ALIGN)
-            self._owners[address] = owner
-            self.allocated += 1
+        with self._lock:
+            self._collect()
+            free = self._idle.get(size)
+            if free:
+                address = free.pop()
+                self._n_idle -= 1
+            else:
+                owner = np.empty(size + ALIGN, np.uint8)
+                address = owner.ctypes.data + (-owner.ctypes.data % ALIGN)
+                self._owners[address] = owner
+                self.allocated += 1
         return hand_out(address, size, self._returned.append)[:nbytes]
 
     @property
     def idle(self) -> int:
         """Buffers nobody holds, kept for the next reads (those given back since the last take counted)."""
-        self._collect()
-        return self._n_idle
+        with self._lock:
+            self._collect()
+            return self._n_idle
 
     def _collect(self) -> None:
         while self._returned:

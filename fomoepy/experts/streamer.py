@@ -101,6 +101,7 @@ class ExpertStreamer:
         buffers: Callable[[int], np.ndarray] | None = None,
         read_ahead_pays: float | None = None,
         plans_beside: bool = False,
+        buffers_anywhere: bool = False,
     ):
         """options: the engine's, of which the streamer acts on car, backfill, backfill_per_token,
         prefetch, trace and freq_profile (the tiers' sizes and policies are the cache's).
@@ -111,6 +112,9 @@ class ExpertStreamer:
         copy up needs no staging memcpy; the cpu device's read arena, whose buffers its decode rounds
         compute from in place), used where the source reads into given buffers; without one,
         such a source's reads land in buffers reused from read to read (fomoepy.experts.read_buffers).
+        buffers_anywhere: `buffers` may be called from any thread (the cpu device's read arena; the reused
+        buffers are): a read made ahead takes its buffer as it is issued, so a guess dropped unissued takes
+        none. Otherwise (a GPU device's pinned pool, the inference thread's alone) it takes it as it is queued.
         read_ahead_pays: the share of guesses read that must be right for reading ahead to pay on the
         device's schedule (ReadAheadGate); None: reading ahead is never turned off.
         plans_beside: each step's cache plan is begun as its reads are issued and its commit applied while it
@@ -134,7 +138,7 @@ class ExpertStreamer:
         slot_nbytes = getattr(source, "slot_nbytes", None)
         if buffers is None and slot_nbytes is not None and getattr(source, "submit", None) is not None:
             self.read_buffers: ReadBuffers | None = ReadBuffers()
-            buffers = self.read_buffers.take
+            buffers, buffers_anywhere = self.read_buffers.take, True
         else:
             self.read_buffers = None
         # per layer, a buffer of its slot's size for a read (sizes asked once, not at every read; a partial
@@ -154,8 +158,10 @@ class ExpertStreamer:
         # the next layer's guesses not yet cached, fed to the drives as they free up (fomoepy.experts.read_ahead)
         depth = getattr(source, "read_ahead_depth", DEPTH_PER_DRIVE)
         # a guess's read buffer is taken as it is queued, on this thread (a GPU device's pinned pool is the
-        # inference thread's alone); the read is issued later, by whichever thread saw the last one land
-        self.read_ahead = ReadAhead(self._read_ahead_submit(), depth, self._read_buffer) if self._prefetching() else None
+        # inference thread's alone), or where buffers_anywhere as it is issued; the read is issued later, by
+        # whichever thread saw the last one land
+        self.read_ahead = (ReadAhead(self._read_ahead_submit(), depth, self._read_buffer, prepare_anywhere=buffers_anywhere)
+                           if self._prefetching() else None)  # fmt: skip
         self.gate = ReadAheadGate(read_ahead_pays) if read_ahead_pays is not None and self.read_ahead is not None else None
         self._guessed: dict[int, list[int]] = {}  # layer -> its guesses no tier held when they were made (the gate's)
         self.trace: TraceWriter | None = None

@@ -86,6 +86,7 @@ class GgmlExperts:
         # from them where they lie
         self.reads = DeviceReads()
         self.host_buffer = self.reads.take
+        self.host_buffer_anywhere = True  # (DeviceReads.take: any thread; a read made ahead takes it as issued)
         self._part_sizes = [tuple(p.nbytes for p in layer.parts) for layer in layers]  # a record's parts, in order
 
     def expert_nbytes(self, layer: int) -> int:

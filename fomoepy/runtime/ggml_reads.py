@@ -21,6 +21,7 @@ arena touches only the pages of as many buffers as were ever in use at once.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
@@ -97,10 +98,12 @@ class ReadArena:
 
 class DeviceReads:
     """The cpu device's buffers for reads (its `host_buffer`): from the arena of the read's size while it
-    has one free, else a buffer reused from read to read."""
+    has one free, else a buffer reused from read to read. `take` may be called from any thread (a read
+    made ahead takes its buffer as it is issued, on whichever thread issues it: host_buffer_anywhere)."""
 
     def __init__(self, count: int = ARENA_BUFFERS):
         self.count = count
+        self._taking = threading.Lock()
         self.arenas: dict[int, ReadArena] = {}
         self.others = ReadBuffers(max_idle=OTHERS_IDLE)
         self._tensors: dict[tuple[int, int], tuple] = {}  # (id(slot layer), id(arena)) -> (layer, arena, context, matrices)
@@ -109,12 +112,13 @@ class DeviceReads:
     def take(self, nbytes: int) -> np.ndarray:
         """A 4 KiB-aligned uint8 buffer of exactly `nbytes` (as O_DIRECT reads need), not held by anyone."""
         size = -(-nbytes // ALIGN) * ALIGN
-        arena = self.arenas.get(size)
-        if arena is None:
-            arena = self.arenas[size] = ReadArena(size, self.count)
-        buf = arena.take()
-        if buf is None:
-            return self.others.take(nbytes)
+        with self._taking:  # (an arena's free list and the others' pool are one thread's at a time)
+            arena = self.arenas.get(size)
+            if arena is None:
+                arena = self.arenas[size] = ReadArena(size, self.count)
+            buf = arena.take()
+            if buf is None:
+                return self.others.take(nbytes)
         return buf[:nbytes] if nbytes != size else buf
 
     def locate(self, parts, sizes: tuple[int, ...]) -> tuple[ReadArena, int] | None:
