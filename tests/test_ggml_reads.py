@@ -37,7 +37,12 @@ def test_an_arenas_buffers_are_aligned_apart_and_come_back_from_any_thread_the_l
     assert arena.take().ctypes.data == starts[2]  # given back last, handed out first
 
 
-def test_device_reads_take_from_the_arena_of_their_size_then_buffers_of_their_own_and_locate_a_records_parts():
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
+def test_device_reads_take_from_the_arena_of_their_size_then_buffers_of_their_own_and_locate_a_records_parts(compiled, monkeypatch):
+    if compiled and ggml_reads.record_index is None:
+        pytest.skip("fomoepy.runtime._host_memory not built")
+    if not compiled:
+        monkeypatch.setattr(ggml_reads, "record_index", None)  # the definition's Python
     reads = DeviceReads(count=2)
     held = [reads.take(2 * ALIGN) for _ in range(3)]
     arena = reads.arenas[2 * ALIGN]
@@ -50,6 +55,12 @@ def test_device_reads_take_from_the_arena_of_their_size_then_buffers_of_their_ow
     assert reads.locate(parts(held[1]), sizes) == (arena, 1)
     assert reads.locate(parts(held[2]), sizes) is None  # not in an arena
     assert reads.locate((held[1][:ALIGN], held[1][ALIGN + 512 :], held[1][ALIGN : ALIGN + 512]), (ALIGN, ALIGN - 512, 512)) is None
+    assert reads.locate(parts(held[0])[:2] + (held[0][ALIGN + 512 : -1],), sizes) is None  # a part short of its size
+    shifted = held[0][ALIGN:]  # parts one after another, but from a page into the buffer: not its record
+    assert reads.locate((shifted[:ALIGN], shifted[ALIGN : ALIGN + 1], shifted[ALIGN + 1 : ALIGN + 1]), (ALIGN, 1, 0)) is None
+    fetched = {3: parts(held[0]), 5: parts(held[2]), 8: parts(held[1])}
+    assert reads.in_arena([3, 5, 8], fetched, sizes) == {3: (arena, 0), 8: (arena, 1)}
+    assert reads.in_arena([3], fetched, (ALIGN, ALIGN, ALIGN)) == {}  # no arena of that record size
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,12 @@
        request. A step asks for a few per expert it copies up or down; through ctypes (c_char.from_buffer,
        addressof, or `.ctypes.data` for a read-only array) each cost about a microsecond.
 
+   record_index(parts, sizes, base, stride, count) -> int
+       The i of the buffer at base + i * stride (0 <= i < count) that `parts` fill from its start, one right
+       after the other, part j sizes[j] bytes; -1 where they lie elsewhere (fomoepy.runtime.ggml_reads: the
+       read arena's buffer an expert's record landed in, which a decode round computes from in place). A
+       step asks it of each miss the tier does not keep; through Python it was two frames and nine calls.
+
    Lent(address, size, key, give_back)
        An object exporting [address, address + size) as writable bytes (np.frombuffer makes a uint8 array
        over it) that calls give_back(key) once, when it goes: when the last array over it is dropped, from
@@ -34,6 +40,47 @@ static PyObject *address(PyObject *module, PyObject *buffer) {
     if (PyObject_GetBuffer(buffer, &view, PyBUF_ANY_CONTIGUOUS) < 0) return NULL;
     PyObject *out = PyLong_FromVoidPtr(view.buf);
     PyBuffer_Release(&view);
+    return out;
+}
+
+static PyObject *record_index(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long base;
+    Py_ssize_t stride, count;
+    if (nargs != 5 || (base = PyLong_AsUnsignedLongLong(args[2])) == (unsigned long long)-1 ||
+        (stride = PyLong_AsSsize_t(args[3])) <= 0 || (count = PyLong_AsSsize_t(args[4])) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "record_index(parts, sizes, base, stride > 0, count >= 0)");
+        return NULL;
+    }
+    PyObject *parts = PySequence_Fast(args[0], "record_index: parts is a sequence");
+    PyObject *sizes = parts ? PySequence_Fast(args[1], "record_index: sizes is a sequence") : NULL;
+    PyObject *out = NULL;
+    if (!sizes) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(parts);
+    if (n != PySequence_Fast_GET_SIZE(sizes) || !n) {
+        PyErr_SetString(PyExc_ValueError, "record_index: one size per part, and at least one part");
+        goto done;
+    }
+    uintptr_t start = 0, at = 0;
+    long long index = -1;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, j));
+        if (size == -1 && PyErr_Occurred()) goto done;
+        Py_buffer view;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts, j), &view, PyBUF_ANY_CONTIGUOUS) < 0) goto done;
+        uintptr_t buf = (uintptr_t)view.buf;
+        Py_ssize_t len = view.len;
+        PyBuffer_Release(&view);
+        if (!j) start = at = buf;
+        if (len != size || buf != at) goto answer;
+        at += (uintptr_t)size;
+    }
+    if (start >= base && (start - base) % (uintptr_t)stride == 0 && (start - base) / (uintptr_t)stride < (uintptr_t)count)
+        index = (long long)((start - base) / (uintptr_t)stride);
+answer:
+    out = PyLong_FromLongLong(index);
+done:
+    Py_XDECREF(parts);
+    Py_XDECREF(sizes);
     return out;
 }
 
@@ -356,6 +403,8 @@ static PyTypeObject ShelfType = {
 
 static PyMethodDef methods[] = {
     {"address", (PyCFunction)address, METH_O, "address(buffer) -> the address of its first byte"},
+    {"record_index", (PyCFunction)(void (*)(void))record_index, METH_FASTCALL,
+     "record_index(parts, sizes, base, stride, count) -> the buffer the parts fill from its start, or -1"},
     {NULL},
 };
 

@@ -194,12 +194,7 @@ class GgmlExperts:
         their buffer): where the slots are plain, computed there, in place."""
         if not staged or any(self.pool_of[layer].layer.repacked):
             return {}
-        sizes, found = self._part_sizes[layer], {}
-        for e in staged:
-            where = self.reads.locate(fetched[e], sizes)
-            if where is not None:  # (one arena: that of the layer's record size)
-                found[e] = where
-        return found
+        return self.reads.in_arena(staged, fetched, self._part_sizes[layer])  # (one arena: that of the layer's record size)
 
     def _install_admitted(self, layer: int, missing: list[int], slot_of: dict[int, int], experts: StepExperts) -> list[int]:
         """Wait for the step's reads and set the experts the cache gave tier slots into theirs; returns

@@ -41,6 +41,11 @@ from fomoepy.runtime.ggml_slots import (
     run_graph,
 )
 from fomoepy.runtime.pinned import ALIGN, contiguous_address, hand_out
+
+try:  # optional (setup.py): without it, locate's Python below
+    from fomoepy.runtime._host_memory import record_index
+except ImportError:
+    record_index = None
 from fomoepy.timing import MATMUL
 
 F32 = np.float32
@@ -128,6 +133,9 @@ class DeviceReads:
         arena = self.arenas.get(-(-sum(sizes) // ALIGN) * ALIGN)
         if arena is None:
             return None
+        if record_index is not None:  # (the same test in one call)
+            i = record_index(parts, sizes, arena.base, arena.stride, arena.count)
+            return None if i < 0 else (arena, i)
         start = at = contiguous_address(parts[0])
         for part, size in zip(parts, sizes, strict=True):
             if part.nbytes != size or contiguous_address(part) != at:
@@ -135,6 +143,21 @@ class DeviceReads:
             at += size
         i = arena.index_of(start)
         return None if i is None else (arena, i)
+
+    def in_arena(self, experts: list[int], fetched: dict, sizes: tuple[int, ...]) -> dict[int, tuple[ReadArena, int]]:
+        """locate for each of `experts` (their parts fetched[e]): those read into the arena, with (the arena, the
+        buffer); a step's misses the tier does not keep, in one frame."""
+        arena = self.arenas.get(-(-sum(sizes) // ALIGN) * ALIGN)
+        if arena is None:
+            return {}
+        if record_index is None:
+            return {e: where for e in experts if (where := self.locate(fetched[e], sizes)) is not None}
+        base, stride, count, found = arena.base, arena.stride, arena.count, {}
+        for e in experts:
+            i = record_index(fetched[e], sizes, base, stride, count)
+            if i >= 0:
+                found[e] = (arena, i)
+        return found
 
     def outputs_of_row_into(self, layer: SlotLayer, row: np.ndarray, slots: list[int], arena: ReadArena, bufs: list[int],
                             threads: int, into: np.ndarray, at_slots, at_bufs) -> None:  # fmt: skip
