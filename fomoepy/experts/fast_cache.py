@@ -143,8 +143,13 @@ class CoreCache:
 
     # -- queries -------------------------------------------------------------------------------------
     def plan(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> Plan:
-        raw = self._ids(layer, ids)
-        return self._plan_of(self._core.plan(layer, raw), layer, raw, sequences, self.generation)
+        # (_ids and the generation inline: a step makes one plan, and each frame of its wrapper costs a
+        # microsecond or two in the cold caches a step's products leave)
+        if not 0 <= layer < self.n_layer:
+            raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
+        raw = np.ascontiguousarray(ids, dtype=np.int64)
+        core = self._core
+        return self._plan_of(core.plan(layer, raw), layer, raw, sequences, core.generation + self._seeded_generation)
 
     def plan_soon(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None
                   ) -> Callable[[], Plan]:  # fmt: skip
@@ -171,7 +176,12 @@ class CoreCache:
             experts = [int(e) for e in np.unique(raw)]
             raise ValueError(f"layer {layer}: expected expert ids in [0, {self.n_expert}), got {experts}")
         experts, sources, to_device, to_host, items, dev_victims, host_victims, demotions = out  # victims as (layer, expert)
-        users = users_of([item.expert for item in items], raw, sequences) if sequences is not None else ()
+        if sequences is None:
+            users = ()
+        elif len(sequences) == 1:  # one row (a decode step of one sequence): users_of's answer, without its frames
+            users = ((int(sequences[0]),),) * len(items)
+        else:
+            users = users_of([item.expert for item in items], raw, sequences)
         return plan_of((layer, items, dev_victims, host_victims, generation, demotions, users, (experts, sources, to_device, to_host)))
 
     def on_device(self, key: Key) -> bool:
@@ -187,7 +197,10 @@ class CoreCache:
 
     # -- commands ------------------------------------------------------------------------------------
     def commit(self, plan: Plan) -> None:
-        self._core.commit(*self._commit_args(plan))
+        core = self._core  # (_commit_args inline: one frame fewer a step)
+        if plan.generation != core.generation + self._seeded_generation:
+            raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
+        core.commit(plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
 
     def commit_soon(self, plan: Plan) -> None:
         """ExpertCache.commit_soon: applied on the core's thread, without the GIL (~13 µs of C a step at the

@@ -20,6 +20,7 @@ compute side: it knows the form its tier holds, nothing of the cache.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Any
@@ -112,7 +113,7 @@ class MoEStep:
         plan, fetched, reads = s.start_acquire(layer, ids, rows, beside)
         for victim in plan.device_evictions:
             device.evict(victim)
-        experts = StepExperts(plan, self.phase, fetched, reads, lambda: s.finish_acquire(plan, fetched, reads))
+        experts = StepExperts(plan, self.phase, fetched, reads, functools.partial(s.finish_acquire, plan, fetched, reads))
         experts.launched_at = launched[0]
         t2 = time.perf_counter()
         try:

@@ -19,6 +19,9 @@ but a long prompt's grouped products, which take each slot's tokens together).
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import numpy as np
 
 from fomoepy.experts.device import Phase, StepExperts
@@ -137,8 +140,10 @@ class GgmlExperts:
         # a long prefill's experts each take their tokens as the rows of one product (GEMM kernels); a
         # decode step's rows each go alone (mul_mat_id), so a row's bits are its own in a batch of
         # sequences, and so do a short prefill's, where that is faster (grouped_from)
-        group_from = grouped_from(threads, any(pool.layer.repacked))  # the form the slots have (--repack-experts asks)
-        grouped = experts.phase is Phase.PREFILL and group_from is not None and ids.shape[0] >= group_from
+        # (asked of a prefill only: a decode step's frames are counted)
+        grouped = (experts.phase is Phase.PREFILL
+                   and (group_from := grouped_from(threads, any(pool.layer.repacked))) is not None  # the slots' form (--repack-experts)
+                   and ids.shape[0] >= group_from)  # fmt: skip
         slots = pool.slots_of(layer)[ids]  # [T, k]
         # a decode row's few ints as lists, its test without numpy: a reduction here, the step's first after
         # the layer's products, took ~10 µs (line_profiler, bench model at a 25 % tier)
@@ -162,7 +167,7 @@ class GgmlExperts:
             else:
                 missing.append(e)
         y = np.empty((*ids.shape, pool.layer.n_embd), F32)  # [T, k, K]: each pick's expert output
-        early = list(slot_of) if any(f is not None for f in experts.pending.values()) else []
+        early = list(slot_of) if any(map(_is_read, experts.pending.values())) else []  # (no generator's frame)
         try:
             if early:  # the tier's experts while the reads go on
                 _round(pool, h, ids, early, slot_of, y, threads, grouped)
@@ -213,6 +218,9 @@ class GgmlExperts:
         self.reads.close()  # (its graphs read the pools' slot tensors: freed first)
         for pool in self.pools.values():
             pool.close()
+
+
+_is_read = functools.partial(operator.is_not, None)  # a pending entry that is a read in flight (None: read without a pool)
 
 
 def _slots(ids: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:

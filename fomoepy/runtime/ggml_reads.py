@@ -165,7 +165,9 @@ class DeviceReads:
         set into into[at_slots]) and partly in buffers of the arena their reads landed in (`bufs`, into
         into[at_bufs]), computed there: no copy into a staging slot first. One graph, kept per pick counts;
         each pick's output has the bits a plain slot gives it (the same one-row products)."""
-        g = self._round(layer, len(slots), len(bufs), threads, arena, False)
+        g = self._rounds.get((id(layer), len(slots), len(bufs), threads, id(arena), False))  # (_round's kept one, no frame)
+        if g is None or g.layer is not layer:
+            g = self._round(layer, len(slots), len(bufs), threads, arena, False)
         try:
             g.run_into(row, slots, bufs, into, at_slots, at_bufs)
         finally:

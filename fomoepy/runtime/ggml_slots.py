@@ -217,7 +217,8 @@ class SlotLayer:
         if not P or min(slots) < 0 or max(slots) >= self.n_slots or P > MAX_CACHED_PICKS:
             into[at] = self.pick_outputs(np.repeat(row, P, axis=0), np.asarray(slots, np.int32), threads)
             return
-        self._pick_graph(P, threads, one_row=True).run_row_into(row, slots, into, at)
+        g = self._pick_graphs.get((P, threads, True))  # (_pick_graph's kept one, without its frame)
+        (g or self._pick_graph(P, threads, one_row=True)).run_row_into(row, slots, into, at)
 
     def _pick_graph(self, P: int, threads: int, one_row: bool = False) -> _SlotGraph:
         """The kept graph for P picks (a few token counts kept, as `ffn`'s): of P rows, or of one row
