@@ -14,13 +14,19 @@ from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.read_buffers import ReadBuffers
 from fomoepy.experts.store_writer import prepare_store
 from fomoepy.runtime import ggml_experts, ggml_pool, ggml_reads
-from fomoepy.runtime.ggml_reads import DeviceReads, ReadArena
+from fomoepy.runtime.ggml_reads import DeviceReads, PyReadArena
+
+# the definition, and the compiled one (fomoepy/runtime/_host_memory.c's Arena) where setup.py built it
+ARENAS = [PyReadArena] + ([ggml_reads.Arena] if ggml_reads.Arena is not None else [])
 from fomoepy.runtime.pinned import ALIGN
 
 
-def test_an_arenas_buffers_are_aligned_apart_and_come_back_from_any_thread_the_last_one_first():
+@pytest.mark.parametrize("ReadArena", ARENAS, ids=lambda c: "python" if c is PyReadArena else "compiled")
+def test_an_arenas_buffers_are_aligned_apart_and_come_back_from_any_thread_the_last_one_first(ReadArena):
     arena = ReadArena(3 * ALIGN, count=3)
+    assert (arena.stride, arena.count, arena.free) == (3 * ALIGN, 3, 3)
     bufs = [arena.take() for _ in range(3)]
+    assert all(b.dtype == np.uint8 and b.nbytes == 3 * ALIGN and b.flags.writeable for b in bufs)
     starts = [b.ctypes.data for b in bufs]
     assert arena.take() is None  # all three held
     assert all(a % ALIGN == 0 for a in starts) and sorted(starts) == [arena.base + i * 3 * ALIGN for i in range(3)]
@@ -34,7 +40,15 @@ def test_an_arenas_buffers_are_aligned_apart_and_come_back_from_any_thread_the_l
     again = arena.take()
     assert again.ctypes.data in starts[:2]
     del part
-    assert arena.take().ctypes.data == starts[2]  # given back last, handed out first
+    last = arena.take(100)  # the first bytes of one: a buffer all the same
+    assert last.ctypes.data == starts[2] and last.nbytes == 100  # given back last, handed out first
+    del last, again
+    assert arena.free == 3
+    with pytest.raises(ValueError):
+        arena.take(3 * ALIGN + 1)  # more than a buffer
+    for stride, count in [(ALIGN + 1, 2), (0, 2), (ALIGN, 0)]:
+        with pytest.raises(ValueError):
+            ReadArena(stride, count)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
@@ -226,11 +240,13 @@ def test_a_streamed_decode_takes_a_read_buffer_for_each_read_issued_and_none_for
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("pool", [lambda: DeviceReads(count=4), lambda: ReadBuffers(max_idle=2)], ids=["arena", "reused"])
-def test_read_buffers_taken_and_given_back_on_many_threads_have_one_holder_each(pool):
+@pytest.mark.parametrize("pool", ["arena", "python arena", "reused"])
+def test_read_buffers_taken_and_given_back_on_many_threads_have_one_holder_each(pool, monkeypatch):
     # a read made ahead takes its buffer on whichever thread issues it: each buffer handed out is its
     # holder's alone until it is given back (each holder fills its buffers with a mark and finds it intact)
-    take, errors = pool().take, []
+    if pool == "python arena":
+        monkeypatch.setattr(ggml_reads, "ReadArena", PyReadArena)
+    take, errors = (ReadBuffers(max_idle=2) if pool == "reused" else DeviceReads(count=4)).take, []
 
     def hold(me: int) -> None:
         held = []

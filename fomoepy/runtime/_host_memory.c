@@ -17,6 +17,17 @@
        whichever thread drops it. pinned.hand_out's buffer, made in one call instead of a ctypes array, an
        attribute and a Python object with a __del__.
 
+   Arena(stride, count)
+       The cpu device's read arena (fomoepy.runtime.ggml_reads.PyReadArena is the definition, and serves where
+       this is not built; tests/test_ggml_reads.py holds the two to the same answers): `count` buffers of
+       `stride` bytes (whole 4 KiB pages) at base + i * stride, in one allocation whose pages are touched
+       only where reads land. take(nbytes=stride) hands out the buffer given back last (a stack: the arena
+       touches the pages of as many buffers as were ever held at once) as a uint8 array of its first nbytes,
+       whose memory object puts it back here when it goes, from whichever thread drops it; None when all
+       are held. Any thread may take: the stack changes under the GIL only. A step takes one a read it
+       issues (2.6 a step on the bench model at a 25 % tier): through Python each took three frames, a
+       lock and its give-back's queue.
+
    Shelf(written, settle)
        A pinned pool's buffers by size (fomoepy.runtime.pinned.PyShelf is the definition, and serves where
        this is not built; tests/test_pinned_pool.py holds the two to the same answers): those never handed
@@ -32,6 +43,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <structmember.h>
 
@@ -85,6 +97,7 @@ done:
 }
 
 struct Shelf;
+struct Arena;
 
 typedef struct {
     PyObject_HEAD
@@ -92,7 +105,11 @@ typedef struct {
     Py_ssize_t size;
     PyObject *key, *give_back;
     struct Shelf *shelf; /* or: the shelf it goes back to (a reference), with no key and no give_back */
+    struct Arena *arena; /* or: the arena it goes back to (a reference), as its buffer `index` */
+    Py_ssize_t index;
 } Lent;
+
+static void arena_give_back(struct Arena *arena, Py_ssize_t index);
 
 static int shelf_give_back(struct Shelf *shelf, uint64_t address, Py_ssize_t size);
 
@@ -119,6 +136,10 @@ static int Lent_getbuffer(Lent *self, Py_buffer *view, int flags) {
 }
 
 static void Lent_dealloc(Lent *self) {
+    if (self->arena) { /* (a push onto a stack sized for every buffer: nothing to fail) */
+        arena_give_back(self->arena, self->index);
+        Py_DECREF((PyObject *)self->arena);
+    }
     if (self->shelf || self->give_back) {
         /* the buffer goes back; an error there cannot propagate from a deallocation: it is reported */
         PyObject *err_type, *err_value, *err_tb;
@@ -264,6 +285,7 @@ static PyObject *lend(Shelf *s, uint64_t address, Py_ssize_t size) {
     if (!lent) return NULL;
     lent->address = (void *)(uintptr_t)address, lent->size = size;
     lent->key = lent->give_back = NULL;
+    lent->arena = NULL;
     Py_INCREF(s);
     lent->shelf = s;
     PyObject *out = PyObject_CallFunctionObjArgs(s->frombuffer, (PyObject *)lent, s->uint8, NULL);
@@ -401,6 +423,138 @@ static PyTypeObject ShelfType = {
     .tp_members = Shelf_members,
 };
 
+/* -- Arena ------------------------------------------------------------------------------------------ */
+typedef struct Arena {
+    PyObject_HEAD
+    char *memory;            /* count * stride bytes, 4 KiB-aligned, in `owner` */
+    PyObject *owner;         /* the numpy array the memory is (numpy's allocation: its large ones are advised
+                                huge pages; with posix_memalign's the step's reads waited three times as long) */
+    Py_ssize_t stride, count;
+    Py_ssize_t *free;        /* a stack of the buffers nobody holds: the last given back goes out first */
+    Py_ssize_t n_free;
+    PyObject *frombuffer, *uint8;
+} Arena;
+
+static void arena_give_back(Arena *a, Py_ssize_t index) { a->free[a->n_free++] = index; }
+
+static int Arena_init(Arena *a, PyObject *args, PyObject *kw) {
+    static char *names[] = {"stride", "count", NULL};
+    Py_ssize_t stride, count = 16;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "n|n", names, &stride, &count)) return -1;
+    if (a->memory) {
+        PyErr_SetString(PyExc_RuntimeError, "Arena: initialised once");
+        return -1;
+    }
+    if (stride <= 0 || stride % 4096 || count < 1 || stride > PY_SSIZE_T_MAX / count) {
+        PyErr_Format(PyExc_ValueError, "expected a stride of whole 4 KiB pages and a count >= 1, got %zd and %zd", stride, count);
+        return -1;
+    }
+    if (stride * count > PY_SSIZE_T_MAX - 4096) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject *numpy = PyImport_ImportModule("numpy");
+    if (!numpy) return -1;
+    a->frombuffer = PyObject_GetAttrString(numpy, "frombuffer");
+    a->uint8 = PyObject_GetAttrString(numpy, "uint8");
+    PyObject *empty = PyObject_GetAttrString(numpy, "empty");
+    Py_DECREF(numpy);
+    /* (pages touched only where reads land) */
+    a->owner = a->frombuffer && a->uint8 && empty ? PyObject_CallFunction(empty, "nO", stride * count + 4096, a->uint8) : NULL;
+    Py_XDECREF(empty);
+    if (!a->owner) return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(a->owner, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    char *memory = (char *)view.buf + (-(uintptr_t)view.buf % 4096);
+    PyBuffer_Release(&view); /* (the array's memory stays where it is while the array lives: held here) */
+    a->free = PyMem_Malloc(count * sizeof(Py_ssize_t));
+    if (!a->free) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    a->memory = memory, a->stride = stride, a->count = count;
+    for (Py_ssize_t i = 0; i < count; i++) a->free[i] = count - 1 - i; /* buffer 0 out first */
+    a->n_free = count;
+    return 0;
+}
+
+static PyObject *Arena_take(Arena *a, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t nbytes = a->stride;
+    if (nargs > 1 || (nargs == 1 && (nbytes = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "take(nbytes=stride)");
+        return NULL;
+    }
+    if (!a->memory || nbytes < 0 || nbytes > a->stride) {
+        PyErr_Format(PyExc_ValueError, "expected 0 <= nbytes <= %zd, got %zd", a->stride, nbytes);
+        return NULL;
+    }
+    if (!a->n_free) Py_RETURN_NONE;
+    Lent *lent = PyObject_New(Lent, &LentType);
+    if (!lent) return NULL;
+    Py_ssize_t index = a->free[--a->n_free]; /* (taken before any Python code can run: another thread's take finds it gone) */
+    lent->address = a->memory + index * a->stride, lent->size = nbytes;
+    lent->key = lent->give_back = NULL;
+    lent->shelf = NULL;
+    Py_INCREF(a);
+    lent->arena = a, lent->index = index;
+    PyObject *out = PyObject_CallFunctionObjArgs(a->frombuffer, (PyObject *)lent, a->uint8, NULL);
+    Py_DECREF(lent); /* (a failed array drops the last reference: the buffer comes back) */
+    return out;
+}
+
+static PyObject *Arena_index_of(Arena *a, PyObject *arg) {
+    unsigned long long address = PyLong_AsUnsignedLongLong(arg);
+    if (address == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* (a negative address is no buffer's) */
+        Py_RETURN_NONE;
+    }
+    uintptr_t base = (uintptr_t)a->memory;
+    if (!a->memory || address < base || (address - base) % (uintptr_t)a->stride || (address - base) / (uintptr_t)a->stride >= (uintptr_t)a->count)
+        Py_RETURN_NONE;
+    return PyLong_FromSsize_t((Py_ssize_t)((address - base) / (uintptr_t)a->stride));
+}
+
+static PyObject *Arena_get_base(Arena *a, void *unused) { return PyLong_FromVoidPtr(a->memory); }
+static PyObject *Arena_get_free(Arena *a, void *unused) { return PyLong_FromSsize_t(a->n_free); }
+
+static void Arena_dealloc(Arena *a) { /* (no buffer is out: each held a reference) */
+    Py_XDECREF(a->owner);
+    PyMem_Free(a->free);
+    Py_XDECREF(a->frombuffer), Py_XDECREF(a->uint8);
+    Py_TYPE(a)->tp_free((PyObject *)a);
+}
+
+static PyMethodDef Arena_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))Arena_take, METH_FASTCALL, "take(nbytes=stride) -> the first nbytes of a buffer nobody holds, or None"},
+    {"index_of", (PyCFunction)Arena_index_of, METH_O, "index_of(address) -> the buffer that starts there, or None"},
+    {NULL},
+};
+
+static PyMemberDef Arena_members[] = {
+    {"stride", T_PYSSIZET, offsetof(Arena, stride), READONLY, "bytes from one buffer to the next (whole 4 KiB pages)"},
+    {"count", T_PYSSIZET, offsetof(Arena, count), READONLY, "its buffers"},
+    {NULL},
+};
+
+static PyGetSetDef Arena_getset[] = {
+    {"base", (getter)Arena_get_base, NULL, "the address of buffer 0", NULL},
+    {"free", (getter)Arena_get_free, NULL, "buffers nobody holds", NULL},
+    {NULL},
+};
+
+static PyTypeObject ArenaType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fomoepy.runtime._host_memory.Arena",
+    .tp_basicsize = sizeof(Arena),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Arena(stride, count=16): a read arena's buffers (fomoepy.runtime.ggml_reads.PyReadArena).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Arena_init,
+    .tp_dealloc = (destructor)Arena_dealloc,
+    .tp_methods = Arena_methods,
+    .tp_members = Arena_members,
+    .tp_getset = Arena_getset,
+};
+
 static PyMethodDef methods[] = {
     {"address", (PyCFunction)address, METH_O, "address(buffer) -> the address of its first byte"},
     {"record_index", (PyCFunction)(void (*)(void))record_index, METH_FASTCALL,
@@ -413,7 +567,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host_memory", "Host
 PyMODINIT_FUNC PyInit__host_memory(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    if (PyModule_AddType(m, &LentType) < 0 || PyModule_AddType(m, &ShelfType) < 0) {  /* (readies the types) */
+    if (PyModule_AddType(m, &LentType) < 0 || PyModule_AddType(m, &ShelfType) < 0 || PyModule_AddType(m, &ArenaType) < 0) {  /* (readies the types) */
         Py_DECREF(m);
         return NULL;
     }

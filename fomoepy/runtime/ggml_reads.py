@@ -42,10 +42,10 @@ from fomoepy.runtime.ggml_slots import (
 )
 from fomoepy.runtime.pinned import ALIGN, contiguous_address, hand_out
 
-try:  # optional (setup.py): without it, locate's Python below
-    from fomoepy.runtime._host_memory import record_index
+try:  # optional (setup.py): without it, PyReadArena and locate's Python below
+    from fomoepy.runtime._host_memory import Arena, record_index
 except ImportError:
-    record_index = None
+    Arena = record_index = None
 from fomoepy.timing import MATMUL
 
 F32 = np.float32
@@ -70,8 +70,10 @@ _MAX_ROUNDS = 64
 PER_PICK_KEPT_BYTES = 4 << 20
 
 
-class ReadArena:
-    """`count` buffers of `stride` bytes (a multiple of 4 KiB) at base + i · stride."""
+class PyReadArena:
+    """`count` buffers of `stride` bytes (a multiple of 4 KiB) at base + i · stride; `take` from any thread.
+    The definition of fomoepy/runtime/_host_memory.c's Arena, which serves where setup.py built it (a step
+    takes one a read: here three frames and a lock each)."""
 
     def __init__(self, stride: int, count: int = ARENA_BUFFERS):
         if stride <= 0 or stride % ALIGN or count < 1:
@@ -81,14 +83,19 @@ class ReadArena:
         self.base = contiguous_address(self._owner) + (-contiguous_address(self._owner) % ALIGN)
         self._free = list(range(count - 1, -1, -1))  # a stack: the buffer given back last goes out first
         self._returned: deque[tuple[int, int]] = deque()  # (address, size), appended by any thread
+        self._lock = threading.Lock()
 
-    def take(self) -> np.ndarray | None:
-        """A buffer of the arena nobody holds, or None when all are held."""
-        while self._returned:
-            self._free.append((self._returned.popleft()[0] - self.base) // self.stride)
-        if not self._free:
-            return None
-        return hand_out(self.base + self._free.pop() * self.stride, self.stride, self._returned.append)
+    def take(self, nbytes: int | None = None) -> np.ndarray | None:
+        """The first `nbytes` (None: all) of a buffer of the arena nobody holds, or None when all are held."""
+        if nbytes is not None and not 0 <= nbytes <= self.stride:
+            raise ValueError(f"expected 0 <= nbytes <= {self.stride}, got {nbytes}")
+        with self._lock:
+            while self._returned:
+                self._free.append((self._returned.popleft()[0] - self.base) // self.stride)
+            if not self._free:
+                return None
+            buf = hand_out(self.base + self._free.pop() * self.stride, self.stride, self._returned.append)
+        return buf if nbytes is None else buf[:nbytes]
 
     def index_of(self, address: int) -> int | None:
         """The buffer that starts at `address`, or None when none of the arena's does."""
@@ -99,6 +106,9 @@ class ReadArena:
     def free(self) -> int:
         """Buffers nobody holds (those given back so far counted)."""
         return len(self._free) + len(self._returned)
+
+
+ReadArena = Arena if Arena is not None else PyReadArena
 
 
 class DeviceReads:
@@ -117,14 +127,12 @@ class DeviceReads:
     def take(self, nbytes: int) -> np.ndarray:
         """A 4 KiB-aligned uint8 buffer of exactly `nbytes` (as O_DIRECT reads need), not held by anyone."""
         size = -(-nbytes // ALIGN) * ALIGN
-        with self._taking:  # (an arena's free list and the others' pool are one thread's at a time)
-            arena = self.arenas.get(size)
-            if arena is None:
-                arena = self.arenas[size] = ReadArena(size, self.count)
-            buf = arena.take()
-            if buf is None:
-                return self.others.take(nbytes)
-        return buf[:nbytes] if nbytes != size else buf
+        arena = self.arenas.get(size)
+        if arena is None:
+            with self._taking:  # (one arena a size, whichever thread asks first)
+                arena = self.arenas.get(size) or self.arenas.setdefault(size, ReadArena(size, self.count))
+        buf = arena.take(nbytes)  # (an arena and the others' pool each take from any thread)
+        return buf if buf is not None else self.others.take(nbytes)
 
     def locate(self, parts, sizes: tuple[int, ...]) -> tuple[ReadArena, int] | None:
         """(the arena, the buffer) an expert's parts were read into, each part `sizes[i]` bytes right after
