@@ -275,3 +275,25 @@ def test_lfu_cooc_reads_an_announced_resident_once_a_token_not_once_a_walk():
     summary = cache.stats.summary()
     assert walks > 1000 and summary["device"]["evicted"] + summary["host"]["evicted"] > 1000
     assert read / walks < 50  # (each walk read ~134 before; ~25 now, most of them a token's first walk's)
+
+
+def test_plan_soon_asks_the_core_nothing_once_its_job_is_started():
+    # every entry point of the core, its getters too, waits for a job on its thread: a wrapper that asked
+    # one after starting the plan (its generation, say) would make the plan in series with the step
+    cache = make_cache(8, [100] * 2, 300, 500, make_policy("lfu-cooc"), make_policy("lfu-cooc"))
+
+    class Watched:
+        def __init__(self, core):
+            self.core, self.asked = core, []
+
+        def __getattr__(self, name):
+            self.asked.append(name)
+            return getattr(self.core, name)
+
+    watched = cache._core = Watched(cache._core)
+    planned = cache.plan_soon(1, [2, 5])
+    assert watched.asked[-1] == "plan_soon"
+    plan = planned()
+    assert watched.asked[-1] == "take_plan" and [item.expert for item in plan.items] == [2, 5]
+    cache.commit_soon(plan)
+    assert watched.asked[-1] == "commit_soon"

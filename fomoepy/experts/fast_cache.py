@@ -49,6 +49,7 @@ else:
 
 _STATES = (SlotState.EMPTY, SlotState.LOADING, SlotState.READY)  # the core's codes
 _KIND = {AdmittingFrequencyPolicy: "POLICY_ADMIT", DemotingFrequencyPolicy: "POLICY_DEMOTE", CoUsePolicy: "POLICY_COOC"}
+_TAKEN = object()  # CoreCache._plan_of's `out` for plan_soon's plan, taken from the core's thread when asked
 
 
 def core_available() -> bool:
@@ -142,12 +143,13 @@ class CoreCache:
         self._core.tick(n_tokens)
 
     # -- queries -------------------------------------------------------------------------------------
+    # plan and plan_soon, commit and commit_soon, each pair the same few lines, inline rather than a shared
+    # helper's: a step makes one plan and one commit, and each frame of their wrappers costs a microsecond
+    # or two in the cold caches a step's products leave (the cpu path's host time was counted in frames)
     def plan(self, layer: int, ids: Iterable[int] | np.ndarray, sequences: Sequence[int] | np.ndarray | None = None) -> Plan:
-        # (_ids and the generation inline: a step makes one plan, and each frame of its wrapper costs a
-        # microsecond or two in the cold caches a step's products leave)
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
-        raw = np.ascontiguousarray(ids, dtype=np.int64)
+        raw = np.ascontiguousarray(ids, dtype=np.int64)  # (the core copies them out of its buffer)
         core = self._core
         return self._plan_of(core.plan(layer, raw), layer, raw, sequences, core.generation + self._seeded_generation)
 
@@ -155,23 +157,19 @@ class CoreCache:
                   ) -> Callable[[], Plan]:  # fmt: skip
         """ExpertCache.plan_soon: made on the core's thread, without the GIL (a step's plan is ~20 µs of C at
         the 397B shape, made while the step's first launches go out in Python)."""
-        raw = self._ids(layer, ids)
-        generation = self.generation
-        self._core.plan_soon(layer, raw)
-        return functools.partial(self._taken, layer, raw, sequences, generation)
-
-    def _ids(self, layer: int, ids: Iterable[int] | np.ndarray) -> np.ndarray:
-        """A plan's ids as the core reads them (it copies them out of the array's buffer), its layer checked."""
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"expected a layer in [0, {self.n_layer}), got {layer}")
-        return np.ascontiguousarray(ids, dtype=np.int64)
-
-    def _taken(self, layer: int, raw: np.ndarray, sequences: Sequence[int] | np.ndarray | None, generation: int) -> Plan:
-        return self._plan_of(self._core.take_plan(), layer, raw, sequences, generation)
+        raw = np.ascontiguousarray(ids, dtype=np.int64)
+        core = self._core
+        generation = core.generation + self._seeded_generation  # (asked before the job: the core's getters wait for it)
+        core.plan_soon(layer, raw)
+        return functools.partial(self._plan_of, _TAKEN, layer, raw, sequences, generation)
 
     def _plan_of(self, out: tuple | None, layer: int, raw: np.ndarray, sequences: Sequence[int] | np.ndarray | None,
                  generation: int) -> Plan:  # fmt: skip
-        """The Plan of the core's plan value `out` (None: an id out of range)."""
+        """The Plan of the core's plan value `out` (None: an id out of range; _TAKEN: plan_soon's, taken now)."""
+        if out is _TAKEN:
+            out = self._core.take_plan()
         if out is None:
             experts = [int(e) for e in np.unique(raw)]
             raise ValueError(f"layer {layer}: expected expert ids in [0, {self.n_expert}), got {experts}")
@@ -197,7 +195,7 @@ class CoreCache:
 
     # -- commands ------------------------------------------------------------------------------------
     def commit(self, plan: Plan) -> None:
-        core = self._core  # (_commit_args inline: one frame fewer a step)
+        core = self._core  # (a plan of the cache as it is now)
         if plan.generation != core.generation + self._seeded_generation:
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
         core.commit(plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
@@ -205,13 +203,10 @@ class CoreCache:
     def commit_soon(self, plan: Plan) -> None:
         """ExpertCache.commit_soon: applied on the core's thread, without the GIL (~13 µs of C a step at the
         397B shape, while the step's copies up and launches go out)."""
-        self._core.commit_soon(*self._commit_args(plan))
-
-    def _commit_args(self, plan: Plan) -> tuple:
-        """What the core's commit takes of a plan, which must be of the cache as it is now."""
-        if plan.generation != self.generation:
+        core = self._core
+        if plan.generation != core.generation + self._seeded_generation:
             raise StalePlanError(f"plan made at generation {plan.generation}, expected {self.generation}")
-        return (plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
+        core.commit_soon(plan.layer, *plan.arrays, plan.device_evictions, plan.host_evictions, plan.demotions, plan.users)
 
     def settle_soon(self, plan: Plan) -> None:
         """ExpertCache.settle_soon: on the core's thread (its parse of the plan's arrays stays here, ~1.5 µs; its
