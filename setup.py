@@ -15,7 +15,9 @@ Python code they stand in for serves (the same results, more host time per step)
 - fomoepy/runtime/_moe_tables.c: the grouped-launch tables of a decode step and of several rows (a batched
   step, a prefill chunk) packed in C; without it fomoepy.runtime.moe_tables packs them in Python (the same bytes).
 - fomoepy/runtime/_host_memory.c: a host buffer's address, and a pinned buffer lent out that goes back to
-  its pool when dropped, each in one call; without it fomoepy.runtime.pinned does both through ctypes.
+  its pool when dropped, each in one call; the cpu device's read arena (a buffer taken and given back in one
+  call each) and the arena buffer a read's record landed in (record_index); without it
+  fomoepy.runtime.pinned does the first two through ctypes and fomoepy.runtime.ggml_reads the others in Python.
 - fomoepy/experts/_reads.c: a read in flight's state and asks (done, result, landed...) each one C call;
   without it fomoepy.experts.reads.PyRead (the same semantics, a Python frame each).
 - fomoepy/experts/_acquire.c: a step's reads issued and its plan taken and committed
