@@ -56,7 +56,7 @@ def test_device_reads_take_from_the_arena_of_their_size_then_buffers_of_their_ow
     if compiled and ggml_reads.record_index is None:
         pytest.skip("fomoepy.runtime._host_memory not built")
     if not compiled:
-        monkeypatch.setattr(ggml_reads, "record_index", None)  # the definition's Python
+        monkeypatch.setattr(ggml_reads, "record_index", None)  # the definition's Python (py_record_index)
     reads = DeviceReads(count=2)
     held = [reads.take(2 * ALIGN) for _ in range(3)]
     arena = reads.arenas[2 * ALIGN]

@@ -125,9 +125,7 @@ class ReadAheadGate:
                      "on" if reading else "off", 100 * self.share, 100 * self.pays_above)  # fmt: skip
 
 
-def _unmade(key: Key) -> Any:
-    """What a guess's read needs, not made yet (prepare_anywhere: made as it is issued)."""
-    return _unmade
+_UNMADE = object()  # what a guess's read needs, not made yet (prepare_anywhere: made as it is issued)
 
 
 class PyReadAhead:
@@ -172,9 +170,10 @@ class PyReadAhead:
         layer still queued are dropped: a read made ahead is worth it for the next step only."""
         if isinstance(self._prepare, list):
             self._prepare[layer]  # (a layer with none refused here, as the guesses are queued)
-        prepare = _unmade if self._anywhere else self._prepared_for
+        anywhere, prepared_for = self._anywhere, self._prepared_for
         # (key, what its read needs, its position in the reading order), made on the calling thread (anywhere: as issued)
-        guesses = deque([((layer, e), prepare((layer, e)), i) for i, e in enumerate(map(int, experts))])  # (a list: one frame, not one per guess)
+        guesses = deque([((layer, e), _UNMADE if anywhere else prepared_for((layer, e)), i)
+                         for i, e in enumerate(map(int, experts))])  # (a list: one frame, not one per guess)  # fmt: skip
         with self._lock:
             self.counts.skipped += len(self._queued)
             self._queued = guesses
@@ -238,7 +237,7 @@ class PyReadAhead:
                 self._submitting.add(key)
             future, landed = None, False
             try:  # (prepare_anywhere: what the read needs made now, here; its failure the submit's)
-                future = self.submit(*key, self._prepared_for(key) if prepared is _unmade else prepared)
+                future = self.submit(*key, self._prepared_for(key) if prepared is _UNMADE else prepared)
             except RuntimeError as e:  # a closed store's pool: a guess is optional; a step's own read reports it
                 log.debug("read ahead of %s not issued: %s", key, e)
             finally:

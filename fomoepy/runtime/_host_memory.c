@@ -43,7 +43,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <structmember.h>
 

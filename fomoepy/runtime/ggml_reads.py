@@ -42,7 +42,7 @@ from fomoepy.runtime.ggml_slots import (
 )
 from fomoepy.runtime.pinned import ALIGN, contiguous_address, hand_out
 
-try:  # optional (setup.py): without it, PyReadArena and locate's Python below
+try:  # optional (setup.py): without it, PyReadArena and py_record_index below
     from fomoepy.runtime._host_memory import Arena, record_index
 except ImportError:
     Arena = record_index = None
@@ -111,6 +111,19 @@ class PyReadArena:
 ReadArena = Arena if Arena is not None else PyReadArena
 
 
+def py_record_index(parts, sizes, base: int, stride: int, count: int) -> int:
+    """The i of the buffer at base + i · stride (0 <= i < count) that `parts` fill from its start, one right
+    after the other, part j sizes[j] bytes; -1 where they lie elsewhere. The definition of
+    fomoepy/runtime/_host_memory.c's record_index, which serves where setup.py built it."""
+    start = at = contiguous_address(parts[0])
+    for part, size in zip(parts, sizes, strict=True):
+        if part.nbytes != size or contiguous_address(part) != at:
+            return -1
+        at += size
+    i, off = divmod(start - base, stride)
+    return i if off == 0 and 0 <= i < count else -1
+
+
 class DeviceReads:
     """The cpu device's buffers for reads (its `host_buffer`): from the arena of the read's size while it
     has one free, else a buffer reused from read to read. `take` may be called from any thread (a read
@@ -130,7 +143,9 @@ class DeviceReads:
         arena = self.arenas.get(size)
         if arena is None:
             with self._taking:  # (one arena a size, whichever thread asks first)
-                arena = self.arenas.get(size) or self.arenas.setdefault(size, ReadArena(size, self.count))
+                arena = self.arenas.get(size)
+                if arena is None:
+                    arena = self.arenas[size] = ReadArena(size, self.count)
         buf = arena.take(nbytes)  # (an arena and the others' pool each take from any thread)
         return buf if buf is not None else self.others.take(nbytes)
 
@@ -138,19 +153,7 @@ class DeviceReads:
         """(the arena, the buffer) an expert's parts were read into, each part `sizes[i]` bytes right after
         the one before (a store record's layout, read into a buffer of the record's size: `take`'s arena
         of that size); None where they lie elsewhere."""
-        arena = self.arenas.get(-(-sum(sizes) // ALIGN) * ALIGN)
-        if arena is None:
-            return None
-        if record_index is not None:  # (the same test in one call)
-            i = record_index(parts, sizes, arena.base, arena.stride, arena.count)
-            return None if i < 0 else (arena, i)
-        start = at = contiguous_address(parts[0])
-        for part, size in zip(parts, sizes, strict=True):
-            if part.nbytes != size or contiguous_address(part) != at:
-                return None
-            at += size
-        i = arena.index_of(start)
-        return None if i is None else (arena, i)
+        return self.in_arena([0], {0: parts}, sizes).get(0)
 
     def in_arena(self, experts: list[int], fetched: dict, sizes: tuple[int, ...]) -> dict[int, tuple[ReadArena, int]]:
         """locate for each of `experts` (their parts fetched[e]): those read into the arena, with (the arena, the
@@ -158,11 +161,10 @@ class DeviceReads:
         arena = self.arenas.get(-(-sum(sizes) // ALIGN) * ALIGN)
         if arena is None:
             return {}
-        if record_index is None:
-            return {e: where for e in experts if (where := self.locate(fetched[e], sizes)) is not None}
+        index = record_index if record_index is not None else py_record_index
         base, stride, count, found = arena.base, arena.stride, arena.count, {}
         for e in experts:
-            i = record_index(fetched[e], sizes, base, stride, count)
+            i = index(fetched[e], sizes, base, stride, count)
             if i >= 0:
                 found[e] = (arena, i)
         return found
