@@ -147,18 +147,34 @@ def test_a_steps_routing_record_and_next_guess_are_made_while_its_reads_are_in_f
     streamer = engine.experts.streamer
     events = []
     real_submit, real_note, real_predict, real_plan = streamer.source.submit, streamer.note, streamer.predict, streamer.cache.plan
-    inference = threading.get_ident()
-    # a read the inference thread issues is ("read", layer); a guess a reader thread issues as an earlier read
-    # lands (the read ahead keeps to the drives' depth: fomoepy.experts.read_ahead) comes when it comes
-    streamer.source.submit = lambda layer, expert, *a, **kw: (events.append(("read", layer) if threading.get_ident() == inference else ("read later", layer))
-                                                              or real_submit(layer, expert, *a, **kw))  # fmt: skip
+    inference, guessing = threading.get_ident(), [False]
+    real_issue = streamer._issue_prefetch
+
+    def issue():  # the step hands its guesses to the read ahead, which issues what the drives have room for
+        guessing[0] = True
+        try:
+            real_issue()
+        finally:
+            guessing[0] = False
+
+    streamer._issue_prefetch = issue
+
+    def label(layer):
+        # a step's own read is ("read", layer), a guess issued as the step hands it over ("guess", layer); a
+        # guess issued as an earlier read lands (the read ahead keeps to the drives' depth: fomoepy.experts.
+        # read_ahead) comes when it comes, on whichever thread saw the landing
+        if threading.get_ident() != inference:
+            return ("read later", layer)
+        return ("guess", layer) if guessing[0] else ("read", layer)
+
+    streamer.source.submit = lambda layer, expert, *a, **kw: events.append(label(layer)) or real_submit(layer, expert, *a, **kw)
     streamer.note = lambda layer, *a: events.append(("note", layer)) or real_note(layer, *a)
     streamer.predict = lambda layer, ids: events.append(("predict", layer - 1)) or real_predict(layer, ids)
     streamer.cache.plan = lambda layer, *a, **kw: events.append(("plan", layer)) or real_plan(layer, *a, **kw)
     streamer.source = streamer.source  # (the reads made ahead take the source's submit as the source is set)
     state = engine.new_state()
     got = np.stack([engine.decode_token(state, int(t)) for t in tokens[:3]])
-    del streamer.source.submit, streamer.note, streamer.predict, streamer.cache.plan
+    del streamer.source.submit, streamer.note, streamer.predict, streamer.cache.plan, streamer._issue_prefetch
     streamer.source = streamer.source
     noted = [i for i, e in enumerate(events) if e[0] == "note"]
     assert len(noted) == 3 * engine.spec.n_layer
@@ -170,9 +186,9 @@ def test_a_steps_routing_record_and_next_guess_are_made_while_its_reads_are_in_f
         assert ("read", layer) not in after  # the step's own reads all went out before its record
         if layer + 1 < engine.spec.n_layer:
             assert ("predict", layer) in after  # and its guess of the next layer's experts after it
-            if ("read", layer + 1) in after:  # a guess the step read ahead: issued before its plan
+            if ("guess", layer + 1) in after:  # a guess the step read ahead at once: issued before its plan
                 guessed += 1
-                assert after.index(("read", layer + 1)) < after.index(("plan", layer))
+                assert after.index(("guess", layer + 1)) < after.index(("plan", layer))
     assert read_first > 0 and guessed > 0, "no step read a miss, or none a guess: the test proves nothing"
     engine.close()
     plain = Engine(path, EngineOptions(store=tuple(store), vram_cache=0, ram_cache=0, prefetch=False))
