@@ -71,12 +71,14 @@ class ExpertCounter:
         self._counts = np.zeros((n_layer, n_expert), dtype=np.int64)
         self._tokens = np.zeros(n_layer, dtype=np.int64)  # tokens seen per layer
         self._pending: list[list[np.ndarray]] = [[] for _ in range(n_layer)]  # decode rows not counted yet
+        self._pending_passes: list[np.ndarray] = []  # whole passes' choices not counted yet (add_layers)
 
     @property
     def counts(self) -> np.ndarray:
         """[n_layer, n_expert]: how often each expert was chosen."""
         for layer in range(len(self._pending)):
             self._flush(layer)
+        self._flush_passes()
         return self._counts
 
     @property
@@ -84,6 +86,7 @@ class ExpertCounter:
         """[n_layer]: tokens seen per layer."""
         for layer in range(len(self._pending)):
             self._flush(layer)
+        self._flush_passes()
         return self._tokens
 
     def add(self, layer: int, ids: np.ndarray) -> None:
@@ -98,6 +101,24 @@ class ExpertCounter:
             return
         self._counts[layer] += np.bincount(ids.reshape(-1), minlength=self._counts.shape[1])
         self._tokens[layer] += ids.shape[0] if ids.ndim == 2 else 1
+
+    def add_layers(self, ids: np.ndarray) -> None:
+        """ids [n_layer, T, k]: every layer's choices for the same T tokens (a pass computed in one call),
+        counted as `add` of each layer's [T, k] would count them, with the next _PENDING passes in one
+        bincount (kept as they are, as `add` keeps its rows)."""
+        self._pending_passes.append(ids)
+        if len(self._pending_passes) >= self._PENDING:
+            self._flush_passes()
+
+    def _flush_passes(self) -> None:
+        passes = self._pending_passes
+        if passes:
+            n_layer, n_expert = self._counts.shape
+            # each layer's choices offset by its row of the counts: one bincount for every layer
+            ids = np.concatenate([p.reshape(n_layer, -1) for p in passes], axis=1) + (np.arange(n_layer) * n_expert)[:, None]
+            self._counts += np.bincount(ids.reshape(-1), minlength=n_layer * n_expert).reshape(n_layer, n_expert)
+            self._tokens += sum(p.shape[1] for p in passes)
+            passes.clear()
 
     def _flush(self, layer: int) -> None:
         pending = self._pending[layer]

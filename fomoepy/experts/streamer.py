@@ -262,6 +262,16 @@ class ExpertStreamer:
         if self.trace is not None:  # (asked here: a decode step without a trace makes no call for it)
             self._record(layer, exact, first, self._sequences_of(rows), predicted)
 
+    def note_pass(self, ids: np.ndarray) -> bool:
+        """`choose` for every layer of a pass computed in one call, ids [n_layer, T, k] (every row computed),
+        where that is the usage counts alone: no trace to write, CAR off (it substitutes nothing in the
+        call's choice) and no prediction to score. False, nothing noted, where it is more: the caller then
+        chooses layer by layer."""
+        if self.trace is not None or self._car_on or self._predicted:
+            return False
+        self.counter.add_layers(ids)
+        return True
+
     def _record(self, layer: int, exact: Routing, first: int, sequences: list[int] | None, predicted) -> None:
         """The trace's record of rows from token `first` on."""
         top_scores = np.take_along_axis(exact.probs, exact.ids, axis=-1)

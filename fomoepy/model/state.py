@@ -80,6 +80,8 @@ class InferenceState:
     allocators: list = field(default_factory=list)  # per layer: zeros(shape, dtype) of its device
     # which sequence this is, for what the cache learns per sequence (a batched step's rows differ)
     sequence: int = field(default_factory=lambda: next(_SEQUENCES))
+    # positions every KV cache holds now (reserve's: a decode step that needs no growth asks no layer)
+    _held: int = field(default=0, init=False, repr=False, compare=False)
 
     @classmethod
     def new(cls, spec: ModelSpec, n_ctx: int, zeros=np.zeros, zeros_of_layer=None) -> InferenceState:
@@ -110,10 +112,13 @@ class InferenceState:
         state as it was; else grow every KV cache to hold them (whole chunks, at most n_ctx)."""
         self.check_room(n_new)
         need = self.n_past + n_new
+        if need <= self._held:
+            return
         capacity = min(self.n_ctx, -(-need // KV_CHUNK) * KV_CHUNK)
         for layer, zeros in zip(self.layers, self.allocators):
             if isinstance(layer, KVCache) and layer.capacity < need:
                 layer.grow(capacity, self.n_past, zeros)
+        self._held = min((layer.capacity for layer in self.layers if isinstance(layer, KVCache)), default=self.n_ctx)
 
     def check_room(self, n_new: int) -> None:
         if self.n_past + n_new > self.n_ctx:

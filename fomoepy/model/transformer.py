@@ -167,24 +167,23 @@ class Transformer:
     def _batch_in_one_call(self, tokens: np.ndarray, states: list[InferenceState]) -> np.ndarray | None:
         """A decode row of each sequence through every layer and the head in one call (ops.decode_batch:
         the cpu backend's one graph), where a lone row's would be one (_one_graph_layers); the MoE steps'
-        bookkeeping follows (experts.computed). None where it cannot: the layer-by-layer pass then runs."""
+        bookkeeping follows (experts.computed_pass). None where it cannot: the layer-by-layer pass then runs."""
         decode_batch = getattr(self.ops, "decode_batch", None)
         layers = self._one_graph_layers() if decode_batch is not None else None
         if layers is None:
             return None
         spec, w = self.spec, self.weights
         self.experts.begin_step(Phase.DECODE, [s.sequence for s in states])
-        logits, routings = decode_batch(w.embedding(tokens), layers, [s.layers for s in states], spec.attention, spec.rms_eps,
+        logits, routing = decode_batch(w.embedding(tokens), layers, [s.layers for s in states], spec.attention, spec.rms_eps,
                                         w["output_norm.weight"], w["output.weight"], [s.n_past for s in states],
                                         spec.moe.n_expert_used)  # fmt: skip
-        self._one_call_done(routings, tokens, states)
+        self._one_call_done(routing, tokens, states)
         return logits
 
-    def _one_call_done(self, routings: list, tokens: np.ndarray, states: list[InferenceState]) -> None:
-        """After a pass in one call: the MoE steps' bookkeeping of each layer's routing (experts.computed),
-        and each sequence one token further on."""
-        for il, routing in enumerate(routings):
-            self.experts.computed(il, routing)
+    def _one_call_done(self, routing: tuple, tokens: np.ndarray, states: list[InferenceState]) -> None:
+        """After a pass in one call: the MoE steps' bookkeeping of every layer's routing (ids, weights, probs,
+        each [L, B, ...]: experts.computed_pass), and each sequence one token further on."""
+        self.experts.computed_pass(*routing)
         self.experts.end_step(len(states))
         for s, token in zip(states, tokens.tolist()):
             s.n_past += 1
@@ -194,7 +193,7 @@ class Transformer:
         """A lone row's whole pass (every layer and the head) in one call of a backend that computes it as
         one graph (ops.decode_token: the cpu backend's), where the model's layers are its kind (qwen3moe
         on one device, softmax routing, no shared expert) and every layer's experts can be computed in
-        it (experts.in_graph: all resident); the MoE steps' bookkeeping follows (experts.computed).
+        it (experts.in_graph: all resident); the MoE steps' bookkeeping follows (experts.computed_pass).
         None where it cannot: the layer-by-layer pass then runs."""
         decode_token = getattr(self.ops, "decode_token", None)
         layers = self._one_graph_layers() if decode_token is not None else None
@@ -202,9 +201,9 @@ class Transformer:
             return None
         spec, m, w = self.spec, self.spec.moe, self.weights
         self.experts.begin_step(phase, [state.sequence])
-        logits, routings = decode_token(w.embedding(tokens), layers, state.layers, spec.attention, spec.rms_eps,
+        logits, routing = decode_token(int(tokens[0]), w.embedding, layers, state.layers, spec.attention, spec.rms_eps,
                                         w["output_norm.weight"], w["output.weight"], state.n_past, m.n_expert_used)  # fmt: skip
-        self._one_call_done(routings, tokens, [state])
+        self._one_call_done(routing, tokens, [state])
         return logits
 
     def _one_graph_layers(self) -> list | None:

@@ -27,7 +27,12 @@ from fomoepy.runtime.ggml_attention import (
     causal_mask,
     span,
 )
-from fomoepy.runtime.ggml_decode import DecodeBatch, DecodeToken, LayerGraph
+from fomoepy.runtime.ggml_decode import (
+    EMBEDDED_TYPES,
+    DecodeBatch,
+    DecodeToken,
+    LayerGraph,
+)
 from fomoepy.runtime.ggml_dense import (
     AttentionGraphs,
     RopeSpec,
@@ -152,33 +157,38 @@ class GgmlBackend(CpuBackend):
         x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache))
         return x2, h, _routing(*routing)
 
-    def decode_token(self, x: np.ndarray, layers: list, caches: list, a, eps: float, output_norm, output, n_past: int,
+    def decode_token(self, token: int, embedding, layers: list, caches: list, a, eps: float, output_norm, output, n_past: int,
                      k: int) -> tuple:  # fmt: skip
-        """A lone row x [1, D] at position n_past through every layer and the output head in one graph
+        """A lone row, `token` at position n_past, through the token embedding (a TokenEmbedding: looked up
+        in the graph where its type is one of EMBEDDED_TYPES), every layer and the output head in one graph
         (DecodeToken): layers = each layer's (weights, its experts' graph inputs: GgmlExperts.graph_inputs),
         the same list object for every token (its graphs are kept by it); caches: each layer's KVCache,
-        into which the row's keys and values go → logits [1, V], each layer's routing; the bits of
+        into which the row's keys and values go → logits [1, V], every layer's routing (ids [L, 1, k] int64,
+        weights [L, 1, k], probs [L, 1, E]); the bits of
         attention_layer and GgmlExperts.compute layer after layer, then the head's rms_norm and product."""
         n, inputs = self._step_inputs(a, caches[0], n_past)
         shape = (n, caches[0].k.strides, caches[0].v.strides, id(layers))
         graph = self._tokens.get(shape)
         if graph is None or graph[0] is not layers:  # (the list is kept with its graph: its id is not reused)
-            graph = _kept(self._tokens, shape, (layers, DecodeToken([(w, e[0]) for w, e in layers], caches, a, eps, output_norm, output,
-                                                                    self.threads, n, k)))  # fmt: skip
-        run = partial(graph[1], np.ascontiguousarray(x, dtype=F32), n_past, inputs, [cache_addresses(c) for c in caches],
-                      [e[1] for _, e in layers])  # fmt: skip
+            qtype, table = embedding.info.qtype, embedding.table
+            embedded = (qtype, table.reshape(-1, embedding.row_bytes)) if qtype in EMBEDDED_TYPES else None
+            graph = _kept(self._tokens, shape, (layers, DecodeToken([(w, *e) for w, e in layers], caches, a, eps, output_norm, output,
+                                                                    self.threads, n, k, embedded)))  # fmt: skip
+        x = token if graph[1].token is not None else np.ascontiguousarray(embedding(np.array([token])), dtype=F32)
+        run = partial(graph[1], x, n_past, inputs, [cache_addresses(c) for c in caches])
         # with no -t, on 1 thread or all, whichever measures faster now (fomoepy.runtime.row_threads): load
         # that comes after the start moves it to 1
         tuned = self.row_threads
         logits, ids, weights, probs = run() if tuned is None else tuned.run(("token",), lambda n: run(threads=n))
-        ids = ids.astype(np.int64)
-        return logits, [Routing(ids[il : il + 1], weights[il : il + 1], probs[il : il + 1]) for il in range(len(caches))]
+        # every layer's routing of its one row, [L, 1, k] (L, 1, E): the pass's, in one piece (computed_pass)
+        return logits, (ids.astype(np.int64)[:, None], weights[:, None], probs[:, None])
 
     def decode_batch(self, x: np.ndarray, layers: list, caches: list[list], a, eps: float, output_norm, output,
                      positions: list[int], k: int) -> tuple:  # fmt: skip
         """One decode row of each of B sequences, x [B, D] (row b at positions[b], into caches[b], each
         layer's KVCache of that sequence), through every layer and the output head in one graph
-        (DecodeBatch) → logits [B, V], each layer's routing [B rows]; row b's bits are decode_token's for
+        (DecodeBatch) → logits [B, V], every layer's routing (ids [L, B, k] int64, weights [L, B, k], probs
+        [L, B, E]); row b's bits are decode_token's for
         it alone. A graph is kept for the batch's spans, strides and layers: one serves while no sequence
         crosses a span (every BUCKET steps of each)."""
         group = a.n_head // a.n_head_kv
@@ -191,8 +201,7 @@ class GgmlBackend(CpuBackend):
         masks = [causal_mask(p, 1, group, n) for p, n in zip(positions, spans)]
         logits, ids, weights, probs = graph[1](np.ascontiguousarray(x, dtype=F32), positions, masks,
                                                [[cache_addresses(c) for c in seq] for seq in caches], [e[1] for _, e in layers])  # fmt: skip
-        ids = ids.astype(np.int64)
-        return logits, [Routing(ids[il], weights[il], probs[il]) for il in range(len(layers))]
+        return logits, (ids.astype(np.int64), weights, probs)
 
     def prefill_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int) -> tuple:
         """T rows x [T, D] of one sequence at positions n_past.. through a layer's attention in one graph
@@ -212,7 +221,18 @@ class GgmlBackend(CpuBackend):
         group = a.n_head // a.n_head_kv
         key, inputs = self._row_inputs
         if key != (n_past, n, group):
-            inputs = (np.array([n_past], np.int32), causal_mask(n_past, 1, group, n))
+            if key is not None and key[1:] == (n, group):
+                # the same span: the kept row's inputs moved to this position in place (a new mask a token
+                # was ~15 µs of a decode token's Python), its columns between the two positions flipped
+                position, mask = inputs
+                before = key[0]
+                if n_past > before:
+                    mask[:, before + 1 : n_past + 1] = 0
+                else:
+                    mask[:, n_past + 1 : before + 1] = -np.inf
+                position[0] = n_past
+            else:
+                inputs = (np.array([n_past], np.int32), causal_mask(n_past, 1, group, n))
             self._row_inputs = ((n_past, n, group), inputs)
         return n, inputs
 

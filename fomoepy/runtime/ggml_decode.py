@@ -51,6 +51,9 @@ from fomoepy.runtime.ggml_matmul import top_k_nodes
 from fomoepy.runtime.ggml_slots import expert_outputs, weighted_sum_nodes
 
 _F = 4  # bytes of a float32
+# token embeddings whose rows ggml's get_rows gives with the bits of fomoepy's own decoder (TokenEmbedding):
+# a copy, an exact widening, one product per element (Q8_0: q·d); a token's graph looks its row up itself
+EMBEDDED_TYPES = frozenset((ggml.GGML_TYPE_F32, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_Q8_0))
 
 
 def _attention_part(g: Graph, w, a, eps: float, x, pos, mask, k_cache: np.ndarray, v_cache: np.ndarray, n: int, T: int):
@@ -109,9 +112,11 @@ def _room(nbytes: int) -> int:
     return nbytes + nbytes // 4 + 4096
 
 
-def _row_inputs(g: Graph, D: int, n: int, group: int, T: int):
-    """The inputs every layer shares: the rows x [D, T], their positions [T] int32, their mask [n, group·T]."""
-    return g.input(D, T), g.input(T, qtype=ggml.GGML_TYPE_I32), g.input(n, group * T)
+def _row_inputs(g: Graph, D: int, n: int, group: int, T: int, tokens: bool = False):
+    """The inputs every layer shares: the rows x [D, T] (tokens: their tokens [T] int32 instead), their
+    positions [T] int32, their mask [n, group·T]."""
+    rows = g.input(T, qtype=ggml.GGML_TYPE_I32) if tokens else g.input(D, T)
+    return rows, g.input(T, qtype=ggml.GGML_TYPE_I32), g.input(n, group * T)
 
 
 class LayerGraph:
@@ -146,37 +151,64 @@ class LayerGraph:
 class DecodeToken:
     """Every layer of a lone decode row and the output head in one graph: the layers' LayerGraph nodes and
     their experts, chained, then logits = Wout·(rms_norm(x)·output_norm). layers: each layer's (weights,
-    experts' slot tensors); caches: each layer's KVCache (they share a capacity, so their strides). Run
-    with each layer's cache addresses and slot table → logits [1, V] and every layer's routing, one array
-    each: ids [L, k] int32, weights [L, k], probs [L, E] (a call from Python costs several µs after a
-    graph has streamed the weights through the caches: few arrays, few calls)."""
+    experts' slot tensors, their slot table [1, E, 1] int32, kept alive by the caller: the graph reads
+    it at every run); caches: each layer's KVCache (they share a capacity, so their strides). Run with
+    each layer's cache addresses → logits [1, V] and every layer's routing, one array each: ids [L, k]
+    int32, weights [L, k], probs [L, E] (a call from Python costs several µs after a graph has streamed
+    the weights through the caches: few arrays, few calls). embedding: the token embedding's (ggml type,
+    file bytes [V, row bytes]) for one of EMBEDDED_TYPES: the graph then takes the token and looks its
+    row up (get_rows), else the row."""
 
-    def __init__(self, layers: list[tuple], caches: list, a, eps: float, output_norm, output, threads: int, n: int, k: int):
+    def __init__(self, layers: list[tuple], caches: list, a, eps: float, output_norm, output, threads: int, n: int, k: int,
+                 embedding: tuple | None = None):  # fmt: skip
         w0 = layers[0][0]
         D, V, E, L = w0.attn_q.n_cols, output.n_rows, w0.ffn_gate_inp.n_rows, len(layers)
-        size = sum(_layer_bytes(w, a, n, 1, k, experts) for w, experts in layers) + _F * 4 * (D + V)
-        g = self.graph = Graph(L * (128 + 2 * k) + 16, _room(size), threads)
+        size = sum(_layer_bytes(w, a, n, 1, k, experts) for w, experts, _ in layers) + _F * 4 * (D + V)
+        g = self.graph = Graph(L * (128 + 2 * k) + 18, _room(size), threads)
         self.routing = (np.empty((L, k), np.int32), np.empty((L, k), np.float32), np.empty((L, E), np.float32))
-        x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv, 1)
+        x, pos, mask = _row_inputs(g, D, n, a.n_head // a.n_head_kv, 1, tokens=embedding is not None)
+        self.token = None
+        if embedding is not None:  # input 0 the token, its row the graph's own lookup
+            qtype, table = embedding
+            x = ggml.ggml_get_rows(g.ctx, g.leaf(qtype, D, table.shape[0], data=table), x)  # [D, 1]
+            self.token = np.zeros(1, np.int32)  # (the input's memory for good: a token is written into it)
         writes = []
-        for il, ((w, experts), cache) in enumerate(zip(layers, caches)):
+        for il, ((w, experts, _), cache) in enumerate(zip(layers, caches)):
             written, x2, h, logits = _attention_part(g, w, a, eps, x, pos, mask, cache.k, cache.v, n, 1)
             x = _expert_rows(g, x2, h, logits, k, experts, 1, tuple(r[il] for r in self.routing))
             writes += written  # in layer order: a layer's attention (added after them) sees its row
         logits = ggml.ggml_mul_mat(g.ctx, g.weight(output), normed(g, x, eps, output_norm))
         g.finish([(logits, (1, V))], effects=tuple(writes))
         self._row_steps = (caches[0].k.strides[0], caches[0].v.strides[0])
+        # the inputs, in order: x, position, mask, then each layer's K, V, its row's key and value
+        # destinations, slot table. The tables are set once; a token sets x and the destinations; the
+        # rest stay while the row's inputs and caches are the ones bound last (a sequence's steps within
+        # a span)
+        g.set_inputs(g.inputs_at([3 + 5 * il + 4 for il in range(L)]), [table for _, _, table in layers])
+        if self.token is not None:
+            g.set_inputs(g.inputs_at([0]), [self.token])
+        self._per_token = g.inputs_at(([0] if self.token is None else []) + [3 + 5 * il + j for il in range(L) for j in (2, 3)])
+        self._kept = g.inputs_at([1, 2] + [3 + 5 * il + j for il in range(L) for j in (0, 1)])
+        self._bound: tuple = (None, None)  # (inputs, addresses) the kept inputs were set to
 
-    def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: list[tuple[int, int]], tables: list[np.ndarray],
-                 threads: int | None = None):  # fmt: skip
-        """x [1, D] at `position`, inputs its ([position] int32, its causal mask), each layer's cache
-        addresses and slot table → logits, ids, weights, probs (fresh arrays); threads: another count
-        than the graph's (the same bits)."""
+    def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: list[tuple[int, int]], threads: int | None = None):
+        """x [1, D] at `position` (with an embedding: the token, an int), inputs its ([position] int32, its
+        causal mask), each layer's cache addresses → logits, ids, weights, probs (fresh arrays); threads:
+        another count than the graph's (the same bits). inputs' arrays may be the last call's, changed in
+        place."""
+        if inputs is not self._bound[0] or addresses != self._bound[1]:
+            self.graph.set_inputs(self._kept, [*inputs, *(address for pair in addresses for address in pair)])
+            self._bound = (inputs, addresses)  # (held: their memory stays while the graph reads it)
         dk, dv = self._row_steps
-        per_layer = []
-        for (k, v), table in zip(addresses, tables):
-            per_layer += (k, v, k + position * dk, v + position * dv, table)
-        logits = self.graph.run(x, *inputs, *per_layer, threads=threads)[0]
+        if self.token is None:
+            per_token = [x]
+        else:
+            self.token[0] = x
+            per_token = []
+        for k, v in addresses:
+            per_token += (k + position * dk, v + position * dv)
+        self.graph.set_inputs(self._per_token, per_token)
+        logits = self.graph.compute(threads)[0]
         return logits, *(r.copy() for r in self.routing)
 
 

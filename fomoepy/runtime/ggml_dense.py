@@ -164,11 +164,31 @@ class Graph:
             raise FomoeError(f"expected {len(self._input_structs)} inputs, got {len(inputs)}")
         for t, x in zip(self._input_structs, inputs):
             t.data = x if isinstance(x, int) else host_address(x)  # (the buffer protocol: a fifth of x.ctypes.data's ~1 µs)
-        plan = self._plan_ref if threads is None or threads == self.threads else self._plan(threads)
+        plan = self._plan_ref if threads is None or threads == self.threads else self._plan(threads)  # (compute's, inline: a frame)
         status = MATMUL.call(ggml.ggml_graph_compute, self.gf, plan)
         if status != 0:
             raise FomoeError("ggml graph computation failed")
         return list(self._results) if last else [r.copy() for r in self._results]  # inputs are the caller's, alive for the whole computation
+
+    def inputs_at(self, positions: list[int]) -> list:
+        """The inputs at these positions (run's order), to be set by set_inputs: a caller that keeps most
+        inputs from one run to the next sets only the others (each set ~0.5 µs after a graph)."""
+        return [self._input_structs[i] for i in positions]
+
+    @staticmethod
+    def set_inputs(inputs: list, values) -> None:
+        """inputs (inputs_at's) take these arrays or addresses, for the next compute."""
+        for t, x in zip(inputs, values):
+            t.data = x if isinstance(x, int) else host_address(x)
+
+    def compute(self, threads: int | None = None) -> list[np.ndarray]:
+        """run's outputs (fresh arrays) for the inputs set last: every one set, by run or set_inputs, to
+        memory still alive."""
+        plan = self._plan_ref if threads is None or threads == self.threads else self._plan(threads)
+        status = MATMUL.call(ggml.ggml_graph_compute, self.gf, plan)
+        if status != 0:
+            raise FomoeError("ggml graph computation failed")
+        return [r.copy() for r in self._results]
 
     def __del__(self) -> None:
         if getattr(self, "ctx", None) and ggml is not None:
