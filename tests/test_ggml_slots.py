@@ -4,6 +4,7 @@ to the order of their float32 sums."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -298,3 +299,27 @@ def test_the_weighted_sum_in_c_has_numpys_bits_and_leaves_what_it_cannot_take_to
         assert ggml_slots._rounds.weighted_sum(*args) is False
     assert not out.any()  # nothing written by those declined
     assert np.array_equal(ggml_slots.weighted_sum(y.astype(np.float64), w), np.add.reduce(y.astype(np.float64) * w[:, :, None], axis=1))
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The kernel's flags of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(), reason="no transparent huge pages here")
+@pytest.mark.parametrize("repack", [False, True])
+def test_slot_tensors_memory_is_advised_to_huge_pages(repack):
+    # a slot tensor's products stream it: its buffer (ggml's, 4 KiB pages unless advised) is marked for
+    # transparent huge pages ("hg") before a byte is set into it; plain and repacking buffers alike
+    matrix = SlotMatrix(QT.Q4_K, 512, 1024, 32, repack=repack)  # 9 MiB: whole 2 MiB pages inside
+    base = ggml_buffers._C.buffer_get_base(matrix._buffer)
+    assert matrix.repacked == (repack and ggml_buffers.repacks(QT.Q4_K, 1024, 512))
+    assert "hg" in _vm_flags(-(-base // (2 << 20)) * (2 << 20))

