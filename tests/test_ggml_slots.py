@@ -304,13 +304,14 @@ def test_the_weighted_sum_in_c_has_numpys_bits_and_leaves_what_it_cannot_take_to
 def _vm_flags(address: int) -> set[str]:
     """The kernel's flags of the mapping that holds `address` (/proc/self/smaps)."""
     inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(a, 16) for a in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return set(line.split()[1:])
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
