@@ -111,6 +111,34 @@ def test_sequences_taking_turns_through_one_token_graph_each_get_their_bits_alon
         alone.close()
 
 
+@pytest.mark.parametrize("record", ["trace", "car"])
+def test_a_tokens_graph_leaves_the_trace_and_cars_record_the_layer_path_leaves(spinning, tmp_path, record):
+    # a token's bookkeeping in one call (ResidentStep.computed_pass) is the usage counts alone; with a
+    # trace to write or CAR on (it substitutes nothing where every expert is resident, but counts the
+    # slots it saw) the step is recorded layer by layer, as the layer path records it
+    from fomoepy.experts.car import CarConfig
+    from fomoepy.experts.trace import read_trace
+
+    def decode(name: str, apart: bool):
+        options = {"trace": str(tmp_path / f"{name}.trace")} if record == "trace" else {"car": CarConfig(threshold=1e-4, dampen=True)}
+        engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2, **options))
+        if apart:
+            engine.experts.in_graph = lambda layer: None  # every layer's graphs and experts apart
+        state = engine.new_state()
+        engine.eval(state, [3, 1, 4, 1, 5])
+        for t in (9, 2, 6, 5):
+            engine.decode_token(state, t)
+        assert len(engine.ops._tokens) == (0 if apart else 1)
+        car = dict(engine.experts.streamer.car_stats.per_layer)
+        engine.close()
+        if record == "car":
+            return car
+        return [(r.token, r.layer, r.ids.tolist(), r.probs.tolist()) for r in read_trace(tmp_path / f"{name}.trace").records]
+
+    whole, apart = decode("whole", False), decode("apart", True)
+    assert whole == apart and len(whole) > 0
+
+
 def run_batch(prompts: list[int], n_decode: int) -> tuple:
     """Prefill a random prompt of each length, one sequence each, then decode n_decode batched steps of
     all of them → (each step's logits [B, V], each sequence's KV caches, expert counts)."""
