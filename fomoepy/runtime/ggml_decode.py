@@ -184,11 +184,14 @@ class DecodeToken:
         # destinations, slot table. The tables are set once; a token sets x and the destinations; the
         # rest stay while the row's inputs and caches are the ones bound last (a sequence's steps within
         # a span)
-        g.set_inputs(g.inputs_at([3 + 5 * il + 4 for il in range(L)]), [table for _, _, table in layers])
+        def of_layers(*parts: int) -> list:  # each layer's inputs at these places of its five, layer after layer
+            return g.inputs_at([3 + 5 * il + j for il in range(L) for j in parts])
+
+        g.set_inputs(of_layers(4), [table for _, _, table in layers])
         if self.token is not None:
             g.set_inputs(g.inputs_at([0]), [self.token])
-        self._per_token = g.inputs_at(([0] if self.token is None else []) + [3 + 5 * il + j for il in range(L) for j in (2, 3)])
-        self._kept = g.inputs_at([1, 2] + [3 + 5 * il + j for il in range(L) for j in (0, 1)])
+        self._per_token = (g.inputs_at([0]) if self.token is None else []) + of_layers(2, 3)
+        self._kept = g.inputs_at([1, 2]) + of_layers(0, 1)
         self._bound: tuple = (None, None)  # (inputs, addresses) the kept inputs were set to
 
     def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: list[tuple[int, int]], threads: int | None = None):
