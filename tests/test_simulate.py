@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from functools import cache
 
@@ -18,7 +19,7 @@ from fomoepy.experts.car import CarConfig
 from fomoepy.experts.policy import POLICIES
 from fomoepy.experts.profile import ExpertCounter, seed_order, write_freq
 from fomoepy.experts.routing import softmax_route
-from fomoepy.experts.simulate import access_sequence, belady_for, simulate
+from fomoepy.experts.simulate import access_sequence, belady_for, fewest_reads, simulate
 from fomoepy.experts.trace import TraceHeader, TraceWriter, read_trace
 
 L, E, K = 3, 16, 2
@@ -115,8 +116,9 @@ def test_damaged_traces_are_refused_clearly(tmp_path):
 # -- Belady ----------------------------------------------------------------------------------------
 
 
-def brute_force_hits(seq, capacity) -> int:
-    """The best hit count over every choice a cache could make (admit or not; which key to evict)."""
+def brute_force_hits(seq, capacity, start=frozenset()) -> int:
+    """The best hit count over every choice a cache could make (admit or not; which key to evict), from
+    the contents `start`."""
 
     @cache
     def best(i: int, held: frozenset) -> int:
@@ -132,13 +134,53 @@ def brute_force_hits(seq, capacity) -> int:
             options += [best(i + 1, (held - {old}) | {key}) for old in held]
         return max(options)
 
-    return best(0, frozenset())
+    return best(0, start)
 
 
 @settings(max_examples=300, deadline=None)
 @given(seq=st.lists(st.integers(0, 5), min_size=1, max_size=14), capacity=st.integers(1, 4))
 def test_belady_equals_the_brute_force_optimum_with_equal_sizes(seq, capacity):
     assert belady(seq, lambda key: 1, capacity).hits == brute_force_hits(tuple(seq), capacity)
+
+
+def one_expert_steps(path, steps, sizes=(100,), n_expert=6):
+    """A trace whose step i (token i) of layer 0 uses the one expert steps[i]."""
+    with TraceWriter(path, TraceHeader(len(sizes), n_expert, 1, sizes)) as w:
+        for t, e in enumerate(steps):
+            w.write(t, 0, np.array([[e]]), np.ones((1, 1), np.float32))
+    return read_trace(path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seq=st.lists(st.integers(0, 5), min_size=1, max_size=12), capacity=st.integers(1, 3))
+def test_fewest_reads_is_the_least_any_cache_reads_from_any_start(tmp_path_factory, seq, capacity):
+    # a floor under a run's reads, whatever the tiers held when it began: the best over every start
+    trace = one_expert_steps(tmp_path_factory.mktemp("t") / "t.trace", seq)
+    starts = [frozenset(c) for n in range(capacity + 1) for c in itertools.combinations(range(6), n)]
+    best = max(brute_force_hits(tuple(seq), capacity, s) for s in starts)
+    assert fewest_reads(trace, (100,), capacity * 100) == (len(seq) - best) * 100
+
+
+def test_fewest_reads_counts_only_the_steps_of_the_tokens_asked(tmp_path):
+    # tokens 0-5 use experts 0-5 once each, tokens 6-11 alternate 0 and 1. With one slot, the best is to
+    # keep 0 and read every other: the second half alone reads its three 1s; the first half its five
+    # experts but the one it starts with; the whole run both (0 held from the start)
+    steps = [0, 1, 2, 3, 4, 5, 0, 1, 0, 1, 0, 1]
+    trace = one_expert_steps(tmp_path / "t.trace", steps)
+    assert fewest_reads(trace, (100,), 100, range(6, 12)) == 3 * 100
+    assert fewest_reads(trace, (100,), 100, range(6)) == 5 * 100
+    assert fewest_reads(trace, (100,), 100) == (5 + 3) * 100
+    assert fewest_reads(trace, (100,), 200, range(6, 12)) == 0
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_no_policy_reads_less_than_fewest_reads(tmp_path, batch):
+    trace = read_trace(write_trace(tmp_path / "t.trace", n_tokens=96, skew=1.2, batch=batch))
+    sizes = (100, 100, 100)
+    floor = fewest_reads(trace, sizes, 1000)
+    assert floor > 0
+    reads = [simulate(trace, sizes, 400, 600, policy, half_life_tokens=16).summary["disk"]["read_bytes"] for policy in POLICIES]
+    assert min(reads) >= floor
 
 
 def test_belady_with_a_seeded_start_and_oversized_items():

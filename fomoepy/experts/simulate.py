@@ -91,6 +91,19 @@ def belady_for(
     return belady(access_sequence(trace), lambda key: expert_bytes[key[0]], capacity, initial)
 
 
+def fewest_reads(trace: Trace, expert_bytes: Sequence[int], capacity: int, tokens: range | None = None) -> int:
+    """The fewest bytes any cache of `capacity` bytes must read over the steps of the trace whose records
+    start at a token in `tokens` (all where None): Belady, from the best contents to start with (the
+    experts first used soonest, as many as fit, so no miss is only the cold start's). No policy's tiers
+    of that total size read less over those steps, whatever they held when the steps began: a floor under
+    a run's reads (bench/batch.py's, where it is what batching must lower)."""
+    records = [r for r in trace.records if tokens is None or r.token in tokens]
+    seq = access_sequence(replace(trace, records=tuple(records)))
+    first_used = list(dict.fromkeys(seq))
+    best = belady(seq, lambda key: expert_bytes[key[0]], capacity, first_used)
+    return sum(expert_bytes[layer] for layer, _ in seq) - best.hit_bytes
+
+
 def simulate(
     trace: Trace,
     expert_bytes: Sequence[int],
