@@ -26,7 +26,11 @@ is greedy, ignores end-of-generation and streams its tokens. Per run it prints:
   as the engine reads it (`fomoe plan --measure`'s figure: records in a random order through the
   store's reader, several in flight), over the run's bytes read from the store per token: the most
   tok/s the run could reach if reading were all it did. A configuration bound by its reads gains from
-  batching only as its bytes read per token fall.
+  batching only as its bytes read per token fall;
+- and how far they could fall: the fewest bytes per token a cache of the tiers' size could read over
+  the run's steps had it known their routing in advance (Belady from the best start: no policy reads
+  less), from the daemon's routing trace (`--trace`, capped runs only), with the store's bound at those
+  reads; and over the one-at-a-time figure, the most each batched run could gain were reading all it did.
 
 (bench/batch_step.py times the engine's step over B sequences itself, and the bound these runs could
 reach were every step full.)
@@ -56,7 +60,9 @@ from results import load_line, publish
 from soak import Conn, pct
 
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
+from fomoepy.experts.simulate import fewest_reads
 from fomoepy.experts.store_reader import ExpertStore
+from fomoepy.experts.trace import read_trace
 from fomoepy.plan.measure import store_figures
 
 HERE = Path(__file__).parent
@@ -94,14 +100,17 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(60)
 
 
-def daemon_counts(sock: str) -> tuple[int, int, float, float, int]:
+def daemon_counts(sock: str) -> tuple[int, int, float, float, int, int]:
     """So far: accessed expert bytes, bytes read from the store, the engine's seconds in prompts and in
-    decode steps, the decode steps' tokens."""
+    decode steps, the decode steps' tokens, and the engine's token index (every row it has computed: its
+    trace's records are numbered by it)."""
     c = Conn(sock)
     stats = c.final(c.send("stats"))["stats"]
     c.close()
-    cache = stats["engine"]["cache"]
-    return cache["accessed_bytes"], cache["disk"]["read_bytes"], stats["prefill_s"], stats["decode_s"], stats["decode_tokens"]
+    engine = stats["engine"]
+    cache = engine["cache"]
+    return (cache["accessed_bytes"], cache["disk"]["read_bytes"], stats["prefill_s"], stats["decode_s"], stats["decode_tokens"],
+            engine["tokens"])  # fmt: skip
 
 
 class Stream:
@@ -164,7 +173,20 @@ def serve_all(sock: str, texts: list[str], n_tokens: int, n_clients: int) -> dic
         "tok_s": n / wall, "itl50": pct(gaps, 0.5), "itl99": pct(gaps, 0.99), "ttft50": pct(firsts, 0.5),
         "used_per_tok": (after[0] - before[0]) / n, "disk_per_tok": (after[1] - before[1]) / n, "wall": wall,
         "prompt_share": (after[2] - before[2]) / wall, "step_tok_s": (after[4] - before[4]) / max(after[3] - before[3], 1e-9),
+        "generated": n, "rows": range(before[5], after[5]),
     }  # fmt: skip
+
+
+def fewest_read_per_token(trace_path: str, runs: list[dict], capacity: int) -> None:
+    """Each run's fewest bytes read per generated token (`floor_per_tok`): what a cache of the run's tiers'
+    size that knew the run's routing in advance would read from the store (Belady from the best start,
+    fomoepy.experts.simulate.fewest_reads) over the run's steps in its daemon's trace."""
+    trace = read_trace(trace_path)
+    last = max((r.token + r.n_tokens for r in trace.records), default=0)
+    for r in runs:
+        if last < r["rows"].stop:
+            raise SystemExit(f"the daemon's trace {trace_path} ends at row {last}, before its run's last ({r['rows'].stop})")
+        r["floor_per_tok"] = fewest_reads(trace, trace.header.expert_bytes, capacity, r["rows"]) / r["generated"]
 
 
 def store_rate(model: Path, store: Path) -> float:
@@ -192,6 +214,13 @@ def bound(r: dict, rates: list[float]) -> str:
     if not rates or r["disk_per_tok"] <= 0:
         return "—"
     return f"{max(rates) / r['disk_per_tok']:.2f} ({r['tok_s'] * r['disk_per_tok'] / 1e6:.0f} MB/s read)"
+
+
+def floor_bound(r: dict, rates: list[float]) -> str:
+    """The run's fewest reads per token, and the store's bound at them: the most any cache of its size lets it reach."""
+    if not rates or "floor_per_tok" not in r:
+        return "—"
+    return f"{r['floor_per_tok'] / 1e6:.2f}, {max(rates) / r['floor_per_tok']:.2f}" if r["floor_per_tok"] > 0 else "0.00, —"
 
 
 def gpu_name(backend: str) -> str:
@@ -237,7 +266,8 @@ def main() -> int:
             "resident": ("all experts resident on the device", ["--vram-cache", str(all_bytes), "--ram-cache", "0", "--freq-profile", str(profile)]),
             "capped": (f"device and host tiers {args.ram_frac:.0%} each, misses from the store", ["--vram-cache", share, "--ram-cache", share]),
         }  # fmt: skip
-    rows = []
+    capacity = {"resident": 0, "capped": int(share) * (1 if args.backend == "cpu" else 2)}  # the tiers the store's reads fill
+    rows, ceilings = [], []
     rates: list[float] = []  # the store's read rate, before and after the runs that read from it
     for key, (title, flags) in configs.items():
         if args.only and key != args.only:
@@ -248,16 +278,23 @@ def main() -> int:
         with tempfile.TemporaryDirectory(dir="/tmp", prefix="fomoe-batch-") as d:
             daemons = [("one at a time", 1, [1]), ("batched", args.max_batch, clients), ("one at a time, again", 1, [1])]
             for i, (label, max_batch, n_clients) in enumerate(daemons):
-                sock = f"{d}/{i}.sock"
-                proc = start(sock, model, [*base, *flags, "--max-batch", str(max_batch)])
+                sock, trace = f"{d}/{i}.sock", f"{d}/{i}.trace"
+                # where reads come from the store, the daemon traces its routing: the floor under each run's reads
+                # (a capped step runs layer by layer whether traced or not: the trace costs a record a layer)
+                traced = ["--trace", trace] if capacity[key] else []
+                proc = start(sock, model, [*base, *flags, "--max-batch", str(max_batch), *traced])
+                mine = []
                 try:
                     serve_all(sock, texts[:4], args.tokens, min(4, max_batch))  # warm: caches, graphs, pages
                     for n in n_clients:
                         r = serve_all(sock, texts, args.tokens, n)
-                        runs.append((label if label != "batched" else f"{n} client{'s' * (n > 1)}", r))
-                        print(f"{title}: {runs[-1][0]}: {r['tok_s']:.2f} tok/s; {os.getloadavg()[0]:.2f} load", file=sys.stderr)
+                        mine.append((label if label != "batched" else f"{n} client{'s' * (n > 1)}", r))
+                        print(f"{title}: {mine[-1][0]}: {r['tok_s']:.2f} tok/s; {os.getloadavg()[0]:.2f} load", file=sys.stderr)
                 finally:
                     stop(proc)
+                if traced:
+                    fewest_read_per_token(trace, [r for _, r in mine], capacity[key])
+                runs += mine
         if key == "capped":
             rates.append(store_rate(model, store))
         one = (runs[0][1]["tok_s"] + runs[-1][1]["tok_s"]) / 2  # (before and after the batched runs)
@@ -265,8 +302,10 @@ def main() -> int:
             rows.append(
                 f"| {title} | {label} | {r['tok_s']:.2f} | {r['tok_s'] / one:.2f}x | {r['itl50'] * 1e3:.0f} / {r['itl99'] * 1e3:.0f} "
                 f"| {r['ttft50'] * 1e3:.0f} | {r['used_per_tok'] / 1e6:.2f} | {r['disk_per_tok'] / 1e6:.2f} | {bound(r, rates)} "
-                f"| {r['step_tok_s']:.1f} | {r['prompt_share']:.0%} |"
+                f"| {floor_bound(r, rates)} | {r['step_tok_s']:.1f} | {r['prompt_share']:.0%} |"
             )
+            if "floor_per_tok" in r and r["floor_per_tok"] > 0 and label.endswith(("client", "clients")):
+                ceilings.append(f"{label}: {max(rates) / r['floor_per_tok'] / one:.2f}x")
     report = (
         f"### batch — {date.today()} — {args.backend} backend{gpu_name(args.backend)}, {platform.machine()}, {os.cpu_count()} cores — {load_line()}; "
         f"load {os.getloadavg()[0]:.2f} at the end\n\n"
@@ -276,11 +315,15 @@ def main() -> int:
         + f"`; bench model, -t {threads}, greedy, {args.tokens} tokens per request\n\n"
         "| configuration | served by | aggregate tok/s | vs one at a time (mean of before and after) | inter-token p50 / p99 ms | first token p50 ms "
         "| expert MB used / token | of which read from store MB / token | store's bound tok/s (its MB/s ÷ MB read / token) "
+        "| fewest MB / token a cache of the tiers' size could read (Belady on the run's own routing), and the store's bound there "
         "| decode steps' own tok/s (their tokens over the engine's time in them) | share of the wall in prompts "
-        "|\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         + "\n".join(rows) + "\n"
         + (f"\nThe store's read rate, measured before and after the runs that read from it: "
            f"{rates[0] / 1e6:.0f} and {rates[1] / 1e6:.0f} MB/s; each bound is from the higher.\n" if rates else "")
+        + (f"\nWhere misses come from the store, the most a run could gain over one at a time with no work but its reads, and "
+           f"those the fewest a cache of the tiers' size could make of its routing (the store's bound at them over the "
+           f"one-at-a-time figure): {'; '.join(ceilings)}.\n" if ceilings else "")
     )  # fmt: skip
     return publish(report, args.record)
 
