@@ -288,7 +288,9 @@ def main() -> int:
             for i, (label, max_batch, n_clients) in enumerate(daemons):
                 sock, trace = f"{d}/{i}.sock", f"{d}/{i}.trace"
                 # where reads come from the store, the daemon traces its routing: the floor under each run's reads
-                # (a capped step runs layer by layer whether traced or not: the trace costs a record a layer)
+                # (a capped step runs layer by layer whether traced or not: the trace costs a record a layer, and a
+                # prediction a layer where the read-ahead gate had stopped them; by hand, two rounds each way of one
+                # at a time and 8 clients, traced runs were within this machine's noise of untraced ones)
                 traced = ["--trace", trace] if capacity[key] else []
                 proc = start(sock, model, [*base, *flags, "--max-batch", str(max_batch), *traced])
                 mine = []
