@@ -371,23 +371,18 @@ static PyObject *ReadAhead_queue(ReadAheadObject *self, PyObject *const *args, P
     Guess *guesses = PyMem_Calloc(n ? n : 1, sizeof(Guess));
     Py_ssize_t made = 0;
     int rc = guesses ? 0 : -1;
-    /* a list: one callable per layer, called with no arguments (PyReadAhead's semantics) */
-    PyObject *take = NULL;
+    /* a list: one callable per layer; a layer with none refused here, as the guesses are queued (PyReadAhead's) */
     if (!rc && PyList_Check(self->prepare)) {
         Py_ssize_t at = PyLong_AsSsize_t(layer);
         if (at < 0 || at >= PyList_GET_SIZE(self->prepare)) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "ReadAhead: no prepare for this layer");
             rc = -1;
-        } else {
-            take = Py_NewRef(PyList_GET_ITEM(self->prepare, at)); /* (held: a call may change the list) */
         }
     }
     for (; !rc && made < n; made++) { /* (what each read needs, made on this thread, in order; anywhere: as issued) */
         PyObject *e = PyNumber_Long(PySequence_Fast_GET_ITEM(seq, made));
         PyObject *key = e ? PyTuple_Pack(2, layer, e) : NULL;
-        PyObject *prepared = !key ? NULL : self->anywhere ? NULL : take ? PyObject_CallNoArgs(take)
-                             : self->prepare != Py_None ? PyObject_CallFunctionObjArgs(self->prepare, layer, e, NULL)
-                                                        : Py_NewRef(Py_None);
+        PyObject *prepared = !key || self->anywhere ? NULL : prepared_for(self, key);
         Py_XDECREF(e);
         if (!key || (!prepared && !self->anywhere)) {
             Py_XDECREF(key);
@@ -396,7 +391,6 @@ static PyObject *ReadAhead_queue(ReadAheadObject *self, PyObject *const *args, P
         }
         guesses[made] = (Guess){key, prepared, (long)made};
     }
-    Py_XDECREF(take);
     Py_DECREF(seq);
     if (rc) {
         for (Py_ssize_t i = 0; guesses && i < made; i++) {
