@@ -112,6 +112,15 @@ def test_compiles_with_hiprtc_for_wave32_rdna(compilers, binaries, name):
     assert _binary(compilers, binaries, "hip", name)
 
 
+@pytest.mark.parametrize("name", [s.name for s in SOURCES])
+def test_no_kernel_keeps_a_table_in_constant_memory(compilers, binaries, name):
+    """A __constant__ array lands in the CUBIN's bank-3 section. NVIDIA serves a warp's reads of it one
+    address at a time, so a lookup by each lane's own index stalls: MXFP4's code table did, and held its
+    kernels to 0.03-0.04 of an H200's copy bandwidth (bench/gpu_kernels.py). Tables live in registers
+    (dequant.h's mxfp4_value)."""
+    assert b".nv.constant3" not in _binary(compilers, binaries, "cuda", name)
+
+
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 def test_every_kernel_of_the_launch_table_is_in_a_binary(compilers, binaries, vendor):
     blobs = [_binary(compilers, binaries, vendor, s.name) for s in SOURCES]
