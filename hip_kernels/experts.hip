@@ -43,7 +43,7 @@ DEVINL void gate_up_body(const ExpertWork* __restrict__ work, const float* __res
     const int n_t = min(w.n_pairs, TT);
     const float* xs[TT];
 #pragma unroll
-    for (int t = 0; t < TT; t++) xs[t] = X + (i64)(w.pair[t < n_t ? t : 0] / k) * D;
+    for (int t = 0; t < TT; t++) xs[t] = X + (i64)((t < n_t ? w.pair[t] : w.pair[0]) / k) * D;
     float g[TT], u[TT];
     row_dot<F, TT>((const u8*)w.gate + (i64)f * row_bytes, xs, n_t, D, g);
     row_dot<F, TT>((const u8*)w.up + (i64)f * row_bytes, xs, n_t, D, u);
@@ -81,7 +81,7 @@ DEVINL void down_body(const ExpertWork* __restrict__ work, const float* __restri
     const int n_t = min(w.n_pairs, TT);
     const float* xs[TT];
 #pragma unroll
-    for (int t = 0; t < TT; t++) xs[t] = act + (i64)w.pair[t < n_t ? t : 0] * F_;
+    for (int t = 0; t < TT; t++) xs[t] = act + (i64)(t < n_t ? w.pair[t] : w.pair[0]) * F_;
     float dot[TT];
     row_dot<F, TT>((const u8*)w.down + (i64)d * row_bytes, xs, n_t, F_, dot);
     if (threadIdx.x % WARP == 0) {

@@ -107,13 +107,20 @@ class NvrtcCompiler:
         return [f"--gpu-architecture={arch}", "-std=c++17", "--dopt=on", "-Xptxas=-O3"]
 
     def compile(self, source: KernelSource, arch: str) -> bytes:
+        return self._compile(source, arch)[0]
+
+    def resource_report(self, source: KernelSource, arch: str) -> str:
+        """ptxas's account of each kernel of `source` (registers, stack frame, spills): its -v log."""
+        return self._compile(source, arch, ["-Xptxas=-v"])[1]
+
+    def _compile(self, source: KernelSource, arch: str, extra: list[str] | None = None) -> tuple[bytes, str]:
         n = self._nvrtc
         names = [name.encode() for name, _ in source.headers]
         texts = [text.encode() for _, text in source.headers]
         err, prog = n.nvrtcCreateProgram(source.text.encode(), f"{source.name}.hip".encode(), len(names), texts, names)
         _check_nvrtc(n, err, "nvrtcCreateProgram")
         try:
-            opts = [o.encode() for o in self.options(arch)]
+            opts = [o.encode() for o in self.options(arch) + (extra or [])]
             (err,) = n.nvrtcCompileProgram(prog, len(opts), opts)
             if err != n.nvrtcResult.NVRTC_SUCCESS:
                 raise KernelCompileError(f"{source.name}.hip does not compile for {arch} with {self.version}:\n{_nvrtc_log(n, prog)}")
@@ -122,7 +129,7 @@ class NvrtcCompiler:
             buf = bytes(size)
             (err,) = n.nvrtcGetCUBIN(prog, buf)
             _check_nvrtc(n, err, "nvrtcGetCUBIN")
-            return buf
+            return buf, _nvrtc_log(n, prog)
         finally:
             n.nvrtcDestroyProgram(prog)
 
