@@ -113,7 +113,7 @@ KERNEL void LAUNCH_BOUNDS(ATT_WARPS * WARP)
         if (threadIdx.x == 0) raise_error(err, ERR_SHAPE);
         return;
     }
-    attend_row(q + (i64)b * qt + (i64)h * qh, (const float*)k_caches[b], (const float*)v_caches[b],
+    attend_row(q + (i64)b * qt + (i64)h * qh, global_ptr<const float>(k_caches[b]), global_ptr<const float>(v_caches[b]),
                out + ((i64)b * H + h) * hd, Hkv, h / (H / Hkv), hd, (int)n_past + 1, scale, s_m, s_l, s_acc);
 }
 
@@ -129,8 +129,8 @@ KERNEL void LAUNCH_BOUNDS(256) kv_append_rows_f32(const float* k, const float* v
         if (i == 0) raise_error(err, ERR_CONTEXT);
         return;
     }
-    ((float*)k_caches[b])[pos * n + i] = k[(i64)b * n + i];
-    ((float*)v_caches[b])[pos * n + i] = v[(i64)b * n + i];
+    global_ptr<float>(k_caches[b])[pos * n + i] = k[(i64)b * n + i];
+    global_ptr<float>(v_caches[b])[pos * n + i] = v[(i64)b * n + i];
 }
 
 // out = a * sigmoid(gate), elementwise over n (qwen35moe gated attention output)

@@ -50,6 +50,21 @@ typedef unsigned long long u64;
 #define SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src), WARP)
 #endif
 
+// An address a kernel reads from device memory (an expert's slot from its work item, a sequence's cache
+// from a row table) makes a generic pointer, and AMDGPU then reads and writes through it with flat
+// instructions: they also wait on the LDS and scalar counter, and take no scalar base address. Every such
+// address here is in global memory; made a global pointer first, clang's address-space inference makes
+// every access through it a global one. (NVIDIA's generic loads of global memory cost what global ones
+// do; the simulator has one space.)
+template <class T>
+__device__ __forceinline__ T* global_ptr(u64 address) {
+#if defined(FOMOE_HIP) && defined(__AMDGCN__)
+    return (T*)(__attribute__((address_space(1))) T*)address;
+#else
+    return (T*)address;
+#endif
+}
+
 // IEEE binary16 and bfloat16 bits -> float32 (exact conversions; no toolkit half types needed).
 // binary16 in integer arithmetic and one exact subtraction, the same text for every compiler (NVRTC
 // has no _Float16, and the simulator then runs what both GPUs run); no float32 subnormal is formed on

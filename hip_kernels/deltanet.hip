@@ -57,7 +57,7 @@ KERNEL void LAUNCH_BOUNDS(256) causal_conv1d_rows_f32(const float* x, const i64*
         if (c == 0 && b == 0) raise_error(err, ERR_SHAPE);
         return;
     }
-    conv_channel(x + (i64)b * C, (float*)states[b], w, out + (i64)b * C, 1, C, K, c);
+    conv_channel(x + (i64)b * C, global_ptr<float>(states[b]), w, out + (i64)b * C, 1, C, K, c);
 }
 
 // The gated delta rule. q, k [T, Hv, dk], v [T, Hv, dv], g (log-decay) and beta [T, Hv], all
@@ -144,6 +144,6 @@ KERNEL void LAUNCH_BOUNDS(DN_THREADS)
         return;
     }
     const i64 hk = (i64)b * Hv * dk, hv = (i64)b * Hv * dv;
-    delta_column(q + hk, k + hk, v + hv, g + (i64)b * Hv, beta + (i64)b * Hv, (float*)states[b], o + hv, 1, Hv, dk, dv,
+    delta_column(q + hk, k + hk, v + hv, g + (i64)b * Hv, beta + (i64)b * Hv, global_ptr<float>(states[b]), o + hv, 1, Hv, dk, dv,
                  h, col, part);
 }

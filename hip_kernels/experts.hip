@@ -45,8 +45,10 @@ DEVINL void gate_up_body(const ExpertWork* __restrict__ work, const float* __res
 #pragma unroll
     for (int t = 0; t < TT; t++) xs[t] = X + (i64)((t < n_t ? w.pair[t] : w.pair[0]) / k) * D;
     float g[TT], u[TT];
-    row_dot<F, TT>((const u8*)w.gate + (i64)f * row_bytes, xs, n_t, D, g);
-    row_dot<F, TT>((const u8*)w.up + (i64)f * row_bytes, xs, n_t, D, u);
+    const u8* gate = global_ptr<const u8>(w.gate) + (i64)f * row_bytes;
+    const u8* up = global_ptr<const u8>(w.up) + (i64)f * row_bytes;
+    row_dot<F, TT>(gate, xs, n_t, D, g);
+    row_dot<F, TT>(up, xs, n_t, D, u);
     if (threadIdx.x % WARP == 0) {
 #pragma unroll
         for (int t = 0; t < TT; t++)
@@ -66,7 +68,8 @@ DEVINL void down_sum_body(const PairInfo* __restrict__ pairs, const float* __res
         const PairInfo info = pairs[p];
         const float* xs[1] = {act + (i64)p * F_};
         float dot[1];
-        row_dot<F, 1>((const u8*)info.down + (i64)d * row_bytes, xs, 1, F_, dot);
+        const u8* down = global_ptr<const u8>(info.down) + (i64)d * row_bytes;
+        row_dot<F, 1>(down, xs, 1, F_, dot);
         sum = __fadd_rn(sum, __fmul_rn(dot[0], info.weight));
     }
     if (threadIdx.x % WARP == 0) out[(i64)t * D + d] = sum;
@@ -83,7 +86,8 @@ DEVINL void down_body(const ExpertWork* __restrict__ work, const float* __restri
 #pragma unroll
     for (int t = 0; t < TT; t++) xs[t] = act + (i64)(t < n_t ? w.pair[t] : w.pair[0]) * F_;
     float dot[TT];
-    row_dot<F, TT>((const u8*)w.down + (i64)d * row_bytes, xs, n_t, F_, dot);
+    const u8* down = global_ptr<const u8>(w.down) + (i64)d * row_bytes;
+    row_dot<F, TT>(down, xs, n_t, F_, dot);
     if (threadIdx.x % WARP == 0) {
 #pragma unroll
         for (int t = 0; t < TT; t++)

@@ -98,6 +98,7 @@ class KernelResources:
     args: tuple[KernelArg, ...]  # the explicit arguments, in order (hidden ones dropped)
     calls: int = 0  # s_swappc_b64 in the kernel's body: calls to functions not inlined
     library_calls: tuple[str, ...] = ()  # device-library functions (__ockl_*, __ocml_*) the body names
+    flat_accesses: int = 0  # flat_* loads and stores: memory reached through a generic address
 
     @property
     def spills(self) -> bool:
@@ -109,6 +110,7 @@ _FUNCTION = re.compile(r"^(\w+):\s*(?:;.*)?$", re.MULTILINE)
 _OCCUPANCY = re.compile(r";\s*Occupancy:\s*(\d+)")
 _CALL = re.compile(r"^\s*s_swappc_b64\b", re.MULTILINE)
 _LIBRARY_SYMBOL = re.compile(r"\b__o(?:ckl|cml)_\w+")
+_FLAT_ACCESS = re.compile(r"^\s*flat_(?:load|store|atomic)\w*", re.MULTILINE)
 
 
 def _bodies(asm: str) -> dict[str, str]:
@@ -156,6 +158,7 @@ def parse_resources(asm: str) -> list[KernelResources]:
                 args=args,
                 calls=len(_CALL.findall(body)),
                 library_calls=tuple(sorted(set(_LIBRARY_SYMBOL.findall(body)))),
+                flat_accesses=len(_FLAT_ACCESS.findall(body)),
             )
         )
     return out
