@@ -54,8 +54,8 @@ typedef unsigned long long u64;
 // from a row table) makes a generic pointer, and AMDGPU then reads and writes through it with flat
 // instructions: they also wait on the LDS and scalar counter, and take no scalar base address. Every such
 // address here is in global memory; made a global pointer first, clang's address-space inference makes
-// every access through it a global one. (NVIDIA resolves a generic address in hardware, and NVRTC is
-// left as it was; the simulator has one space.)
+// every access through it a global one. (NVIDIA resolves a generic address in hardware: there, as in the
+// simulator, which has one space, global_ptr is a plain cast.)
 template <class T>
 __device__ __forceinline__ T* global_ptr(u64 address) {
 #if defined(FOMOE_HIP) && defined(__AMDGCN__)
