@@ -54,6 +54,12 @@ static PyObject *address(PyObject *module, PyObject *buffer) {
     return out;
 }
 
+/* the i of the buffer at base + i * stride (0 <= i < count) that starts at `address`; -1 where none does */
+static Py_ssize_t buffer_at(uintptr_t base, Py_ssize_t stride, Py_ssize_t count, uintptr_t address) {
+    if (address < base || (address - base) % (uintptr_t)stride || (address - base) / (uintptr_t)stride >= (uintptr_t)count) return -1;
+    return (Py_ssize_t)((address - base) / (uintptr_t)stride);
+}
+
 static PyObject *record_index(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long base;
     Py_ssize_t stride, count;
@@ -85,8 +91,7 @@ static PyObject *record_index(PyObject *module, PyObject *const *args, Py_ssize_
         if (len != size || buf != at) goto answer;
         at += (uintptr_t)size;
     }
-    if (start >= base && (start - base) % (uintptr_t)stride == 0 && (start - base) / (uintptr_t)stride < (uintptr_t)count)
-        index = (long long)((start - base) / (uintptr_t)stride);
+    index = buffer_at(base, stride, count, start);
 answer:
     out = PyLong_FromLongLong(index);
 done:
@@ -171,6 +176,25 @@ static PyTypeObject LentType = {
     .tp_dealloc = (destructor)Lent_dealloc,
     .tp_as_buffer = &Lent_as_buffer,
 };
+
+/* A pool's buffer [address, address + size) as a numpy uint8 array (frombuffer(lent, uint8)) whose Lent goes
+   back, when the last array over it goes, to `shelf` (at its address) or `arena` (as its buffer `index`):
+   the one form Shelf.take and Arena.take hand out. */
+static PyObject *lent_array(void *address, Py_ssize_t size, struct Shelf *shelf, struct Arena *arena, Py_ssize_t index,
+                            PyObject *frombuffer, PyObject *uint8) {
+    Lent *lent = PyObject_New(Lent, &LentType);
+    if (!lent) {
+        if (arena) arena_give_back(arena, index);
+        return NULL;
+    }
+    lent->address = address, lent->size = size;
+    lent->key = lent->give_back = NULL;
+    lent->shelf = shelf, lent->arena = arena, lent->index = index;
+    Py_INCREF(shelf ? (PyObject *)shelf : (PyObject *)arena);
+    PyObject *out = PyObject_CallFunctionObjArgs(frombuffer, (PyObject *)lent, uint8, NULL);
+    Py_DECREF(lent); /* (a failed array drops the last reference: the buffer comes back) */
+    return out;
+}
 
 
 /* -- Shelf ------------------------------------------------------------------------------------------ */
@@ -280,16 +304,7 @@ static PyObject *lend(Shelf *s, uint64_t address, Py_ssize_t size) {
         Py_DECREF(key);
         if (PyErr_Occurred()) return NULL;
     }
-    Lent *lent = PyObject_New(Lent, &LentType);
-    if (!lent) return NULL;
-    lent->address = (void *)(uintptr_t)address, lent->size = size;
-    lent->key = lent->give_back = NULL;
-    lent->arena = NULL;
-    Py_INCREF(s);
-    lent->shelf = s;
-    PyObject *out = PyObject_CallFunctionObjArgs(s->frombuffer, (PyObject *)lent, s->uint8, NULL);
-    Py_DECREF(lent); /* (a failed array drops the last reference: the buffer comes back) */
-    return out;
+    return lent_array((void *)(uintptr_t)address, size, s, NULL, 0, s->frombuffer, s->uint8);
 }
 
 /* the size a method was asked about, and its class (NULL: none yet), the buffers given back collected first */
@@ -488,17 +503,8 @@ static PyObject *Arena_take(Arena *a, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     if (!a->n_free) Py_RETURN_NONE;
-    Lent *lent = PyObject_New(Lent, &LentType);
-    if (!lent) return NULL;
     Py_ssize_t index = a->free[--a->n_free]; /* (taken before any Python code can run: another thread's take finds it gone) */
-    lent->address = a->memory + index * a->stride, lent->size = nbytes;
-    lent->key = lent->give_back = NULL;
-    lent->shelf = NULL;
-    Py_INCREF(a);
-    lent->arena = a, lent->index = index;
-    PyObject *out = PyObject_CallFunctionObjArgs(a->frombuffer, (PyObject *)lent, a->uint8, NULL);
-    Py_DECREF(lent); /* (a failed array drops the last reference: the buffer comes back) */
-    return out;
+    return lent_array(a->memory + index * a->stride, nbytes, NULL, a, index, a->frombuffer, a->uint8);
 }
 
 static PyObject *Arena_index_of(Arena *a, PyObject *arg) {
@@ -507,10 +513,9 @@ static PyObject *Arena_index_of(Arena *a, PyObject *arg) {
         PyErr_Clear(); /* (a negative address is no buffer's) */
         Py_RETURN_NONE;
     }
-    uintptr_t base = (uintptr_t)a->memory;
-    if (!a->memory || address < base || (address - base) % (uintptr_t)a->stride || (address - base) / (uintptr_t)a->stride >= (uintptr_t)a->count)
-        Py_RETURN_NONE;
-    return PyLong_FromSsize_t((Py_ssize_t)((address - base) / (uintptr_t)a->stride));
+    Py_ssize_t index = a->memory ? buffer_at((uintptr_t)a->memory, a->stride, a->count, (uintptr_t)address) : -1;
+    if (index < 0) Py_RETURN_NONE;
+    return PyLong_FromSsize_t(index);
 }
 
 static PyObject *Arena_get_base(Arena *a, void *unused) { return PyLong_FromVoidPtr(a->memory); }
