@@ -99,8 +99,8 @@ class PyReadArena:
 
     def index_of(self, address: int) -> int | None:
         """The buffer that starts at `address`, or None when none of the arena's does."""
-        i, off = divmod(address - self.base, self.stride)
-        return i if off == 0 and 0 <= i < self.count else None
+        i = buffer_at(self.base, self.stride, self.count, address)
+        return i if i >= 0 else None
 
     @property
     def free(self) -> int:
@@ -120,7 +120,13 @@ def py_record_index(parts, sizes, base: int, stride: int, count: int) -> int:
         if part.nbytes != size or contiguous_address(part) != at:
             return -1
         at += size
-    i, off = divmod(start - base, stride)
+    return buffer_at(base, stride, count, start)
+
+
+def buffer_at(base: int, stride: int, count: int, address: int) -> int:
+    """The i of the buffer at base + i · stride (0 <= i < count) that starts at `address`; -1 where none does
+    (_host_memory.c's buffer_at, which its Arena and record_index use)."""
+    i, off = divmod(address - base, stride)
     return i if off == 0 and 0 <= i < count else -1
 
 
