@@ -1,5 +1,5 @@
-"""The backfill thread: substituted originals come back into DRAM, and backfill never stands between a
-step and its own reads.
+"""The backfill thread: substituted originals come back into DRAM (the host tier; on the cpu backend,
+which has none, its one tier of ggml slots), and backfill never stands between a step and its own reads.
 
 What happens to a backfill read already in flight when a step needs the disk: it finishes (one expert's
 read; reads are not interrupted), on the backfill thread, while the step's reads go through the store's
@@ -46,6 +46,48 @@ def test_substituted_originals_come_back_with_the_backfill_thread():
     engine.close()
     assert stats["car"]["substitution_rate"] > 0 and requested
     assert stats["backfilled"] > 0 and held & requested  # originals came back into DRAM
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread"])
+def test_originals_come_back_into_the_cpu_backends_slots(tmp_path, mode):
+    # the cpu backend's only tier is its slots (no host tier): a backfilled original is admitted there and
+    # installed into a slot before the next step plans, so the slots hold exactly what the cache says, and a
+    # backfilled expert's slot computes what the expert's store bytes compute
+    store = tmp_path / "store"
+    prepare_store(MODEL, [store], progress=False)
+    unit = Engine(MODEL, EngineOptions(backend="cpu")).source.layers[0].expert_nbytes
+    engine = Engine(MODEL, EngineOptions(backend="cpu", store=(str(store),), ram_cache=12 * unit, car=CarConfig(threshold=0.01),
+                                         backfill=mode, backfill_per_token=4, prefetch=False))  # fmt: skip
+    streamer, device = engine.experts.streamer, engine.experts.device
+    assert not streamer.cache.host.enabled
+    installed: list = []
+    real = streamer.take_device_changes
+
+    def take_device_changes():
+        changes = real()
+        installed.extend(key for key, parts in changes if parts is not None)
+        return changes
+
+    streamer.take_device_changes = take_device_changes
+    tokens = np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")
+    list(engine.generate(tokens[:4], 32, SamplingParams(temperature=0.9, seed=1), stop_at_eog=False))
+    assert engine.stats()["backfilled"] > 0 and installed
+    held = {(layer, e) for layer in range(engine.spec.n_layer) for e in streamer.cache.resident(layer, "device")}
+    assert held == {key for layer in range(engine.spec.n_layer) for key in device.pool_of[layer]._slot}
+    rng = np.random.default_rng(0)
+    checked = 0
+    for key in dict.fromkeys(installed):
+        pool = device.pool_of[key[0]]
+        if key not in pool:
+            continue  # evicted since
+        h = rng.standard_normal((1, pool.layer.n_embd)).astype(np.float32)
+        one = np.ones((1, 1), np.float32)
+        from_slot = pool.layer.ffn(h, np.array([[pool.slot(key)]]), one, 1)
+        from_store = pool.layer.ffn(h, np.array([[pool.stage(0, streamer.source.read(*key))]]), one, 1)
+        np.testing.assert_array_equal(from_slot, from_store)
+        checked += 1
+    engine.close()
+    assert checked
 
 
 @pytest.fixture()

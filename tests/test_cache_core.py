@@ -88,7 +88,10 @@ def replay(seed: int, kind: str, steps: int = 300, batched: bool = False, soon: 
             ref.tick(n), core.tick(n)
         elif op < 0.18:
             keys = [(int(rng.integers(0, n_layer)), int(rng.integers(0, n_expert))) for _ in range(int(rng.integers(1, 6)))]
-            assert ref.admit_host(keys) == core.admit_host(keys), f"step {step}: admit_host"
+            if rng.random() < 0.5:
+                assert ref.admit_host(keys) == core.admit_host(keys), f"step {step}: admit_host"
+            else:  # backfill where there is no host tier (the cpu backend's), or beside one
+                assert ref.admit_device(keys) == core.admit_device(keys), f"step {step}: admit_device"
         elif op < 0.25 and in_flight:  # land and release the oldest plan in flight
             a, b = in_flight.pop(0)
             ref.mark_ready(a), ref.release(a)

@@ -1545,13 +1545,14 @@ out:
     return result;
 }
 
-/* admit_host(keys): ExpertCache.admit_host; returns (admitted, evicted), as (layer, expert) pairs */
-static PyObject *Core_admit_host(Core *c, PyObject *args) {
+/* admit_outside(which, keys): ExpertCache.admit_host (which 1) or admit_device (which 0): keys read outside
+   any plan into a tier, READY; returns (admitted, evicted), as (layer, expert) pairs */
+static PyObject *admit_outside(Core *c, PyObject *args, int which) {
     if (core_join(c)) return NULL;
     PyObject *seq;
     if (!PyArg_ParseTuple(args, "O", &seq)) return NULL;
-    Tier *host = &c->tier[1];
-    if (!host->enabled) return Py_BuildValue("(()())");
+    Tier *tier = &c->tier[which];
+    if (!tier->enabled) return Py_BuildValue("(()())");
     int32_t *keys = NULL;
     Py_ssize_t nk;
     if (for_keys(c, seq, &keys, &nk)) return NULL;
@@ -1562,17 +1563,20 @@ static PyObject *Core_admit_host(Core *c, PyObject *args) {
         int32_t key = keys[i];
         if (c->stamp[key] == seen) continue;
         c->stamp[key] = seen;
-        if (c->tier[0].state[key] == EMPTY && host->state[key] == EMPTY && keys_push(&wanted, key)) goto nomem;
+        if (c->tier[0].state[key] == EMPTY && c->tier[1].state[key] == EMPTY && keys_push(&wanted, key)) goto nomem;
     }
-    if (plan_admissions(c, host, wanted.a, wanted.n, 0, &admitted, &victims)) goto nomem;
+    if (plan_admissions(c, tier, wanted.a, wanted.n, 0, &admitted, &victims)) goto nomem;
     for (size_t i = 0; i < victims.n; i++) {
-        int64_t freed = tier_drop(c, 1, victims.a[i], READY);
+        int64_t freed = tier_drop(c, which, victims.a[i], READY);
         if (freed < 0) goto fail;
-        int64_t *cnt = counter(c, 1, KEY_LAYER(c, victims.a[i]));
+        int64_t *cnt = counter(c, which, KEY_LAYER(c, victims.a[i]));
         cnt[C_EVICTED]++, cnt[C_EVICTED_BYTES] += freed;
+        if (which == 0 && host_covered(c, victims.a[i], 0)) goto nomem;
     }
-    for (size_t i = 0; i < admitted.n; i++)
-        if (tier_admit(c, 1, admitted.a[i], READY)) goto fail;
+    for (size_t i = 0; i < admitted.n; i++) {
+        if (tier_admit(c, which, admitted.a[i], READY)) goto fail;
+        if (which == 0 && host_covered(c, admitted.a[i], 1)) goto nomem;
+    }
     if (admitted.n) c->generation++;
     out = Py_BuildValue("(NN)", pairs_tuple(c, &admitted), pairs_tuple(c, &victims));
     goto done;
@@ -1585,6 +1589,10 @@ done:
     free(keys), free(wanted.a), free(admitted.a), free(victims.a);
     return out;
 }
+
+static PyObject *Core_admit_host(Core *c, PyObject *args) { return admit_outside(c, args, 1); }
+
+static PyObject *Core_admit_device(Core *c, PyObject *args) { return admit_outside(c, args, 0); }
 
 /* seed_one(key): ExpertCache.seed's placement of one key (device, then host; nothing evicted);
    returns 0 device, 1 host, -1 not placed */
@@ -1716,6 +1724,7 @@ static PyMethodDef Core_methods[] = {
     {"release", (PyCFunction)Core_release, METH_VARARGS, "unpin a plan's experts"},
     {"abort", (PyCFunction)Core_abort, METH_VARARGS, "drop a failed plan's admissions still loading"},
     {"admit_host", (PyCFunction)Core_admit_host, METH_VARARGS, "admit keys read outside a plan into the host tier"},
+    {"admit_device", (PyCFunction)Core_admit_device, METH_VARARGS, "admit keys read outside a plan into the device tier"},
     {"seed_one", (PyCFunction)Core_seed_one, METH_VARARGS, "seed one key: 0 device, 1 host, -1 not placed"},
     {"held", (PyCFunction)Core_held, METH_VARARGS, "flags of a layer's experts a tier holds"},
     {"uncached", (PyCFunction)Core_uncached, METH_VARARGS, "uncached(layer, experts list) -> those neither tier holds"},

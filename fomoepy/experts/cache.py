@@ -383,12 +383,42 @@ class ExpertCache:
         """
         if not self.host.enabled:
             return [], []
-        wanted = [key for key in dict.fromkeys(keys) if key not in self._dev(key[0]) and key not in self.host]
-        admitted, victims = self.host.plan_admissions([(key, self.expert_bytes[key[0]]) for key in wanted], (), self.now)
+        return self._admit_outside(self.host, [(key, self.expert_bytes[key[0]]) for key in self._unheld(keys)], self.stats.host)
+
+    def admit_device(self, keys: Sequence[Key]) -> tuple[list[Key], list[Key]]:
+        """admit_host's counterpart for a configuration with no host tier (the cpu backend's one tier is its
+        device tier): experts read outside any plan (backfill) into their device's tier, READY, evicting
+        unpinned experts by its policy; evictees are dropped, never demoted (no host tier takes them). The
+        runtime must install the admitted keys' bytes and free the evicted keys' slots before the next plan
+        (MoEStep does). Returns (the keys admitted, the keys evicted)."""
+        wanted = self._unheld(keys)
+        admitted: list[Key] = []
+        victims: list[Key] = []
+        for tier in self.devices:
+            mine = [(key, self.device_expert_bytes[key[0]]) for key in wanted if self._dev(key[0]) is tier]
+            if tier.enabled and mine:
+                got, lost = self._admit_outside(tier, mine, self.stats.device)
+                admitted += got
+                victims += lost
+        return admitted, victims
+
+    def _unheld(self, keys: Sequence[Key]) -> list[Key]:
+        """keys, each once in their order, that neither tier holds."""
+        return [key for key in dict.fromkeys(keys) if key not in self._dev(key[0]) and key not in self.host]
+
+    def _admit_outside(self, tier: TierDirectory, wanted: list[tuple[Key, int]], counters) -> tuple[list[Key], list[Key]]:
+        """One admission plan of `wanted` (key, bytes) into `tier`, applied with its evictions; a device
+        tier's changes are told to the host policy (what the faster tier covers), as commit tells them."""
+        admitted, victims = tier.plan_admissions(wanted, (), self.now)
         for victim in victims:
-            self._count_eviction(self.stats.host, victim, self.host.evict(victim))
+            self._count_eviction(counters, victim, tier.evict(victim))
+            if tier is not self.host:
+                self.host.policy.covered(victim, False)
+        sizes = dict(wanted)
         for key in admitted:
-            self.host.admit(key, self.expert_bytes[key[0]], self.now, SlotState.READY)
+            tier.admit(key, sizes[key], self.now, SlotState.READY)
+            if tier is not self.host:
+                self.host.policy.covered(key, True)
         if admitted:
             self.generation += 1
         return admitted, list(victims)

@@ -236,6 +236,10 @@ class CoreCache:
         admitted, victims = self._core.admit_host(list(keys))  # (the core takes and names keys as pairs)
         return list(admitted), list(victims)
 
+    def admit_device(self, keys: Sequence[Key]) -> tuple[list[Key], list[Key]]:
+        admitted, victims = self._core.admit_device(list(keys))
+        return list(admitted), list(victims)
+
     def seed(self, keys: Iterable[Key], pin_fraction: float = 0.0) -> tuple[list[Key], list[Key]]:
         """ExpertCache.seed (these policies pin nothing, so pin_fraction only has to be valid)."""
         if not 0.0 <= pin_fraction <= 1.0:

@@ -60,6 +60,17 @@ class MoEStep:
         """The forward pass is done: a decode step (one row per sequence) is one tick of the policies' time,
         a prefill one tick per token."""
         self.streamer.end_step(n_tokens, ticks=1 if self.phase is Phase.DECODE else n_tokens)
+        if self.streamer.backfills_device:  # (sync backfill's reads, made in end_step)
+            self._install_backfilled()
+
+    def _install_backfilled(self) -> None:
+        """The device tier's changes backfill made (no host tier: its experts go to the device's), applied to
+        the device before a plan takes them for done."""
+        for key, parts in self.streamer.take_device_changes():
+            if parts is None:
+                self.device.evict(key)
+            else:
+                self.device.install(key, parts)
 
     def route(self, ops: Any, layer: int, h: Any, router: Any, gating: str, k: int) -> Routing:
         """The router's own choice: the top-k of its logits h · routerᵀ (ops.linear, ops.route); on a decode
@@ -90,6 +101,9 @@ class MoEStep:
         own, so its products are those it gets alone (a device that can: `computes_runs`)."""
         s, device = self.streamer, self.device
         t0 = time.perf_counter()
+        if s.backfills_device:  # what the backfill thread read since the last step, into the device tier first
+            s.collect_backfill()
+            self._install_backfilled()
         runs = rows if isinstance(rows, list) else None
         if runs is not None and not getattr(device, "computes_runs", False):
             raise FomoeError(f"{type(device).__name__} cannot compute a step's rows in runs")

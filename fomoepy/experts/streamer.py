@@ -176,6 +176,11 @@ class ExpertStreamer:
         elif options.car.enabled and options.backfill == "sync":
             self._backfill_queue = BackfillQueue(BACKFILL_MAX_AGE)
         self.backfilled = 0
+        # with no host tier (the cpu backend's one tier is its device tier) backfilled experts go to the device
+        # tier, whose form the step installs before its next plan (take_device_changes)
+        self.backfills_device = self._backfill_queue is not None or self._backfill_thread is not None
+        self.backfills_device = self.backfills_device and not cache.host.enabled and cache.device.enabled
+        self._device_changes: list[tuple[Key, ExpertBytes | None]] = []
         self._sequences: list[int] | None = None  # each row's sequence in this step
         self._first_token = 0
 
@@ -227,7 +232,7 @@ class ExpertStreamer:
                 key = self._backfill_queue.pop(self.tokens_seen)
                 if key is None:
                     break
-                self.backfilled += len(self._admit_host({key: self.source.read(*key)}))
+                self.backfilled += len(self._admit_backfilled({key: self.source.read(*key)}))
 
     # -- per MoE layer -----------------------------------------------------------------------------
     def choose(self, layer: int, exact: Routing, rows: Rows = None) -> tuple[np.ndarray, np.ndarray]:
@@ -373,7 +378,8 @@ class ExpertStreamer:
         at hand, its record of the routing and the next layer's prediction), made before the plan is taken
         (with plans_beside, while the compiled cache makes it on its own thread)."""
         if self._backfill_thread is not None:
-            self._collect_backfill()
+            if not self.backfills_device:  # (into the device tier only where the step installs them: collect_backfill)
+                self.collect_backfill()
             self._backfill_thread.set_io_busy(True, self.tokens_seen)
         experts = sorted(set(np.asarray(ids).ravel().tolist()))
         valid = not experts or (experts[0] >= 0 and experts[-1] < self.cache.n_expert)
@@ -501,8 +507,9 @@ class ExpertStreamer:
             self.source.drop(plan.layer, [item.expert for item in plan.items if item.source is not Source.DEVICE])
 
     # -- background results -----------------------------------------------------------------------
-    def _collect_backfill(self) -> None:
-        """Give the experts the backfill thread has read since the last step host slots."""
+    def collect_backfill(self) -> None:
+        """Give the experts the backfill thread has read since the last step slots in a tier (backfills_device:
+        the device tier's, which the caller then installs: take_device_changes)."""
         if self._backfill_thread is None:
             return
         backfilled = {}
@@ -511,18 +518,30 @@ class ExpertStreamer:
             if isinstance(result, BaseException):
                 raise result
             backfilled[key] = result
-        self.backfilled += len(self._admit_host(backfilled))
+        self.backfilled += len(self._admit_backfilled(backfilled))
 
-    def _admit_host(self, read: dict[Key, ExpertBytes]) -> set[Key]:
-        """Gives experts read outside a plan host slots where the policy admits them; returns those admitted."""
+    def _admit_backfilled(self, read: dict[Key, ExpertBytes]) -> set[Key]:
+        """Gives experts read outside a plan slots where the policy admits them, in the host tier (or where
+        backfills_device, the device tier); returns those admitted."""
         if not read:
             return set()
+        if self.backfills_device:
+            admitted, evicted = self.cache.admit_device(list(read))
+            self._device_changes += [(victim, None) for victim in evicted]
+            self._device_changes += [(key, read[key]) for key in admitted]
+            return set(admitted)
         admitted, evicted = self.cache.admit_host(list(read))
         for victim in evicted:
             self.host_slots.pop(victim, None)
         for key in admitted:
             self.host_slots[key] = read[key]
         return set(admitted)
+
+    def take_device_changes(self) -> list[tuple[Key, ExpertBytes | None]]:
+        """The device tier's changes backfill made since the last call, in order: (key, its store bytes) to
+        install, (key, None) to evict. The step applies them before its next plan, which takes them for done."""
+        changes, self._device_changes = self._device_changes, []
+        return changes
 
     # -- reporting and lifetime --------------------------------------------------------------------
     def stats(self) -> dict:
