@@ -36,7 +36,7 @@ class Generation:
         if not len(prompt):
             raise FomoeError("the prompt is empty: give at least one token")
         state.check_room(len(prompt))  # refused before any chunk changes the state
-        self.state = state
+        self.state: InferenceState | None = state  # None between give_up_state and restart
         self.sampler = Sampler(params)
         self.max_tokens = max_tokens
         self.eog = eog
@@ -77,6 +77,27 @@ class Generation:
         self.next_token = None if ended else token
         self.phase = Phase.DONE if ended else Phase.DECODE
         return token
+
+    def give_up_state(self) -> InferenceState:
+        """Its state taken away (the daemon hands a paused request's memory to one that waits): every token
+        the state had evaluated, and the sampled one it had yet to, become prompt tokens again, evaluated
+        anew on the state `restart` gives; after the last of them the next token is sampled as the decode
+        step would have sampled it. A prefill sums in another order than the decode steps did, so what
+        follows is the model's continuation, not bit for bit an uninterrupted run's. Returns the old state."""
+        if self.phase is Phase.DONE or self.state is None:
+            raise FomoeError(f"expected a generation with a state to give up, got one in {self.phase.value}")
+        old = self.state
+        unevaluated = [self.next_token] if self.phase is Phase.DECODE else []
+        self.pending = list(old.tokens) + unevaluated + self.pending
+        self.state, self.next_token, self.phase = None, None, Phase.PREFILL
+        return old
+
+    def restart(self, state: InferenceState) -> None:
+        """Continue on `state` (empty) after give_up_state."""
+        if self.state is not None or state.n_past:
+            raise FomoeError("expected a generation that gave its state up, and an empty state")
+        state.check_room(len(self.pending))
+        self.state = state
 
     @property
     def finished(self) -> bool:

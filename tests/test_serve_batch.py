@@ -215,6 +215,31 @@ def test_a_slow_reader_is_paused_out_of_the_batch_and_resumes_with_its_lone_toke
     assert [i for i in in_b if i >= paused_at and i not in in_s]  # B went on without S while S was paused
 
 
+def test_a_paused_generation_gives_its_memory_to_a_waiting_one_and_is_rebuilt_when_read_again(engine):
+    # the budget holds one sequence: S, paused (its client does not read), holds it; B would wait for S's
+    # pause timeout (30 s, past the socket's) without the preemption
+    with daemon(engine, kv_budget=engine.kv_nbytes(1), write_buffer=1024, pause_timeout=30.0) as (d, steps):
+        s = slow_reader(d)
+        generate(s, "S", "over the hill", 200)
+        wait_paused(d, 1)
+        b = raw_connect(d.path)
+        generate(b, "B", "the quick fox", 30)
+        done_b, _ = final(b, FrameDecoder(1 << 20), "B")
+        b.close()
+        preempted = d.call(d.daemon.stats)["preempted"]
+        done_s, _ = final(s, FrameDecoder(1 << 20), "S")  # reading again: S is rebuilt and goes on
+        s.close()
+    assert done_b["tokens"] == alone(engine, "the quick fox", 30) and preempted == 1
+    # S's tokens: what it had made alone until it gave its state up, then what a generation gets that
+    # evaluates its prompt and those tokens as one prompt (the rebuild: prefill chunks, then decode steps)
+    prompt = engine.tokenizer.encode("over the hill")
+    evaluated = [n for prefills, _ in steps.copy() for id, n in prefills if id == "S"]
+    assert evaluated[0] == len(prompt) and sum(evaluated[1:]) > len(prompt)
+    m = sum(evaluated[1:]) - len(prompt)  # tokens it had made: all but the last were in its state
+    rebuilt = list(engine.generate(prompt + done_s["tokens"][:m], 200 - m, SamplingParams.greedy(), stop_at_eog=False))
+    assert done_s["finish_reason"] == "length" and done_s["tokens"] == alone(engine, "over the hill", 200)[:m] + rebuilt
+
+
 def test_a_4mb_prompt_is_prefilled_one_bounded_chunk_per_step_beside_running_streams():
     # a context large enough for the whole prompt, so it is really prefilled (chunk by chunk)
     big_engine = Engine(ORACLE / f"{MODEL}.gguf", EngineOptions(n_ctx=4_100_000))

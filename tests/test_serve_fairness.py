@@ -329,6 +329,38 @@ def test_min_token_count_is_a_lower_bound(engine):
         assert tok.min_token_count(text, add_special=False) <= len(tok.encode(text, add_special=False))
 
 
+def test_a_generations_prompt_never_waits_behind_a_tokenize_request(engine):
+    # a tokenize request held inside the tokenizer (as a 4 MB text keeps it for seconds): a generation
+    # that arrives after it is still prepared and served, and the tokenize request is answered after
+    tokenizer = engine.tokenizer
+    inside, release = threading.Event(), threading.Event()
+    real = tokenizer.encode
+
+    def encode(text, *args, **kw):
+        if text.startswith("HELD"):
+            inside.set()
+            release.wait(30)
+        return real(text, *args, **kw)
+
+    with daemon(engine) as d:
+        tokenizer.encode = encode
+        try:
+            s, g = raw_connect(d.path), raw_connect(d.path)
+            g.settimeout(10)
+            send(s, op="tokenize", id="t", text="HELD over the hill")
+            assert inside.wait(10)
+            send(g, op="generate", id="g", prompt="the quick fox", max_tokens=2, temperature=0)
+            done, _ = final(g, FrameDecoder(1 << 20), "g")
+            assert done["type"] == "done" and not release.is_set()  # served while the tokenize request was held
+            release.set()
+            reply, _ = final(s, FrameDecoder(1 << 20), "t")
+            assert reply["type"] == "tokens" and reply["tokens"] == real("HELD over the hill")
+            s.close(), g.close()
+        finally:
+            release.set()
+            del tokenizer.encode
+
+
 def test_tokenizing_a_large_text_lets_other_threads_run(engine):
     # Decided by order, not time. With the switch interval raised far past the test's length, the
     # interpreter never takes its lock from a running thread: another thread runs only where one gives

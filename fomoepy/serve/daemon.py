@@ -150,7 +150,10 @@ class Daemon:
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._on_force_exit: Callable[[], None] | None = None
-        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fomoe-prep")  # tokenize, render
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fomoe-prep")  # a generation's prompt: render, tokenize
+        # `tokenize` requests apart: their texts are bounded by the frame only (a prompt is by the context),
+        # and a pipeline of 4 MB ones took 16-19 s, which no generation's prompt may wait behind
+        self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fomoe-tokenize")
         # what the limits count: every generation from its arrival to its final message, each once, and
         # apart from it the cheap requests (tokenize, stats) that are still being answered
         self.generations: set[Job] = set()
@@ -232,6 +235,7 @@ class Daemon:
                 conn.transport.abort()
         self.worker.close()
         self._prep.shutdown(wait=True)
+        self._tokenize_thread.shutdown(wait=True)
         log.info("stopped")
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -340,7 +344,7 @@ class Daemon:
             return self.engine.tokenizer.encode(text, add_special=req.add_special, parse_special=req.parse_special)
 
         try:
-            ids = await loop.run_in_executor(self._prep, tokenize)
+            ids = await loop.run_in_executor(self._tokenize_thread, tokenize)
         except (FomoeError, ValueError) as e:
             conn.send(error_reply(req.id, "bad_request", f"tokenize: {e}"))
         else:
@@ -363,6 +367,7 @@ class Daemon:
             "queue_length": self.worker.queue_length,
             "running": self.worker.running,
             "paused": self.worker.paused_count,
+            "preempted": t.preempted,
             "connections": len(self.state.connections),
             "sessions": len(self.worker.sessions),
             "requests": t.requests,

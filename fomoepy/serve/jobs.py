@@ -198,6 +198,18 @@ class Job:
             stop_at_eog=not self.request.ignore_eos,
         )  # fmt: skip
 
+    def give_up_state(self) -> None:
+        """Paused, its memory wanted: the state is dropped, rebuilt by prefill when the job runs again
+        (rejoin; Generation.give_up_state)."""
+        self.gen.give_up_state()
+        self._inference = None
+
+    def rejoin(self, engine) -> None:
+        """Back in the batch: a state given up is made anew (its tokens are evaluated again as a prompt)."""
+        if self.gen is not None and self.gen.state is None:
+            self._inference = engine.new_state()
+            self.gen.restart(self._inference)
+
     @property
     def decoding(self) -> bool:
         """Past its prompt, with a token for the next decode step."""

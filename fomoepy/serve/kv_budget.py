@@ -5,7 +5,8 @@ A request entering the batch reserves the bytes its state can reach: its prompt 
 at the context (`worst_tokens`), priced by the engine's `kv_nbytes` (KV caches grow by whole chunks).
 The state itself still allocates only what it uses; the reservation is what guarantees that a
 sequence admitted never fails mid-stream for memory. A paused request keeps only the bytes its state
-holds now, and reserves its worst case again before it re-enters the batch. A request whose worst
+holds now (or none, once it has given its state up to a waiting request: the worker's preemption), and
+reserves its worst case again before it re-enters the batch. A request whose worst
 case exceeds the whole budget is refused with one clear error; one that fits the budget but not what
 is left waits in the queue (the head of the fair order waits, so a large request is not starved).
 """
@@ -55,6 +56,10 @@ class KVBudget:
         """A paused request: keep only what its state holds now."""
         if key in self._held:
             self._held[key] = min(self._held[key], nbytes)
+
+    def held(self, key: Hashable) -> int:
+        """Bytes `key` holds (0: none)."""
+        return self._held.get(key, 0)
 
     def release(self, key: Hashable) -> None:
         self._held.pop(key, None)

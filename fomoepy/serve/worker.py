@@ -55,6 +55,7 @@ class Totals:
     completion_tokens: int = 0
     decode_tokens: int = 0  # tokens of decode steps (the first token of a request comes with its prefill)
     decode_s: float = 0.0
+    preempted: int = 0  # paused requests that gave their KV cache up to a waiting one (rebuilt when they ran again)
 
 
 SNAPSHOT_EVERY = 0.25  # seconds between copies of the engine's statistics while it runs
@@ -274,13 +275,15 @@ class InferenceWorker:
         while self._ready and len(self.batch) < self.max_batch and not self._stopping:
             job = self._ready.order()[0]
             worst = self.kv.worst_tokens(len(job.prompt), job.request.max_tokens)
-            if not self.kv.can_reserve(job, worst):
+            if not self.kv.can_reserve(job, worst) and not self._take_paused_memory(job, worst):
                 break  # the head waits for memory; jobs behind it do not overtake it
             self._ready.pop()
             self.kv.reserve(job, worst)
             try:
                 if job.t_start is None:
                     job.begin(self.engine, self.sessions)
+                else:
+                    job.rejoin(self.engine)
             except FomoeError as e:
                 self._fail(job, "bad_request", str(e))
                 continue
@@ -290,6 +293,25 @@ class InferenceWorker:
         if admitted:
             self._tell_positions()
         return admitted
+
+    def _take_paused_memory(self, job: Job, worst: int) -> bool:
+        """The head of the queue needs KV memory that paused jobs hold (their clients are not reading): when
+        giving theirs up lets it in, the longest paused give their states up, one by one until it fits
+        (each is rebuilt by prefill when its job runs again: Job.rejoin). Whether it fits now. Memory that
+        running jobs hold is waited for, as before: they free it as they finish."""
+        holders = [p for p in self._paused if p in self.kv and p.gen is not None and p.gen.state is not None]
+        held = sum(self.kv.held(p) for p in holders)
+        if not held or self.kv.reserved - held - self.kv.held(job) + self.kv.nbytes(worst) > self.kv.limit:
+            return False
+        for paused in holders:  # (in the order they paused)
+            if self.kv.can_reserve(job, worst):
+                break
+            log.info("request %r gives up its KV cache (%.1f MiB) to a waiting request while its client is not reading; "
+                     "it is rebuilt when it runs again", paused.id, self.kv.held(paused) / (1 << 20))  # fmt: skip
+            paused.give_up_state()
+            self.kv.release(paused)
+            self.totals.preempted += 1
+        return True
 
     def _leave_between_steps(self) -> None:
         """At the token boundary: cancelled jobs end, jobs whose client does not read are paused."""
