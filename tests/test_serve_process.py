@@ -134,3 +134,18 @@ def test_socket_activation_uses_fd_3_and_leaves_systemds_socket_alone(workdir):
         proc.wait()
         listening.close()
         notes.close()
+
+
+SYSTEMD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "systemd")
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_the_units_pass_systemd_analyze_verify(tmp_path):
+    # the units as shipped, but for ExecStart's path (the unit expects /usr/local/bin/fomoe; verify checks
+    # that it is executable): every key known, the service startable, the socket's service found
+    for name in ("fomoe.service", "fomoe.socket"):
+        text = open(os.path.join(SYSTEMD, name)).read()
+        (tmp_path / name).write_text(text.replace("/usr/local/bin/fomoe", sys.executable))
+    run = subprocess.run(["systemd-analyze", "verify", "--man=no", str(tmp_path / "fomoe.socket"), str(tmp_path / "fomoe.service")],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0 and not run.stdout.strip() and not run.stderr.strip(), run.stdout + run.stderr

@@ -7,7 +7,7 @@
 # one llama-cpp-python 0.3.36 vendors, which bench/cpu_decode.py's peer runs) computes them with GEMM
 # kernels. On the bench model a 128-token prefill is about a sixth faster (bench/ggml_builds.py,
 # bench/cpu_decode.py); decode is unchanged. Every function and struct fomoepy reaches through the
-# bindings has the same C interface in both (tests/test_ggml_version.py checks the ones that changed
+# bindings has the same C interface in both (tests/test_ggml_abi.py checks the ones that changed
 # elsewhere in the header do not matter here). llamafile's kernels are on, as in llama.cpp's own build:
 # its GEMMs take a prompt's products of F32, F16, BF16, Q8_0 and Q4_0 weights (the dense Q8_0 ones of a
 # Q8_0/K-quant model), about a sixth of a 128-token prefill on the bench model (bench/cpu_decode.py).
