@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import os
 import shutil
 import signal
@@ -127,6 +128,64 @@ def test_a_wrong_or_missing_key_gets_401(served):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
 
 
+# an agent's history: an assistant turn that called a tool (OpenAI's shape)
+CALLED_A_TOOL = {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}  # fmt: skip
+
+
+def raw_http(served, request: bytes) -> tuple[int, bytes]:
+    """Send bytes no HTTP client library would; (status, body) of the reply."""
+    with socket.create_connection((served.http.host, served.http.port), timeout=30) as s:
+        s.sendall(request)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def get_models(authorization: bytes) -> bytes:
+    return b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + authorization + b"\r\nConnection: close\r\n\r\n"
+
+
+@pytest.mark.parametrize("authorization", [b"Bearer \xff\xfe", "Bearer cl\u00e9".encode(), b"\xff " + KEY.encode(), b"Basic " + KEY.encode()])
+def test_a_key_that_is_not_ascii_or_not_bearer_is_a_wrong_key(served, authorization):
+    # non-UTF-8 bytes reach the key check as lone surrogates, which a strict encode refuses (was a 500)
+    status, body = raw_http(served, get_models(authorization))
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", body
+
+
+@pytest.mark.parametrize("scheme", [b"bearer", b"BEARER", b"Bearer"])
+def test_the_auth_scheme_is_case_insensitive(served, scheme):
+    status, body = raw_http(served, get_models(scheme + b" " + KEY.encode()))  # RFC 7235, section 2.1
+    assert status == 200, body
+
+
+def test_a_malformed_request_gets_400_and_no_traceback_in_the_log(served, caplog):
+    # a client's bad Content-Length or oversized header is its mistake, not the daemon's: aiohttp
+    # answers 400 and, left alone, logged an ERROR with a traceback at the default level
+    caplog.set_level(logging.INFO)
+    for raw in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+                b"GET /health HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 100_000 + b"\r\n\r\n"):  # fmt: skip
+        assert raw_http(served, raw)[0] == 400
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+    assert sum(r.getMessage().startswith("bad HTTP request") for r in caplog.records) == 2
+
+
+def test_a_failure_in_one_of_our_handlers_is_still_logged_with_its_traceback(served, caplog, monkeypatch):
+    def broken() -> dict:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(served.daemon, "stats", broken)
+    req = urllib.request.Request(served.http_url + "/v1/fomoe/stats", headers={"Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 500
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.exc_info]
+    assert errors and isinstance(errors[-1].exc_info[1], RuntimeError)
+
+
 @pytest.mark.parametrize(
     "body, says",
     [
@@ -136,6 +195,14 @@ def test_a_wrong_or_missing_key_gets_401(served):
         (json.dumps({"messages": "hi"}).encode(), "messages"),
         (json.dumps({"messages": chat(0), "n": 2}).encode(), "n = 1"),
         (json.dumps({"messages": [{"role": "user", "content": "fox " * 3000}]}).encode(), "context"),
+        # what would change the answer and the daemon cannot do is refused, never ignored
+        (json.dumps({"messages": chat(0), "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(), "tools is not supported"),
+        (json.dumps({"messages": chat(0), "tool_choice": "auto"}).encode(), "tool_choice is not supported"),
+        (json.dumps({"messages": chat(0), "functions": [{"name": "f"}]}).encode(), "functions is not supported"),
+        (json.dumps({"messages": [*chat(0), CALLED_A_TOOL]}).encode(), "messages[1].tool_calls is not supported"),
+        (json.dumps({"messages": chat(0), "response_format": {"type": "json_object"}}).encode(), "response_format is not supported"),
+        (json.dumps({"messages": chat(0), "logprobs": True}).encode(), "logprobs is not supported"),
+        (json.dumps({"messages": chat(0), "top_logprobs": 2}).encode(), "top_logprobs is not supported"),
     ],
 )
 def test_bad_input_gets_400_and_the_server_goes_on(served, client, body, says):
@@ -143,6 +210,15 @@ def test_bad_input_gets_400_and_the_server_goes_on(served, client, body, says):
     assert status == 400, reply
     assert reply["error"]["type"] == "invalid_request_error" and says in reply["error"]["message"]
     assert client.chat.completions.create(model="m", messages=chat(2), max_tokens=2, temperature=0).choices
+
+
+def test_null_and_empty_optional_fields_are_accepted(served):
+    # clients that serialize every optional field send these; none asks for anything
+    body = {"messages": chat(0), "max_tokens": 2, "n": None, "stop": None, "temperature": None, "tools": None,
+            "tool_choice": None, "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": None,
+            "stream": None, "stream_options": None}  # fmt: skip
+    status, reply = post(served.http_url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200, reply
 
 
 def test_metrics_parse_as_prometheus_text(served, client):
@@ -312,6 +388,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_an_http_port_in_use_is_a_one_line_error_and_the_daemon_stops_cleanly():
+    d = tempfile.mkdtemp(dir="/tmp", prefix="fomoe-h-")
+    sock = f"{d}/d.sock"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            proc = subprocess.run([sys.executable, "-m", "fomoepy.cli", "serve", str(ORACLE / f"{MODEL}.gguf"), "--socket", sock,
+                                   "--http", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+            assert not os.path.exists(sock)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fomoe: error: ") and f"127.0.0.1:{port}" in last and "in use" in last, last
+    assert "INFO: stopped" in proc.stderr  # the worker and the socket went through the graceful shutdown
+
+
 def test_sigterm_ends_open_streams_with_a_final_chunk_exits_0_and_removes_the_socket(tmp_path):
     d = tempfile.mkdtemp(dir="/tmp", prefix="fomoe-h-")
     sock, port = f"{d}/d.sock", free_port()
@@ -352,13 +448,11 @@ def chromium() -> tuple[str, str] | None:
     return (browser, driver) if browser and driver else None
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(chromium() is None, reason="no chromium + chromedriver (Debian: apt-get install chromium chromium-driver)")
-def test_the_page_streams_an_answer_and_its_charts_update(served):
+@pytest.fixture
+def page(served):
+    """Headless Chromium on the daemon's page."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     browser, driver_path = chromium()
     options = webdriver.ChromeOptions()
@@ -368,14 +462,69 @@ def test_the_page_streams_an_answer_and_its_charts_update(served):
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     try:
         driver.get(served.http_url + "/")
-        driver.find_element(By.ID, "key").send_keys(KEY)
-        driver.find_element(By.ID, "msg").send_keys("fox fox")
-        driver.find_element(By.ID, "send").click()
-        wait = WebDriverWait(driver, 60)
-        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant").text.strip() != "")
-        wait.until(lambda d: "tokens" in d.find_element(By.ID, "status").text)  # the stream's usage chunk
-        wait.until(lambda d: int(d.find_element(By.ID, "speed").get_attribute("data-points") or 0) >= 1)
-        assert int(driver.find_element(By.ID, "hits").get_attribute("data-points")) >= 1
-        wait.until(lambda d: f"{MODEL}.gguf" in d.find_element(By.ID, "model").text)
+        yield driver
     finally:
         driver.quit()
+
+
+NO_CHROMIUM = "no chromium + chromedriver (Debian: apt-get install chromium chromium-driver)"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(chromium() is None, reason=NO_CHROMIUM)
+def test_the_page_streams_an_answer_and_its_charts_update(page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    page.find_element(By.ID, "key").send_keys(KEY)
+    page.find_element(By.ID, "msg").send_keys("fox fox")
+    page.find_element(By.ID, "send").click()
+    wait = WebDriverWait(page, 60)
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant").text.strip() != "")
+    wait.until(lambda d: "tokens" in d.find_element(By.ID, "status").text)  # the stream's usage chunk
+    wait.until(lambda d: int(d.find_element(By.ID, "speed").get_attribute("data-points") or 0) >= 1)
+    assert int(page.find_element(By.ID, "hits").get_attribute("data-points")) >= 1
+    wait.until(lambda d: f"{MODEL}.gguf" in d.find_element(By.ID, "model").text)
+
+
+# The page's fetch, wrapped: each chat request's messages are kept in `sent`, and while `brokenStream`
+# is set a chat request gets that server-sent-event body instead of the daemon's (an error midway)
+RECORD_FETCH = """
+window.sent = []; window.brokenStream = null;
+const real = window.fetch;
+window.fetch = (url, opts) => {
+  if (url !== "/v1/chat/completions") return real(url, opts);
+  window.sent.push(JSON.parse(opts.body).messages);
+  if (window.brokenStream) return Promise.resolve(new Response(window.brokenStream, {headers: {"Content-Type": "text/event-stream"}}));
+  return real(url, opts);
+};
+"""
+MIDWAY_ERROR = ('data: {"choices":[{"index":0,"delta":{"content":"half an"}}]}\n\n'
+                'data: {"error":{"message":"internal error: boom","type":"server_error","code":"internal"}}\n\n'
+                "data: [DONE]\n\n")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(chromium() is None, reason=NO_CHROMIUM)
+def test_the_page_shows_a_failed_answer_and_leaves_its_turn_out_of_the_context(page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(page, 60)
+    page.execute_script(RECORD_FETCH)
+
+    def ask(text: str, ends: str) -> str:
+        page.find_element(By.ID, "msg").send_keys(text)
+        page.find_element(By.ID, "send").click()
+        wait.until(lambda d: ends in d.find_element(By.ID, "status").text)
+        return page.find_element(By.ID, "status").text
+
+    assert "wrong API key" in ask("fox one", "error")  # refused before any answer: no key typed yet
+    page.find_element(By.ID, "key").send_keys(KEY)
+    page.execute_script("window.brokenStream = arguments[0];", MIDWAY_ERROR)
+    assert ask("fox two", "error") == "error: internal error: boom"
+    page.execute_script("window.brokenStream = null;")
+    ask("fox three", "tokens")
+    sent = page.execute_script("return window.sent;")
+    assert sent[-1] == [{"role": "user", "content": "fox three"}], sent  # neither failed turn went back
+    assert len(page.find_elements(By.CSS_SELECTOR, ".user.failed")) == 2

@@ -175,7 +175,7 @@ def test_bad_messages(messages, message):
         ({"id": 3, "op": "__class__"}, "bad_request", "unknown op '__class__'", 3),
         ({"id": 3, "op": "ping", "x": 1}, "bad_request", "ping: unknown field 'x'", 3),
         ({"id": 3, "op": "cancel"}, "bad_request", "target is missing", 3),
-        ({"id": 3, "op": "cancel", "target": [1]}, "bad_request", "target must be an integer or a string", None),
+        ({"id": 3, "op": "cancel", "target": [1]}, "bad_request", "cancel: target must be an integer or a string", 3),
         ({"id": 3, "op": "tokenize", "text": b"x"}, "bad_request", "text must be a string, got bytes", 3),
     ],
 )
@@ -186,6 +186,25 @@ def test_request_errors(obj, code, message, id):
     assert message in event.message
     reply = event.reply()
     assert reply["type"] == "error" and reply["id"] == id
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        (1.5, "cancel: target must be an integer or a string, got float"),
+        (None, "cancel: target must be an integer or a string, got nil"),
+        ("", "cancel: target must have 1..128 characters, got 0"),
+        ([1], "cancel: target must be an integer or a string, got list"),
+        ("x" * 129, "cancel: target must have 1..128 characters, got 129"),
+        (1 << 63, "cancel: target is out of range"),
+    ],
+)
+def test_a_bad_cancel_target_is_answered_with_the_requests_own_id(target, message):
+    # the frame's id was usable, so the client must be able to tell which of its requests failed
+    (event,) = ServerProtocol().receive_data(frame({"op": "cancel", "id": 1, "target": target}))
+    assert isinstance(event, ProtocolError)
+    assert (event.code, event.id) == ("bad_request", 1)
+    assert event.message.startswith(message), event.message
 
 
 # -- fuzz: any bytes give requests or errors, never an exception -------------------------------------

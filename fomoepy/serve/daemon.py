@@ -187,13 +187,13 @@ class Daemon:
         self.worker.start()
         server = await loop.create_unix_server(lambda: Connection(self), sock=listener.sock)
         self.fronts = list(fronts)
-        for front in self.fronts:
-            await front.start()
-        log.info("ready: listening on %s (context %d tokens)", listener.description, self.engine.n_ctx)
-        notify("READY=1", f"STATUS=ready: listening on {listener.description}")
-        if on_ready is not None:
-            on_ready()
         try:
+            for front in self.fronts:  # one that cannot start (its port in use) ends the daemon as a signal would
+                await front.start()
+            log.info("ready: listening on %s (context %d tokens)", listener.description, self.engine.n_ctx)
+            notify("READY=1", f"STATUS=ready: listening on {listener.description}")
+            if on_ready is not None:
+                on_ready()
             await self.should_exit.wait()
         finally:
             await self.shutdown(server, listener)

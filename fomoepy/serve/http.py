@@ -24,7 +24,8 @@ Routes (`Authorization: Bearer KEY` on all but /health and the static page when 
 Each HTTP request is one generation on a sink of its own (`HttpSink`); its messages reach the handler
 through a queue. A queued request's place becomes an SSE comment (`: queued N ahead`), which clients
 ignore. Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad input
-(including a prompt longer than the context), 401 for a missing or wrong key, 429 when the queue is
+(including a prompt longer than the context, and a field the daemon cannot honour, such as tools, which
+is refused rather than ignored), 401 for a missing or wrong key, 429 when the queue is
 full, 503 while shutting down.
 """
 
@@ -34,6 +35,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections import Counter
@@ -41,6 +43,7 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -55,6 +58,22 @@ STATUS = {"bad_request": 400, "busy": 429, "shutting_down": 503}
 FINISH = {"eog": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
 # passed through to the socket protocol: OpenAI's sampling fields, and llama-server's extensions
 PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos")
+# OpenAI fields that would change the answer or what it holds, which the daemon cannot do: refused, since
+# ignoring one would answer another question than the one asked. Each: the values that ask for nothing
+# (null always does, and is not listed), and what is missing.
+NO_FUNCTION_CALLING = "the daemon has no function calling"
+NO_LOGPROBS = "the daemon returns no log-probabilities"
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": (([],), NO_FUNCTION_CALLING),
+    "tool_choice": (("none",), NO_FUNCTION_CALLING),
+    "functions": (([],), NO_FUNCTION_CALLING),
+    "function_call": (("none",), NO_FUNCTION_CALLING),
+    "response_format": (({"type": "text"},), 'only {"type": "text"} is'),
+    "logprobs": ((False,), NO_LOGPROBS),
+    "top_logprobs": ((0,), NO_LOGPROBS),
+    "frequency_penalty": ((0, 0.0), "repeat_penalty is"),
+    "presence_penalty": ((0, 0.0), "repeat_penalty is"),
+}
 
 
 class ApiError(Exception):
@@ -114,17 +133,33 @@ def _content(value: Any, where: str) -> str:
     raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
 
 
+def _asks_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
+    # compared with their types too: False == 0, and logprobs 0 asks for the chosen tokens' log-probabilities
+    return value is None or any(value == h and type(value) is type(h) for h in harmless)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for key, (harmless, missing) in UNSUPPORTED.items():
+        if not _asks_nothing(body.get(key), harmless):
+            raise ApiError(400, f"{key} is not supported ({missing})", param=key)
+
+
+def _refuse_message_tools(message: dict[str, Any], where: str) -> None:
+    """An agent's history (an assistant turn that called tools) cannot be rendered without tools."""
+    for key in ("tool_calls", "function_call"):
+        if message.get(key) not in (None, []):
+            raise ApiError(400, f"{where}.{key} is not supported ({NO_FUNCTION_CALLING})", param=f"{where}.{key}")
+
+
 def generate_request(body: Any, *, chat: bool, n_ctx: int) -> tuple[dict[str, Any], bool, bool]:
     """An OpenAI request body → (a `generate` request of the socket protocol, stream, include_usage).
     The protocol's parser then checks every field as it does for the socket."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    if body.get("n", 1) != 1:
+    if not _asks_nothing(body.get("n"), (1,)):
         raise ApiError(400, "only n = 1 is supported", param="n")
-    for key in ("frequency_penalty", "presence_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise ApiError(400, f"{key} is not supported (repeat_penalty is)", param=key)
-    stream = body.get("stream", False)
+    _refuse_unsupported(body)
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
     options = body.get("stream_options") or {}
@@ -143,6 +178,7 @@ def generate_request(body: Any, *, chat: bool, n_ctx: int) -> tuple[dict[str, An
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
+            _refuse_message_tools(m, f"messages[{i}]")
             out.append({"role": m["role"], "content": _content(m.get("content", ""), f"messages[{i}]")})
         request["messages"] = out
     else:
@@ -167,6 +203,20 @@ def generate_request(body: Any, *, chat: bool, n_ctx: int) -> tuple[dict[str, An
 # -- the front ------------------------------------------------------------------------------------
 
 
+class RequestLog(logging.LoggerAdapter):
+    """aiohttp's server log, as its request handler writes it. A malformed request (a negative
+    Content-Length, an oversized header line) is its client's mistake, which aiohttp answers 400 but logs
+    as an ERROR with a traceback: here it is one INFO line. Anything else, a failure in one of our
+    handlers included, is logged as aiohttp logs it."""
+
+    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):  # raised only by aiohttp's parser of the request
+            log.log(min(level, logging.INFO), "bad HTTP request: %s", " ".join(str(exc.message).split()))
+            return
+        super().log(level, msg, *args, **kwargs)
+
+
 def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
     """Anyone who can reach a non-loopback address could use the model: refuse that without a key."""
     if api_key is None and host not in LOOPBACK and not allow_unauthenticated:
@@ -174,6 +224,15 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
             f"refusing to serve HTTP on {host}, which is not a loopback address, without --api-key "
             "(or FOMOE_API_KEY); --http-allow-unauthenticated overrides this"
         )
+
+
+def key_matches(authorization: str, key: str) -> bool:
+    """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time."""
+    scheme, _, token = authorization.strip().partition(" ")
+    # aiohttp keeps a header's non-UTF-8 bytes as lone surrogates, which a strict encode refuses;
+    # surrogatepass encodes any str, one to one
+    given, wanted = (t.encode("utf-8", "surrogatepass") for t in (token.strip(" "), key))
+    return hmac.compare_digest(given, wanted) and scheme.lower() == "bearer"
 
 
 class HttpFront:
@@ -212,10 +271,15 @@ class HttpFront:
         self.responses[(resource.canonical if resource is not None else "unmatched", response.status)] += 1
 
     async def start(self) -> None:
-        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                                    logger=RequestLog(logging.getLogger("aiohttp.server")))  # fmt: skip
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # a port in use, an address not on this host: the user's to fix, in one line
+            reason = os.strerror(e.errno) if e.errno else str(e)
+            raise FomoeError(f"--http: cannot listen on {self.host}:{self.port}: {reason}") from None
         if self.port == 0:  # an ephemeral port: say which one was bound
             self.port = self.runner.addresses[0][1]
         log.info("HTTP: listening on %s%s", self.description, "" if self.api_key else " (no API key)")
@@ -232,10 +296,9 @@ class HttpFront:
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
         try:
-            if self.api_key is not None and request.path not in ("/health", "/"):
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                    raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+            open_route = request.path in ("/health", "/")
+            if self.api_key is not None and not open_route and not key_matches(request.headers.get("Authorization", ""), self.api_key):
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
             return await handler(request)
         except ApiError as e:
             return e.response()

@@ -347,7 +347,10 @@ def _parse_generate(f: _Fields) -> Generate:
 def _parse_cancel(f: _Fields) -> Cancel:
     if not f.has("target"):
         raise f.fail("target is missing (the id of the generate to cancel)")
-    target = _check_id(f.take("target"), "target")
+    try:
+        target = _check_id(f.take("target"), "target")
+    except RequestError as e:  # a field error like any other: prefixed, and answered with the request's id
+        raise f.fail(str(e)) from None
     f.done()
     return Cancel(f.id, target)
 
