@@ -146,3 +146,15 @@ def test_daemon_config_is_validated():
 
     with pytest.raises(FomoeError, match="max_sessions must be >= 1, got 0"):
         DaemonConfig(max_sessions=0)
+    for timeout in (0.0, -1.0, float("nan"), float("inf")):  # (nan passed a `<= 0` check)
+        with pytest.raises(FomoeError, match="pause_timeout must be a finite number of seconds > 0"):
+            DaemonConfig(pause_timeout=timeout)
+
+
+def test_a_kv_budget_no_state_fits_in_is_refused_at_start():
+    from fomoepy.serve.worker import InferenceWorker
+
+    engine = open_oracle_engine(MODEL)
+    with pytest.raises(FomoeError, match="less than the smallest state"):
+        InferenceWorker(engine, kv_budget=engine.kv_nbytes(1) - 1)
+    InferenceWorker(engine, kv_budget=engine.kv_nbytes(1)).close()  # one chunk: short requests run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fomoepy.errors import FomoeError
@@ -26,5 +27,5 @@ class DaemonConfig:
                 raise FomoeError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_budget is not None and self.kv_budget < 1:
             raise FomoeError(f"kv_budget must be >= 1 byte, got {self.kv_budget}")
-        if self.pause_timeout <= 0:
-            raise FomoeError(f"pause_timeout must be > 0, got {self.pause_timeout}")
+        if not (math.isfinite(self.pause_timeout) and self.pause_timeout > 0):  # (nan compares false both ways)
+            raise FomoeError(f"pause_timeout must be a finite number of seconds > 0, got {self.pause_timeout}")

@@ -131,6 +131,9 @@ class InferenceWorker:
             raise FomoeError(f"max_batch must be >= 1, got {max_batch}")
         if self.max_batch < max_batch:
             log.info("this backend decodes one sequence per step: --max-batch %d runs as 1", max_batch)
+        if kv_budget is not None and kv_budget < engine.kv_nbytes(1):
+            raise FomoeError(f"--kv-budget {kv_budget} bytes is less than the smallest state, {engine.kv_nbytes(1)} bytes "
+                             "(one KV chunk): no request could ever run")  # fmt: skip
         self.kv = KVBudget(kv_budget if kv_budget is not None else default_kv_budget(engine, max_batch),
                            engine.kv_nbytes, engine.n_ctx)  # fmt: skip
         self.totals = Totals()
