@@ -48,17 +48,15 @@ def test_substituted_originals_come_back_with_the_backfill_thread():
     assert stats["backfilled"] > 0 and held & requested  # originals came back into DRAM
 
 
-@pytest.mark.parametrize("mode", ["sync", "thread"])
-def test_originals_come_back_into_the_cpu_backends_slots(tmp_path, mode):
-    # the cpu backend's only tier is its slots (no host tier): a backfilled original is admitted there and
-    # installed into a slot before the next step plans, so the slots hold exactly what the cache says, and a
-    # backfilled expert's slot computes what the expert's store bytes compute
+def cpu_engine_with_backfill(tmp_path, mode: str) -> tuple[Engine, list]:
+    """The cpu backend streaming from a store (its only tier: its slots, no host tier), CAR and backfill on;
+    and the list of keys backfill has installed into slots, as the step takes them."""
     store = tmp_path / "store"
     prepare_store(MODEL, [store], progress=False)
     unit = Engine(MODEL, EngineOptions(backend="cpu")).source.layers[0].expert_nbytes
     engine = Engine(MODEL, EngineOptions(backend="cpu", store=(str(store),), ram_cache=12 * unit, car=CarConfig(threshold=0.01),
                                          backfill=mode, backfill_per_token=4, prefetch=False))  # fmt: skip
-    streamer, device = engine.experts.streamer, engine.experts.device
+    streamer = engine.experts.streamer
     assert not streamer.cache.host.enabled
     installed: list = []
     real = streamer.take_device_changes
@@ -69,9 +67,13 @@ def test_originals_come_back_into_the_cpu_backends_slots(tmp_path, mode):
         return changes
 
     streamer.take_device_changes = take_device_changes
-    tokens = np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")
-    list(engine.generate(tokens[:4], 32, SamplingParams(temperature=0.9, seed=1), stop_at_eog=False))
-    assert engine.stats()["backfilled"] > 0 and installed
+    return engine, installed
+
+
+def check_slots_hold_what_the_cache_says(engine: Engine, installed: list) -> int:
+    """The slots hold exactly the cache's device tier, and each installed expert still held computes from its
+    slot what its store bytes compute; returns how many were checked."""
+    streamer, device = engine.experts.streamer, engine.experts.device
     held = {(layer, e) for layer in range(engine.spec.n_layer) for e in streamer.cache.resident(layer, "device")}
     assert held == {key for layer in range(engine.spec.n_layer) for key in device.pool_of[layer]._slot}
     rng = np.random.default_rng(0)
@@ -86,8 +88,34 @@ def test_originals_come_back_into_the_cpu_backends_slots(tmp_path, mode):
         from_store = pool.layer.ffn(h, np.array([[pool.stage(0, streamer.source.read(*key))]]), one, 1)
         np.testing.assert_array_equal(from_slot, from_store)
         checked += 1
+    return checked
+
+
+def test_originals_come_back_into_the_cpu_backends_slots(tmp_path):
+    # the cpu backend's only tier is its slots (no host tier): a backfilled original is admitted there and
+    # installed into a slot before the next step plans (sync: N a token, repeatable)
+    engine, installed = cpu_engine_with_backfill(tmp_path, "sync")
+    tokens = np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")
+    list(engine.generate(tokens[:4], 32, SamplingParams(temperature=0.9, seed=1), stop_at_eog=False))
+    assert engine.stats()["backfilled"] > 0 and installed
+    assert check_slots_hold_what_the_cache_says(engine, installed)
     engine.close()
-    assert checked
+
+
+def test_the_backfill_threads_reads_go_into_the_cpu_backends_slots_at_the_next_step(tmp_path):
+    # what the thread has read is taken at the next MoE step, admitted to the slots' tier and installed
+    # before that step plans (the tier is empty here: it has room); decided by order, not by time
+    engine, installed = cpu_engine_with_backfill(tmp_path, "thread")
+    thread = engine.experts.streamer._backfill_thread
+    thread.request((0, 5), 0.9, 0)
+    deadline = time.monotonic() + 10
+    while thread.done.empty():
+        assert time.monotonic() < deadline, "the backfill thread never read"
+        time.sleep(0.005)
+    engine.logits(np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")[:1])
+    assert installed[:1] == [(0, 5)] and engine.stats()["backfilled"] >= 1
+    check_slots_hold_what_the_cache_says(engine, installed)
+    engine.close()
 
 
 @pytest.fixture()
