@@ -13,15 +13,20 @@ from pathlib import Path
 import numpy as np
 
 from fomoepy import __version__
+from fomoepy.argtypes import int_in, utf8_text
 from fomoepy.engine import open_engine
 from fomoepy.errors import FomoeError
 from fomoepy.options import add_engine_options
+from fomoepy.outputs import atomic_output, check_output
+
+RANDOM_SEED = -1  # --seed -1: a fresh random seed each run, as llama.cpp's
+SEED_MAX = (1 << 64) - 1  # numpy's generator takes any size; the daemon's protocol takes a uint64
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)  # (argument types raise FomoeError: fomoepy.argtypes)
         return args.handler(args)
     except FomoeError as e:
         print(f"fomoe: error: {e}", file=sys.stderr)
@@ -46,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text-file", help="UTF-8 file, tokenized byte for byte (no newline is stripped)")
-    src.add_argument("--text", help="the text itself")
+    src.add_argument("--text", type=utf8_text("--text"), help="the text itself")
     p.add_argument("--no-special", action="store_true", help="treat control-token text as plain text")
     p.add_argument("--no-bos", action="store_true", help="add no BOS/EOS even where the model asks for them")
     p.add_argument("--json", action="store_true", help="print the ids as one JSON list")
@@ -63,11 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="stream generated text to stdout")
     p.add_argument("model", nargs="?", help="the GGUF model (default: the embedded demo model)")
-    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-p", "--prompt", type=utf8_text("--prompt"), required=True)
     p.add_argument("-n", "--n-predict", type=int, default=128, help="maximum tokens to generate")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system", type=utf8_text("--system"), help="system message (with --chat)")
+    p.add_argument("--seed", type=int_in("--seed", -1, SEED_MAX), default=None,
+                   help="random seed for sampling; -1 or none: a random one (as llama.cpp's -1)")  # fmt: skip
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -171,9 +177,14 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 def parse_token_list(text: str) -> np.ndarray:
     try:
-        return np.array([int(t) for t in text.split(",") if t.strip()], dtype=np.int64)
+        ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise FomoeError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    # refused here, as no int64 holds them; ids that do are checked against the vocabulary later
+    for i in ids:
+        if not -(1 << 63) <= i < 1 << 63:
+            raise FomoeError(f"token id {i} is out of range (no vocabulary is that large)")
+    return np.array(ids, dtype=np.int64)
 
 
 def load_token_npy(path: str) -> np.ndarray:
@@ -190,6 +201,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
     tokens = load_token_npy(args.tokens_npy) if args.tokens_npy else parse_token_list(args.tokens)
     if tokens.size == 0:
         raise FomoeError("no tokens given")
+    out = check_output(args.out, "--out")
     engine = open_engine(args)
     bad = tokens[(tokens < 0) | (tokens >= engine.spec.n_vocab)]
     if bad.size:
@@ -199,8 +211,9 @@ def cmd_logits(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     logits = engine.logits(tokens).astype(np.float32)
     elapsed = time.perf_counter() - t0
-    np.save(args.out, logits)
-    print(f"fomoe: {tokens.size} tokens in {elapsed:.2f} s ({tokens.size / elapsed:.1f} tok/s) -> {args.out}", file=sys.stderr)
+    with atomic_output(out) as f:  # (a file object: np.save given a name would add ".npy" to it)
+        np.save(f, logits)
+    print(f"fomoe: {tokens.size} tokens in {elapsed:.2f} s ({tokens.size / elapsed:.1f} tok/s) -> {out}", file=sys.stderr)
     report_streaming(engine)
     engine.close()
     return 0
@@ -218,7 +231,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         repeat_penalty=args.repeat_penalty,
         repeat_last_n=args.repeat_last_n,
-        seed=args.seed,
+        seed=None if args.seed == RANDOM_SEED else args.seed,
     )
     if args.n_predict < 0:
         raise FomoeError(f"-n must be >= 0, got {args.n_predict}")

@@ -30,6 +30,7 @@ from fomoepy.model.state import InferenceState, kv_nbytes, kv_positions
 from fomoepy.model.tokenizer import Tokenizer
 from fomoepy.model.transformer import Transformer, load_weights
 from fomoepy.options import EngineOptions
+from fomoepy.outputs import check_output
 from fomoepy.runtime.available_memory import available_memory_bytes
 from fomoepy.runtime.backends import make_expert_device, open_backends
 from fomoepy.runtime.heap import return_freed_memory
@@ -315,7 +316,9 @@ def default_host_bytes(layers: tuple[LayerExperts, ...], spec: ModelSpec, wanted
 
 def open_engine(args: argparse.Namespace):
     """An Engine for args.model (the demo model when none is given) with the parsed engine options."""
-    EngineOptions.from_args(args)  # every flag checked before anything is loaded or written
+    options = EngineOptions.from_args(args)  # every flag checked before anything is loaded or written
+    if options.trace:
+        check_output(options.trace, "--trace")
     resolve_model(args)
     return Engine(args.model, EngineOptions.from_args(args))
 

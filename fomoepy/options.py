@@ -28,6 +28,9 @@ from fomoepy.scheduler import PLACEMENTS
 
 BACKFILL_MODES = ("off", "thread", "sync")  # reload CAR's substituted originals: never, in a thread, N per token
 REPACK_MODES = ("auto", "on", "off")  # --repack-experts: the cpu backend's slot form
+# ggml's own limit (GGML_MAX_N_THREADS, its threadpool's cpumask size): more threads than this it
+# cannot run, and asking the OS for tens of thousands fails (OpenMP) or crashes (ggml's pool)
+MAX_THREADS = 512
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,8 @@ class EngineOptions:
         if self.backend == "cpu" and self.vram_cache:
             bad("vram-cache", "must be 0 on the cpu backend: its one tier is ggml slots in host memory, sized by --ram-cache "
                 "(--backend reference keeps a float32 device tier)")
-        if self.threads is not None and self.threads < 1:
-            bad("threads", f"must be >= 1, got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            bad("threads", f"must be in [1, {MAX_THREADS}], got {self.threads}")
         if self.devices < 1:
             bad("devices", f"must be >= 1, got {self.devices}")
         if self.placement not in PLACEMENTS and not all(t.strip().isdigit() for t in self.placement.split(",")):

@@ -74,6 +74,11 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         p = self.params
         z = np.asarray(logits, dtype=np.float64).copy()  # [V]
+        # NaN would sort anywhere and leave no candidate to sample, +inf turns the softmax into NaN: the max
+        # is NaN or +inf exactly then (numpy's max propagates NaN), in half isfinite().all()'s time (-inf
+        # alone masks a token, which sampling itself does; all of them, the max is -inf too)
+        if not math.isfinite(z.max()):
+            raise FomoeError(f"the model produced non-finite logits{_at_position(history)} (NaN or infinite: damaged weights?)")
         if p.repeat_penalty != 1.0 and p.repeat_last_n and len(history):
             recent = np.unique(np.asarray(history[-p.repeat_last_n :], dtype=np.int64))
             # llama.cpp: divide positive logits, multiply negative ones, so the penalty always lowers them
@@ -95,6 +100,11 @@ class Sampler:
             order = order[keep_mask]
         probs = _softmax(z[order] / p.temperature)
         return int(order[self.rng.choice(len(order), p=probs)])
+
+
+def _at_position(history: Sequence[int]) -> str:
+    # the logits predict the token after the last one seen: theirs is that token's position
+    return f" at position {len(history) - 1}" if len(history) else ""
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

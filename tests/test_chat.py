@@ -119,6 +119,13 @@ def test_bad_messages_are_refused(messages, message):
         render_chat(messages, template=None, **SPECIALS)
 
 
+@pytest.mark.parametrize("template", [5, ["{{ x }}"], b"{{ x }}"])
+def test_a_template_that_is_not_a_string_names_its_key(template):
+    # (GGUF metadata can hold any value type under tokenizer.chat_template)
+    with pytest.raises(FomoeError, match=r"the model's tokenizer.chat_template must be a string, got (int|list|bytes)$"):
+        render_chat(USER, template=template, **SPECIALS)
+
+
 def test_template_cannot_change_the_callers_messages():
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(FomoeError):

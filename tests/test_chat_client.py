@@ -53,6 +53,33 @@ def test_no_daemon_is_one_error_line_and_exit_1(capsys):
         Client("/tmp/fomoe-no-such-dir/x.sock")
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["-p", "a\udcffb"], "--prompt is not valid UTF-8 text (bad byte at offset 1)"),
+        (["-p", "hi", "--system", "\udcfe"], "--system is not valid UTF-8 text (bad byte at offset 0)"),
+        (["-p", "hi", "--seed", "99999999999999999999999"], "--seed must be in [-1, 18446744073709551615], got 99999999999999999999999"),
+        (["-p", "hi", "--seed", "-2"], "--seed must be in [-1, 18446744073709551615], got -2"),
+        (["-p", "hi", "-n", "99999999999999999999"], "-n must be in [0, 18446744073709551615], got 99999999999999999999"),
+        (["-p", "hi", "-n", "-1"], "-n must be in [0, 18446744073709551615], got -1"),
+        (["-p", "hi", "--top-k", str(1 << 64)], "--top-k must be in [0, 18446744073709551615]"),
+    ],
+)  # fmt: skip
+def test_what_a_request_cannot_carry_is_refused_before_connecting(capsys, flags, message):
+    # (no daemon at this socket: the flags are refused before the client tries to connect)
+    assert cli.main(["chat", "--socket", "/tmp/fomoe-no-such-dir/x.sock", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fomoe: error: ") and message in err
+
+
+def test_seed_minus_one_sends_no_seed():
+    import argparse
+
+    args = argparse.Namespace(n_predict=4, temp=0.8, seed=-1, top_k=None, top_p=None, min_p=None, repeat_penalty=None)
+    assert chat.sampling_fields(args) == {"max_tokens": 4, "temperature": 0.8}
+    assert chat.sampling_fields(argparse.Namespace(**{**vars(args), "seed": 7}))["seed"] == 7
+
+
 def test_stats_as_lines_and_as_json(served, capsys):
     import json
 

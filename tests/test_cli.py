@@ -106,3 +106,65 @@ def test_truncated_model_through_the_console_script(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"fomoe: error: {cut}: truncated GGUF file: tensor " + proc.stderr.split("tensor ", 1)[1].strip()
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["logits", Q4KM, "--tokens", "1,99999999999999999999", "--out", "{tmp}/l.npy"], "token id 99999999999999999999 is out of range"),
+        (["logits", Q4KM, "--tokens", "1,2", "--out", "{tmp}/missing/l.npy"], "--out {tmp}/missing/l.npy: no such directory"),
+        (["logits", Q4KM, "--tokens", "1,2", "--out", "{tmp}"], "--out {tmp}: is a directory"),
+        (["tokenize", Q4KM, "--text", "\udcff\udcfe"], "--text is not valid UTF-8 text (bad byte at offset 0)"),
+        (["generate", Q4KM, "-p", "a\udcffb", "-n", "1"], "--prompt is not valid UTF-8 text (bad byte at offset 1)"),
+        (["generate", Q4KM, "-p", "hi", "--chat", "--system", "\udcff"], "--system is not valid UTF-8 text"),
+        (["generate", Q4KM, "-p", "hi", "--seed", "-2"], "--seed must be in [-1, 18446744073709551615], got -2"),
+        (["generate", Q4KM, "-p", "hi", "--seed", "1" + "0" * 20], "--seed must be in [-1, 18446744073709551615]"),
+        (["generate", Q4KM, "-p", "hi", "--threads", "100000"], "--threads must be in [1, 512], got 100000"),
+        (["generate", Q4KM, "-p", "hi", "--ram-cache", "99999999T"], "size '99999999T' is too large"),
+        (["generate", Q4KM, "-p", "hi", "--vram-cache", "9" * 5000, "--backend", "reference"], "is too large"),
+        (["generate", Q4KM, "-p", "hi", "--trace", "{tmp}/missing/t.trace"], "--trace {tmp}/missing/t.trace: no such directory"),
+        (["generate", Q4KM, "-p", "hi", "--trace", "{tmp}"], "--trace {tmp}: is a directory"),
+        (["info", "{tmp}"], "{tmp}: is a directory, not a GGUF file"),
+        (["generate", Q4KM, "-p", "hi", "--store", Q4KM], f"{Q4KM}: not a directory"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_refused_before_any_work_and_writes_nothing(capsys, tmp_path, argv, message):
+    code, out, err = run_cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
+    assert code == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fomoe: error: ")
+    assert message.replace("{tmp}", str(tmp_path)) in lines[0]
+    assert list(tmp_path.iterdir()) == []  # no output, no probe, no partial file
+
+
+def test_logits_writes_exactly_the_path_given(capsys, tmp_path):
+    # np.save given a name adds ".npy" to it: the file written must be the one reported
+    out_path = tmp_path / "logits"
+    code, _, err = run_cli(capsys, "logits", Q4KM, "--tokens", "1,2", "--out", str(out_path))
+    assert code == 0 and f"-> {out_path}" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["logits"]
+    assert np.load(out_path).shape == (2, 512)
+
+
+def test_seed_minus_one_is_a_random_seed(capsys):
+    args = ["generate", Q4KM, "-p", "x", "-n", "4", "--seed", "-1", "--temp", "1.0", "--ignore-eos"]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0 and out.startswith("x") and "error" not in err
+
+
+def test_non_finite_logits_are_one_error_naming_the_position(capsys, tmp_path):
+    # a damaged model: NaN token embeddings make NaN logits, which left the sampler no candidate (a
+    # zero-size reduction) with temperature > 0, and an arbitrary token with temperature 0
+    from fomoepy.model.gguf_file import GGUFFile
+
+    source = ORACLE / "qwen3moe_f32.gguf"
+    embd = GGUFFile(source).tensors["token_embd.weight"]
+    data = bytearray(source.read_bytes())
+    data[embd.offset : embd.offset + embd.nbytes] = np.full(embd.nbytes // 4, np.nan, np.float32).tobytes()
+    damaged = tmp_path / "nan.gguf"
+    damaged.write_bytes(bytes(data))
+    for temp in ("0.8", "0"):
+        code, _, err = run_cli(capsys, "generate", str(damaged), "-p", "Hello", "-n", "2", "--temp", temp)
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1
+        assert lines[0].startswith("fomoe: error: the model produced non-finite logits at position ")

@@ -78,6 +78,31 @@ def test_missing_file():
         GGUFFile(ORACLE / "nope.gguf")
 
 
+@pytest.mark.parametrize("depth, ok", [(16, True), (17, False), (5000, False)])
+def test_nested_metadata_arrays_have_a_depth_limit(tmp_path, depth, ok):
+    # a crafted file nesting arrays 5000 deep exhausted Python's recursion (RecursionError)
+    def string(text):
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    arrays = struct.pack("<I", gguf.GGUFValueType.ARRAY) + struct.pack("<IQ", gguf.GGUFValueType.ARRAY, 1) * (depth - 1)
+    innermost = struct.pack("<IQ", gguf.GGUFValueType.UINT8, 0)
+    path = tmp_path / "deep.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + string("k") + arrays + innermost)
+    if ok:
+        value = GGUFFile(path).metadata["k"]
+        for _ in range(depth - 1):
+            (value,) = value
+        assert value == []
+    else:
+        with pytest.raises(ModelFileError, match=r"not a valid GGUF file \(metadata arrays nested more than 16 deep at offset"):
+            GGUFFile(path)
+
+
+def test_a_directory_is_not_called_missing(tmp_path):
+    with pytest.raises(ModelFileError, match="is a directory, not a GGUF file"):
+        GGUFFile(tmp_path)
+
+
 def _rewrite(src, dst, edit):
     """Copy a GGUF with edited metadata (edit(dict) -> dict), tensors unchanged."""
     reader = gguf.GGUFReader(src)

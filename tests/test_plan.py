@@ -334,6 +334,13 @@ def test_plan_command_sweep_and_what_if_with_synthetic_routing(capsys):
         (["--shape", "qwen3-30b-a3b", "--car-threshold", "0.3"], "CAR needs routing probabilities"),
         (["--shape", "qwen3-30b-a3b", "--drop", "tea"], "unknown term"),
         (["--shape", "qwen3-30b-a3b", "-t", "0"], "-t must be >= 1"),
+        (["--shape", "qwen3-30b-a3b", "--efficiency", "0"], "--efficiency: families are dense and experts, each in (0, 1]; got '0'"),
+        (["--shape", "qwen3-30b-a3b", "--efficiency", "nan"], "each in (0, 1]; got 'nan'"),
+        (["--shape", "qwen3-30b-a3b", "--efficiency", "dense=nan,experts=0.5"], "each in (0, 1]"),
+        (["--shape", "qwen3-30b-a3b", "--vram", "99999999T"], "size '99999999T' is too large"),
+        (["--shape", "qwen3-30b-a3b", "--png", "/nonexistent-dir/x.png"], "--png /nonexistent-dir/x.png: no such directory"),
+        (["--shape", "qwen3-30b-a3b", "--hardware", str(Path(__file__).parent / "fixtures" / "oracle" / "qwen3moe_f32.gguf")],
+         "qwen3moe_f32.gguf: not a TOML hardware file (not UTF-8 text: bad byte at offset"),
     ],
 )
 def test_plan_command_bad_input_is_one_error_line(capsys, argv, message):

@@ -270,6 +270,24 @@ def test_non_utf8_text_is_one_error_line_before_loading(capsys, tmp_path):
     assert err.strip().splitlines() == [f"fomoe: error: {f}: not UTF-8 text (bad byte at offset 3)"]
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--resume", "{tmp}/missing/r.json"], "--resume {tmp}/missing/r.json: no such directory"),
+        (["--resume", "{tmp}"], "--resume {tmp}: is a directory"),
+        (["--kl-base", "{tmp}/missing/b.bin"], "--kl-base {tmp}/missing/b.bin: no such directory"),
+        (["--kl-base", "{tmp}/b.bin", "--kl-top-k", "-1"], "--kl-top-k must be in [0, "),
+    ],
+)
+def test_unwritable_outputs_are_refused_before_loading(capsys, tmp_path, flags, message):
+    code, out, err = run_cli(capsys, model_path("qwen3moe_q4_k_m"), "--file", PPL_TXT, "--ctx", "64", "--chunks", "1",
+                             *(f.replace("{tmp}", str(tmp_path)) for f in flags))  # fmt: skip
+    lines = err.strip().splitlines()
+    assert code == 1 and out == "" and len(lines) == 1
+    assert lines[0].startswith("fomoe: error: " + message.replace("{tmp}", str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_wikitext_raw_layout_is_read_as_is(capsys, tmp_path):
     # WikiText-2 raw: " = Title = " headings, " @-@ " / " @,@ " tokens, blank lines of one space
     para = " The 1 @,@ 000 @-@ year old tower , built in 1890 , was restored ( twice ) . \n"

@@ -297,6 +297,50 @@ def test_fomoe_simulate_errors_are_one_line(tmp_path, capsys):
     assert "unknown cache policy 'x'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--vram", "99999999T", "--ram", "1M"], "size '99999999T' is too large: at most 4194304T"),
+        (["--vram", "1M", "--ram", "9" * 30], "is too large"),
+        (["--vram-mb", "1e300", "--ram", "1M"], "--vram-mb must be in [0, 4398046511104], got 1e+300"),
+        (["--vram-mb", "nan", "--ram", "1M"], "--vram-mb must be in [0, "),
+        (["--vram", "1M", "--ram-mb", "inf"], "--ram-mb must be in [0, "),
+    ],
+)
+def test_sizes_no_cache_could_hold_are_one_error_line(tmp_path, capsys, flags, message):
+    path = write_trace(tmp_path / "t.trace", n_tokens=5)
+    assert main(["simulate", str(path), *flags]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fomoe: error: ") and message in err[0]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"GGUF" + bytes(100),  # not a zip: numpy would read it as a pickle
+        b"\x93NUMPY",  # a truncated .npy
+        "npy",  # a whole .npy, not an .npz
+        "other",  # an .npz of other arrays
+        "shape",  # the right names, the wrong shapes
+    ],
+    ids=["not-a-zip", "truncated-npy", "npy", "other-arrays", "wrong-shapes"],
+)
+def test_a_file_that_is_not_a_packed_trace_is_one_error_line(tmp_path, capsys, content):
+    path = tmp_path / "t.npz"
+    if content == "npy":
+        with open(path, "wb") as f:
+            np.save(f, np.zeros(3))
+    elif content == "other":
+        np.savez(path, a=np.zeros(3))
+    elif content == "shape":
+        np.savez(path, ids=np.zeros((2, 3), np.uint8), expert_bytes=np.zeros(3, np.int64), n_expert=np.int64(4))
+    else:
+        path.write_bytes(content)
+    assert main(["simulate", str(path), "--vram", "1M", "--ram", "1M"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fomoe: error: {path}: not a packed routing trace")
+
+
 def test_seeding_from_a_profile_helps_and_belady_starts_seeded_too(tmp_path):
     trace = read_trace(write_trace(tmp_path / "t.trace", n_tokens=60, skew=1.2))
     sizes = (100, 100, 100)

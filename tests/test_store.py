@@ -449,14 +449,24 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     cases = [
         (["prepare", str(tmp_path / "missing.gguf"), str(tmp_path / "s")], "missing.gguf: no such file"),
+        (["prepare", str(tmp_path / "file"), str(tmp_path / "s")], "file: truncated GGUF file"),
         (["prepare", str(Q4KM), str(tmp_path / "file")], "cannot create the store directory"),
         (["prepare", str(Q4KM), str(tmp_path / "s"), str(tmp_path / "s")], "the same directory is given twice"),
         (["verify-store", str(Q4KM), str(tmp_path / "nothing")], "nothing: no such directory"),
+        (["verify-store", str(Q4KM), str(tmp_path / "file")], "file: not a directory"),
     ]
     for argv, message in cases:
         assert main(argv) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("fomoe: error: ") and message in err[0], err
+
+
+def test_a_refused_model_leaves_no_store_directory_behind(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for model in (tmp_path / "missing.gguf", tmp_path / "file"):
+        assert main(["prepare", "-q", str(model), str(tmp_path / "s" / "deeper")]) == 1
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_prepare_tool_is_fomoe_prepare(tmp_path):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from fomoepy.argtypes import int_in
 from fomoepy.engine import open_engine, resolve_model
 from fomoepy.errors import FomoeError
 from fomoepy.eval.ppl import DEFAULT_BATCH, DEFAULT_CTX, check_ctx
 from fomoepy.options import add_engine_options
+from fomoepy.outputs import check_output
 
 PPL_DESCRIPTION = """\
 Perplexity of a text file by llama.cpp's llama-perplexity method, with its flags and output: the text (minus one
@@ -56,7 +58,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--kl-top-k",
-        type=int,
+        type=int_in("--kl-top-k", 0),
         default=None,
         metavar="K",
         help="tokens kept per position by --kl-base: 0 = all (exact KL); default all up to a 4096-token "
@@ -124,6 +126,9 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         from fomoepy.eval.ppl_run import read_text
 
         read_text(args.file)  # a missing or non-UTF-8 file fails here, before the model loads
+    for flag, path in (("--resume", args.resume), ("--kl-base", kl_out)):
+        if path is not None:
+            check_output(path, flag)  # (as the input: before the model loads, not after a chunk)
 
     request = PplRequest(
         model=args.model,

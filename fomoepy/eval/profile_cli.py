@@ -11,6 +11,7 @@ import sys
 import time
 
 from fomoepy.errors import FomoeError
+from fomoepy.outputs import check_output
 
 
 def add_profile_command(sub) -> None:
@@ -49,6 +50,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.n_predict < 0:
         raise FomoeError(f"-n must be >= 0, got {args.n_predict}")
     prompts = read_prompts(args.prompts)
+    check_output(args.out, "--out")
     args.store = list(args.store_dirs) + list(args.store)
     engine = open_engine(args)
     tok = engine.tokenizer

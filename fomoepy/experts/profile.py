@@ -25,6 +25,7 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.policy import Key
+from fomoepy.outputs import atomic_output
 
 FREQ_MAGIC = 0x46524551
 FREQ_VERSION = 1
@@ -137,15 +138,11 @@ class ExpertCounter:
 
 
 def write_freq(path: str | os.PathLike, profile: FreqProfile) -> None:
-    """Write atomically (temporary file, fsync, rename): a reader never sees half a profile."""
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as f:
+    """Write atomically (temporary file, fsync, rename): a reader never sees half a profile, and a failed
+    write leaves no temporary file."""
+    with atomic_output(path) as f:
         f.write(HEADER.pack(FREQ_MAGIC, FREQ_VERSION, profile.n_layers, len(profile.entries)))
         f.write(profile.entries.astype(ENTRY).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
 
 
 def read_freq(path: str | os.PathLike, n_layer: int | None = None, n_expert: int | None = None) -> FreqProfile:

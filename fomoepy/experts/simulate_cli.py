@@ -12,7 +12,7 @@ from fomoepy.experts.car import CarConfig
 from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
 from fomoepy.experts.profile import read_freq, seed_order
 from fomoepy.experts.simulate import belady_for, report, simulate
-from fomoepy.experts.sizes import parse_size
+from fomoepy.experts.sizes import MAX_SIZE, parse_size
 from fomoepy.experts.trace import expert_sizes, read_trace
 
 MIB = 1 << 20
@@ -46,8 +46,8 @@ def add_simulate_command(sub) -> None:
 def _capacity(mb: float | None, text: str | None, flag: str) -> int:
     if text is not None:
         return parse_size(text)
-    if mb is None or not mb >= 0:
-        raise FomoeError(f"--{flag}-mb must be >= 0, got {mb}")
+    if mb is None or not 0 <= mb * MIB <= MAX_SIZE:  # (NaN and inf fail too)
+        raise FomoeError(f"--{flag}-mb must be in [0, {MAX_SIZE // MIB}], got {mb}")
     return int(mb * MIB)
 
 

@@ -327,7 +327,8 @@ def _index_problem(m: StoreManifest) -> str | None:
 def read_manifest(directory: Path) -> StoreManifest:
     path = directory / MANIFEST_NAME
     if not directory.is_dir():
-        raise StoreError(f"{directory}: no such directory")
+        what = "not a directory (a store is the directory fomoe prepare wrote)" if directory.exists() else "no such directory"
+        raise StoreError(f"{directory}: {what}")
     try:
         size = path.stat().st_size
         if size > MANIFEST_MAX_BYTES:

@@ -84,9 +84,9 @@ def prepare_store(
     With `progress`, a tqdm bar and a final throughput line go to stderr. Raises StoreError for
     unusable directories, lack of space or a failed write; ModelFileError for a bad GGUF.
     """
-    dirs = _check_dirs(dirs)
-    gf = GGUFFile(gguf_path)
+    gf = GGUFFile(gguf_path)  # the model first: a bad one must leave no empty store directories behind
     source = GGUFExpertSource(gf, ModelSpec.from_gguf(gf))
+    dirs = _check_dirs(dirs)
     plan = plan_store(gf, source, len(dirs), mirror)
     jobs = {d: [fid for fid in range(len(plan.files)) if slot in plan.slots_of(fid)] for slot, d in enumerate(dirs)}
     _check_space(plan, jobs)

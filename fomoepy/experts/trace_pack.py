@@ -11,6 +11,7 @@ is large (~200 bytes per token and layer); policies only need the ids, ~k bytes 
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,26 @@ def save(path: str | Path, trace: Trace) -> None:
 
 def load(path: str | Path, model: str = "") -> Trace:
     """A packed trace as a Trace of one record per token and layer (scores uniform, no probabilities)."""
-    with np.load(path) as z:
-        ids, expert_bytes, n_expert = z["ids"].astype(np.int64), z["expert_bytes"], int(z["n_expert"])
+    ids, expert_bytes, n_expert = _read_packed(path)
     T, L, k = ids.shape
     header = TraceHeader(L, n_expert, k, tuple(int(b) for b in expert_bytes), model)
     scores = np.full((1, k), 1.0 / k, dtype=np.float32)
     records = tuple(TraceRecord(t, layer, ids[t, layer][None], scores, None) for t in range(T) for layer in range(L))
     return Trace(header, records, path=str(path))
+
+
+def _read_packed(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
+    """(ids [T, L, k], expert_bytes [L], n_expert) of a packed trace, or a FomoeError saying what is wrong."""
+    try:
+        with np.load(path, allow_pickle=False) as z:  # (a zip: anything else is refused, pickles too)
+            ids, expert_bytes, n_expert = z["ids"].astype(np.int64), z["expert_bytes"], int(z["n_expert"])
+    except OSError as e:
+        raise FomoeError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, EOFError, zipfile.BadZipFile):
+        # numpy's words would mislead (a non-zip is read as a pickle: "contains pickled data"); a .npy
+        # gives a TypeError, an .npz of other arrays a KeyError
+        raise FomoeError(f"{path}: not a packed routing trace (an .npz of ids, expert_bytes and n_expert)") from None
+    if ids.ndim != 3 or expert_bytes.shape != (ids.shape[1],) or not ((0 <= ids) & (ids < n_expert)).all():
+        raise FomoeError(f"{path}: not a packed routing trace: ids {ids.shape}, expert_bytes {expert_bytes.shape}, "
+                         f"n_expert {n_expert}")  # fmt: skip
+    return ids, expert_bytes, n_expert

@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Any, NoReturn
 
 import jinja2
+from gguf import Keys
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
@@ -45,6 +46,8 @@ def render_chat(
     copies of the messages, so it cannot change the caller's data.
     """
     checked = _check_messages(messages)
+    if template is not None and not isinstance(template, str):  # (GGUF metadata: any value type)
+        raise FomoeError(f"the model's {Keys.Tokenizer.CHAT_TEMPLATE} must be a string, got {type(template).__name__}")
     compiled = _compile(template or CHATML_TEMPLATE)
     try:
         return compiled.render(

@@ -53,7 +53,7 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         if not self.path.is_file():
-            raise ModelFileError(f"{self.path}: no such file")
+            raise ModelFileError(f"{self.path}: {'is a directory, not a GGUF file' if self.path.is_dir() else 'no such file'}")
         if self.path.stat().st_size == 0:
             raise ModelFileError(f"{self.path}: truncated GGUF file (it is empty)")
         try:
@@ -151,6 +151,11 @@ _SCALARS = {
 _NUMPY_SCALARS = {t: np.dtype(f) for t, f in _SCALARS.items()}
 
 
+# Arrays of arrays: model files nest them a level or two at most; the limit keeps a crafted
+# file's nesting from exhausting Python's recursion limit
+MAX_ARRAY_DEPTH = 16
+
+
 class _HeaderParser:
     """Reads a GGUF header (v2/v3, little-endian).
 
@@ -187,7 +192,7 @@ class _HeaderParser:
         except UnicodeDecodeError:
             raise ValueError(f"string at offset {self.pos - n:,} is not UTF-8") from None
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
@@ -200,7 +205,9 @@ class _HeaderParser:
                 arr = np.frombuffer(self.take(count * dt.itemsize), dtype=dt)
                 return arr.tolist()
             if etype == GGUFValueType.ARRAY:
-                return [self.value(GGUFValueType.ARRAY) for _ in range(count)]
+                if depth + 1 >= MAX_ARRAY_DEPTH:
+                    raise ValueError(f"metadata arrays nested more than {MAX_ARRAY_DEPTH} deep at offset {self.pos:,}")
+                return [self.value(GGUFValueType.ARRAY, depth + 1) for _ in range(count)]
             raise ValueError(f"unknown array element type {etype}")
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[GGUFValueType(vtype)])

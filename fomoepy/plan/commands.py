@@ -11,6 +11,7 @@ from fomoepy.errors import FomoeError
 from fomoepy.experts.policy import DEFAULT_POLICY, POLICIES
 from fomoepy.experts.read_ahead import GPU_READ_AHEAD_PAYS, ReadAheadGate
 from fomoepy.experts.sizes import parse_size
+from fomoepy.outputs import check_output
 from fomoepy.plan.capacity import Capacity, capacity_for
 from fomoepy.plan.hardware import Hardware, load_hardware, shipped_rigs
 from fomoepy.plan.rates import TierRates, parse_hit_rates
@@ -83,10 +84,12 @@ def _efficiency(text: str | None) -> dict | None:
         return None
     try:
         if "=" not in text:
-            return {"dense": float(text), "experts": float(text)}
-        out = {k.strip(): float(v) for k, v in (part.split("=", 1) for part in text.split(","))}
+            out = {"dense": float(text), "experts": float(text)}
+        else:
+            out = {k.strip(): float(v) for k, v in (part.split("=", 1) for part in text.split(","))}
     except ValueError:
         raise FomoeError(f"--efficiency: expected dense=X,experts=Y or one number, got {text!r}") from None
+    # (0 would divide by zero, NaN fails every comparison and would be printed as a projection)
     bad = [k for k in out if k not in ("dense", "experts")] + [k for k, v in out.items() if not 0 < v <= 1]
     if bad:
         raise FomoeError(f"--efficiency: families are dense and experts, each in (0, 1]; got {text!r}")
@@ -289,6 +292,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise FomoeError(f"-t must be >= 1, got {args.threads}")
     if args.prefetch is not None and not 0.0 <= args.prefetch <= 1.0:
         raise FomoeError(f"--prefetch must be in [0, 1], got {args.prefetch}")
+    if args.png:
+        check_output(args.png, "--png")
     m = model_bytes(shape_by_name(args.shape), args.mix) if args.shape else model_bytes_from_gguf(args.model)
     work = Workload(m)
     hw = load_hardware(args.hardware)

@@ -223,9 +223,11 @@ def load_hardware(path: str) -> Hardware:
     if not file.exists() and (RIGS_DIR / f"{path}.toml").exists():
         file = RIGS_DIR / f"{path}.toml"
     try:
-        data = tomllib.loads(file.read_text())
+        data = tomllib.loads(file.read_text(encoding="utf-8"))  # (TOML is UTF-8 whatever the locale)
     except OSError as exc:
         raise FomoeError(f"cannot read hardware file {path}: {exc.strerror}; shipped rigs: {', '.join(shipped_rigs())}") from None
+    except UnicodeDecodeError as exc:
+        raise FomoeError(f"{path}: not a TOML hardware file (not UTF-8 text: bad byte at offset {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise FomoeError(f"{path}: not valid TOML: {exc}") from None
     return hardware_from_dict(data, str(path))
