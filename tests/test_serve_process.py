@@ -144,8 +144,9 @@ def test_the_units_pass_systemd_analyze_verify(tmp_path):
     # the units as shipped, but for ExecStart's path (the unit expects /usr/local/bin/fomoe; verify checks
     # that it is executable): every key known, the service startable, the socket's service found
     for name in ("fomoe.service", "fomoe.socket"):
-        text = open(os.path.join(SYSTEMD, name)).read()
+        with open(os.path.join(SYSTEMD, name)) as f:
+            text = f.read()
         (tmp_path / name).write_text(text.replace("/usr/local/bin/fomoe", sys.executable))
     run = subprocess.run(["systemd-analyze", "verify", "--man=no", str(tmp_path / "fomoe.socket"), str(tmp_path / "fomoe.service")],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert run.returncode == 0 and not run.stdout.strip() and not run.stderr.strip(), run.stdout + run.stderr
