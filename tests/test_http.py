@@ -173,6 +173,18 @@ def test_a_malformed_request_gets_400_and_no_traceback_in_the_log(served, caplog
     assert sum(r.getMessage().startswith("bad HTTP request") for r in caplog.records) == 2
 
 
+def test_a_body_that_cannot_be_read_gets_400_and_no_traceback_in_the_log(served, caplog):
+    # the body's framing or encoding is the client's mistake: a gzip body that is not gzip reached the
+    # handler as aiohttp's RequestPayloadError, a 500 with two ERROR tracebacks
+    caplog.set_level(logging.INFO)
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+           b"Content-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: 5\r\nConnection: close\r\n\r\nabcde")  # fmt: skip
+    status, body = raw_http(served, raw)
+    assert status == 400 and "could not be read" in json.loads(body)["error"]["message"], body
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+
+
 def test_a_failure_in_one_of_our_handlers_is_still_logged_with_its_traceback(served, caplog, monkeypatch):
     def broken() -> dict:
         raise RuntimeError("a bug")

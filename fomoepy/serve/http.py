@@ -205,14 +205,17 @@ def generate_request(body: Any, *, chat: bool, n_ctx: int) -> tuple[dict[str, An
 
 class RequestLog(logging.LoggerAdapter):
     """aiohttp's server log, as its request handler writes it. A malformed request (a negative
-    Content-Length, an oversized header line) is its client's mistake, which aiohttp answers 400 but logs
-    as an ERROR with a traceback: here it is one INFO line. Anything else, a failure in one of our
-    handlers included, is logged as aiohttp logs it."""
+    Content-Length, an oversized header line, a body whose chunks or gzip are not) is its client's
+    mistake, which aiohttp answers 400 but logs as an ERROR with a traceback (a body's, once more as it
+    reads what is left of it after the answer): here it is one INFO line. Anything else, a failure in
+    one of our handlers included, is logged as aiohttp logs it."""
 
     def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info")
-        if isinstance(exc, HttpProcessingError):  # raised only by aiohttp's parser of the request
-            log.log(min(level, logging.INFO), "bad HTTP request: %s", " ".join(str(exc.message).split()))
+        # raised only by aiohttp's parser of the request, and by its reads of a body it could not parse
+        if isinstance(exc, (HttpProcessingError, web.RequestPayloadError)):
+            said = exc.message if isinstance(exc, HttpProcessingError) else exc
+            log.log(min(level, logging.INFO), "bad HTTP request: %s", " ".join(str(said).split()))
             return
         super().log(level, msg, *args, **kwargs)
 
@@ -337,6 +340,8 @@ class HttpFront:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        except web.RequestPayloadError as e:  # its framing or encoding (a bad chunk, gzip that is not): the client's
+            raise ApiError(400, f"the body could not be read: {' '.join(str(e).split())}") from None
         fields, stream, include_usage = generate_request(body, chat=chat, n_ctx=self.daemon.engine.n_ctx)
         generate = parse_request(fields)
         sink = HttpSink(self.daemon)
