@@ -25,6 +25,7 @@ from datetime import date
 import numpy as np
 from results import processor, publish
 
+from fomoepy.errors import FomoeError
 from fomoepy.runtime.gpu import GpuBackend
 from fomoepy.runtime.kernels import KERNEL_SIGNATURES
 
@@ -149,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=50)
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args(argv)
-    return publish(report(measure(args.vendor, args.calls, args.batches)), args.record)
+    try:
+        measured = measure(args.vendor, args.calls, args.batches)
+    except FomoeError as e:  # no driver: one line, as bench/gpu_kernels.py says it
+        print(f"bench/driver_calls.py needs a GPU, or the stand-in driver (bench/standin.py): {e}", file=sys.stderr)
+        return 2
+    return publish(report(measured), args.record)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import date
-from pathlib import Path
 
 import numpy as np
+from results import RESULTS, publish
 
 from fomoepy import quants
 from fomoepy.errors import FomoeError
@@ -27,7 +27,6 @@ from fomoepy.runtime.backends import open_gpu
 from fomoepy.runtime.gpu_experts import SlotLayout
 from fomoepy.runtime.moe_tables import EXPERT_WORK_DTYPE, PAIR_DTYPE
 
-RESULTS = Path(__file__).parent / "RESULTS.md"
 D, F, K_USED, DENSE_ROWS = 4096, 1024, 10, 16384
 
 
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         f"### gpu_kernels — {date.today()} — {dev.rt.device_name} ({dev.rt.vendor}, {dev.rt.arch})",
         "",
         (
-            f"`python bench/gpu_kernels.py --reps {args.reps} --record`; device copy bandwidth (read + write) "
+            f"`python bench/gpu_kernels.py --vendor {args.vendor} --reps {args.reps}`; device copy bandwidth (read + write) "
             f"{copy / 1e9:.0f} GB/s; experts: one decoded token, top-{K_USED} of n_embd {D} x expert_ff {F} "
             f"(gate+up+SwiGLU launch, then down + weighted sum); dense: {DENSE_ROWS} x {D} matvec"
         ),
@@ -126,12 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         d = dense_bandwidth(dev, qtype, args.reps, rng)
         lines.append(f"| {qtype.name} | {e / 1e9:.0f} | {e / copy:.2f} | {d / 1e9:.0f} | {d / copy:.2f} |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.record:
-        with RESULTS.open("a") as f:
-            f.write("\n" + text)
-    return 0
+    # (stamped with the host's processor and load, and appended with --record, as every bench's report)
+    return publish("\n".join(lines) + "\n", args.record)
 
 
 if __name__ == "__main__":
