@@ -7,7 +7,8 @@ differ, by the rows beside each sequence's own. On the reference backend the den
 row its own bits (RowwiseOps), and in a decode step so do the routed experts' (fomoepy.runtime.
 cpu_experts multiplies a decode step's rows one at a time): a batched request is its lone run bit for
 bit. On the cpu backend (ggml) every product of a decode step is row by row (each output element one
-dot product of its row's own Q8 activations), so a batched request is its lone run bit for bit there
+dot product of its row's own Q8 activations; no product of more rows than ggml keeps each row's bits
+in: its tiled K-quant GEMM takes eight or more), so a batched request is its lone run bit for bit there
 too. A prefill's rows share one GEMM per expert.
 """
 
@@ -139,6 +140,34 @@ def test_a_batched_request_is_its_lone_run_bit_for_bit(engine):
         want, want_logits = alone(engine, prompt, n, params)
         assert tokens == want
         assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits))
+
+
+@pytest.mark.parametrize("tier", ["every expert", "a third of them"])
+@pytest.mark.parametrize("name", MODELS)
+def test_nine_rows_that_pick_the_same_experts_each_get_their_lone_bits_on_the_cpu_backend(name, tier):
+    # nine sequences of one prompt: every expert a step computes is picked by all nine rows, and every
+    # dense product has nine rows, past the eight from which ggml's tiled K-quant GEMM takes them (and
+    # sums otherwise than each row's own product): the batch keeps its products under that (ggml_matmul.
+    # rows_apart_from, ggml_slots.picks_apart_from), so each row is still its lone run's, bit for bit.
+    # Every expert in the tier: the decode graph's products (repacked slots); a third: the MoE step's
+    # (plain slots, misses staged)
+    path = ORACLE / f"{name}.gguf"
+    full = Engine(path)
+    third = None if tier == "every expert" else sum(l.expert_nbytes for l in full.source.layers) * full.spec.moe.n_expert // 3
+    e = Engine(path, EngineOptions(backend="cpu", threads=1, ram_cache=third))
+    prompt = np.load(ORACLE / f"{name}.tokens.npy").tolist()[:6]
+    _, want_logits = alone(e, prompt, 4, SamplingParams.greedy())
+    gens = [e.start(prompt, 4, SamplingParams.greedy()) for _ in range(9)]
+    for g in gens:  # each prompt alone, then every decode step of the nine together, at one position
+        g.sampler = Recording(g.sampler)
+        while g.pending:
+            e.prefill(g)
+    while not gens[0].finished:
+        e.decode(gens)
+    e.close()
+    for g in gens:
+        assert len(g.sampler.logits) == len(want_logits) == 4
+        assert all(np.array_equal(a, b) for a, b in zip(g.sampler.logits, want_logits))
 
 
 def test_a_full_context_refuses_the_batched_step_before_any_state_moves():

@@ -1,8 +1,9 @@
 """A product over the rows of several sequences gives each row the bits it gets alone, for every weight
 type the cpu backend computes from (fomoepy.runtime.ggml_matmul.rows_apart): the rows of a type whose
-several-row products sum otherwise (llamafile's float GEMMs) are multiplied apart; the others' several-row
-kernels give each row its one-row bits (the K-quants', and llamafile's Q8_0 and Q4_0 GEMMs where its probe
-on this CPU says so), which is why one product serves them: checked here on another shape than the probe's."""
+several-row products sum otherwise (llamafile's float GEMMs from two rows, ggml's tiled K-quant GEMM from
+eight) are multiplied apart; the others' several-row kernels give each row its one-row bits (llamafile's
+Q8_0 and Q4_0 GEMMs where the probe on this CPU says so, the K-quants' below eight rows), which is why one
+product serves them: checked here on another shape than the probe's, at 5 and 9 rows."""
 
 from __future__ import annotations
 
@@ -14,9 +15,16 @@ import numpy as np
 import pytest
 
 from fomoepy import quants
-from fomoepy.runtime.ggml_matmul import SUPPORTED_TYPES, QuantMatrix, _keeps_rows, mul_mat, rows_apart, rows_differ_together
+from fomoepy.runtime.ggml_matmul import (
+    SUPPORTED_TYPES,
+    QuantMatrix,
+    mul_mat,
+    rows_apart,
+    rows_apart_from,
+    rows_differ_together,
+)
 
-N, K, B = 96, 512, 5  # K a multiple of every block; B rows, as a batched step of five sequences
+N, K = 96, 512  # K a multiple of every block
 
 
 def weight(rng: np.random.Generator, qtype: int) -> QuantMatrix:
@@ -24,14 +32,15 @@ def weight(rng: np.random.Generator, qtype: int) -> QuantMatrix:
     return QuantMatrix.of(np.frombuffer(raw.tobytes(), np.uint8), qtype, (N, K))
 
 
+@pytest.mark.parametrize("B", [5, 9])  # rows, as a batched step of B sequences: below and past the tiled GEMM's 8
 @pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES))
-def test_each_row_of_a_batched_product_is_its_lone_product(qtype):
+def test_each_row_of_a_batched_product_is_its_lone_product(qtype, B):
     rng = np.random.default_rng(qtype)
     w, x = weight(rng, qtype), rng.standard_normal((B, K)).astype(np.float32)
     got = rows_apart(x, w, threads=2)
     for i in range(B):
         assert np.array_equal(got[i], mul_mat(x[i : i + 1], w, threads=1)[0]), f"row {i}"
-    if not rows_differ_together(qtype):  # one product of the rows is what rows_apart takes for them
+    if not rows_differ_together(qtype, B):  # one product of the rows is what rows_apart takes for them
         assert np.array_equal(mul_mat(x, w, threads=2), got)
 
 
@@ -39,4 +48,4 @@ def test_each_row_of_a_batched_product_is_its_lone_product(qtype):
 def test_the_probe_tells_a_gemm_that_sums_otherwise_from_one_that_keeps_rows():
     # llamafile's F32 GEMM sums a row in another order than the one-row product: the probe must see it
     # (a probe that always answered "keeps rows" would let the integer types through unchecked)
-    assert not _keeps_rows(0)
+    assert rows_apart_from(0) == 2

@@ -159,6 +159,12 @@ def buffer_type(buffer: int) -> int:
     return _C.buffer_get_type(buffer)
 
 
+def is_repacked(tensor) -> bool:
+    """Whether a tensor (allocated) is held in the CPU device's repacking buffer."""
+    buffer = tensor.contents.buffer
+    return bool(buffer) and repacking_buffer_type() is not None and buffer_type(buffer) == repacking_buffer_type()
+
+
 def set_tensor(tensor, data: int, nbytes: int) -> None:
     """Copy nbytes at address `data` into the whole of `tensor` (a buffer's own copy: repacks there)."""
     _C.tensor_set(ctypes.cast(tensor, _P), data, 0, nbytes)

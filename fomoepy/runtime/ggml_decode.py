@@ -25,6 +25,8 @@ steps), ~0.3 ms a layer.
 
 from __future__ import annotations
 
+import functools
+
 import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
 
 # isort: split
@@ -48,7 +50,11 @@ from fomoepy.runtime.ggml_dense import (
     routing_nodes,
 )
 from fomoepy.runtime.ggml_matmul import top_k_nodes
-from fomoepy.runtime.ggml_slots import expert_outputs, weighted_sum_nodes
+from fomoepy.runtime.ggml_slots import (
+    expert_outputs,
+    rows_kept_together,
+    weighted_sum_nodes,
+)
 
 _F = 4  # bytes of a float32
 # token embeddings whose rows ggml's get_rows gives with the bits of fomoepy's own decoder (TokenEmbedding):
@@ -91,9 +97,26 @@ def _expert_rows(g: Graph, x2, h, logits, k: int, experts: list, B: int, into: t
     table = g.input(1, E, 1, qtype=ggml.GGML_TYPE_I32)
     # (the B rows' picks as one list: get_rows takes a 2-D list as one per matrix of its table)
     slots = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, table, ggml.ggml_reshape_1d(g.ctx, ids, k * B)), k, B)
-    y = expert_outputs(g.ctx, experts, ggml.ggml_reshape_3d(g.ctx, h, D, 1, B), slots)  # [D, k, B]
+    rows = ggml.ggml_reshape_3d(g.ctx, h, D, 1, B)
+    together = rows_kept_together(experts) if B > 1 else None
+    if together is None or B <= together:
+        y = expert_outputs(g.ctx, experts, rows, slots)  # [D, k, B]
+    else:  # several products, none of more rows than ggml keeps each row's bits in (every row may pick one expert)
+        parts = []
+        for first in range(0, B, together):
+            n = min(together, B - first)
+            part_rows = ggml.ggml_view_3d(g.ctx, rows, D, 1, n, rows.contents.nb[1], rows.contents.nb[2], first * rows.contents.nb[2])
+            part_slots = ggml.ggml_view_2d(g.ctx, slots, k, n, slots.contents.nb[1], first * slots.contents.nb[1])
+            parts.append(expert_outputs(g.ctx, experts, part_rows, part_slots))
+        y = functools.reduce(lambda a, b: ggml.ggml_concat(g.ctx, a, b, 2), parts)  # [D, k, B]
     moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, B))
     return ggml.ggml_add(g.ctx, x2, moe)
+
+
+def _expert_parts_bytes(experts: list, D: int, k: int, B: int) -> int:
+    """Room for _expert_rows' concatenations of its products' outputs, where it takes B rows in parts."""
+    together = rows_kept_together(experts) if B > 1 else None
+    return 0 if together is None or B <= together else _F * D * k * B * (-(-B // together) - 1)
 
 
 def _layer_bytes(w, a, n: int, T: int, k: int, experts: list | None = None) -> int:
@@ -239,6 +262,7 @@ class DecodeBatch:
         size = sum(_layer_bytes(w, a, n, 1, k, experts) for w, experts in layers for n in spans)
         size += L * _F * H * hd * B * B + _F * 4 * B * (D + V) + sum(pre_attention_bytes(w, a, B, True) + post_attention_bytes(w, B, True)
                                                                      for w, _ in layers)  # fmt: skip
+        size += sum(_expert_parts_bytes(experts, D, k, B) for _, experts in layers)
         g = self.graph = Graph(L * B * (128 + 2 * k) + 16 * B + 16, _room(size), threads)
         self.routing = (np.empty((L, B, k), np.int32), np.empty((L, B, k), np.float32), np.empty((L, B, E), np.float32))
         x, pos = g.input(D, B), g.input(B, qtype=ggml.GGML_TYPE_I32)

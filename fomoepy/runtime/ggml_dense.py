@@ -213,7 +213,7 @@ def product(g: Graph, w, x, B: int, apart: bool):
     another order than its one-row dot products), so the rows of several sequences are multiplied as B
     products of one row each (x as [K, 1, B], w broadcast over the B) to get the bits each gets alone; a
     prefill's rows (one sequence) are not."""
-    if not apart or B == 1 or not rows_differ_together(getattr(w, "qtype", ggml.GGML_TYPE_F32)):
+    if not apart or B == 1 or not rows_differ_together(getattr(w, "qtype", ggml.GGML_TYPE_F32), B):
         return ggml.ggml_mul_mat(g.ctx, g.weight(w), x)
     # the copy: a reshape is a view, which takes its source's data address when it is made, and an
     # input's is set only when the graph runs

@@ -145,6 +145,9 @@ class GgmlExperts:
                    and (group_from := grouped_from(threads, any(pool.layer.repacked))) is not None  # the slots' form (--repack-experts)
                    and ids.shape[0] >= group_from)  # fmt: skip
         slots = pool.slots_of(layer)[ids]  # [T, k]
+        # a decode step of more sequences than ggml keeps each row's bits for, where every row picks one
+        # expert (its tiled K-quant GEMM takes an expert's rows from eight on): its rows in parts of fewer
+        parts = _row_parts(pool, ids.shape[0]) if ids.shape[0] > 1 and experts.phase is Phase.DECODE else None
         # a decode row's few ints as lists, its test without numpy: a reduction here, the step's first after
         # the layer's products, took ~10 µs (line_profiler, bench model at a 25 % tier)
         listed = (ids.ravel().tolist(), slots.ravel().tolist()) if ids.shape[0] == 1 else None
@@ -156,6 +159,8 @@ class GgmlExperts:
             tuned = self.ops.row_threads if h.shape[0] == 1 else None
             if tuned is not None:  # a decode row: on the count measured faster for this layer's experts
                 return tuned.run(("experts", pool.layer), lambda n: pool.layer.ffn_unchecked(h, slots, weights, n))
+            if parts is not None:
+                return np.concatenate([pool.layer.ffn_unchecked(h[p], slots[p], weights[p], threads) for p in parts])
             return pool.layer.ffn_unchecked(h, slots, weights, threads)
         slot_of: dict[int, int] = {}
         missing = []
@@ -170,7 +175,8 @@ class GgmlExperts:
         early = list(slot_of) if any(map(_is_read, experts.pending.values())) else []  # (no generator's frame)
         try:
             if early:  # the tier's experts while the reads go on
-                _round(pool, h, ids, early, slot_of, y, threads, grouped)
+                for p in parts or (slice(None),):
+                    _round(pool, h[p], ids[p], early, slot_of, y[p], threads, grouped)
         finally:  # even when that failed: the cache marks the admitted experts ready once their reads land
             staged = self._install_admitted(layer, missing, slot_of, experts)
         in_place = self._read_in_place(layer, staged, experts.fetched) if not grouped else {}
@@ -179,18 +185,20 @@ class GgmlExperts:
         if not early and not staged and not in_place:
             if grouped:
                 return pool.layer.ffn_grouped(h, _slots(ids, slot_of), weights, threads)
-            return pool.layer.ffn(h, _slots(ids, slot_of), weights, threads)
+            held = _slots(ids, slot_of)
+            return np.concatenate([pool.layer.ffn(h[p], held[p], weights[p], threads) for p in parts or (slice(None),)])
         rest = [e for e in slot_of if e not in early]
         n = pool.n_staging
         for start in range(0, max(len(staged), 1), n):
             chunk = staged[start : start + n]
             for i, e in enumerate(chunk):
                 slot_of[e] = pool.stage(i, experts.fetched[e])
-            if in_place:  # (the first round: those read into the arena with the tier's)
-                _round_in_place(pool, self.reads, h, ids, rest + chunk, slot_of, in_place, y, threads)
-                in_place = {}
-            else:
-                _round(pool, h, ids, rest + chunk, slot_of, y, threads, grouped)
+            for p in parts or (slice(None),):
+                if in_place:  # (the first round: those read into the arena with the tier's)
+                    _round_in_place(pool, self.reads, h[p], ids[p], rest + chunk, slot_of, in_place, y[p], threads)
+                else:
+                    _round(pool, h[p], ids[p], rest + chunk, slot_of, y[p], threads, grouped)
+            in_place = {}
             rest = []
         return weighted_sum(y, weights)  # expert j added after 0..j-1, as SlotLayer.ffn's graph adds them
 
@@ -228,6 +236,15 @@ def _slots(ids: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:
     lut = np.full(int(ids.max()) + 1, -1, np.int32)
     lut[list(slot_of)] = list(slot_of.values())
     return lut[ids]
+
+
+def _row_parts(pool: SlotPool, rows: int) -> list[slice] | None:
+    """A decode step's rows in parts that each keep every row's own bits in ggml's products of the pool's
+    slots (ggml_slots.rows_kept_together); None: all of them at once."""
+    together = pool.layer.rows_kept_together
+    if together is None or rows <= together:
+        return None
+    return [slice(first, min(first + together, rows)) for first in range(0, rows, together)]
 
 
 def _round(pool: SlotPool, h: np.ndarray, ids: np.ndarray, chosen: list[int], slot_of: dict[int, int], y: np.ndarray,

@@ -39,15 +39,13 @@ from fomoepy.timing import MATMUL
 F32 = np.float32
 # GGUF types ggml computes from (fomoepy.quants supports exactly these)
 SUPPORTED_TYPES = {0, 1, 2, 8, 12, 13, 14, 30, 39}
-# The weight types whose products of several rows llamafile's GEMMs take, where this ggml is built with
-# them. Its float GEMMs (F32, F16, BF16) sum a row's products in another order than ggml's one-row dot
-# product; its Q8_0 and Q4_0 GEMMs do, per output element, what ggml's one-row dot product does on x86
-# with AVX2 (the same blocks' integer dot products in the same lanes, scaled and fused-added in block
-# order, the lanes summed alike), so a product of several rows keeps each row's bits there: whether it
-# does on this CPU is asked of ggml itself, once (`_keeps_rows`).
-_LLAMAFILE = bool(ggml.ggml_cpu_has_llamafile())
-_FLOAT_GEMM_TYPES = frozenset({0, 1, 30})
-_INTEGER_GEMM_TYPES = frozenset({2, 8})
+# A product of several rows may take another kernel than one row's. llamafile's GEMMs (where this ggml is
+# built with them) take products of two rows or more: its float ones (F32, F16, BF16) sum a row's products
+# in another order than ggml's one-row dot product; its Q8_0 and Q4_0 ones do, per output element, what
+# the one-row dot product does on x86 with AVX2 (the same blocks' integer dot products in the same lanes,
+# scaled and fused-added in block order, the lanes summed alike), so rows keep their bits there. ggml
+# 0.25's tiled GEMM takes K-quant products of eight rows or more and sums otherwise. Which holds on this
+# CPU is asked of ggml itself, once a type (`rows_apart_from`).
 _TENSOR_OVERHEAD = ggml.ggml_tensor_overhead()
 _GRAPH_OVERHEAD = ggml.ggml_graph_overhead()
 
@@ -157,29 +155,37 @@ def top_ids_of_product(x: np.ndarray, w: QuantMatrix, k: int, threads: int) -> n
     return top_ids(mul_mat(x, w, threads), k)
 
 
-def rows_differ_together(qtype: int) -> bool:
-    """Whether ggml may compute a product of several rows with `qtype` weights otherwise than each row
-    alone (the K-quants' several-row kernels give each row its one-row bits; llamafile's GEMMs need not)."""
-    qtype = int(qtype)
-    if not _LLAMAFILE or qtype not in _FLOAT_GEMM_TYPES | _INTEGER_GEMM_TYPES:
-        return False
-    return qtype in _FLOAT_GEMM_TYPES or not _keeps_rows(qtype)
+def rows_differ_together(qtype: int, rows: int) -> bool:
+    """Whether ggml may compute a product of `rows` rows with `qtype` weights otherwise than each row alone:
+    llamafile's GEMMs from two rows on (where their sums differ: the float ones), ggml's tiled K-quant GEMM
+    from eight (`rows_apart_from`)."""
+    first = rows_apart_from(int(qtype))
+    return first is not None and rows >= first
+
+
+PROBED_ROWS = 16  # rows_apart_from looks this far: past every several-row kernel's threshold ggml has
 
 
 @functools.cache
-def _keeps_rows(qtype: int) -> bool:
-    """Whether a product of several rows with `qtype` weights gives each row its one-row bits on this CPU:
-    a [3, 256] · [64, 256]ᵀ product against its rows alone (llamafile's GEMM from two rows on, ggml's dot
-    product for one), on fixed data whose every product is non-zero."""
+def rows_apart_from(qtype: int) -> int | None:
+    """The fewest rows for which a product of several rows with `qtype` weights gives a row other bits than
+    it gets alone on this CPU and this ggml, or None up to PROBED_ROWS: asked of ggml itself, once, on
+    [n, 256] · [64, 256]ᵀ products against their rows alone, n = 2, 3, ... (fixed data whose every product
+    is non-zero). ggml takes llamafile's GEMMs from two rows on for the types they take, and (0.25) its
+    tiled K-quant GEMM from eight, whose sums are ordered otherwise than the one-row dot products'."""
     from fomoepy import quants
 
     rng = np.random.default_rng(qtype)
     w = (rng.standard_normal((64, 256)) * 0.05).astype(F32)
-    raw = np.frombuffer(quants.quantize(w, quants.GGMLQuantizationType(qtype)).tobytes(), np.uint8)
+    raw = np.frombuffer((w if qtype == 0 else quants.quantize(w, quants.GGMLQuantizationType(qtype))).tobytes(), np.uint8)
     m = QuantMatrix.of(raw, qtype, (64, 256))
-    x = rng.standard_normal((3, 256)).astype(F32)
-    together = fresh_mul_mat(x, m, 1)
-    return all(np.array_equal(together[i], fresh_mul_mat(x[i : i + 1], m, 1)[0]) for i in range(3))
+    x = rng.standard_normal((PROBED_ROWS, 256)).astype(F32)
+    alone = [fresh_mul_mat(x[i : i + 1], m, 1)[0] for i in range(PROBED_ROWS)]
+    for n in range(2, PROBED_ROWS + 1):
+        together = fresh_mul_mat(x[:n], m, 1)
+        if not all(np.array_equal(together[i], alone[i]) for i in range(n)):
+            return n
+    return None
 
 
 def rows_apart(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
@@ -189,7 +195,7 @@ def rows_apart(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
     of several sequences are B products of one row each: x as [K, 1, B], w broadcast over the B."""
     x = np.ascontiguousarray(x, dtype=F32)
     B = x.shape[0]
-    if B == 1 or not rows_differ_together(w.qtype):
+    if B == 1 or not rows_differ_together(w.qtype, B):
         return mul_mat(x, w, threads)
     g = _Graph(3)
     try:

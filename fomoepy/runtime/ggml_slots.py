@@ -26,6 +26,7 @@ output's data pointers change between calls.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import threading
 from collections.abc import Sequence
@@ -146,8 +147,16 @@ class SlotLayer:
         self.mats = [SlotMatrix(q, rows, cols, n_slots, repack) for q, (rows, cols) in parts]
         self.qtypes = tuple(m.qtype for m in self.mats)
         self.repacked = tuple(m.repacked for m in self.mats)
+        self._together: tuple[int | None] | None = None
         self._graphs: dict[tuple[int, int, int], _SlotGraph] = {}
         self._pick_graphs: dict[tuple[int, int], _SlotGraph] = {}  # pick_outputs' graphs by (picks, threads)
+
+    @property
+    def rows_kept_together(self) -> int | None:
+        """rows_kept_together of this layer's matrices (asked of ggml once)."""
+        if self._together is None:
+            self._together = (rows_kept_together([m.tensor for m in self.mats]),)
+        return self._together[0]
 
     def set_slot(self, slot: int, raw: Sequence[np.ndarray]) -> None:
         """Copy an expert's gate, up and down store-form bytes into `slot` (repacked where so held)."""
@@ -395,6 +404,45 @@ class _SlotGraph:
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
+
+
+PROBED_PICKS = 16  # picks_apart_from looks this far: past every several-row kernel's threshold ggml has
+
+
+@functools.cache
+def picks_apart_from(qtype: int, repacked: bool) -> int | None:
+    """The fewest rows picking one expert of `qtype` (held repacked or not) for which ggml's mul_mat_id gives
+    a row other bits than it gets alone, or None up to PROBED_PICKS: asked of ggml itself, once, on [n, 256]
+    rows of one [64, 256] expert against each row alone (fixed data whose every product is non-zero).
+    ggml 0.25 takes an expert's K-quant rows, eight or more, to its tiled GEMM, which sums otherwise; its
+    repacked kernels take them a row at a time. A batch of sequences keeps fewer rows than that together."""
+    from fomoepy import quants
+
+    rng = np.random.default_rng(qtype)
+    w = (rng.standard_normal((64, 256)) * 0.05).astype(np.float32)
+    raw = np.frombuffer((w if qtype == 0 else quants.quantize(w, quants.GGMLQuantizationType(qtype))).tobytes(), np.uint8)
+    m = SlotMatrix(qtype, 64, 256, 1, repack=repacked)
+    try:
+        m.set_slot(0, raw)
+        x = rng.standard_normal((PROBED_PICKS, 256)).astype(np.float32)
+        one = np.zeros((1, 1), np.int32)
+        alone = [m.product(x[i : i + 1], one, 1)[0] for i in range(PROBED_PICKS)]
+        for n in range(2, PROBED_PICKS + 1):
+            together = m.product(x[:n], np.zeros((n, 1), np.int32), 1)
+            if not all(np.array_equal(together[i], alone[i]) for i in range(n)):
+                return n
+        return None
+    finally:
+        m.close()
+
+
+def rows_kept_together(mats: list) -> int | None:
+    """The most rows of several sequences one mul_mat_id of these expert tensors (gate, up, down) may take
+    and give each row its own bits: below every matrix's picks_apart_from (an expert may be picked by every
+    row); None: any number."""
+    firsts = [picks_apart_from(int(t.contents.type), ggml_buffers.is_repacked(t)) for t in mats]
+    firsts = [n for n in firsts if n is not None]
+    return min(firsts) - 1 if firsts else None
 
 
 def expert_outputs(ctx, mats: list, h, slots, numpy_output: bool = False):
