@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import signal
 import struct
@@ -349,6 +350,17 @@ def test_resume_file_of_another_run_is_refused(capsys, tmp_path):
     code, _, err = run_cli(capsys, model_path("qwen35moe_f32"), *args[:-1], str(not_ours))
     assert code == 1 and "not a fomoe ppl resume file" in err
     assert not_ours.read_text() == "my notes\n"
+
+
+def test_resume_with_car_needs_each_chunk_from_empty_tiers(capsys, tmp_path):
+    # CAR's substitutions depend on what the tiers hold, carried over from chunk to chunk; a resumed run
+    # starts them empty, so its perplexity differed from the uninterrupted run's (61.15 against 60.99)
+    resume = str(tmp_path / "r.resume")
+    args = ["--ctx", "64", "--file", PPL_TXT, "--chunks", "2", "--resume", resume, "--car-threshold", "0.3"]
+    code, _, err = run_cli(capsys, model_path("qwen35moe_f32"), *args)
+    assert code == 1 and "--resume with --car-threshold needs --reset-cache-per-chunk" in err
+    assert not os.path.exists(resume)
+    assert run_cli(capsys, model_path("qwen35moe_f32"), *args, "--reset-cache-per-chunk")[0] == 0
 
 
 def test_journal_drops_a_partial_last_record(tmp_path):

@@ -110,6 +110,11 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         raise FomoeError("--kl-top-k sets what --kl-base saves; give --kl-base FILE too")
     if args.batch < 1:
         raise FomoeError(f"--batch must be >= 1, got {args.batch}")
+    if args.resume and getattr(args, "car_threshold", None) is not None and not args.reset_cache_per_chunk:
+        # the tiers carry over from chunk to chunk, and CAR's substitutions depend on what they hold: a
+        # resumed run starts them empty, so its later chunks would not be the uninterrupted run's
+        raise FomoeError("--resume with --car-threshold needs --reset-cache-per-chunk (each chunk from empty tiers): "
+                         "a resumed run cannot restore what the tiers held, which CAR's choices depend on")  # fmt: skip
 
     base = None
     if kl_in is not None:
