@@ -162,6 +162,8 @@ def test_trace_records_original_choices_and_profile_seeds_the_device_tier(model,
     seeded = Engine(path, EngineOptions(vram_cache=3 * dev_unit, freq_profile=str(freq)))
     top3 = [(int(l), int(e)) for l, e, _ in loaded.items()[:3]]
     assert sorted(seeded.experts.device.ready) == sorted(top3)
+    # what `fomoe generate` prints says so (a profile's header names no model)
+    assert f"profile {freq}: seeded 3 experts into the device tier, 0 into the host tier" in seeded.stats_lines()
     seeded.close()
 
 

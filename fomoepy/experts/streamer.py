@@ -176,6 +176,7 @@ class ExpertStreamer:
         elif options.car.enabled and options.backfill == "sync":
             self._backfill_queue = BackfillQueue(BACKFILL_MAX_AGE)
         self.backfilled = 0
+        self.seeded: tuple[int, int] | None = None  # (device, host) experts a --freq-profile seeded
         # with no host tier (the cpu backend's one tier is its device tier) backfilled experts go to the device
         # tier, whose form the step installs before its next plan (take_device_changes)
         self.backfills_device = self._backfill_queue is not None or self._backfill_thread is not None
@@ -197,7 +198,7 @@ class ExpertStreamer:
         self.car_stats, self.prefetch_stats, self.counter = old.car_stats, old.prefetch_stats, old.counter
         if self.read_ahead is not None and old.read_ahead is not None:
             self.read_ahead.counts = old.read_ahead.counts
-        self.tokens_seen, self.backfilled = old.tokens_seen, old.backfilled
+        self.tokens_seen, self.backfilled, self.seeded = old.tokens_seen, old.backfilled, old.seeded
         self.trace = trace
 
     def seed_from_profile(self) -> list[Key]:
@@ -209,6 +210,7 @@ class ExpertStreamer:
         device_keys, host_keys = self.cache.seed(seed_order(profile), PIN_FRACTION)
         for key in host_keys:
             self.host_slots[key] = self.source.read(*key)
+        self.seeded = (len(device_keys), len(host_keys))
         return device_keys
 
     # -- per batch of tokens -----------------------------------------------------------------------
@@ -560,6 +562,9 @@ class ExpertStreamer:
 
     def lines(self) -> list[str]:
         lines = [self.cache.stats.line()]
+        if self.seeded is not None:  # (the profile's header names no model: say what it did)
+            lines.append(f"profile {self.options.freq_profile}: seeded {self.seeded[0]} experts into the device tier, "
+                         f"{self.seeded[1]} into the host tier")  # fmt: skip
         if self.options.car.enabled:
             lines.append(self.car_stats.line() + f"; backfilled {self.backfilled}")
         p = self.prefetch_stats
