@@ -11,6 +11,8 @@ from collections.abc import Callable
 from fomoepy.errors import FomoeError
 
 INT64_MAX = (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1  # the daemon's protocol takes msgpack's integers: a larger one cannot even be sent
+RANDOM_SEED = -1  # --seed -1: a random seed, as llama.cpp's -1 (generate draws one; chat sends none)
 
 
 def utf8_text(flag: str) -> Callable[[str], str]:

@@ -13,14 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from fomoepy import __version__
-from fomoepy.argtypes import int_in, utf8_text
+from fomoepy.argtypes import RANDOM_SEED, UINT64_MAX, int_in, utf8_text
 from fomoepy.engine import open_engine
 from fomoepy.errors import FomoeError
 from fomoepy.options import add_engine_options
 from fomoepy.outputs import atomic_output, check_output
-
-RANDOM_SEED = -1  # --seed -1: a fresh random seed each run, as llama.cpp's
-SEED_MAX = (1 << 64) - 1  # numpy's generator takes any size; the daemon's protocol takes a uint64
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=int, default=128, help="maximum tokens to generate")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--system", type=utf8_text("--system"), help="system message (with --chat)")
-    p.add_argument("--seed", type=int_in("--seed", -1, SEED_MAX), default=None,
+    p.add_argument("--seed", type=int_in("--seed", RANDOM_SEED, UINT64_MAX), default=None,
                    help="random seed for sampling; -1 or none: a random one (as llama.cpp's -1)")  # fmt: skip
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=40)

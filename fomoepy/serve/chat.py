@@ -16,8 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from fomoepy.argtypes import utf8_text
-from fomoepy.errors import FomoeError
+from fomoepy.argtypes import RANDOM_SEED
 from fomoepy.serve.client import Client, ServerError
 from fomoepy.serve.summary import summary_lines
 
@@ -30,8 +29,6 @@ input: end a line with \\ to continue it; \"\"\" opens and closes a multi-line b
 Ctrl-C stops the answer being written."""
 
 BLOCK = '"""'
-UINT64_MAX = (1 << 64) - 1  # the protocol's integers are msgpack's: a larger one cannot even be sent
-RANDOM_SEED = -1  # --seed -1: no seed sent, the daemon picks one (as llama.cpp's -1, and fomoe generate's)
 
 
 class InputAssembler:
@@ -78,17 +75,6 @@ class InputAssembler:
         return text
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse, before connecting, what the request could not carry: text that is not UTF-8 and integers
-    outside the protocol's ranges (the daemon checks the rest, such as top_p's)."""
-    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
-        if text is not None:
-            utf8_text(flag)(text)
-    for flag, value, low in (("-n", args.n_predict, 0), ("--seed", args.seed, RANDOM_SEED), ("--top-k", args.top_k, 0)):
-        if value is not None and not low <= value <= UINT64_MAX:
-            raise FomoeError(f"{flag} must be in [{low}, {UINT64_MAX}], got {value}")
-
-
 def sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {"max_tokens": args.n_predict, "temperature": args.temp}
     for key in ("seed", "top_k", "top_p", "min_p", "repeat_penalty"):
@@ -104,7 +90,6 @@ def write(text: str) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    check_args(args)
     with Client(args.socket) as client:
         if args.stats:
             stats = client.stats()

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from fomoepy.argtypes import RANDOM_SEED, UINT64_MAX, int_in, utf8_text
 from fomoepy.engine import open_engine, resolve_model
 from fomoepy.errors import FomoeError
 from fomoepy.options import add_engine_options
@@ -44,13 +45,14 @@ def register(sub) -> None:
 
     p = sub.add_parser("chat", help="chat with the daemon (interactive, or one answer with -p)")
     p.add_argument("--socket", help="socket path (default: as fomoe serve)")
-    p.add_argument("-p", "--prompt", help="send this one message, print the answer, exit")
-    p.add_argument("-n", "--n-predict", type=int, default=512, help="maximum tokens per answer (default 512)")
-    p.add_argument("--system", help="system message")
+    # (the request's integers in the protocol's ranges, its text UTF-8: refused before connecting)
+    p.add_argument("-p", "--prompt", type=utf8_text("--prompt"), help="send this one message, print the answer, exit")
+    p.add_argument("-n", "--n-predict", type=int_in("-n", 0, UINT64_MAX), default=512, help="maximum tokens per answer (default 512)")
+    p.add_argument("--system", type=utf8_text("--system"), help="system message")
     p.add_argument("--raw", action="store_true", help="with -p: send the text as a raw prompt, not a chat message")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int_in("--seed", RANDOM_SEED, UINT64_MAX), default=None, help="-1 or none: the daemon picks one")
+    p.add_argument("--top-k", type=int_in("--top-k", 0, UINT64_MAX), default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--repeat-penalty", type=float, default=None)
