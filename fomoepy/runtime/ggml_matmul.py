@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait policy)
@@ -163,26 +164,37 @@ def rows_differ_together(qtype: int, rows: int) -> bool:
     return first is not None and rows >= first
 
 
-PROBED_ROWS = 16  # rows_apart_from looks this far: past every several-row kernel's threshold ggml has
+PROBED_ROWS = 16  # the probes look this far: past every several-row kernel's threshold ggml has
 
 
 @functools.cache
 def rows_apart_from(qtype: int) -> int | None:
     """The fewest rows for which a product of several rows with `qtype` weights gives a row other bits than
-    it gets alone on this CPU and this ggml, or None up to PROBED_ROWS: asked of ggml itself, once, on
-    [n, 256] · [64, 256]ᵀ products against their rows alone, n = 2, 3, ... (fixed data whose every product
-    is non-zero). ggml takes llamafile's GEMMs from two rows on for the types they take, and (0.25) its
-    tiled K-quant GEMM from eight, whose sums are ordered otherwise than the one-row dot products'."""
+    it gets alone on this CPU and this ggml, or None up to PROBED_ROWS (first_rows_apart). ggml takes
+    llamafile's GEMMs from two rows on for the types they take, and (0.25) its tiled K-quant GEMM from
+    eight, whose sums are ordered otherwise than the one-row dot products'."""
+    raw, x = probe_inputs(qtype)
+    m = QuantMatrix.of(raw, qtype, (64, 256))
+    return first_rows_apart(lambda rows: fresh_mul_mat(rows, m, 1), x)
+
+
+def probe_inputs(qtype: int) -> tuple[np.ndarray, np.ndarray]:
+    """A probe's fixed data: a [64, 256] weight of `qtype` as its stored bytes, and PROBED_ROWS rows [., 256]
+    to multiply by it (every product non-zero)."""
     from fomoepy import quants
 
     rng = np.random.default_rng(qtype)
     w = (rng.standard_normal((64, 256)) * 0.05).astype(F32)
     raw = np.frombuffer((w if qtype == 0 else quants.quantize(w, quants.GGMLQuantizationType(qtype))).tobytes(), np.uint8)
-    m = QuantMatrix.of(raw, qtype, (64, 256))
-    x = rng.standard_normal((PROBED_ROWS, 256)).astype(F32)
-    alone = [fresh_mul_mat(x[i : i + 1], m, 1)[0] for i in range(PROBED_ROWS)]
-    for n in range(2, PROBED_ROWS + 1):
-        together = fresh_mul_mat(x[:n], m, 1)
+    return raw, rng.standard_normal((PROBED_ROWS, 256)).astype(F32)
+
+
+def first_rows_apart(product: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> int | None:
+    """Asked of ggml itself: the fewest of x's rows n = 2, 3, ... whose product(x[:n]) gives a row other bits
+    than product of that row alone, or None."""
+    alone = [product(x[i : i + 1])[0] for i in range(len(x))]
+    for n in range(2, len(x) + 1):
+        together = product(x[:n])
         if not all(np.array_equal(together[i], alone[i]) for i in range(n)):
             return n
     return None

@@ -39,6 +39,7 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.runtime import ggml_buffers
+from fomoepy.runtime.ggml_matmul import first_rows_apart, probe_inputs
 from fomoepy.runtime.pinned import contiguous_address
 from fomoepy.timing import MATMUL
 
@@ -147,16 +148,13 @@ class SlotLayer:
         self.mats = [SlotMatrix(q, rows, cols, n_slots, repack) for q, (rows, cols) in parts]
         self.qtypes = tuple(m.qtype for m in self.mats)
         self.repacked = tuple(m.repacked for m in self.mats)
-        self._together: tuple[int | None] | None = None
         self._graphs: dict[tuple[int, int, int], _SlotGraph] = {}
         self._pick_graphs: dict[tuple[int, int], _SlotGraph] = {}  # pick_outputs' graphs by (picks, threads)
 
-    @property
+    @functools.cached_property
     def rows_kept_together(self) -> int | None:
         """rows_kept_together of this layer's matrices (asked of ggml once)."""
-        if self._together is None:
-            self._together = (rows_kept_together([m.tensor for m in self.mats]),)
-        return self._together[0]
+        return rows_kept_together([m.tensor for m in self.mats])
 
     def set_slot(self, slot: int, raw: Sequence[np.ndarray]) -> None:
         """Copy an expert's gate, up and down store-form bytes into `slot` (repacked where so held)."""
@@ -406,32 +404,17 @@ class _SlotGraph:
             self.ctx = None
 
 
-PROBED_PICKS = 16  # picks_apart_from looks this far: past every several-row kernel's threshold ggml has
-
-
 @functools.cache
 def picks_apart_from(qtype: int, repacked: bool) -> int | None:
     """The fewest rows picking one expert of `qtype` (held repacked or not) for which ggml's mul_mat_id gives
-    a row other bits than it gets alone, or None up to PROBED_PICKS: asked of ggml itself, once, on [n, 256]
-    rows of one [64, 256] expert against each row alone (fixed data whose every product is non-zero).
+    a row other bits than it gets alone, or None (ggml_matmul.first_rows_apart, on one [64, 256] expert).
     ggml 0.25 takes an expert's K-quant rows, eight or more, to its tiled GEMM, which sums otherwise; its
     repacked kernels take them a row at a time. A batch of sequences keeps fewer rows than that together."""
-    from fomoepy import quants
-
-    rng = np.random.default_rng(qtype)
-    w = (rng.standard_normal((64, 256)) * 0.05).astype(np.float32)
-    raw = np.frombuffer((w if qtype == 0 else quants.quantize(w, quants.GGMLQuantizationType(qtype))).tobytes(), np.uint8)
+    raw, x = probe_inputs(qtype)
     m = SlotMatrix(qtype, 64, 256, 1, repack=repacked)
     try:
         m.set_slot(0, raw)
-        x = rng.standard_normal((PROBED_PICKS, 256)).astype(np.float32)
-        one = np.zeros((1, 1), np.int32)
-        alone = [m.product(x[i : i + 1], one, 1)[0] for i in range(PROBED_PICKS)]
-        for n in range(2, PROBED_PICKS + 1):
-            together = m.product(x[:n], np.zeros((n, 1), np.int32), 1)
-            if not all(np.array_equal(together[i], alone[i]) for i in range(n)):
-                return n
-        return None
+        return first_rows_apart(lambda rows: m.product(rows, np.zeros((len(rows), 1), np.int32), 1), x)
     finally:
         m.close()
 
