@@ -78,19 +78,17 @@ class Generation:
         self.phase = Phase.DONE if ended else Phase.DECODE
         return token
 
-    def give_up_state(self) -> InferenceState:
+    def give_up_state(self) -> None:
         """Its state taken away (the daemon hands a paused request's memory to one that waits): every token
         the state had evaluated, and the sampled one it had yet to, become prompt tokens again, evaluated
         anew on the state `restart` gives; after the last of them the next token is sampled as the decode
         step would have sampled it. A prefill sums in another order than the decode steps did, so what
-        follows is the model's continuation, not bit for bit an uninterrupted run's. Returns the old state."""
+        follows is the model's continuation, not bit for bit an uninterrupted run's."""
         if self.phase is Phase.DONE or self.state is None:
             raise FomoeError(f"expected a generation with a state to give up, got one in {self.phase.value}")
-        old = self.state
         unevaluated = [self.next_token] if self.phase is Phase.DECODE else []
-        self.pending = list(old.tokens) + unevaluated + self.pending
+        self.pending = list(self.state.tokens) + unevaluated + self.pending
         self.state, self.next_token, self.phase = None, None, Phase.PREFILL
-        return old
 
     def restart(self, state: InferenceState) -> None:
         """Continue on `state` (empty) after give_up_state."""

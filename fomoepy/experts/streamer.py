@@ -179,8 +179,8 @@ class ExpertStreamer:
         self.seeded: tuple[int, int] | None = None  # (device, host) experts a --freq-profile seeded
         # with no host tier (the cpu backend's one tier is its device tier) backfilled experts go to the device
         # tier, whose form the step installs before its next plan (take_device_changes)
-        self.backfills_device = self._backfill_queue is not None or self._backfill_thread is not None
-        self.backfills_device = self.backfills_device and not cache.host.enabled and cache.device.enabled
+        self.backfills_device = ((self._backfill_queue is not None or self._backfill_thread is not None)
+                                 and not cache.host.enabled and cache.device.enabled)  # fmt: skip
         self._device_changes: list[tuple[Key, ExpertBytes | None]] = []
         self._sequences: list[int] | None = None  # each row's sequence in this step
         self._first_token = 0
