@@ -8,6 +8,7 @@ done (`set_io_busy`)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -16,9 +17,11 @@ import pytest
 from conftest import ORACLE
 
 from fomoepy.engine import Engine, EngineOptions
+from fomoepy.errors import FomoeError
 from fomoepy.experts.car import CarConfig
 from fomoepy.experts.store_writer import prepare_store
 from fomoepy.runtime.cpu_experts import ready_expert_nbytes
+from fomoepy.runtime.gpu_experts import gpu_expert_nbytes
 from fomoepy.sampling import SamplingParams
 
 MODEL = ORACLE / "qwen3moe_q4_k_m.gguf"
@@ -56,8 +59,12 @@ def cpu_engine_with_backfill(tmp_path, mode: str) -> tuple[Engine, list]:
     unit = Engine(MODEL, EngineOptions(backend="cpu")).source.layers[0].expert_nbytes
     engine = Engine(MODEL, EngineOptions(backend="cpu", store=(str(store),), ram_cache=12 * unit, car=CarConfig(threshold=0.01),
                                          backfill=mode, backfill_per_token=4, prefetch=False))  # fmt: skip
-    streamer = engine.experts.streamer
-    assert not streamer.cache.host.enabled
+    assert not engine.experts.streamer.cache.host.enabled
+    return engine, recorded_installs(engine.experts.streamer)
+
+
+def recorded_installs(streamer) -> list:
+    """The list of keys backfill will install into the device tier's slots, as the step takes them."""
     installed: list = []
     real = streamer.take_device_changes
 
@@ -67,7 +74,7 @@ def cpu_engine_with_backfill(tmp_path, mode: str) -> tuple[Engine, list]:
         return changes
 
     streamer.take_device_changes = take_device_changes
-    return engine, installed
+    return installed
 
 
 def check_slots_hold_what_the_cache_says(engine: Engine, installed: list) -> int:
@@ -115,6 +122,40 @@ def test_the_backfill_threads_reads_go_into_the_cpu_backends_slots_at_the_next_s
     engine.logits(np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")[:1])
     assert installed[:1] == [(0, 5)] and engine.stats()["backfilled"] >= 1
     check_slots_hold_what_the_cache_says(engine, installed)
+    engine.close()
+
+
+@pytest.mark.parametrize("backend", ["sim", pytest.param("device", marks=pytest.mark.gpu)])
+def test_with_no_host_tier_a_gpus_backfilled_originals_go_into_its_slots(tmp_path, backend):
+    # --ram-cache 0 on a GPU backend: no host tier, so a backfilled original is admitted to the device tier
+    # and copied up into a slot before the next step plans; the slots then hold exactly that tier, and each
+    # backfilled expert still held copies down as its store bytes
+    backend = os.environ.get("FOMOEPY_TEST_GPU", "cuda") if backend == "device" else backend
+    try:
+        unit = gpu_expert_nbytes(Engine(MODEL, EngineOptions(backend=backend, vram_cache=0)).source.layers[0])
+    except FomoeError as e:
+        pytest.skip(f"no GPU device ({str(e)[:90]}...)")
+    store = tmp_path / "store"
+    prepare_store(MODEL, [store], progress=False)
+    engine = Engine(MODEL, EngineOptions(backend=backend, store=(str(store),), vram_cache=12 * unit, ram_cache=0,
+                                         car=CarConfig(threshold=0.01), backfill="sync", backfill_per_token=4, prefetch=False))  # fmt: skip
+    streamer, device = engine.experts.streamer, engine.experts.device
+    assert streamer.backfills_device and not streamer.cache.host.enabled
+    installed = recorded_installs(streamer)
+    tokens = np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")
+    list(engine.generate(tokens[:4], 32, SamplingParams(temperature=0.9, seed=1), stop_at_eog=False))
+    assert engine.stats()["backfilled"] > 0 and installed
+    n_layer, n_expert = engine.spec.n_layer, engine.spec.moe.n_expert
+    held = {(layer, e) for layer in range(n_layer) for e in streamer.cache.resident(layer, "device")}
+    assert held == {(layer, e) for layer in range(n_layer) for e in range(n_expert) if (layer, e) in device.resident}
+    still_held = [key for key in dict.fromkeys(installed) if key in held]
+    assert still_held
+    for key in still_held:
+        copied_down = device.download(key)
+        device.sync_downloads()
+        for part, stored in zip(copied_down, streamer.source.read(*key), strict=True):
+            np.testing.assert_array_equal(np.frombuffer(np.ascontiguousarray(part), np.uint8),
+                                          np.frombuffer(np.ascontiguousarray(stored), np.uint8))  # fmt: skip
     engine.close()
 
 

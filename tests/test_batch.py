@@ -14,6 +14,8 @@ too. A prefill's rows share one GEMM per expert.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import ORACLE
@@ -29,10 +31,18 @@ F32 = np.float32
 MODELS = ["qwen3moe_q4_k_m", "qwen35moe_q4_k"]
 
 
-@pytest.fixture(scope="module", params=[(m, b) for m in MODELS for b in ("reference", "cpu", "sim")], ids=lambda p: f"{p[0]}-{p[1]}")
+GPUS = ("sim", "cuda", "hip")  # the simulated device runs the GPU kernels' source; a real one, marked gpu
+
+
+@pytest.fixture(scope="module", params=[(m, b) for m in MODELS for b in ("reference", "cpu", "sim")]
+                + [pytest.param((m, "device"), marks=pytest.mark.gpu) for m in MODELS], ids=lambda p: f"{p[0]}-{p[1]}")  # fmt: skip
 def engine(request):
     name, backend = request.param
-    e = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend=backend, threads=1, prefill_chunk=4))
+    backend = os.environ.get("FOMOEPY_TEST_GPU", "cuda") if backend == "device" else backend
+    try:
+        e = Engine(ORACLE / f"{name}.gguf", EngineOptions(backend=backend, threads=1, prefill_chunk=4))
+    except FomoeError as err:
+        pytest.skip(f"no GPU device ({str(err)[:90]}...)")
     yield e
     e.close()
 
@@ -108,7 +118,7 @@ def test_rows_of_the_batch_met_other_rows(engine):
 
 
 def test_each_request_in_a_batch_gets_its_lone_tokens_and_logits_within_two_summation_orders(engine):
-    if engine.options.backend == "sim":
+    if engine.options.backend in GPUS:
         pytest.skip("the GPU kernels give the lone run's bits: the test below")
     reqs = requests(engine)
     got, got_logits = batched(engine, reqs)
