@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 from decode import ensure_model
-from results import load_line, publish
+from results import gpu_name, load_line, publish
 from soak import Conn, pct
 
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
@@ -229,17 +229,6 @@ def floor_bound(r: dict, peak: float | None) -> str:
     if not peak or "floor_per_tok" not in r:
         return "—"
     return f"{r['floor_per_tok'] / 1e6:.2f}, {peak / r['floor_per_tok']:.2f}" if r["floor_per_tok"] > 0 else "0.00, —"
-
-
-def gpu_name(backend: str) -> str:
-    """", NVIDIA H200" for a cuda run (nvidia-smi's name of the first GPU), "" for the cpu backend or where none is named."""
-    if backend != "cuda":
-        return ""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return f", {out.stdout.splitlines()[0].strip()}" if out.stdout.strip() else ""
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ processor the script ran on (`stamped`).
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
@@ -35,6 +36,17 @@ def processor() -> str:
     import platform
 
     return platform.processor() or platform.machine()
+
+
+def gpu_name(backend: str) -> str:
+    """", NVIDIA H200" for a cuda run (nvidia-smi's name of the first GPU), "" for the cpu backend or where none is named."""
+    if backend != "cuda":
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f", {out.stdout.splitlines()[0].strip()}" if out.stdout.strip() else ""
 
 
 def load_line() -> str:

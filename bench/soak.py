@@ -35,7 +35,7 @@ from datetime import date
 from pathlib import Path
 
 import msgpack
-from results import record
+from results import gpu_name, record
 
 from fomoepy.serve.protocol import FrameDecoder, encode_frame
 
@@ -80,8 +80,9 @@ class Conn:
         self.sock.close()
 
 
-def start_daemon(path: str, model: str | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "fomoepy.cli", "serve", *([model] if model else []), "--socket", path, "--log-level", "warning"]
+def start_daemon(path: str, model: str | None, backend: str = "cpu") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fomoepy.cli", "serve", *([model] if model else []), "--socket", path, "--backend", backend,
+           "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not os.path.exists(path):
@@ -302,12 +303,14 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="length of the mixed soak (default 60)")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "reference", "cuda", "hip"],
+                    help="the daemon's (cpu, as fomoe serve's default; cuda or hip: the batched steps on a GPU)")
     ap.add_argument("--record", action="store_true", help="append the report to bench/RESULTS.md")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fomoe-soak-", dir="/tmp") as tmp:
         path = f"{tmp}/fomoe.sock"
-        proc = start_daemon(path, args.model)
+        proc = start_daemon(path, args.model, args.backend)
         try:
             parts = [("Turns", turns(path)), ("A large prompt", large_prompt(path)),
                      (f"Mixed soak: {args.clients} clients for {args.seconds:.0f} s", soak(path, proc.pid, args.seconds, args.clients, args.seed))]  # fmt: skip
@@ -317,7 +320,8 @@ def main() -> int:
             if proc.poll() is None:
                 proc.kill()
     cmd = "python bench/soak.py " + shlex.join(sys.argv[1:])
-    report = [f"### soak — {date.today()} — {platform.machine()}, {os.cpu_count()} cores, load {load:.2f} at start", "",
+    title = f"### soak — {date.today()} — {args.backend} backend{gpu_name(args.backend)}, {platform.machine()}, {os.cpu_count()} cores"
+    report = [f"{title}, load {load:.2f} at start", "",
               f"`{cmd.strip()}`; the demo model unless --model; `fomoe serve` in its own process, driven over its Unix socket; SIGTERM at the end: exit {code}"]  # fmt: skip
     for title, lines in parts:
         report += ["", f"#### {title}", "", *lines]
