@@ -63,7 +63,7 @@ class Engine:
             # --ram-cache bounds the experts' memory: their mapped pages are given back after each use
             self.source = GGUFExpertSource(self.file, self.spec, unmap_after_use=options.ram_cache is not None)
         self.weights = load_weights(self.file, self.spec, self.devices, self.placement)
-        self.timer = LayerTimer(self.spec.n_layer) if options.profile_timing else None
+        self.timer = LayerTimer(self.spec.n_layer, times_products=is_ggml_cpu(self.ops)) if options.profile_timing else None
         self.device_state_room: int | None = None  # a GPU's bytes for the sequences' states (set with its tier)
         self.experts = self._open_experts()
         self.model = Transformer(self.spec, self.weights, self.devices, self.experts, self.placement, self.timer)

@@ -52,8 +52,11 @@ MATMUL = Accumulator()  # inside ggml graph computations
 
 
 class LayerTimer:
-    def __init__(self, n_layer: int):
+    def __init__(self, n_layer: int, times_products: bool = True):
+        """times_products: whether the backend's products are timed apart (MATMUL: the cpu backend's ggml
+        graphs); elsewhere (numpy, a GPU) they are in the rest, and the host line says so."""
         self.n_layer = n_layer
+        self.times_products = times_products
         self.total = [0.0] * n_layer
         self.phases: dict[str, list[float]] = defaultdict(lambda: [0.0] * n_layer)
         self.steps = [0] * n_layer
@@ -105,6 +108,9 @@ class LayerTimer:
 
     def host_line(self) -> str:
         total, matmul, wait, host = self.host_seconds()
+        if not self.times_products:  # (numpy's products, or a GPU's work and the host's waits for it, are in the rest)
+            return (f"per layer step: {total * 1e6:.0f} µs = waiting for reads {wait * 1e6:.0f} + the rest {host * 1e6:.0f} "
+                    "(compute and host work together: only the cpu backend times its products apart)")  # fmt: skip
         return (
             f"per layer step: {total * 1e6:.0f} µs = ggml products {matmul * 1e6:.0f} + waiting for reads "
             f"{wait * 1e6:.0f} + host {host * 1e6:.0f} (Python and numpy outside the products)"

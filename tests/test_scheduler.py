@@ -74,3 +74,16 @@ def test_profile_timing_reports_every_layer(capsys):
     assert code == 0
     assert "placement: 2 devices, 2 relays per token" in err
     assert "host time per MoE layer step" in err and "attn+dense" in err
+
+
+@pytest.mark.parametrize("backend", ["reference", "sim"])
+def test_profile_timing_on_a_backend_whose_products_it_does_not_time_puts_them_in_the_rest(backend):
+    # only the cpu backend's ggml products are timed apart (timing.MATMUL); numpy's, or a GPU's work and the
+    # host's waits for it, are in the rest, which the line must not call host time beside zero products
+    engine = Engine(ORACLE / "qwen3moe_q4_k_m.gguf", EngineOptions(backend=backend, profile_timing=True))
+    engine.logits(np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")[:4])
+    total, matmul, wait, rest = engine.timer.host_seconds()
+    assert matmul == 0 and rest > 0
+    assert engine.timer.report()[-1] == (f"per layer step: {total * 1e6:.0f} µs = waiting for reads {wait * 1e6:.0f} + the rest "
+                                         f"{rest * 1e6:.0f} (compute and host work together: only the cpu backend times its products apart)")  # fmt: skip
+    engine.close()
