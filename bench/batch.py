@@ -38,10 +38,12 @@ is greedy, ignores end-of-generation and streams its tokens. Per run it prints:
 (bench/batch_step.py times the engine's step over B sequences itself, and the bound these runs could
 reach were every step full.)
 
-    python bench/batch.py [--requests 16] [--tokens 48] [--clients 1,2,4,8] [--max-batch 8] [--backend cpu] [--record]
+    python bench/batch.py [--requests 16] [--tokens 48] [--clients 1,2,4,8] [--max-batch 8] [--backend cpu] [--store-dir DIR] [--record]
 
 With `--backend cuda` (or hip) the daemon computes on the GPU: all resident is every expert in its
-device tier; capped is its device and host tiers at `--ram-frac` each.
+device tier; capped is its device and host tiers at `--ram-frac` each. `--store-dir DIR` puts the store
+on another drive (prepared there once): the capped runs are bound by that drive's reads (a tmpfs
+directory stands for a drive faster than any here; its reads are buffered copies, O_DIRECT refused).
 """
 
 from __future__ import annotations
@@ -59,12 +61,13 @@ from pathlib import Path
 
 import numpy as np
 from decode import ensure_model
-from results import gpu_name, load_line, publish
+from results import describe_fs, gpu_name, load_line, publish
 from soak import Conn, pct
 
 from fomoepy.experts.profile import ENTRY, FreqProfile, write_freq
 from fomoepy.experts.simulate import fewest_reads
 from fomoepy.experts.store_reader import ExpertStore
+from fomoepy.experts.store_writer import prepare_store
 from fomoepy.experts.trace import read_trace
 from fomoepy.plan.measure import store_figures
 
@@ -243,10 +246,16 @@ def main() -> int:
                     help="cpu: the tiers are the host's (ggml's slots); cuda/hip: all resident is every expert in "
                          "the device tier, capped is device and host tiers at --ram-frac each")  # fmt: skip
     ap.add_argument("--only", choices=["resident", "capped"], default=None, help="run one configuration")
+    ap.add_argument("--store-dir", default=None, help="prepare (or reuse) the bench store here instead of beside the model: "
+                                                      "another drive's, whose reads the capped runs are then bound by")  # fmt: skip
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
 
     model, store = ensure_model("bench")
+    if args.store_dir:
+        store = Path(args.store_dir)
+        if not (store / "fomoe-store.manifest").exists():
+            prepare_store(model, [store], progress=False)
     profile, all_bytes = every_expert_profile(model, store)
     threads = args.threads or os.cpu_count() or 1
     clients = [int(c) for c in args.clients.split(",")]
@@ -314,7 +323,8 @@ def main() -> int:
         f"`python bench/batch.py --requests {args.requests} --tokens {args.tokens} --clients {args.clients} "
         f"--max-batch {args.max_batch} --ram-frac {args.ram_frac}" + (f" --threads {args.threads}" if args.threads else "")
         + (f" --only {args.only}" if args.only else "") + (f" --backend {args.backend}" if args.backend != "cpu" else "")
-        + f"`; bench model, -t {threads}, greedy, {args.tokens} tokens per request\n\n"
+        + (f" --store-dir {args.store_dir}" if args.store_dir else "")
+        + f"`; bench model, -t {threads}, greedy, {args.tokens} tokens per request; its store on {describe_fs(store)}\n\n"
         "| configuration | served by | aggregate tok/s | vs one at a time (mean of before and after) | inter-token p50 / p99 ms | first token p50 ms "
         "| expert MB used / token | of which read from store MB / token | store's bound tok/s (its MB/s ÷ MB read / token) "
         "| fewest MB / token a cache of the tiers' size could read (Belady on the run's own routing), and the store's bound there "

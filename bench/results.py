@@ -38,6 +38,15 @@ def processor() -> str:
     return platform.processor() or platform.machine()
 
 
+def describe_fs(path) -> str:
+    """The device and file system holding `path` ("/dev/vda ext4"), as df names them; "?" where it cannot."""
+    try:
+        out = subprocess.run(["df", "--output=source,fstype", str(path)], capture_output=True, text=True, check=True)
+        return " ".join(out.stdout.split()[2:])
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
 def gpu_name(backend: str) -> str:
     """", NVIDIA H200" for a cuda run (nvidia-smi's name of the first GPU), "" for the cpu backend or where none is named."""
     if backend != "cuda":

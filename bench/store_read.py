@@ -17,7 +17,6 @@ import argparse
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +25,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
-from results import record
+from results import describe_fs, record
 
 from fomoepy.devtools.make_test_model import make_model
 from fomoepy.errors import StoreError
@@ -131,14 +130,6 @@ def over_passes(passes: int, run) -> tuple[int, float]:
     """Bytes and seconds summed over all passes: a mean bandwidth, not a lucky one."""
     results = [run(p) for p in range(passes)]
     return sum(r[0] for r in results), sum(r[1] for r in results)
-
-
-def describe_fs(path: Path) -> str:
-    try:
-        out = subprocess.run(["df", "--output=source,fstype", str(path)], capture_output=True, text=True, check=True)
-        return " ".join(out.stdout.split()[2:])
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
 
 
 def main() -> int:
