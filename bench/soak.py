@@ -4,7 +4,8 @@ driven over its Unix socket only, for a bounded time.
 Three parts, all in one run:
 1. Turns: connection A pipelines 16 streamed 256-token requests; once A's first is running, B sends one
    8-token request. B's wait is bounded by the one request running when it arrived (clients take turns,
-   one request each): printed next to that bound, A's first request's own time.
+   one request each): printed next to that bound, A's first request's own time. Where A's requests fill
+   the batch, one of them gives its place to B at the next token, so B's wait is about its own time.
 2. A large prompt: a 4,000,000-character generate (under the default 4 MiB frame limit) against the
    512-token context, while another connection pings every 5 ms: the refusal time and the longest ping.
 3. Mixed soak for --seconds: --clients threads, each on its own connection, draw actions: streamed
@@ -303,8 +304,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="length of the mixed soak (default 60)")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--backend", default="cpu", choices=["cpu", "reference", "cuda", "hip"],
-                    help="the daemon's (cpu, as fomoe serve's default; cuda or hip: the batched steps on a GPU)")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "reference", "cuda", "hip", "sim"],
+                    help="the daemon's (cpu, as fomoe serve's default; cuda or hip: the batched steps on a GPU; sim: the GPU path on the simulated device)")
     ap.add_argument("--record", action="store_true", help="append the report to bench/RESULTS.md")
     args = ap.parse_args()
     load = os.getloadavg()[0]

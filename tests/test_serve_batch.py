@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import pytest
 from conftest import ORACLE
 from test_serve import raw_connect, slow_reader, wait_paused
-from test_serve_fairness import GatedEngine, final, held, send
+from test_serve_fairness import GatedEngine, final, held, read_until, send
 
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.sampling import SamplingParams
@@ -80,6 +80,13 @@ def alone(engine, prompt: str, n: int) -> list[int]:
 
 def generate(s: socket.socket, id, prompt: str, n: int) -> None:
     send(s, op="generate", id=id, prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True, return_tokens=True)
+
+
+def finals(s: socket.socket, dec: FrameDecoder, n: int) -> dict:
+    """The final messages of a connection's next n requests to end, by id (they end in an order of their own)."""
+    done: dict = {}
+    read_until(s, dec, lambda m: m["type"] not in ("queued", "delta") and bool(done.setdefault(m["id"], m)) and len(done) == n)
+    return done
 
 
 def test_a_request_joins_a_running_one_and_leaves_before_it_each_with_its_lone_tokens(engine):
@@ -312,3 +319,67 @@ def test_a_full_batch_keeps_newcomers_queued_in_turn(engine):
     assert first[2] < first[3]  # and started in that order
     assert all(done["tokens"] == alone(engine, p, n) for (done, _), (p, n) in
                zip(dones, [("the quick fox", 40), ("the quick fox", 30)] + [("a lazy dog", 5)] * 2))  # fmt: skip
+
+
+def test_a_client_holding_the_whole_batch_gives_a_place_to_another_clients_request(engine):
+    # A pipelines two long requests into a batch of two places; B's request takes the place of A's later one
+    # at a token boundary, not after a whole generation of A's; A2 goes on where it stopped once B is done
+    # (its state kept), ahead of A's next request, so every request's tokens are still its lone run's
+    with daemon(engine, max_batch=2) as (d, steps):
+        a, b = raw_connect(d.path), raw_connect(d.path)
+        da, db = FrameDecoder(1 << 20), FrameDecoder(1 << 20)
+        generate(a, "A1", "the quick fox", 120)
+        generate(a, "A2", "over the hill", 120)
+        generate(a, "A3", "a lazy dog", 5)
+        steps.wait(lambda s: any(set(ids) == {"A1", "A2"} for _, ids in s))
+        generate(b, "B", "a lazy dog", 8)
+        done_b, _ = final(b, db, "B")
+        done = finals(a, da, 3)
+        done_a1, done_a2, done_a3 = done["A1"], done["A2"], done["A3"]
+        yielded = d.call(d.daemon.stats)["yielded"]
+        a.close(), b.close()
+    recorded = steps.copy()
+    assert max(len(ids) for _, ids in recorded) == 2 and yielded == 1
+    in_a1, in_a2, in_b = steps.decoded("A1"), steps.decoded("A2"), steps.decoded("B")
+    b_prompt = next(i for i, (prefills, _) in enumerate(recorded) if any(id == "B" for id, _ in prefills))
+    assert b_prompt < in_a1[-1] and b_prompt < in_a2[-1]  # B started while both of A's were still running
+    assert in_a1 == list(range(in_a1[0], in_a1[0] + 119))  # A1 kept its place: a token every step
+    assert not set(in_a2) & set(in_b) and [i for i in in_a2 if i > in_b[-1]]  # A2 stood aside for B, then went on
+    assert [i for i in in_a2 if i < b_prompt]
+    assert min(i for i in in_a2 if i > in_b[-1]) < min(steps.decoded("A3"))  # and before A's next request
+    assert done_b["tokens"] == alone(engine, "a lazy dog", 8)
+    assert done_a1["tokens"] == alone(engine, "the quick fox", 120)
+    assert done_a2["tokens"] == alone(engine, "over the hill", 120)
+    assert done_a3["tokens"] == alone(engine, "a lazy dog", 5)
+
+
+def test_a_request_that_gave_its_place_up_gives_its_memory_up_too_when_the_head_of_the_queue_needs_it():
+    # a budget of three chunks: A2 gives its place to B keeping its one chunk; C, behind no running job but
+    # A1, needs all three: once A1 is done only A2's queued state stands in its way, and A2 gives it up (to be
+    # rebuilt when it runs again) instead of C and A2 waiting on each other for good
+    e = Engine(ORACLE / f"{MODEL}.gguf", EngineOptions(n_ctx=1024))
+    chunk = e.kv_nbytes(1)
+    assert e.kv_nbytes(524) == 3 * chunk
+    with daemon(e, max_batch=2, kv_budget=3 * chunk) as (d, steps):
+        a, b, c = raw_connect(d.path), raw_connect(d.path), raw_connect(d.path)
+        generate(a, "A1", "the quick fox", 60)
+        generate(a, "A2", "over the hill", 120)
+        steps.wait(lambda s: any(set(ids) == {"A1", "A2"} for _, ids in s))
+        generate(b, "B", "a lazy dog", 8)
+        steps.wait(lambda s: any("B" in ids for _, ids in s))
+        generate(c, "C", "a lazy dog", 520)
+        done_c, _ = final(c, FrameDecoder(1 << 20), "C")
+        done_b, _ = final(b, FrameDecoder(1 << 20), "B")
+        done = finals(a, FrameDecoder(1 << 20), 2)
+        stats = d.call(d.daemon.stats)
+        a.close(), b.close(), c.close()
+    assert stats["yielded"] == 1 and stats["preempted"] == 1
+    assert done_c["tokens"] == alone(e, "a lazy dog", 520) and done_b["tokens"] == alone(e, "a lazy dog", 8)
+    assert done["A1"]["tokens"] == alone(e, "the quick fox", 60)
+    assert min(steps.decoded("C")) < min(i for i in steps.decoded("A2") if i > steps.decoded("A1")[-1])  # C went first
+    # A2's tokens: its lone run's until it gave its state up, then a generation over its prompt and those tokens
+    prompt = e.tokenizer.encode("over the hill")
+    evaluated = [n for prefills, _ in steps.copy() for id, n in prefills if id == "A2"]
+    m = sum(evaluated[1:]) - len(prompt)
+    rebuilt = list(e.generate(prompt + done["A2"]["tokens"][:m], 120 - m, SamplingParams.greedy(), stop_at_eog=False))
+    assert done["A2"]["tokens"] == alone(e, "over the hill", 120)[:m] + rebuilt

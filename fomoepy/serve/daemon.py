@@ -368,6 +368,7 @@ class Daemon:
             "running": self.worker.running,
             "paused": self.worker.paused_count,
             "preempted": t.preempted,
+            "yielded": t.yielded,
             "connections": len(self.state.connections),
             "sessions": len(self.worker.sessions),
             "requests": t.requests,

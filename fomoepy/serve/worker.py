@@ -21,7 +21,11 @@ another's one request, and a full batch keeps newcomers queued in that fair orde
 - its client is not reading (the connection's write buffer is over its limit): the job is *paused*:
   set aside with its state, and the batch goes on without it. When the client has drained its
   buffer the job goes back to the end of its client's queue; a job paused longer than `pause_timeout`
-  is cancelled. So a slow reader never blocks the engine, and its buffer grows by at most one frame.
+  is cancelled. So a slow reader never blocks the engine, and its buffer grows by at most one frame;
+- the batch is full, the head of the queue is a client's that holds two places fewer than another
+  client: that client's latest admitted job *gives its place up*, queued again first of its client's
+  queue with its state, and goes on where it stopped when it runs again. So clients share the batch's
+  places as they share the queue's turns, and a newcomer waits one step, not a whole generation.
 
 The engine's statistics are read on the loop thread, never queued behind engine work: directly while no
 step is in flight, else the copy taken after the last step (refreshed at most every SNAPSHOT_EVERY s).
@@ -35,7 +39,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -55,7 +59,8 @@ class Totals:
     completion_tokens: int = 0
     decode_tokens: int = 0  # tokens of decode steps (the first token of a request comes with its prefill)
     decode_s: float = 0.0
-    preempted: int = 0  # paused requests that gave their KV cache up to a waiting one (rebuilt when they ran again)
+    preempted: int = 0  # paused or queued requests that gave their KV cache up to a waiting one (rebuilt when they ran again)
+    yielded: int = 0  # running requests that gave their place in a full batch to another client's (and went on later)
 
 
 SNAPSHOT_EVERY = 0.25  # seconds between copies of the engine's statistics while it runs
@@ -75,6 +80,11 @@ class FairQueue:
 
     def push(self, job: Job) -> None:
         self._queues.setdefault(job.sink, deque()).append((next(self._arrivals), job))
+
+    def push_front(self, job: Job) -> None:
+        """A job that gave its place in the batch up: first of its client's queue again (it came before them)."""
+        queue = self._queues.setdefault(job.sink, deque())
+        queue.appendleft((queue[0][0] - 1 if queue else next(self._arrivals), job))
 
     def pop(self) -> Job:
         sink = self._next(self._queues, self._last_turn)
@@ -275,8 +285,10 @@ class InferenceWorker:
         """Jobs join the batch in fair order while it has room and the KV budget has their worst case;
         whether any did."""
         admitted = False
-        while self._ready and len(self.batch) < self.max_batch and not self._stopping:
+        while self._ready and not self._stopping:
             job = self._ready.order()[0]
+            if len(self.batch) >= self.max_batch and not self._give_place_to(job):
+                break
             worst = self.kv.worst_tokens(len(job.prompt), job.request.max_tokens)
             if not self.kv.can_reserve(job, worst) and not self._take_paused_memory(job, worst):
                 break  # the head waits for memory; jobs behind it do not overtake it
@@ -297,12 +309,41 @@ class InferenceWorker:
             self._tell_positions()
         return admitted
 
+    def _give_place_to(self, job: Job) -> bool:
+        """The batch is full and `job` heads the queue. Where another client holds at least two more of the
+        batch's places than `job`'s, that client's latest admitted job gives its place up: queued again, first
+        of its client's queue, its state kept, so it goes on where it stopped when it runs again. So clients
+        share the batch's places, not only the queue's turns: one that pipelines many long requests cannot
+        keep another's waiting a whole generation. Only where the budget then has `job`'s worst case, and
+        no place frees at this boundary anyway. Whether a place was given."""
+        if any(j.cancel_requested or j.sink.write_paused for j in self.batch):
+            return False  # a place frees at this boundary: the next one admits into it
+        places = Counter(j.sink for j in self.batch)
+        sink, most = places.most_common(1)[0]
+        if most < places[job.sink] + 2:
+            return False
+        victim = next(j for j in reversed(self.batch) if j.sink is sink)
+        keeps = min(self.kv.held(victim), self.engine.kv_nbytes(victim.gen.state.kv_capacity))
+        worst = self.kv.worst_tokens(len(job.prompt), job.request.max_tokens)
+        if self.kv.reserved - self.kv.held(victim) + keeps - self.kv.held(job) + self.kv.nbytes(worst) > self.kv.limit:
+            return False
+        self.batch.remove(victim)
+        victim.state = JobState.QUEUED
+        self.kv.hold_only(victim, keeps)
+        self._ready.push_front(victim)
+        self.totals.yielded += 1
+        log.info("request %r gives its place in the batch to another client's request; it goes on when it runs again", victim.id)
+        return True
+
     def _take_paused_memory(self, job: Job, worst: int) -> bool:
-        """The head of the queue needs KV memory that paused jobs hold (their clients are not reading): when
-        giving theirs up lets it in, the longest paused give their states up, one by one until it fits
+        """The head of the queue needs KV memory that paused jobs hold (their clients are not reading), or queued
+        ones that gave their place up: when giving theirs up lets it in, they give their states up, one by one until it fits
         (each is rebuilt by prefill when its job runs again: Job.rejoin). Whether it fits now. Memory that
         running jobs hold is waited for, as before: they free it as they finish."""
-        holders = [p for p in self._paused if p in self.kv and p.gen is not None and p.gen.state is not None]
+        # (paused jobs in the order they paused, then queued jobs that hold a state, having given their place up,
+        # the last to run first)
+        waiting = [*self._paused, *reversed([q for q in self._ready.order() if q is not job])]
+        holders = [p for p in waiting if p in self.kv and p.gen is not None and p.gen.state is not None]
         held = sum(self.kv.held(p) for p in holders)
         if not held or self.kv.reserved - held - self.kv.held(job) + self.kv.nbytes(worst) > self.kv.limit:
             return False
