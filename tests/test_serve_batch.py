@@ -82,10 +82,13 @@ def generate(s: socket.socket, id, prompt: str, n: int) -> None:
     send(s, op="generate", id=id, prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True, return_tokens=True)
 
 
-def finals(s: socket.socket, dec: FrameDecoder, n: int) -> dict:
-    """The final messages of a connection's next n requests to end, by id (they end in an order of their own)."""
+def finals(s: socket.socket, dec: FrameDecoder, n: int, seen: list | None = None) -> dict:
+    """The final messages of a connection's next n requests to end, by id (they end in an order of their own);
+    every message read on the way is appended to `seen` where given."""
     done: dict = {}
-    read_until(s, dec, lambda m: m["type"] not in ("queued", "delta") and bool(done.setdefault(m["id"], m)) and len(done) == n)
+    got = read_until(s, dec, lambda m: m["type"] not in ("queued", "delta") and bool(done.setdefault(m["id"], m)) and len(done) == n)
+    if seen is not None:
+        seen.extend(got)
     return done
 
 
@@ -329,12 +332,18 @@ def test_a_client_holding_the_whole_batch_gives_a_place_to_another_clients_reque
         a, b = raw_connect(d.path), raw_connect(d.path)
         da, db = FrameDecoder(1 << 20), FrameDecoder(1 << 20)
         generate(a, "A1", "the quick fox", 120)
-        generate(a, "A2", "over the hill", 120)
-        generate(a, "A3", "a lazy dog", 5)
+        steps.wait(lambda s: any("A1" in ids for _, ids in s))
+        generate(a, "A2", "over the hill", 120)  # (told it is first in the queue, then admitted)
         steps.wait(lambda s: any(set(ids) == {"A1", "A2"} for _, ids in s))
+        generate(a, "A3", "a lazy dog", 5)
+        deadline = time.monotonic() + 30
+        while d.call(d.daemon.stats)["queue_length"] < 1:  # A3 queued before B arrives
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
         generate(b, "B", "a lazy dog", 8)
         done_b, _ = final(b, db, "B")
-        done = finals(a, da, 3)
+        seen: list = []
+        done = finals(a, da, 3, seen)
         done_a1, done_a2, done_a3 = done["A1"], done["A2"], done["A3"]
         yielded = d.call(d.daemon.stats)["yielded"]
         a.close(), b.close()
@@ -347,6 +356,8 @@ def test_a_client_holding_the_whole_batch_gives_a_place_to_another_clients_reque
     assert not set(in_a2) & set(in_b) and [i for i in in_a2 if i > in_b[-1]]  # A2 stood aside for B, then went on
     assert [i for i in in_a2 if i < b_prompt]
     assert min(i for i in in_a2 if i > in_b[-1]) < min(steps.decoded("A3"))  # and before A's next request
+    kinds = [m["type"] for m in seen if m.get("id") == "A2"]
+    assert "queued" in kinds[kinds.index("delta") :]  # A2's client was told it is queued again, mid-stream
     assert done_b["tokens"] == alone(engine, "a lazy dog", 8)
     assert done_a1["tokens"] == alone(engine, "the quick fox", 120)
     assert done_a2["tokens"] == alone(engine, "over the hill", 120)
@@ -383,3 +394,31 @@ def test_a_request_that_gave_its_place_up_gives_its_memory_up_too_when_the_head_
     m = sum(evaluated[1:]) - len(prompt)
     rebuilt = list(e.generate(prompt + done["A2"]["tokens"][:m], 120 - m, SamplingParams.greedy(), stop_at_eog=False))
     assert done["A2"]["tokens"] == alone(e, "over the hill", 120)[:m] + rebuilt
+
+
+def test_a_place_given_up_goes_to_the_head_even_where_the_giver_was_served_longer_ago(engine):
+    # A's two requests were admitted before B's first, so once A's later one gives its place up A heads the fair
+    # order again; the place must still go to B's request (the head it was given to), and A2 wait first of A's
+    # queue: not A2 taken out of the queue and lost while B2 runs twice (in the batch and still queued)
+    with daemon(engine, max_batch=3) as (d, steps):
+        a, b, c = raw_connect(d.path), raw_connect(d.path), raw_connect(d.path)
+        da, db, dc = FrameDecoder(1 << 20), FrameDecoder(1 << 20), FrameDecoder(1 << 20)
+        generate(a, "A1", "the quick fox", 200)
+        generate(a, "A2", "over the hill", 200)
+        steps.wait(lambda s: any({"A1", "A2"} <= set(ids) for _, ids in s))
+        generate(b, "B1", "a lazy dog", 2)
+        final(b, db, "B1")  # B served after A's last turn
+        generate(c, "C1", "the red kite", 200)
+        steps.wait(lambda s: any({"A1", "A2", "C1"} <= set(ids) for _, ids in s))
+        generate(b, "B2", "a lazy dog", 8)  # A holds two places, B none: A2 gives its place to B2
+        done_b2, _ = final(b, db, "B2")
+        done = finals(a, da, 2)
+        done_c1, _ = final(c, dc, "C1")
+        stats = d.call(d.daemon.stats)
+        a.close(), b.close(), c.close()
+    assert stats["yielded"] == 1 and stats["running"] == stats["queue_length"] == 0
+    assert done_b2["tokens"] == alone(engine, "a lazy dog", 8)
+    assert done["A1"]["tokens"] == alone(engine, "the quick fox", 200)
+    assert done["A2"]["tokens"] == alone(engine, "over the hill", 200)
+    assert done_c1["tokens"] == alone(engine, "the red kite", 200)
+    assert not set(steps.decoded("A2")) & set(steps.decoded("B2"))  # A2 stood aside while B2 ran

@@ -87,14 +87,16 @@ class FairQueue:
         queue.appendleft((queue[0][0] - 1 if queue else next(self._arrivals), job))
 
     def pop(self) -> Job:
-        sink = self._next(self._queues, self._last_turn)
-        queue = self._queues[sink]
-        _, job = queue.popleft()
-        if not queue:
-            del self._queues[sink]
-        self._last_turn[sink] = self._turn
-        self._turn += 1
+        job = self._queues[self._next(self._queues, self._last_turn)][0][1]
+        self.take(job)
         return job
+
+    def take(self, job: Job) -> None:
+        """`job`, chosen as the head, leaves the queue on its client's turn (after a place was given up, the
+        head of the fair order may be the job that gave it: `job` is still the one admitted)."""
+        self.remove(job)
+        self._last_turn[job.sink] = self._turn
+        self._turn += 1
 
     def remove(self, job: Job) -> None:
         queue = self._queues[job.sink]
@@ -292,7 +294,7 @@ class InferenceWorker:
             worst = self.kv.worst_tokens(len(job.prompt), job.request.max_tokens)
             if not self.kv.can_reserve(job, worst) and not self._take_paused_memory(job, worst):
                 break  # the head waits for memory; jobs behind it do not overtake it
-            self._ready.pop()
+            self._ready.take(job)  # (not pop(): a place given up puts its job first of its client's queue)
             self.kv.reserve(job, worst)
             try:
                 if job.t_start is None:
@@ -329,6 +331,7 @@ class InferenceWorker:
             return False
         self.batch.remove(victim)
         victim.state = JobState.QUEUED
+        victim.queue_position = None  # queued again: told its place anew, mid-stream (`queued`)
         self.kv.hold_only(victim, keeps)
         self._ready.push_front(victim)
         self.totals.yielded += 1
@@ -350,8 +353,9 @@ class InferenceWorker:
         for paused in holders:  # (in the order they paused)
             if self.kv.can_reserve(job, worst):
                 break
-            log.info("request %r gives up its KV cache (%.1f MiB) to a waiting request while its client is not reading; "
-                     "it is rebuilt when it runs again", paused.id, self.kv.held(paused) / (1 << 20))  # fmt: skip
+            log.info("request %r gives up its KV cache (%.1f MiB) to a waiting request while %s; it is rebuilt when it runs again",
+                     paused.id, self.kv.held(paused) / (1 << 20),
+                     "its client is not reading" if paused in self._paused else "it is queued, having given its place up")  # fmt: skip
             paused.give_up_state()
             self.kv.release(paused)
             self.totals.preempted += 1
