@@ -123,6 +123,10 @@ class FairQueue:
             turn += 1
         return out
 
+    def jobs(self) -> list[Job]:
+        """Every job, in no particular order (order() gives the fair one)."""
+        return [job for queue in self._queues.values() for _, job in queue]
+
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
@@ -343,10 +347,10 @@ class InferenceWorker:
         ones that gave their place up: when giving theirs up lets it in, they give their states up, one by one until it fits
         (each is rebuilt by prefill when its job runs again: Job.rejoin). Whether it fits now. Memory that
         running jobs hold is waited for, as before: they free it as they finish."""
-        # (paused jobs in the order they paused, then queued jobs that hold a state, having given their place up,
-        # the last to run first)
-        waiting = [*self._paused, *reversed([q for q in self._ready.order() if q is not job])]
-        holders = [p for p in waiting if p in self.kv and p.gen is not None and p.gen.state is not None]
+        # (paused jobs in the order they paused, then queued ones that hold a state, having given their place up
+        # or been paused, client by client; a queued job that never ran holds nothing)
+        queued = [q for q in self._ready.jobs() if q is not job]
+        holders = [p for p in (*self._paused, *queued) if p in self.kv and p.gen is not None and p.gen.state is not None]
         held = sum(self.kv.held(p) for p in holders)
         if not held or self.kv.reserved - held - self.kv.held(job) + self.kv.nbytes(worst) > self.kv.limit:
             return False
