@@ -132,9 +132,11 @@ def test_with_no_host_tier_a_gpus_backfilled_originals_go_into_its_slots(tmp_pat
     # backfilled expert still held copies down as its store bytes
     backend = os.environ.get("FOMOEPY_TEST_GPU", "cuda") if backend == "device" else backend
     try:
-        unit = gpu_expert_nbytes(Engine(MODEL, EngineOptions(backend=backend, vram_cache=0)).source.layers[0])
+        probe = Engine(MODEL, EngineOptions(backend=backend, vram_cache=0))
     except FomoeError as e:
         pytest.skip(f"no GPU device ({str(e)[:90]}...)")
+    unit = gpu_expert_nbytes(probe.source.layers[0])
+    probe.close()  # (its device memory, before the engine under test takes its tier)
     store = tmp_path / "store"
     prepare_store(MODEL, [store], progress=False)
     engine = Engine(MODEL, EngineOptions(backend=backend, store=(str(store),), vram_cache=12 * unit, ram_cache=0,

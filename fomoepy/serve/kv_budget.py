@@ -44,8 +44,9 @@ class KVBudget:
             f"{_mib(need)} of KV cache, more than the daemon's KV budget of {_mib(self.limit)} (--kv-budget)"
         )
 
-    def can_reserve(self, key: Hashable, n_tokens: int) -> bool:
-        return self.reserved - self._held.get(key, 0) + self.nbytes(n_tokens) <= self.limit
+    def can_reserve(self, key: Hashable, n_tokens: int, freed: int = 0) -> bool:
+        """Whether `key` could hold its worst case of n_tokens, with `freed` bytes others hold released first."""
+        return self.reserved - freed - self._held.get(key, 0) + self.nbytes(n_tokens) <= self.limit
 
     def reserve(self, key: Hashable, n_tokens: int) -> None:
         if not self.can_reserve(key, n_tokens):

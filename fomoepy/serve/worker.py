@@ -329,9 +329,9 @@ class InferenceWorker:
         if most < places[job.sink] + 2:
             return False
         victim = next(j for j in reversed(self.batch) if j.sink is sink)
-        keeps = min(self.kv.held(victim), self.engine.kv_nbytes(victim.gen.state.kv_capacity))
+        keeps = min(self.kv.held(victim), self._state_nbytes(victim))
         worst = self.kv.worst_tokens(len(job.prompt), job.request.max_tokens)
-        if self.kv.reserved - self.kv.held(victim) + keeps - self.kv.held(job) + self.kv.nbytes(worst) > self.kv.limit:
+        if not self.kv.can_reserve(job, worst, freed=self.kv.held(victim) - keeps):
             return False
         self.batch.remove(victim)
         victim.state = JobState.QUEUED
@@ -352,7 +352,7 @@ class InferenceWorker:
         queued = [q for q in self._ready.jobs() if q is not job]
         holders = [p for p in (*self._paused, *queued) if p in self.kv and p.gen is not None and p.gen.state is not None]
         held = sum(self.kv.held(p) for p in holders)
-        if not held or self.kv.reserved - held - self.kv.held(job) + self.kv.nbytes(worst) > self.kv.limit:
+        if not held or not self.kv.can_reserve(job, worst, held):
             return False
         for paused in holders:  # (in the order they paused)
             if self.kv.can_reserve(job, worst):
@@ -477,10 +477,14 @@ class InferenceWorker:
     def _park(self, job: Job) -> None:
         job.state = JobState.PAUSED
         if job.gen is not None:
-            self.kv.hold_only(job, self.engine.kv_nbytes(job.gen.state.kv_capacity))
+            self.kv.hold_only(job, self._state_nbytes(job))
         loop = asyncio.get_running_loop()
         self._paused[job] = loop.call_later(self.pause_timeout, self._pause_expired, job)
         log.info("request %r paused: its client is not reading", job.id)
+
+    def _state_nbytes(self, job: Job) -> int:
+        """What a job's state holds now (its KV caches' chunks): all it keeps while set aside."""
+        return self.engine.kv_nbytes(job.gen.state.kv_capacity)
 
     def _pause_expired(self, job: Job) -> None:
         if job in self._paused:
