@@ -26,6 +26,10 @@ Python code they stand in for serves (the same results, more host time per step)
   graph, the outputs set at their places) in one call, and the weighted sum of a step's picks' outputs in
   one loop; without it the same graphs run from numpy, and numpy sums (the same bits). -ffp-contract=off:
   the sum rounds each product to float32 before adding it, as numpy's does.
+- fomoepy/runtime/_batched_experts.c: the cpu backend's decode-step experts, each expert's K-quant weights decoded
+  once for all the rows that picked it (fomoepy.runtime.batched_experts); OpenMP (-fopenmp), ggml's CPU runtime.
+  Without it, or on a CPU without AVX-512, ggml's products serve: the same arithmetic, its float sums in
+  another order (so not the same bits), and slower.
 """
 
 from setuptools import Extension, setup
@@ -39,7 +43,7 @@ def optional(module: str, *flags: str, depends: tuple[str, ...] = (), more: tupl
     the Python code it stands in for serves."""
     source = module.replace(".", "/") + ".c"
     return Extension(module, [source, *more], depends=list(depends), extra_compile_args=["-O2", "-std=c11", *flags, *WARNINGS],
-                     extra_link_args=[f for f in flags if f == "-pthread"], optional=True)  # fmt: skip
+                     extra_link_args=[f for f in flags if f in ("-pthread", "-fopenmp")], optional=True)  # fmt: skip
 
 
 setup(
@@ -52,5 +56,6 @@ setup(
         optional("fomoepy.experts._reads"),
         optional("fomoepy.experts._acquire"),
         optional("fomoepy.runtime._ggml_rounds", "-ffp-contract=off"),
+        optional("fomoepy.runtime._batched_experts", "-O3", "-fopenmp"),
     ]
 )

@@ -248,6 +248,8 @@ def main() -> int:
     ap.add_argument("--only", choices=["resident", "capped"], default=None, help="run one configuration")
     ap.add_argument("--store-dir", default=None, help="prepare (or reuse) the bench store here instead of beside the model: "
                                                       "another drive's, whose reads the capped runs are then bound by")  # fmt: skip
+    ap.add_argument("--expert-kernel", default="auto", choices=["auto", "ggml"],
+                    help="cpu backend: the daemons' --expert-kernel (auto: fomoepy's batched kernel where it serves)")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
 
@@ -260,7 +262,7 @@ def main() -> int:
     threads = args.threads or os.cpu_count() or 1
     clients = [int(c) for c in args.clients.split(",")]
     texts = prompts(args.requests)
-    base = ["--backend", args.backend, "-t", str(threads), "--store", str(store)]
+    base = ["--backend", args.backend, "-t", str(threads), "--store", str(store), "--expert-kernel", args.expert_kernel]
     share = str(int(all_bytes * args.ram_frac))
     if args.backend == "cpu":
         configs = {
@@ -324,6 +326,7 @@ def main() -> int:
         f"--max-batch {args.max_batch} --ram-frac {args.ram_frac}" + (f" --threads {args.threads}" if args.threads else "")
         + (f" --only {args.only}" if args.only else "") + (f" --backend {args.backend}" if args.backend != "cpu" else "")
         + (f" --store-dir {args.store_dir}" if args.store_dir else "")
+        + (f" --expert-kernel {args.expert_kernel}" if args.expert_kernel != "auto" else "")
         + f"`; bench model, -t {threads}, greedy, {args.tokens} tokens per request; its store on {describe_fs(store)}\n\n"
         "| configuration | served by | aggregate tok/s | vs one at a time (mean of before and after) | inter-token p50 / p99 ms | first token p50 ms "
         "| expert MB used / token | of which read from store MB / token | store's bound tok/s (its MB/s ÷ MB read / token) "

@@ -1,5 +1,6 @@
-"""One batched decode step, taken apart: ggml's products against the host's own time, at 1, 2, 4 and 8
-sequences, and what the products alone allow bench/batch.py's ratios to reach.
+"""One batched decode step, taken apart: its products (ggml's, and fomoepy's expert kernel) against the
+host's own time, at 1, 2, 4 and 8 sequences, and what the products alone allow bench/batch.py's ratios
+to reach.
 
 The bench model of bench/decode.py (`--shape bench`, its expert store beside it), cpu backend, every
 expert resident (the tier holds the model, as bench/batch.py's first configuration), `--threads`
@@ -7,14 +8,15 @@ ggml threads (1 by default, as batch.py's recorded runs). B sequences, each afte
 its own, decode together: `Transformer.forward_batch` with B rows, blocks of `--steps` steps, the
 row counts interleaved, `--repeats` blocks each. Per B it prints the fastest block's step time (the
 least disturbed by other work on the machine; medians beside) and, of it:
-- ggml: seconds inside ggml's graph computations (every product of the step: q/k/v, output, router,
-  routed experts, output head; norms and RoPE ride in the same graphs), fomoepy.timing.MATMUL;
+- products: seconds inside ggml's graph computations and fomoepy's batched expert kernel (every product of
+  the step: q/k/v, output, router, routed experts, output head; norms and RoPE ride in the same graphs),
+  fomoepy.timing.MATMUL (`--expert-kernel ggml`: the routed experts by ggml's products, as before the kernel);
 - host: the rest (Python, numpy attention over each sequence's KV cache, routing, sums);
 - per row: the step over B.
 
 Then two bounds on the aggregate speed-up over one sequence at a time, B·t(1)/t(B):
 - `step`: as measured;
-- `products only`: were the host's time zero at B rows, B·t(1)/ggml(B).
+- `products only`: were the host's time zero at B rows, B·t(1)/products(B).
 
 And the request set of bench/batch.py (`--requests` prompts, `--tokens` generated each): the time its
 prompts take to prefill one after the other (the daemon prefills one newcomer's chunk per step, never
@@ -46,7 +48,7 @@ from fomoepy.timing import MATMUL
 
 
 def step_times(engine: Engine, batches: list[int], steps: int, repeats: int) -> dict[int, list[tuple[float, float]]]:
-    """{B: [(seconds per step, of which inside ggml), one per block]}."""
+    """{B: [(seconds per step, of which in products), one per block]}."""
     rng = np.random.default_rng(0)
     states = {}
     for B in batches:
@@ -87,6 +89,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="ggml threads")
     ap.add_argument("--requests", type=int, default=16, help="bench/batch.py's request set: its prompts")
     ap.add_argument("--tokens", type=int, default=48, help="bench/batch.py's tokens generated per request")
+    ap.add_argument("--expert-kernel", default="auto", choices=["auto", "ggml"],
+                    help="a decode step's experts by fomoepy's batched kernel where it serves (auto), or ggml's")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     try:
@@ -101,14 +105,15 @@ def main() -> int:
     model, store = ensure_model("bench")
     with ExpertStore.open([store], model) as s:
         all_bytes = sum(layer.expert_nbytes for layer in s.layers) * s.manifest.layers[0].n_expert
-    engine = Engine(model, EngineOptions(backend="cpu", threads=args.threads, store=(str(store),), ram_cache=all_bytes))
+    engine = Engine(model, EngineOptions(backend="cpu", threads=args.threads, store=(str(store),), ram_cache=all_bytes,
+                                         expert_kernel=args.expert_kernel))
     try:
         times = step_times(engine, batches, args.steps, args.repeats)
         prefill, prompt_tokens = prefill_seconds(engine, args.requests)
     finally:
         engine.close()
 
-    best = {B: min(times[B]) for B in batches}  # the fastest block, and its ggml share
+    best = {B: min(times[B]) for B in batches}  # the fastest block, and its products' share
     t1 = best[1][0]
     rows = []
     for B in batches:
@@ -132,10 +137,12 @@ def main() -> int:
         f"### batch step — {date.today()} — cpu backend, {platform.machine()}, {os.cpu_count()} cores; "
         f"load {os.getloadavg()[0]:.2f} at the end\n\n"
         f"`python bench/batch_step.py --batches {args.batches} --steps {args.steps} --repeats {args.repeats} "
-        f"--threads {args.threads} --requests {args.requests} --tokens {args.tokens}`; bench model, every expert resident, "
+        f"--threads {args.threads} --requests {args.requests} --tokens {args.tokens}"
+        + (f" --expert-kernel {args.expert_kernel}" if args.expert_kernel != "auto" else "")
+        + "`; bench model, every expert resident, "
         "fastest block (median) per row count\n\n"
-        "| sequences B | step ms | of which ggml ms | host ms | step ms / row | ggml ms / row | B·t(1)/t(B) step "
-        "| B·t(1)/ggml(B) products only |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n" + "\n".join(lines) + "\n"
+        "| sequences B | step ms | of which products ms | host ms | step ms / row | products ms / row | B·t(1)/t(B) step "
+        "| B·t(1)/products(B) products only |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n" + "\n".join(lines) + "\n"
     )  # fmt: skip
     return publish(report, args.record)
 

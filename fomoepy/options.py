@@ -28,6 +28,7 @@ from fomoepy.scheduler import PLACEMENTS
 
 BACKFILL_MODES = ("off", "thread", "sync")  # reload CAR's substituted originals: never, in a thread, N per token
 REPACK_MODES = ("auto", "on", "off")  # --repack-experts: the cpu backend's slot form
+EXPERT_KERNELS = ("auto", "ggml")  # --expert-kernel: the cpu backend's decode-step experts
 # ggml's own limit (GGML_MAX_N_THREADS, its threadpool's cpumask size): more threads than this it
 # cannot run, and asking the OS for tens of thousands fails (OpenMP) or crashes (ggml's pool)
 MAX_THREADS = 512
@@ -53,6 +54,7 @@ class EngineOptions:
     trace: str | None = None
     prefill_chunk: int = 64  # prompt tokens per prefill step (a running stream's gap is one such step)
     repack_experts: str = "auto"  # cpu backend: expert slots in ggml's repacked form: on, off, auto (when the tier holds every expert)
+    expert_kernel: str = "auto"  # cpu backend: a decode step's experts by fomoepy's batched kernel where it serves (auto), or ggml's
     sequences: int = 1  # sequences whose states (full-context KV caches, recurrent states) a GPU keeps room for (fomoe serve: --max-batch)
 
     def __post_init__(self) -> None:
@@ -77,6 +79,8 @@ class EngineOptions:
                 bad(flag, f"must be >= 0, got {size}")
         if self.repack_experts not in REPACK_MODES:
             bad("repack-experts", f"must be one of {', '.join(REPACK_MODES)}, got {self.repack_experts!r}")
+        if self.expert_kernel not in EXPERT_KERNELS:
+            bad("expert-kernel", f"must be one of {', '.join(EXPERT_KERNELS)}, got {self.expert_kernel!r}")
         if self.cache_policy not in POLICIES:
             bad("cache-policy", f"{self.cache_policy!r} is unknown (known: {', '.join(POLICIES)})")
         if self.backfill not in BACKFILL_MODES:
@@ -111,6 +115,7 @@ class EngineOptions:
             trace=args.trace,
             prefill_chunk=args.prefill_chunk,
             repack_experts=args.repack_experts,
+            expert_kernel=args.expert_kernel,
             sequences=getattr(args, "max_batch", 1),  # (fomoe serve's; one sequence elsewhere)
         )
 
@@ -161,7 +166,12 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repack-experts", default="auto", choices=list(REPACK_MODES),
                    help="cpu backend: hold the expert slots in ggml's repacked form, as llama.cpp does unless --no-repack: "
                         "on, off, or auto (default: on when the tier holds every expert, filled at load; off when it "
-                        "streams, where every expert a step streams through would be repacked first)")  # fmt: skip
+                        "streams, where every expert a step streams through would be repacked first; off "
+                        "where --expert-kernel auto serves)")  # fmt: skip
+    g.add_argument("--expert-kernel", default="auto", choices=list(EXPERT_KERNELS),
+                   help="cpu backend: a decode step's experts by fomoepy's kernel, which decodes each expert once for "
+                        "all the sequences that picked it, where it has the experts' types (Q4_K, Q6_K) and the CPU "
+                        "has AVX-512 (auto, the default), or by ggml's products (ggml)")  # fmt: skip
     g = p.add_argument_group("cache-aware routing (off by default: the exact model)")
     CarConfig.add_arguments(g)
     g.add_argument("--backfill", default="thread", choices=list(BACKFILL_MODES),

@@ -8,8 +8,8 @@ attention or DeltaNet mixer, the shared expert). The CPU executors (cpu, referen
 phases. Each MoE step hands its record (fomoepy.experts.device.StepTiming) to `add_step`; on a GPU
 backend its `experts` part is the host's calls that queue the copies and launches.
 
-`MATMUL` sums the seconds inside ggml's graph computations (every product of the cpu backend, dense
-ones too, so it is counted where ggml runs). Blocked on expert reads is the step record's `wait`.
+`MATMUL` sums the seconds inside ggml's graph computations and fomoepy's batched expert kernel
+(fomoepy.runtime.batched_experts): every product of the cpu backend, dense ones too. Blocked on expert reads is the step record's `wait`.
 What is left of a layer step is the host's own time: Python and numpy outside the matrix products,
 the number `host` reports. (On the reference backend the products are numpy's and count as host time.)
 """
@@ -48,7 +48,7 @@ class Accumulator:
             self.seconds += time.perf_counter() - t
 
 
-MATMUL = Accumulator()  # inside ggml graph computations
+MATMUL = Accumulator()  # inside ggml graph computations and the batched expert kernel
 
 
 class LayerTimer:

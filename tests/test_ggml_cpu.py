@@ -18,6 +18,7 @@ from fomoepy.engine import Engine, EngineOptions
 from fomoepy.errors import FomoeError
 from fomoepy.experts.device import Phase
 from fomoepy.experts.store_writer import prepare_store
+from fomoepy.runtime import batched_experts
 from fomoepy.runtime.ggml_matmul import (
     QuantMatrix,
     expert_ffn,
@@ -147,9 +148,12 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
     layers, n_expert, k = resident.layers, spec.moe.n_expert, spec.moe.n_expert_used
     parts, unit = layers[layer].parts, layers[layer].expert_nbytes
     assert len(resident.pool_of[layer]) == n_expert * len(layers)  # the whole model fits: seeded at load
-    none = GgmlExperts(layers, engine.ops, None, n_expert, 0, 2, repack)  # 2 staging slots: rounds
-    some = GgmlExperts(layers, engine.ops, None, n_expert, 3 * unit, k, repack)
-    plain = GgmlExperts(layers, engine.ops, None, n_expert, 0, n_expert, repack=False)
+    kernel = any(resident.kernel_layers)  # (as the engine chose)
+    none = GgmlExperts(layers, engine.ops, None, n_expert, 0, 2, repack, kernel)  # 2 staging slots: rounds
+    some = GgmlExperts(layers, engine.ops, None, n_expert, 3 * unit, k, repack, kernel)
+    plain = GgmlExperts(layers, engine.ops, None, n_expert, 0, n_expert, repack=False, kernel=False)
+    # with the batched kernel where the CPU runs it (a decode step's picks: fomoepy.runtime.batched_experts)
+    kernel = GgmlExperts(layers, engine.ops, None, n_expert, 0, n_expert, repack=False, kernel=True) if batched_experts.vector_kernel() else None
     rng = np.random.default_rng(5 + T)
     every = {e: engine.source.read(layer, e) for e in range(n_expert)}
     for _ in range(3):
@@ -186,8 +190,19 @@ def test_a_steps_experts_sum_the_same_whatever_was_resident_or_at_hand(stored, T
                     y = fresh_expert_ffn(h[t : t + 1], [(np.zeros(1, np.int64), *expert_matrices(every[e], parts))], 1)[0][0]
                 want[t] += y * weights[t, j]
         assert np.array_equal(plain.compute(layer, h, ids, weights, StepExperts(None, phase, dict(every), {}, lambda: None)), want)
-    for device in (none, some, plain):
-        device.close()
+        if kernel is not None and phase is Phase.DECODE:  # each pick alone by the kernel, added in the routing's order
+            want = np.zeros_like(h)
+            for t in range(T):
+                for j in range(k):
+                    e = int(ids[t, j])
+                    addresses = np.array([[part.ctypes.data for part in every[e]]], np.uint64)
+                    y = batched_experts.pick_outputs(h[t : t + 1], np.zeros(1, np.int32), np.zeros(1, np.int32), addresses,
+                                                     tuple(p.qtype for p in parts), parts[0].shape[0], 1)  # fmt: skip
+                    want[t] += y[0] * weights[t, j]
+            assert np.array_equal(kernel.compute(layer, h, ids, weights, StepExperts(None, phase, dict(every), {}, lambda: None)), want)
+    for device in (none, some, plain, kernel):
+        if device is not None:
+            device.close()
     engine.close()
 
 
@@ -345,7 +360,9 @@ def test_profile_timing_splits_a_layer_step_into_products_read_waits_and_host(st
 
 def test_expert_slots_are_repacked_when_the_tier_holds_every_expert_plain_when_it_streams_or_as_asked(tmp_path):
     """auto: a tier that holds the whole model (filled at load) repacked where ggml has kernels for the
-    matrices, one that streams plain (a streamed miss costs a memcpy, not a repack); on and off as asked."""
+    matrices, one that streams plain (a streamed miss costs a memcpy, not a repack); on and off as asked.
+    Where fomoepy's batched kernel computes the decode steps (--expert-kernel auto, a CPU with AVX-512) the
+    whole tier's slots stay plain, which is what it reads; with --expert-kernel ggml they are repacked."""
     from fomoepy.options import EngineOptions as Options
     from fomoepy.options import add_engine_options
     from fomoepy.runtime.ggml_buffers import repacks
@@ -357,18 +374,30 @@ def test_expert_slots_are_repacked_when_the_tier_holds_every_expert_plain_when_i
     assert Options.from_args(parser.parse_args([])).repack_experts == "auto"
     with pytest.raises(FomoeError, match="--repack-experts must be one of"):
         Options(repack_experts="yes")
+    assert Options.from_args(parser.parse_args(["--expert-kernel", "ggml"])).expert_kernel == "ggml"
+    with pytest.raises(FomoeError, match="--expert-kernel must be one of"):
+        Options(expert_kernel="fast")
     store = tmp_path / "s"
     prepare_store(path, [store], progress=False)
     streams = {"store": (str(store),), "ram_cache": 2 * Engine(path, EngineOptions(backend="cpu")).source.layers[0].expert_nbytes}
-    forms, kernels = {}, []
+    forms, kernels, served = {}, [], {}
     for name, opts in [("whole auto", {}), ("whole off", {"repack_experts": "off"}), ("streams auto", streams),
-                       ("streams on", {**streams, "repack_experts": "on"})]:  # fmt: skip
-        engine = Engine(path, EngineOptions(backend="cpu", threads=1, **opts))
+                       ("streams on", {**streams, "repack_experts": "on"}), ("whole auto, 2 threads", {"threads": 2}),
+                       ("whole ggml, 2 threads", {"threads": 2, "expert_kernel": "ggml"})]:  # fmt: skip
+        engine = Engine(path, EngineOptions(backend="cpu", **{"threads": 1, **opts}))
         mats = [m for pool in engine.experts.device.pools.values() for m in pool.layer.mats]
         forms[name] = [m.repacked for m in mats]
         kernels = [repacks(m.qtype, m.n_cols, m.n_rows) for m in mats]  # whether ggml has kernels for each here
+        served[name] = any(engine.experts.device.kernel_layers)
         engine.close()
     assert not any(forms["whole off"]) and not any(forms["streams auto"])
+    # the kernel serves at any thread count, where the CPU runs it, unless --expert-kernel ggml
+    kernel = batched_experts.serves(engine.source.layers)
+    assert served["whole auto"] == served["whole auto, 2 threads"] == kernel and not served["whole ggml, 2 threads"]
+    if kernel:
+        assert not any(forms["whole auto"]) and not any(forms["whole auto, 2 threads"])
     if not any(kernels):
         pytest.skip("this CPU's ggml has no repacked kernels for the model's expert matrices")
-    assert forms["whole auto"] == kernels and forms["streams on"] == kernels
+    assert forms["streams on"] == kernels and forms["whole ggml, 2 threads"] == kernels
+    if not kernel:
+        assert forms["whole auto"] == kernels

@@ -15,7 +15,7 @@ from fomoepy.experts.device import Phase
 from fomoepy.experts.resident_step import ResidentStep
 from fomoepy.model.state import KV_CHUNK, KVCache
 from fomoepy.model.transformer import Transformer
-from fomoepy.runtime import ggml_cpu, ggml_decode, ggml_threads
+from fomoepy.runtime import batched_experts, ggml_cpu, ggml_decode, ggml_threads
 from fomoepy.runtime.ggml_attention import BUCKET
 from fomoepy.runtime.ggml_experts import GgmlExperts
 
@@ -186,6 +186,15 @@ def test_a_batched_step_is_one_graph_and_each_row_gets_the_layer_paths_bits(monk
     assert all(np.array_equal(a, b) for pair in zip(whole[1], apart[1]) for a, b in zip(*pair))
     assert np.array_equal(whole[2], apart[2]) and whole[2].sum() > 0
     assert whole[3] == apart[3] > 0
+    # the batched kernel's steps of more picks than its call takes, in parts of rows (graph and layer paths)
+    with monkeypatch.context() as m:
+        m.setattr(ggml_decode, "MAX_PICKS", 8)  # (this model's rows pick 4 experts each: parts of 2 rows)
+        m.setattr(batched_experts, "MAX_PICKS", 8)
+        parts = run_batch(prompts, 6)
+        m.setattr(ResidentStep, "in_graph", lambda self, layer: None)
+        parts_apart = run_batch(prompts, 6)
+    for got in (parts, parts_apart):
+        assert all(np.array_equal(a, b) for a, b in zip(whole[0], got[0]))
 
 
 def test_a_token_is_one_graph_only_where_every_layers_experts_are_resident_and_no_step_is_timed(spinning):

@@ -13,7 +13,7 @@ from conftest import ORACLE
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.read_buffers import ReadBuffers
 from fomoepy.experts.store_writer import prepare_store
-from fomoepy.runtime import ggml_experts, ggml_pool, ggml_reads
+from fomoepy.runtime import batched_experts, ggml_experts, ggml_pool, ggml_reads
 from fomoepy.runtime.ggml_reads import DeviceReads, PyReadArena
 
 # the definition, and the compiled one (fomoepy/runtime/_host_memory.c's Arena) where setup.py built it
@@ -83,15 +83,23 @@ def store(tmp_path_factory):
     d = tmp_path_factory.mktemp("store")
     prepare_store(path, [d], progress=False)
     tokens = [int(t) for t in np.load(ORACLE / "qwen3moe_q4_k_m.tokens.npy")]
-    resident = Engine(path, EngineOptions(backend="cpu"))
-    state = resident.new_state()
-    want = np.stack([resident.decode_token(state, t) for t in tokens])
-    resident.close()
+    want = {}
+    for kernel in KERNELS:  # every expert resident, by each expert kernel (their float sums differ in order)
+        resident = Engine(path, EngineOptions(backend="cpu", expert_kernel=kernel, repack_experts="off"))
+        state = resident.new_state()
+        want[kernel] = np.stack([resident.decode_token(state, t) for t in tokens])
+        resident.close()
     return path, d, tokens, want
 
 
+# a decode step's experts by ggml's products (whose misses the read arena's rounds compute in place) and by
+# fomoepy's batched kernel, where it serves (which computes every miss from where its read landed)
+KERNELS = ["ggml"] + (["auto"] if batched_experts.vector_kernel() else [])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("ram_cache", [0, 2 << 20])
-def test_a_streamed_decodes_misses_the_tier_does_not_keep_are_computed_where_their_reads_landed(store, ram_cache, monkeypatch):
+def test_a_streamed_decodes_misses_the_tier_does_not_keep_are_computed_where_their_reads_landed(store, ram_cache, kernel, monkeypatch):
     path, d, tokens, want = store
     counts = {"staged": 0, "in place": 0}
     real_stage, real_round = ggml_pool.SlotPool.stage, ggml_experts._round_in_place
@@ -106,16 +114,21 @@ def test_a_streamed_decodes_misses_the_tier_does_not_keep_are_computed_where_the
 
     monkeypatch.setattr(ggml_pool.SlotPool, "stage", stage)
     monkeypatch.setattr(ggml_experts, "_round_in_place", in_place)
-    engine = Engine(path, EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=ram_cache))
+    engine = Engine(path, EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=ram_cache, expert_kernel=kernel))
+    assert any(engine.experts.device.kernel_layers) == (kernel == "auto")
     state = engine.new_state()
     got = np.stack([engine.decode_token(state, t) for t in tokens])
     assert engine.stats()["cache"]["disk"]["reads"] > len(tokens)
     engine.close()
-    assert counts["in place"] > 0 and counts["staged"] == 0  # no miss was copied into a staging slot
-    assert np.array_equal(got, want)  # the same bits as every expert resident (plain slots, the same kernels)
+    assert counts["staged"] == 0  # no miss was copied into a staging slot
+    assert counts["in place"] > 0 or kernel == "auto"  # (the kernel's steps take no rounds)
+    assert np.array_equal(got, want[kernel])  # the same bits as every expert resident (plain slots, the same kernels)
 
 
-def test_the_reads_beyond_the_arena_are_staged_by_a_copy_with_the_same_bits(store, monkeypatch):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_reads_beyond_the_arena_are_staged_by_a_copy_with_the_same_bits(store, kernel, monkeypatch):
+    """ggml's products: the misses beyond the read arena copied into staging slots; the batched kernel's: none,
+    every miss read where its read landed, arena or not. The same bits as every expert resident either way."""
     path, d, tokens, want = store
     monkeypatch.setattr(DeviceReads.__init__, "__defaults__", (1,))
     staged = [0]
@@ -126,20 +139,24 @@ def test_the_reads_beyond_the_arena_are_staged_by_a_copy_with_the_same_bits(stor
         return real_stage(self, *a)
 
     monkeypatch.setattr(ggml_pool.SlotPool, "stage", stage)
-    engine = Engine(path, EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=0))
+    engine = Engine(path, EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=0, expert_kernel=kernel))
     assert engine.experts.device.reads.count == 1
     state = engine.new_state()
     got = np.stack([engine.decode_token(state, t) for t in tokens])
     engine.close()
-    assert staged[0] > 0  # a step's misses outnumber the one buffer: the others were copied
-    assert np.array_equal(got, want)
+    if kernel == "ggml":
+        assert staged[0] > 0  # a step's misses outnumber the one buffer: the others were copied
+    else:
+        assert staged[0] == 0
+    assert np.array_equal(got, want[kernel])
 
 
-def test_a_batched_decode_steps_misses_are_computed_where_they_landed_each_row_with_its_lone_bits(store, monkeypatch):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_batched_decode_steps_misses_are_computed_where_they_landed_each_row_with_its_lone_bits(store, kernel, monkeypatch):
     # several sequences' rows a step: each pick a row of its own in the round, from a slot or from the buffer
     # its read landed in; each row's logits those of its sequence decoded alone (plain slots either way)
     path, d, tokens, _ = store
-    options = EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=2 << 20, threads=1)
+    options = EngineOptions(backend="cpu", store=(str(d),), vram_cache=0, ram_cache=2 << 20, threads=1, expert_kernel=kernel)
     streams = [tokens[i:] + tokens[:i] for i in (0, 5, 11)]  # three sequences, each its own tokens
     steps = 8
     engine = Engine(path, options)
@@ -166,7 +183,7 @@ def test_a_batched_decode_steps_misses_are_computed_where_they_landed_each_row_w
     states = [engine.new_state() for _ in streams]
     batched = np.stack([engine.model.forward_batch(np.array([s[i] for s in streams]), states) for i in range(steps)], axis=1)
     engine.close()
-    assert counts["batched rounds in place"] > 0 and counts["staged"] == 0
+    assert (counts["batched rounds in place"] > 0 or kernel == "auto") and counts["staged"] == 0
     for b in range(len(streams)):
         assert np.array_equal(batched[b], lone[b])
 
@@ -237,7 +254,7 @@ def test_a_streamed_decode_takes_a_read_buffer_for_each_read_issued_and_none_for
     engine.close()
     assert ahead.skipped > 0  # guesses were dropped unissued (the case this is about)
     assert calls["takes"] == calls["reads"] > len(tokens)
-    assert np.array_equal(got, want)
+    assert np.array_equal(got, want[KERNELS[-1]])  # (the default: the batched kernel where it serves)
 
 
 @pytest.mark.parametrize("pool", ["arena", "python arena", "reused"])

@@ -14,7 +14,10 @@ from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.device import Phase
 from fomoepy.experts.tiers import SlotState
 from fomoepy.experts.trace import read_trace
+from fomoepy.runtime import batched_experts
 from fomoepy.sampling import SamplingParams
+
+CPU_KERNELS = ["ggml"] + (["auto"] if batched_experts.vector_kernel() else [])  # --expert-kernel: ggml's products, fomoepy's kernel
 
 
 @pytest.fixture
@@ -217,68 +220,76 @@ class ComputeGatedStore(PooledStore):
         return super().read(layer, expert, out)
 
 
-def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_read(model):
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_a_cpu_decode_step_computes_the_experts_at_hand_while_the_others_are_read(model, kernel):
     # ggml backend, one token: of the experts chosen, those in the tier go through their FFN before this
     # step's reads finish; then the read ones. The logits are the resident engine's, bit for bit (with
     # its slots in the same form: --repack-experts auto repacks a whole tier's, not a streaming one's).
+    # By ggml's products (rounds) and by the batched kernel (its first call: the tier's picks)
     import fomoepy.runtime.ggml_experts as ge
 
     path, store, tokens, _ = model
-    resident = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts="off"))
+    resident = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts="off", expert_kernel=kernel))
     resident_state = resident.new_state()
     resident.eval(resident_state, tokens[:5])
     want = resident.eval(resident_state, tokens[5:6], phase=Phase.DECODE)[-1]
     resident.close()
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=short_of_whole(path), prefetch=False))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=short_of_whole(path), prefetch=False,
+                                        expert_kernel=kernel))  # fmt: skip
     state = engine.new_state()
     engine.eval(state, tokens[:5])  # the prompt's experts are now in the tier
     streamer = engine.experts.streamer
     streamer.source = gated = ComputeGatedStore(streamer.source, patience=0.5)
-    real_round = ge._round
+    module, name = (ge, "_round") if kernel == "ggml" else (ge.batched_experts, "pick_outputs")
+    real_round = getattr(module, name)
 
     def round_(*args):
-        real_round(*args)
+        out = real_round(*args)
         gated.computed.set()
+        return out
 
-    ge._round = round_
+    setattr(module, name, round_)
     reads = engine.stats()["cache"]["disk"]["reads"]
     try:
         got = engine.eval(state, tokens[5:6], phase=Phase.DECODE)[-1]
     finally:
-        ge._round = real_round
+        setattr(module, name, real_round)
     assert engine.stats()["cache"]["disk"]["reads"] - reads == len(gated.released) > 0
     assert any(gated.released)  # some step computed experts at hand while its reads were pending
     assert np.array_equal(got, want)  # the order of additions is the resident engine's
     engine.close()
 
 
-def test_a_cpu_decode_step_that_fails_among_the_experts_at_hand_leaves_the_cache_whole(model):
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_a_cpu_decode_step_that_fails_among_the_experts_at_hand_leaves_the_cache_whole(model, kernel):
     # the at-hand FFN raises while the step's reads are in flight: the error reaches the caller, the
     # reads still land, and the next request computes what a fresh engine does
     import fomoepy.runtime.ggml_experts as ge
 
     path, store, tokens, _ = model
-    fresh = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts="off"))  # a streaming tier's form
+    fresh = Engine(path, EngineOptions(backend="cpu", threads=1, repack_experts="off", expert_kernel=kernel))  # a streaming tier's form
     want = fresh.logits(tokens[:6])[-1]
     fresh.close()
-    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=short_of_whole(path), prefetch=False))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=1, store=tuple(store), ram_cache=short_of_whole(path), prefetch=False,
+                                        expert_kernel=kernel))  # fmt: skip
     state = engine.new_state()
     engine.eval(state, tokens[:5])
     streamer = engine.experts.streamer
     streamer.source = source = HeldStore(streamer.source, held=set())
-    real_round = ge._round
+    module, name = (ge, "_round") if kernel == "ggml" else (ge.batched_experts, "pick_outputs")
+    real_round = getattr(module, name)
 
     def failing(*args):
         if source.submitted:  # a step with reads in flight
             raise RuntimeError("ggml failed")
-        real_round(*args)
+        return real_round(*args)
 
-    ge._round = failing
+    setattr(module, name, failing)
     try:
         with pytest.raises(RuntimeError, match="ggml failed"):
             engine.eval(state, tokens[5:6], phase=Phase.DECODE)
     finally:
-        ge._round = real_round
+        setattr(module, name, real_round)
     tier = streamer.cache.device  # the cpu backend's one tier
     assert source.submitted and all(tier.state(k) is SlotState.READY for k in tier.keys())
     assert np.array_equal(engine.logits(tokens[:6])[-1], want)

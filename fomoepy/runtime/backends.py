@@ -131,17 +131,18 @@ def free_cores(runnable=None) -> int:
 
 
 def make_expert_device(ops, layers, routers=None, devices=None, device_of_layer=None, keep_raw: bool = False,
-                       slots: tuple[int, int, int, bool] = (0, 0, 1, False)):  # fmt: skip
+                       slots: tuple[int, int, int, bool, bool] = (0, 0, 1, False, False)):  # fmt: skip
     """The routed-expert device that matches `ops` (fomoepy.experts.device.ExpertDevice): GgmlExperts,
     CpuExperts or GpuExperts; on GPUs, `devices` and `device_of_layer` place each layer's expert slots
     with the layer. keep_raw: the reference backend's compute-ready experts keep their store bytes, so a
     demoting policy can move them down. slots: the cpu backend's (experts per layer, tier bytes, staging
-    slots, whether they are repacked: --repack-experts), which make its slot tensors."""
+    slots, whether they are repacked: --repack-experts, whether fomoepy's batched kernel computes its
+    decode steps: --expert-kernel), which make its slot tensors."""
     if ops.experts_kind == "ggml":
         from fomoepy.runtime.ggml_experts import GgmlExperts
 
-        n_expert, tier_bytes, n_staging, repack = slots
-        return GgmlExperts(layers, ops, routers, n_expert, tier_bytes, n_staging, repack)
+        n_expert, tier_bytes, n_staging, repack, kernel = slots
+        return GgmlExperts(layers, ops, routers, n_expert, tier_bytes, n_staging, repack, kernel)
     if ops.experts_kind == "gpu":
         from fomoepy.runtime.gpu_experts import GpuExperts
 

@@ -33,6 +33,7 @@ import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait p
 import ggml
 import numpy as np
 
+from fomoepy.runtime.batched_experts import MAX_PICKS, GraphExperts
 from fomoepy.runtime.ggml_attention import (
     attention_nodes,
     cache_inputs,
@@ -98,8 +99,13 @@ def _expert_rows(g: Graph, x2, h, logits, k: int, experts: list, B: int, into: t
     # (the B rows' picks as one list: get_rows takes a 2-D list as one per matrix of its table)
     slots = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, table, ggml.ggml_reshape_1d(g.ctx, ids, k * B)), k, B)
     rows = ggml.ggml_reshape_3d(g.ctx, h, D, 1, B)
-    together = rows_kept_together(experts) if B > 1 else None
-    if together is None or B <= together:
+    if _kernel(experts):  # fomoepy's batched kernel: each row's bits its own in any batch
+        together = MAX_PICKS // k  # (its nodes' picks at most)
+    else:
+        together = rows_kept_together(experts) if B > 1 else None
+    if _kernel(experts) and B <= together:
+        y = experts.nodes(g.ctx, h, slots, B, k)
+    elif together is None or B <= together:
         y = expert_outputs(g.ctx, experts, rows, slots)  # [D, k, B]
     else:  # several products, none of more rows than ggml keeps each row's bits in (every row may pick one expert)
         parts = []
@@ -107,7 +113,11 @@ def _expert_rows(g: Graph, x2, h, logits, k: int, experts: list, B: int, into: t
             n = min(together, B - first)
             part_rows = ggml.ggml_view_3d(g.ctx, rows, D, 1, n, rows.contents.nb[1], rows.contents.nb[2], first * rows.contents.nb[2])
             part_slots = ggml.ggml_view_2d(g.ctx, slots, k, n, slots.contents.nb[1], first * slots.contents.nb[1])
-            parts.append(expert_outputs(g.ctx, experts, part_rows, part_slots))
+            if _kernel(experts):
+                part_h = ggml.ggml_view_2d(g.ctx, h, D, n, h.contents.nb[1], first * h.contents.nb[1])
+                parts.append(experts.nodes(g.ctx, part_h, part_slots, n, k))
+            else:
+                parts.append(expert_outputs(g.ctx, experts, part_rows, part_slots))
         y = functools.reduce(lambda a, b: ggml.ggml_concat(g.ctx, a, b, 2), parts)  # [D, k, B]
     moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, B))
     return ggml.ggml_add(g.ctx, x2, moe)
@@ -115,8 +125,16 @@ def _expert_rows(g: Graph, x2, h, logits, k: int, experts: list, B: int, into: t
 
 def _expert_parts_bytes(experts: list, D: int, k: int, B: int) -> int:
     """Room for _expert_rows' concatenations of its products' outputs, where it takes B rows in parts."""
+    if _kernel(experts):  # (its nodes' outputs, in parts of at most MAX_PICKS picks, and their concatenations)
+        n = min(B, MAX_PICKS // k)
+        return -(-B // n) * experts.node_bytes(n, k) + 2 * _F * D * k * B
     together = rows_kept_together(experts) if B > 1 else None
     return 0 if together is None or B <= together else _F * D * k * B * (-(-B // together) - 1)
+
+
+def _kernel(experts) -> bool:
+    """Whether a layer's graph experts are the batched kernel's (GgmlExperts.graph_inputs), not slot tensors."""
+    return isinstance(experts, GraphExperts)
 
 
 def _layer_bytes(w, a, n: int, T: int, k: int, experts: list | None = None) -> int:
@@ -125,7 +143,12 @@ def _layer_bytes(w, a, n: int, T: int, k: int, experts: list | None = None) -> i
     y, y·w [D, k]; k-1 partial sums [D])."""
     H, Hkv, hd, D, E = a.n_head, a.n_head_kv, a.head_dim, w.attn_q.n_cols, w.ffn_gate_inp.n_rows
     attention = _F * (2 * (H // Hkv) * T * n * Hkv + 4 * H * hd * T + 4 * T * (E + k))
-    expert = 0 if experts is None else _F * k * (4 * int(experts[0].contents.ne[1]) + 3 * D)
+    if experts is None:
+        expert = 0
+    elif _kernel(experts):  # (its nodes' outputs, then y·w and the partial sums)
+        expert = experts.node_bytes(T, k) + _F * k * 3 * D
+    else:
+        expert = _F * k * (4 * int(experts[0].contents.ne[1]) + 3 * D)
     return pre_attention_bytes(w, a, T) + post_attention_bytes(w, T) + attention + expert + 64 * (128 + 2 * k)
 
 

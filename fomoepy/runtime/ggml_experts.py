@@ -27,11 +27,12 @@ import numpy as np
 from fomoepy.experts.device import Phase, StepExperts
 from fomoepy.experts.routing import top_ids
 from fomoepy.experts.source import LayerExperts
-from fomoepy.runtime import ggml_threads
+from fomoepy.runtime import batched_experts, ggml_threads
 from fomoepy.runtime.ggml_matmul import QuantMatrix, expert_ffn, top_ids_of_product
 from fomoepy.runtime.ggml_pool import SlotPool, layout_of
 from fomoepy.runtime.ggml_reads import DeviceReads
 from fomoepy.runtime.ggml_slots import weighted_sum
+from fomoepy.runtime.pinned import contiguous_address
 
 F32 = np.float32
 _ONE_THREAD_ROWS = 16  # router rows computed on one thread (a decode step's, of up to 16 sequences)
@@ -62,7 +63,9 @@ class GgmlExperts:
 
     tier_bytes: the tier's budget (the cache's device tier); n_staging: staging slots per layout (a
     decode step's misses all fit in n_expert_used); repack: every slot in ggml's repacked form where it
-    has kernels for the type (--repack-experts), else plain."""
+    has kernels for the type (--repack-experts), else plain; kernel: a decode step's picks of a layer
+    with plain slots of the types it has computed by fomoepy.runtime.batched_experts (each expert
+    decoded once for all its rows), where the CPU runs it; else (and always for a prompt) ggml's."""
 
     can_download = False  # this backend's one tier has no tier below it to demote into
     # a step's rows may be computed in runs (MoEStep): each call installs its own misses the plan admitted
@@ -70,7 +73,7 @@ class GgmlExperts:
     computes_runs = True
 
     def __init__(self, layers: tuple[LayerExperts, ...], ops, routers=None, n_expert: int = 0, tier_bytes: int = 0,
-                 n_staging: int = 8, repack: bool = False):  # fmt: skip
+                 n_staging: int = 8, repack: bool = False, kernel: bool = False):  # fmt: skip
         self.layers = layers
         self.ops = ops
         self.routers = routers  # every layer's router, to predict the next layer's experts
@@ -91,6 +94,15 @@ class GgmlExperts:
         self.host_buffer = self.reads.take
         self.host_buffer_anywhere = True  # (DeviceReads.take: any thread; a read made ahead takes it as issued)
         self._part_sizes = [tuple(p.nbytes for p in layer.parts) for layer in layers]  # a record's parts, in order
+        kernel = kernel and batched_experts.vector_kernel()
+        self._graph_kernels: dict[int, batched_experts.GraphExperts] = {}
+        self._kernel = [kernel and not any(pool.layer.repacked) and batched_experts.handles(pool.layer.qtypes, pool.layer.n_embd, pool.layer.n_ff)
+                        for pool in self.pool_of]  # fmt: skip
+
+    @property
+    def kernel_layers(self) -> list[bool]:
+        """Whether the batched kernel computes each layer's decode steps."""
+        return list(self._kernel)
 
     def expert_nbytes(self, layer: int) -> int:
         return store_expert_nbytes(self.layers[layer])
@@ -119,14 +131,25 @@ class GgmlExperts:
         decode_token): its slot tensors and each expert's slot ([1, E, 1] int32), when every expert of
         the layer is in the tier and the backend's threads spin (or there is one); else None. With
         several threads that sleep while they wait, a decode row's attention graphs run on one thread and
-        its experts on all (see GgmlBackend._graphs): one graph cannot do both."""
+        its experts on all (see GgmlBackend._graphs): one graph cannot do both. On a layer the batched
+        kernel serves, the slot tensors are its GraphExperts (fomoepy.runtime.batched_experts)."""
         if not self._spins and self.ops.threads > 1:
             return None
         pool = self.pool_of[layer]
         slots = pool.slots_of(layer)
         if slots.min() < 0:
             return None
+        if self._kernel[layer]:  # the batched kernel's nodes, which give a pick compute's bits
+            return self._graph_experts(pool), slots.reshape(1, -1, 1)
         return [m.tensor for m in pool.layer.mats], slots.reshape(1, -1, 1)
+
+    def _graph_experts(self, pool: SlotPool) -> batched_experts.GraphExperts:
+        """The kernel's graph nodes over a pool's slots (one object a pool: the graphs keep what it holds)."""
+        made = self._graph_kernels.get(id(pool))
+        if made is None:
+            layer = pool.layer
+            made = self._graph_kernels[id(pool)] = batched_experts.GraphExperts(layer.address_table, layer.qtypes, layer.n_embd, layer.n_ff)
+        return made
 
     def compute(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> np.ndarray:
         """One product over the layer's slots when every expert of the step is in the tier (or gets a
@@ -136,6 +159,8 @@ class GgmlExperts:
         reads landed (the read arena's, not grouped) or in staging slots, as many rounds as they need;
         then the same weighted sum, in the same order, in numpy."""
         weights = np.ascontiguousarray(weights, dtype=F32)
+        if self._kernel[layer] and experts.phase is Phase.DECODE:
+            return self._kernel_step(layer, h, ids, weights, experts)
         pool, threads = self.pool_of[layer], self.ops.threads
         # a long prefill's experts each take their tokens as the rows of one product (GEMM kernels); a
         # decode step's rows each go alone (mul_mat_id), so a row's bits are its own in a batch of
@@ -202,6 +227,48 @@ class GgmlExperts:
             rest = []
         return weighted_sum(y, weights)  # expert j added after 0..j-1, as SlotLayer.ffn's graph adds them
 
+    def _kernel_step(self, layer: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: StepExperts) -> np.ndarray:
+        """A decode step's picks by the batched kernel, each from where its expert's bytes lie: a tier slot,
+        or the step's read of it (no staging copy). The tier's experts first while reads are in flight;
+        then the weighted sum, in the picks' order (as compute's)."""
+        pool, threads = self.pool_of[layer], self.ops.threads
+        T, k = ids.shape
+        if T * k > batched_experts.MAX_PICKS:  # (more picks than a call takes: the rows in parts, each row's bits its own)
+            n = batched_experts.MAX_PICKS // k
+            return np.concatenate([self._kernel_step(layer, h[a : a + n], ids[a : a + n], weights[a : a + n], experts) for a in range(0, T, n)])
+        table, qtypes, n_ff = pool.layer.address_table, pool.layer.qtypes, pool.layer.n_ff
+        slots = pool.slots_of(layer)[ids].ravel()
+        if slots.min() >= 0:  # every expert in the tier (a decode step's usual case): the slots index the table
+            experts.landed()
+            tuned = self.ops.row_threads if T == 1 else None
+            if tuned is not None:  # a decode row: on the count measured faster for this layer's experts (the same bits)
+                y = tuned.run(("experts", pool.layer), lambda n: batched_experts.pick_outputs(h, _pick_rows(T, k), slots, table, qtypes, n_ff, n))
+            else:
+                y = batched_experts.pick_outputs(h, _pick_rows(T, k), slots, table, qtypes, n_ff, threads)
+            return weighted_sum(y.reshape(T, k, -1), weights)
+        id_list, slot_list = ids.ravel().tolist(), slots.tolist()
+        held = dict(zip(id_list, slot_list))  # expert -> its tier slot, -1: none
+        y = np.empty((T * k, pool.layer.n_embd), F32)
+        in_tier = [p for p, s in enumerate(slot_list) if s >= 0]
+        early = bool(in_tier) and any(map(_is_read, experts.pending.values()))
+        slot_of = {e: s for e, s in held.items() if s >= 0}
+        try:
+            if early:  # the tier's picks while the reads go on
+                y[in_tier] = batched_experts.pick_outputs(h, _pick_rows(T, k)[in_tier], slots[in_tier], table, qtypes, n_ff, threads)
+        finally:  # even when that failed: the cache marks the admitted experts ready once their reads land
+            staged = self._install_admitted(layer, [e for e, s in held.items() if s < 0], slot_of, experts)
+        if not early:
+            in_tier = []
+        # the rest: those installed now (their slots) and those read but not kept (where their bytes lie)
+        extra = {e: i + table.shape[0] for i, e in enumerate(staged)}
+        where = np.concatenate([table, np.array([[contiguous_address(part) for part in experts.fetched[e]] for e in staged],
+                                                np.uint64).reshape(-1, 3)])  # fmt: skip
+        done = set(in_tier)
+        rest = [p for p in range(T * k) if p not in done]
+        index = np.array([slot_of[id_list[p]] if id_list[p] in slot_of else extra[id_list[p]] for p in rest], np.int32)
+        y[rest] = batched_experts.pick_outputs(h, _pick_rows(T, k)[rest], index, where, qtypes, n_ff, threads)
+        return weighted_sum(y.reshape(T, k, -1), weights)
+
     def _read_in_place(self, layer: int, staged: list[int], fetched: dict) -> dict[int, tuple]:
         """Of the misses the tier does not keep, those whose reads landed in the read arena, with (the arena,
         their buffer): where the slots are plain, computed there, in place."""
@@ -229,6 +296,14 @@ class GgmlExperts:
 
 
 _is_read = functools.partial(operator.is_not, None)  # a pending entry that is a read in flight (None: read without a pool)
+
+
+@functools.lru_cache(maxsize=64)
+def _pick_rows(T: int, k: int) -> np.ndarray:
+    """Each pick's row, picks token-major: [T·k] int32 (read-only: kept for the next step)."""
+    rows = np.repeat(np.arange(T, dtype=np.int32), k)
+    rows.flags.writeable = False
+    return rows
 
 
 def _slots(ids: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:

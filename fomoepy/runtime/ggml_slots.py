@@ -85,6 +85,7 @@ class SlotMatrix:
             ggml.ggml_free(self._ctx)
             raise
         self.slot_nbytes = ggml.ggml_nbytes(self._views[0])
+        self._base, self._stride = int(self.tensor.contents.data or 0), int(nb[2])
 
     def set_slot(self, slot: int, data: np.ndarray) -> None:
         """Copy one matrix's store-form bytes into `slot` (repacked there where so held)."""
@@ -96,6 +97,10 @@ class SlotMatrix:
             raise FomoeError(f"expected {self.slot_nbytes} bytes for a slot's matrix, got {data.nbytes}")
         # (`.ctypes.data` builds a ctypes object, a microsecond a matrix, three a miss)
         ggml_buffers.set_tensor(self._views[slot], contiguous_address(data), data.nbytes)
+
+    def slot_address(self, slot: int) -> int:
+        """Where slot `slot`'s bytes lie (a plain buffer's: the store form, as fomoepy.runtime.batched_experts reads)."""
+        return self._base + slot * self._stride
 
     def slot_tensor(self, slot: int):
         """Slot `slot`'s matrix as a 2-D ggml tensor (a view, repacked with the rest where so held)."""
@@ -155,6 +160,13 @@ class SlotLayer:
     def rows_kept_together(self) -> int | None:
         """rows_kept_together of this layer's matrices (asked of ggml once)."""
         return rows_kept_together([m.tensor for m in self.mats])
+
+    @functools.cached_property
+    def address_table(self) -> np.ndarray:
+        """[n_slots, 3] uint64: where each slot's gate, up and down bytes lie (fomoepy.runtime.batched_experts)."""
+        table = np.array([[m.slot_address(slot) for m in self.mats] for slot in range(self.n_slots)], np.uint64).reshape(-1, 3)
+        table.flags.writeable = False
+        return table
 
     def set_slot(self, slot: int, raw: Sequence[np.ndarray]) -> None:
         """Copy an expert's gate, up and down store-form bytes into `slot` (repacked where so held)."""
