@@ -7,8 +7,9 @@ Q4_K, down Q6_K, dense Q8_0, ≈ 0.55 GB) is written once under bench/models/. R
   where ggml has kernels for the type (filled at load, as llama.cpp repacks at load; the row says which
   form the run's slots had); a long prefill's routed experts (ggml_experts.grouped_from) are a product
   per expert over its tokens, a decode token is one ggml graph (every
-  layer's attention, routing and one `mul_mat_id` over the slots, then the output head:
-  fomoepy.runtime.ggml_decode);
+  layer's attention, routing and its routed experts, then the output head: fomoepy.runtime.ggml_decode),
+  whose experts are fomoepy's batched kernel's nodes where it serves (--expert-kernel auto: Q4_K/Q6_K
+  experts, a CPU with AVX-512; its slots then plain), else one `mul_mat_id` over the slots;
 - `reference cold`: the compute-ready tier is emptied after the prefill, so the first decoded token
   meets an empty tier (every first touch of an expert dequantises it);
 - `reference warm`: the same work again with the tier filled;
@@ -76,6 +77,8 @@ def main() -> int:
                     help="fomoepy without a thread count (its default: the cores free at start, each kind of decode-row "
                          "product on 1 or all of them as measured); llama.cpp on all cores")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="turns of fomoepy's cpu backend and llama.cpp (medians reported)")
+    ap.add_argument("--expert-kernel", default="auto", choices=["auto", "ggml"],
+                    help="fomoepy's --expert-kernel (auto: a decode step's experts by its batched kernel where it serves)")
     ap.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = ap.parse_args()
 
@@ -83,7 +86,7 @@ def main() -> int:
     threads = args.threads or os.cpu_count() or 1
     rng = np.random.default_rng(0)
     t = time.perf_counter()
-    cpu = Engine(path, EngineOptions(backend="cpu", threads=None if args.default_threads else threads))
+    cpu = Engine(path, EngineOptions(backend="cpu", threads=None if args.default_threads else threads, expert_kernel=args.expert_kernel))
     load_s = time.perf_counter() - t
     prompt = rng.integers(0, cpu.spec.n_vocab - 3, size=args.prompt)
     # fomoepy's cpu backend and llama.cpp take turns, `--rounds` each: load from other work on a shared
@@ -97,8 +100,9 @@ def main() -> int:
     tuned = cpu.devices[0].row_threads
     chosen = sorted(set(tuned.chosen.values())) if tuned is not None else []
     form = "repacked" if any(any(pool.layer.repacked) for pool in cpu.experts.device.pools.values()) else "plain"
+    kernel = "fomoepy's batched kernel" if any(cpu.experts.device.kernel_layers) else "ggml's mul_mat_id"
     cpu.close()
-    name = f"fomoepy cpu (ggml; experts in the tier's slots, {form}; a decode token one graph)"
+    name = f"fomoepy cpu (ggml; experts in the tier's slots, {form}, a decode step's by {kernel}; a decode token one graph)"
     rows = [f"| {name} | {_median(ours, 0):.1f} | {_median(ours, 1):.1f} | {_median(ours, 2):.2f} |"]
     ref = Engine(path, EngineOptions(backend="reference", threads=threads))
     cold = timed_run(ref, prompt, args.decode, cold=True)
@@ -118,6 +122,7 @@ def main() -> int:
         f"### cpu_decode — {date.today()} — {platform.machine()}, {os.cpu_count()} cores\n\n"
         f"`python bench/cpu_decode.py --prompt {args.prompt} --decode {args.decode} --rounds {args.rounds}"
         + (f" --threads {args.threads}" if args.threads else "") + (" --default-threads" if args.default_threads else "")
+        + (f" --expert-kernel {args.expert_kernel}" if args.expert_kernel != "auto" else "")
         + ("`; fomoepy on its default threads: " + f"{ours_threads}"
            + (f", a decode row's products on {' or '.join(map(str, chosen))} as measured" if chosen else "")
            + f"; llama.cpp and the reference engine on {threads}" if args.default_threads else f"`; threads {threads} for every run")

@@ -3,29 +3,30 @@
 
    ggml's mul_mat_id takes a step's picks one row at a time: a K-quant row of weights is decoded (its
    nibbles split, its 6-bit scales and mins unpacked and spread over the lanes) for every (weight row,
-   activation row) pair it meets, and on the bench model's Q4_K experts that decoding is most of the work:
-   by hand, on this 2-vCPU AMD EPYC (AVX-512), one thread, 64 experts' 512 x 1024 Q4_K matrices against
-   1, 2, 4 and 8 activation rows, ggml's AVX2 scheme took 1.16 ms per activation row whatever their
-   number, this kernel 0.91, 0.55, 0.40 and 0.33 (a superblock's decoding ~0.68 ms of the matrices, each
-   row's products ~0.23). A batch of sequences' step has its experts picked by 1.2 (4 sequences) to 1.6
-   (8) rows on average on the bench model, so it is there, and in the decode of one sequence, that this
-   gains.
+   activation row) pair it meets, and that decoding is most of the work. Here each superblock is decoded
+   once and every row that picked the expert is taken from it; eight weight rows' sums are reduced together
+   (reduce8), and the bodies are compiled for 1 to 4 rows, the counts a step's experts mostly have (1.2 rows
+   an expert at 4 sequences, 1.6 at 8, on the bench model). By hand on this 2-vCPU AMD EPYC (AVX-512), a
+   bench-model layer's routed experts at 1 / 8 decode rows: 1 thread 0.39 / 2.42 ms against ggml's repacked
+   products' 0.36 / 2.59; 2 threads 0.21 / 1.11 against 0.28 / 2.16. Steps along the way, by hand, one
+   thread, one row: the first form 0.60 ms, -O3 0.45, eight rows reduced together 0.38, the one-row body
+   0.30 (random experts of the bench shape, bench-style picks).
 
    The arithmetic is ggml's: each activation row quantized to Q8_K (absmax to 127 per 256, rounded to
    nearest even, as quantize_row_q8_K), the block dot products exact in integers (Q4_K: Σ_j sc_j Σ q·a and
-   Σ_j m_j bsum_j; Q6_K: Σ_g sc_g Σ q·a − 32 Σ_g sc_g bsum_g), each superblock's two integers scaled by
-   their floats and added in float32; only the order of those float additions differs from ggml's (lanes
-   of a 512-bit register, reduced at the row's end). A row's result depends on its own inputs alone, never
-   on the other rows of the step or the thread split (each output element is one thread's loop), so a
-   sequence's bits are the same alone or in any batch. The SiLU·up product between the two halves is
+   Σ_j m_j bsum_j; Q6_K: Σ_g sc_g Σ q·a − 32 Σ_g sc_g bsum_g), each superblock's integers scaled by their
+   floats and added in float32; only the order of those float additions differs from ggml's (lanes of a
+   512-bit register, then reduce8's tree). A row's result depends on its own inputs alone, never on the
+   other rows of the step, the thread split or which weight rows share its reduction, so a sequence's bits
+   are the same alone or in any batch, on any thread count. The SiLU·up product between the two halves is
    float32 `g / (1 + expf(-g)) * u` per element.
 
-   Two implementations of that one arithmetic: AVX-512 (F, BW, VNNI; chosen at run time, compiled for it
-   with a target attribute so the module builds for any x86-64) and portable C. Both give the same
+   Two implementations of that one arithmetic: AVX-512 (F, BW, VL, VNNI; chosen at run time, compiled for
+   it with a target attribute so the module builds for any x86-64) and portable C. Both give the same
    integers; their float sums differ in order only. The portable one is what tests compare the vector one
    and numpy's reference against where a CPU lacks AVX-512; the engine uses the kernel only where the
-   vector one runs (elsewhere ggml's products, as before). Threads: OpenMP, the runtime ggml's CPU
-   backend runs on, so a step's threads are the same pool's. */
+   vector one runs (elsewhere ggml's products, as before). Threads: OpenMP when called from Python (the
+   runtime ggml's CPU backend runs on, so the same pool), ggml's own as nodes of its graphs. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

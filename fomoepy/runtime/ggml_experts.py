@@ -50,6 +50,15 @@ _GROUPED_FROM = {(False, 1): 256, (True, 1): 128}
 _GROUPED_FROM_MANY_THREADS = {False: None, True: 512}
 
 
+# A prompt's chunk of up to this many tokens goes through the batched kernel too, where it serves (its
+# experts then picked by several rows each, which the kernel decodes once for). By hand, the bench model's
+# layer 0, random picks, ms against ggml's products over plain slots at 8 / 32 / 64 / 128 / 256 tokens:
+# 2 threads 1.65 / 5.47 / 9.32 / 17.55 / 36.31 against 3.20 / 10.82 / 13.55 / 17.37 / 27.18; 1 thread
+# 2.45 / 7.79 / 16.62 / 32.06 / 64.82 against 3.36 / 15.82 / 25.29 / 38.21 / 47.24 (ggml's GEMM kernels
+# take the longer ones). The daemon's prompt chunks are 64 tokens (--prefill-chunk).
+KERNEL_PROMPT_ROWS = 64
+
+
 def grouped_from(threads: int, repacked: bool = False) -> int | None:
     """Prefill tokens from which a layer's experts are a product per expert, on `threads` threads over
     plain or repacked slots; None: never (one mul_mat_id is faster at every length measured)."""
@@ -65,7 +74,8 @@ class GgmlExperts:
     decode step's misses all fit in n_expert_used); repack: every slot in ggml's repacked form where it
     has kernels for the type (--repack-experts), else plain; kernel: a decode step's picks of a layer
     with plain slots of the types it has computed by fomoepy.runtime.batched_experts (each expert
-    decoded once for all its rows), where the CPU runs it; else (and always for a prompt) ggml's."""
+    decoded once for all its rows), and a prompt chunk's of up to KERNEL_PROMPT_ROWS tokens, where the CPU
+    runs it; else ggml's."""
 
     can_download = False  # this backend's one tier has no tier below it to demote into
     # a step's rows may be computed in runs (MoEStep): each call installs its own misses the plan admitted
@@ -159,7 +169,7 @@ class GgmlExperts:
         reads landed (the read arena's, not grouped) or in staging slots, as many rounds as they need;
         then the same weighted sum, in the same order, in numpy."""
         weights = np.ascontiguousarray(weights, dtype=F32)
-        if self._kernel[layer] and experts.phase is Phase.DECODE:
+        if self._kernel[layer] and (experts.phase is Phase.DECODE or ids.shape[0] <= KERNEL_PROMPT_ROWS):
             return self._kernel_step(layer, h, ids, weights, experts)
         pool, threads = self.pool_of[layer], self.ops.threads
         # a long prefill's experts each take their tokens as the rows of one product (GEMM kernels); a
