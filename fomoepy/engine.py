@@ -94,7 +94,9 @@ class Engine:
             # the thread count (so -t never changes a row's bits): a bench-model layer's experts by hand, this
             # 2-vCPU EPYC, 1 / 8 rows, kernel against ggml's repacked products: 1 thread 0.39 / 2.42 ms against
             # 0.36 / 2.59, 2 threads 0.21 / 1.11 against 0.28 / 2.16
-            kernel = o.expert_kernel == "auto" and batched_experts.serves(layers)
+            # (auto: where it was measured, AVX-512; on: its AVX2 form too, not measured on an AVX2-only CPU)
+            form = {"auto": batched_experts.AVX512, "on": batched_experts.AVX2}.get(o.expert_kernel)
+            kernel = form is not None and batched_experts.serves(layers, form)
             repack = {"on": True, "off": False}.get(o.repack_experts, whole and not kernel)
             slots = (moe.n_expert, device_bytes, moe.n_expert_used, repack, kernel)
         # exclusive tiers need a host tier to demote into; the reference device then keeps store bytes too

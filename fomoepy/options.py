@@ -28,7 +28,7 @@ from fomoepy.scheduler import PLACEMENTS
 
 BACKFILL_MODES = ("off", "thread", "sync")  # reload CAR's substituted originals: never, in a thread, N per token
 REPACK_MODES = ("auto", "on", "off")  # --repack-experts: the cpu backend's slot form
-EXPERT_KERNELS = ("auto", "ggml")  # --expert-kernel: the cpu backend's decode-step experts
+EXPERT_KERNELS = ("auto", "on", "ggml")  # --expert-kernel: the cpu backend's decode-step experts
 # ggml's own limit (GGML_MAX_N_THREADS, its threadpool's cpumask size): more threads than this it
 # cannot run, and asking the OS for tens of thousands fails (OpenMP) or crashes (ggml's pool)
 MAX_THREADS = 512
@@ -54,7 +54,7 @@ class EngineOptions:
     trace: str | None = None
     prefill_chunk: int = 64  # prompt tokens per prefill step (a running stream's gap is one such step)
     repack_experts: str = "auto"  # cpu backend: expert slots in ggml's repacked form: on, off, auto (when the tier holds every expert)
-    expert_kernel: str = "auto"  # cpu backend: a decode step's experts by fomoepy's batched kernel where it serves (auto), or ggml's
+    expert_kernel: str = "auto"  # cpu backend: a decode step's experts by fomoepy's batched kernel: where measured faster (auto), wherever it runs (on), or ggml's
     sequences: int = 1  # sequences whose states (full-context KV caches, recurrent states) a GPU keeps room for (fomoe serve: --max-batch)
 
     def __post_init__(self) -> None:
@@ -171,7 +171,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-kernel", default="auto", choices=list(EXPERT_KERNELS),
                    help="cpu backend: a decode step's experts by fomoepy's kernel, which decodes each expert once for "
                         "all the sequences that picked it, where it has the experts' types (Q4_K, Q6_K) and the CPU "
-                        "has AVX-512 (auto, the default), or by ggml's products (ggml)")  # fmt: skip
+                        "has AVX-512, where it was measured faster (auto, the default); on a CPU with AVX2 too (on: "
+                        "its AVX2 form, not measured on an AVX2-only CPU); or by ggml's products (ggml)")  # fmt: skip
     g = p.add_argument_group("cache-aware routing (off by default: the exact model)")
     CarConfig.add_arguments(g)
     g.add_argument("--backfill", default="thread", choices=list(BACKFILL_MODES),

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.skipif(batched_experts._kernel is None, reason="the com
 U = 2.0**-24
 K, F = 512, 256
 TYPES = {"q4k-q4k-q6k": (Q.Q4_K, Q.Q4_K, Q.Q6_K), "q6k-q4k-q4k": (Q.Q6_K, Q.Q4_K, Q.Q4_K)}
-FORMS = [False] + ([True] if batched_experts.vector_kernel() else [])
+FORMS = list(range(batched_experts.best_form() + 1))  # portable C, and AVX2 and AVX-512 where this CPU runs them
+FORM_NAMES = {batched_experts.PORTABLE: "portable", batched_experts.AVX2: "avx2", batched_experts.AVX512: "avx512"}
 
 
 def q8_K(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,7 +49,7 @@ def q8_K(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.ravel().astype(np.float64), np.repeat(d.astype(np.float64), 256)
 
 
-def experts(rng, types, n: int):
+def experts(rng, types, n: int, K: int = K, F: int = F):
     """n experts' gate, up and down in store form, and their dequantized float64 matrices."""
     shapes = [(F, K), (F, K), (K, F)]
     raw = [[quantize((rng.standard_normal(s) * 0.05).astype(np.float32), t) for t, s in zip(types, shapes)] for _ in range(n)]
@@ -58,6 +59,7 @@ def experts(rng, types, n: int):
 
 def exact_and_bound(h_row: np.ndarray, mats) -> tuple[np.ndarray, np.ndarray]:
     Wg, Wu, Wd = mats
+    F, K = Wg.shape
     q, d = q8_K(h_row)
     hq = q * d
     g, u = Wg @ hq, Wu @ hq
@@ -84,9 +86,9 @@ def addresses_of(raw) -> np.ndarray:
     return np.array([[m.ctypes.data for m in mats] for mats in raw], np.uint64)
 
 
-@pytest.mark.parametrize("vector", FORMS, ids=lambda v: "avx512" if v else "portable")
+@pytest.mark.parametrize("form", FORMS, ids=FORM_NAMES.get)
 @pytest.mark.parametrize("name", list(TYPES))
-def test_each_pick_is_the_exact_arithmetic_within_its_float32_rounding(name, vector):
+def test_each_pick_is_the_exact_arithmetic_within_its_float32_rounding(name, form):
     rng = np.random.default_rng(3)
     types = tuple(int(t) for t in TYPES[name])
     raw, dense = experts(rng, types, 5)
@@ -95,15 +97,15 @@ def test_each_pick_is_the_exact_arithmetic_within_its_float32_rounding(name, vec
     h[2, :256] = 0  # an all-zero block: its scale 0, its quants 0
     rows = np.array([0, 0, 1, 2, 3, 3, 1, 2, 0], np.int32)
     picked = np.array([0, 1, 0, 2, 3, 4, 4, 1, 2], np.int32)
-    y = batched_experts.pick_outputs(h, rows, picked, addresses_of(raw), types, F, 2, vector=vector)
+    y = batched_experts.pick_outputs(h, rows, picked, addresses_of(raw), types, F, 2, form=form)
     for p in range(len(rows)):
         want, bound = exact_and_bound(h[rows[p]], dense[picked[p]])
         assert np.all(np.abs(y[p] - want) <= bound), (p, np.max(np.abs(y[p] - want) / bound))
         assert np.max(np.abs(want)) > 20 * np.max(bound)  # (the bound is far under the outputs' size)
 
 
-@pytest.mark.parametrize("vector", FORMS, ids=lambda v: "avx512" if v else "portable")
-def test_a_picks_bits_are_its_own_whatever_else_the_step_holds(vector):
+@pytest.mark.parametrize("form", FORMS, ids=FORM_NAMES.get)
+def test_a_picks_bits_are_its_own_whatever_else_the_step_holds(form):
     """A sequence's output alone and in any batch, any order of picks and any thread count: the same
     bits (the batch's requirement: output as if it ran alone)."""
     rng = np.random.default_rng(4)
@@ -115,13 +117,13 @@ def test_a_picks_bits_are_its_own_whatever_else_the_step_holds(vector):
     ids = np.stack([rng.permutation(6)[:k] for _ in range(T)]).astype(np.int32)
     ids[:, 0] = 5  # every row picks expert 5: nine rows of one expert
     rows = np.repeat(np.arange(T, dtype=np.int32), k)
-    batched = batched_experts.pick_outputs(h, rows, ids.ravel(), addrs, types, F, 2, vector=vector)
+    batched = batched_experts.pick_outputs(h, rows, ids.ravel(), addrs, types, F, 2, form=form)
     for p in range(T * k):
-        alone = batched_experts.pick_outputs(h[rows[p]][None], np.zeros(1, np.int32), ids.ravel()[p : p + 1], addrs, types, F, 1, vector=vector)
+        alone = batched_experts.pick_outputs(h[rows[p]][None], np.zeros(1, np.int32), ids.ravel()[p : p + 1], addrs, types, F, 1, form=form)
         assert np.array_equal(alone[0], batched[p])
     order = rng.permutation(T * k)
     for threads in (1, 3):
-        shuffled = batched_experts.pick_outputs(h, rows[order], ids.ravel()[order], addrs, types, F, threads, vector=vector)
+        shuffled = batched_experts.pick_outputs(h, rows[order], ids.ravel()[order], addrs, types, F, threads, form=form)
         assert np.array_equal(shuffled, batched[order])
 
 
@@ -140,3 +142,83 @@ def test_what_the_kernel_does_not_have_is_refused_in_one_line():
     assert not batched_experts.handles((int(Q.Q8_0), types[1], types[2]), K, F)
     assert not batched_experts.handles(types, K, F + 128)
     assert batched_experts.handles(types, K, F)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_NAMES.get)
+@pytest.mark.parametrize("name", list(TYPES))
+def test_several_superblocks_of_F_against_the_exact_arithmetic(name, form):
+    """F = 768: three gate/up items an expert and down over three superblocks; K = 768, an odd count."""
+    rng = np.random.default_rng(12)
+    types = tuple(int(t) for t in TYPES[name])
+    raw, dense = experts(rng, types, 3, 768, 768)
+    h = rng.standard_normal((5, 768)).astype(np.float32)
+    rows = np.array([0, 1, 2, 3, 4, 0, 1, 2], np.int32)
+    picked = np.array([0, 0, 0, 0, 0, 1, 2, 2], np.int32)
+    y = batched_experts.pick_outputs(h, rows, picked, addresses_of(raw), types, 768, 2, form=form)
+    for p in range(len(rows)):
+        want, bound = exact_and_bound(h[rows[p]], dense[picked[p]])
+        assert np.all(np.abs(y[p] - want) <= bound), (p, np.max(np.abs(y[p] - want) / bound))
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_NAMES.get)
+@pytest.mark.parametrize("K, F, T", [(256, 256, 130), (768, 512, 67), (512, 256, 64)])
+def test_more_rows_of_one_expert_than_a_pass_takes_are_each_their_own(K, F, T, form):
+    """An expert picked by more rows than the kernel keeps sums for at a time (64): each row's bits its own."""
+    rng = np.random.default_rng(7)
+    types = tuple(int(t) for t in TYPES["q4k-q4k-q6k"])
+    raw, _ = experts(rng, types, 3, K, F)
+    addrs = addresses_of(raw)
+    h = rng.standard_normal((T, K)).astype(np.float32)
+    ids = np.stack([np.zeros(T, np.int32), 1 + np.arange(T, dtype=np.int32) % 2], axis=1)  # expert 0: every row
+    rows = np.repeat(np.arange(T, dtype=np.int32), 2)
+    batched = batched_experts.pick_outputs(h, rows, ids.ravel(), addrs, types, F, 2, form=form)
+    for p in range(0, 2 * T, 7):
+        alone = batched_experts.pick_outputs(h[rows[p]][None], np.zeros(1, np.int32), ids.ravel()[p : p + 1], addrs, types, F, 1, form=form)
+        assert np.array_equal(alone[0], batched[p]), p
+
+
+def test_a_full_step_and_an_empty_one():
+    rng = np.random.default_rng(8)
+    types = tuple(int(t) for t in TYPES["q4k-q4k-q6k"])
+    raw, _ = experts(rng, types, 8, 256, 256)
+    addrs, P = addresses_of(raw), batched_experts.MAX_PICKS
+    T = P // 8
+    h = rng.standard_normal((T, 256)).astype(np.float32)
+    ids = np.stack([rng.permutation(8) for _ in range(T)]).astype(np.int32).ravel()
+    rows = np.repeat(np.arange(T, dtype=np.int32), 8)
+    y = batched_experts.pick_outputs(h, rows, ids, addrs, types, 256, 2)
+    for p in rng.choice(P, 8, replace=False):
+        alone = batched_experts.pick_outputs(h[rows[p]][None], np.zeros(1, np.int32), ids[p : p + 1], addrs, types, 256, 1)
+        assert np.array_equal(alone[0], y[p])
+    with pytest.raises(ValueError, match="at most 1024 picks"):
+        batched_experts.pick_outputs(np.concatenate([h, h[:1]]), np.append(rows, T), np.append(ids, 0), addrs, types, 256, 2)
+    with pytest.raises(ValueError, match="rows and experts"):
+        batched_experts.pick_outputs(h, rows, ids[:-1], addrs, types, 256, 2)
+    assert batched_experts.pick_outputs(h, np.zeros(0, np.int32), np.zeros(0, np.int32), addrs, types, 256, 2).shape == (0, 256)
+
+
+@pytest.mark.skipif(not batched_experts.vector_kernel(), reason="the graph nodes run a vector form")
+@pytest.mark.parametrize("B, k, K, F", [(3, 4, 512, 256), (100, 2, 256, 256), (128, 8, 256, 256)])
+def test_the_graph_nodes_give_pick_outputs_bits_on_any_thread_count(B, k, K, F):
+    import ggml
+
+    from fomoepy.runtime.ggml_dense import Graph
+
+    rng = np.random.default_rng(11)
+    types = (int(Q.Q4_K), int(Q.Q6_K), int(Q.Q6_K))
+    raw, _ = experts(rng, types, 9, K, F)
+    table = addresses_of(raw)
+    graph_experts = batched_experts.GraphExperts(table, types, K, F)
+    g = Graph(64, 2 * graph_experts.node_bytes(B, k), 2)
+    y = graph_experts.nodes(g.ctx, g.input(K, B), g.input(k, B, qtype=ggml.GGML_TYPE_I32), B, k)
+    g.finish([(y, (B, k, K))])
+    h = rng.standard_normal((B, K)).astype(np.float32)
+    ids = np.stack([rng.permutation(9)[:k] for _ in range(B)]).astype(np.int32)
+    ids[:, 0] = 0  # expert 0 picked by every row
+    want = batched_experts.pick_outputs(h, np.repeat(np.arange(B, dtype=np.int32), k), ids.ravel(), table, types, F, 2)
+    for threads in (1, 2, 3):
+        assert np.array_equal(g.run(h, ids, threads=threads)[0].reshape(B * k, K), want), threads
+    for _ in range(3):  # graphs built again (a batch's spans move): the nodes' userdata one a k, not one a graph
+        again = Graph(64, 2 * graph_experts.node_bytes(2, k), 1)
+        graph_experts.nodes(again.ctx, again.input(K, 2), again.input(k, 2, qtype=ggml.GGML_TYPE_I32), 2, k)
+    assert len(graph_experts._infos) == 1

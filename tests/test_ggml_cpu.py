@@ -361,8 +361,9 @@ def test_profile_timing_splits_a_layer_step_into_products_read_waits_and_host(st
 def test_expert_slots_are_repacked_when_the_tier_holds_every_expert_plain_when_it_streams_or_as_asked(tmp_path):
     """auto: a tier that holds the whole model (filled at load) repacked where ggml has kernels for the
     matrices, one that streams plain (a streamed miss costs a memcpy, not a repack); on and off as asked.
-    Where fomoepy's batched kernel computes the decode steps (--expert-kernel auto, a CPU with AVX-512) the
-    whole tier's slots stay plain, which is what it reads; with --expert-kernel ggml they are repacked."""
+    Where fomoepy's batched kernel computes the decode steps (--expert-kernel auto, a CPU with AVX-512; on,
+    AVX2 too) the whole tier's slots stay plain, which is what it reads; with --expert-kernel ggml they are
+    repacked."""
     from fomoepy.options import EngineOptions as Options
     from fomoepy.options import add_engine_options
     from fomoepy.runtime.ggml_buffers import repacks
@@ -375,6 +376,7 @@ def test_expert_slots_are_repacked_when_the_tier_holds_every_expert_plain_when_i
     with pytest.raises(FomoeError, match="--repack-experts must be one of"):
         Options(repack_experts="yes")
     assert Options.from_args(parser.parse_args(["--expert-kernel", "ggml"])).expert_kernel == "ggml"
+    assert Options.from_args(parser.parse_args(["--expert-kernel", "on"])).expert_kernel == "on"
     with pytest.raises(FomoeError, match="--expert-kernel must be one of"):
         Options(expert_kernel="fast")
     store = tmp_path / "s"
@@ -383,7 +385,7 @@ def test_expert_slots_are_repacked_when_the_tier_holds_every_expert_plain_when_i
     forms, kernels, served = {}, [], {}
     for name, opts in [("whole auto", {}), ("whole off", {"repack_experts": "off"}), ("streams auto", streams),
                        ("streams on", {**streams, "repack_experts": "on"}), ("whole auto, 2 threads", {"threads": 2}),
-                       ("whole ggml, 2 threads", {"threads": 2, "expert_kernel": "ggml"})]:  # fmt: skip
+                       ("whole ggml, 2 threads", {"threads": 2, "expert_kernel": "ggml"}), ("whole on", {"expert_kernel": "on"})]:  # fmt: skip
         engine = Engine(path, EngineOptions(backend="cpu", **{"threads": 1, **opts}))
         mats = [m for pool in engine.experts.device.pools.values() for m in pool.layer.mats]
         forms[name] = [m.repacked for m in mats]
@@ -391,9 +393,10 @@ def test_expert_slots_are_repacked_when_the_tier_holds_every_expert_plain_when_i
         served[name] = any(engine.experts.device.kernel_layers)
         engine.close()
     assert not any(forms["whole off"]) and not any(forms["streams auto"])
-    # the kernel serves at any thread count, where the CPU runs it, unless --expert-kernel ggml
-    kernel = batched_experts.serves(engine.source.layers)
+    # auto: the kernel at any thread count where it was measured faster (AVX-512), unless --expert-kernel ggml
+    kernel = batched_experts.serves(engine.source.layers, batched_experts.AVX512)
     assert served["whole auto"] == served["whole auto, 2 threads"] == kernel and not served["whole ggml, 2 threads"]
+    assert served["whole on"] == batched_experts.serves(engine.source.layers)  # (its AVX2 form too)
     if kernel:
         assert not any(forms["whole auto"]) and not any(forms["whole auto, 2 threads"])
     if not any(kernels):

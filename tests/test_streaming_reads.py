@@ -17,7 +17,7 @@ from fomoepy.experts.trace import read_trace
 from fomoepy.runtime import batched_experts
 from fomoepy.sampling import SamplingParams
 
-CPU_KERNELS = ["ggml"] + (["auto"] if batched_experts.vector_kernel() else [])  # --expert-kernel: ggml's products, fomoepy's kernel
+CPU_KERNELS = ["ggml"] + (["on"] if batched_experts.vector_kernel() else [])  # --expert-kernel: ggml's products, fomoepy's kernel
 
 
 @pytest.fixture

@@ -21,11 +21,13 @@
    are the same alone or in any batch, on any thread count. The SiLU·up product between the two halves is
    float32 `g / (1 + expf(-g)) * u` per element.
 
-   Two implementations of that one arithmetic: AVX-512 (F, BW, VL, VNNI; chosen at run time, compiled for
-   it with a target attribute so the module builds for any x86-64) and portable C. Both give the same
-   integers; their float sums differ in order only. The portable one is what tests compare the vector one
-   and numpy's reference against where a CPU lacks AVX-512; the engine uses the kernel only where the
-   vector one runs (elsewhere ggml's products, as before). Threads: OpenMP when called from Python (the
+   Three implementations of that one arithmetic: AVX-512 (F, BW, VL, VNNI), AVX2 (with FMA and F16C), each
+   chosen at run time and compiled for with a target attribute so the module builds for any x86-64, and
+   portable C. They give the same integers; their float sums differ in order only. Tests hold every form
+   the CPU runs to numpy's exact arithmetic; the engine uses the AVX-512 form by default (--expert-kernel
+   auto: where it was measured) and the AVX2 form on asking (on: by hand, forced on this EPYC, 0.40 ms a
+   bench-model layer's decode row on 1 thread against ggml's repacked 0.36; not measured on a CPU without
+   AVX-512); elsewhere ggml's products, as before. Threads: OpenMP when called from Python (the
    runtime ggml's CPU backend runs on, so the same pool), ggml's own as nodes of its graphs. */
 
 #define PY_SSIZE_T_CLEAN
@@ -33,6 +35,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -326,13 +329,145 @@ AVX512 static void rows_avx512(int type, const uint8_t *w, size_t stride, int nb
     }
 }
 
-static int cpu_has_avx512(void) {
+/* ---- AVX2 (with FMA and F16C): the same scheme on 256-bit registers, for CPUs without AVX-512 ----
+   A Q4_K group of 32 bytes gives sub-blocks 2g (low nibbles) and 2g+1 (high) against the activations in
+   their natural order; each sub-block's scale broadcast once a superblock; pair sums by madd. */
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static INLINE void q4k_row_body_avx2(const block_q4_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc[8];
+    for (int r0 = 0; r0 < R; r0 += 8) {
+        const int n = R - r0 < 8 ? R - r0 : 8;
+        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+        for (int i = 0; i < nb; i++) {
+            uint8_t sm[16];
+            q4k_scales_fast(x[i].scales, sm);
+            const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+            __m256i q[8], s[8];
+            for (int g = 0; g < 4; g++) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * g));
+                q[2 * g] = _mm256_and_si256(b, m4);
+                q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+                s[2 * g] = _mm256_set1_epi16(sm[2 * g]);
+                s[2 * g + 1] = _mm256_set1_epi16(sm[2 * g + 1]);
+            }
+            const float xd = _cvtsh_ss(x[i].d), xm = _cvtsh_ss(x[i].dmin);
+            for (int r = 0; r < n; r++) {
+                const block_q8_K *a = &y[r0 + r][i];
+                __m256i si = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++)
+                    si = _mm256_add_epi32(si, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(a->qs + 32 * j))), s[j]));
+                const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)a->bsums), _mm_loadu_si128((const __m128i *)(a->bsums + 8)));
+                const __m128 mins = _mm_mul_ps(_mm_set1_ps(a->d * xm), _mm_cvtepi32_ps(_mm_madd_epi16(m8, pairs)));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a->d * xd), _mm256_cvtepi32_ps(si), acc[r]);
+                acc[r] = _mm256_sub_ps(acc[r], _mm256_insertf128_ps(_mm256_setzero_ps(), mins, 0));
+            }
+        }
+        for (int r = 0; r < n; r++) part[r0 + r] = acc[r];
+    }
+}
+
+AVX2 static INLINE void q6k_row_body_avx2(const block_q6_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
+    __m256 acc[8];
+    for (int r0 = 0; r0 < R; r0 += 8) {
+        const int n = R - r0 < 8 ? R - r0 : 8;
+        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+        for (int i = 0; i < nb; i++) {
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+            __m256i q[8], s[8];
+            for (int half = 0; half < 2; half++) { /* elements 0-31, 32-63, 64-95, 96-127 of the half */
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * half));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * half + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * half));
+                q[4 * half] = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
+                q[4 * half + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
+                q[4 * half + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
+                q[4 * half + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                                  _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
+                for (int j = 0; j < 4; j++) /* 32 elements: groups of 16 with scales 8·half + 2j, + 1 */
+                    s[4 * half + j] = _mm256_set_m128i(_mm_set1_epi16(x[i].scales[8 * half + 2 * j + 1]), _mm_set1_epi16(x[i].scales[8 * half + 2 * j]));
+            }
+            const float xd = _cvtsh_ss(x[i].d);
+            for (int r = 0; r < n; r++) {
+                const block_q8_K *a = &y[r0 + r][i];
+                __m256i si = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++)
+                    si = _mm256_add_epi32(si, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(a->qs + 32 * j))), s[j]));
+                const __m256i offs = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->bsums)), 5);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a->d * xd), _mm256_cvtepi32_ps(_mm256_sub_epi32(si, offs)), acc[r]);
+            }
+        }
+        for (int r = 0; r < n; r++) part[r0 + r] = acc[r];
+    }
+}
+
+AVX2 static void q4k_row_avx2(const block_q4_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
+    switch (R) {
+    case 1: q4k_row_body_avx2(x, nb, 1, y, part); break;
+    case 2: q4k_row_body_avx2(x, nb, 2, y, part); break;
+    default: q4k_row_body_avx2(x, nb, R, y, part);
+    }
+}
+AVX2 static void q6k_row_avx2(const block_q6_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
+    switch (R) {
+    case 1: q6k_row_body_avx2(x, nb, 1, y, part); break;
+    case 2: q6k_row_body_avx2(x, nb, 2, y, part); break;
+    default: q6k_row_body_avx2(x, nb, R, y, part);
+    }
+}
+
+AVX2 static __m256 reduce8_avx2(const __m256 *v) { /* (reduce8's tree) */
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* rows_avx512's loop on AVX2 (the Q4_K rows against the activations in natural order) */
+AVX2 static void rows_avx2(int type, const uint8_t *w, size_t stride, int nb, int first, int last, int R, block_q8_K *const *acts,
+                           float *out, size_t out_stride) {
+    __m256 part[8][PART_ROWS];
+    for (int r0 = 0; r0 < R; r0 += PART_ROWS) {
+        const int n = R - r0 < PART_ROWS ? R - r0 : PART_ROWS;
+        for (int row0 = first; row0 < last; row0 += 8) {
+            const int rows = last - row0 < 8 ? last - row0 : 8;
+            for (int j = 0; j < 8; j++) {
+                if (j >= rows) {
+                    for (int r = 0; r < n; r++) part[j][r] = _mm256_setzero_ps();
+                } else if (type == TYPE_Q4_K) {
+                    q4k_row_avx2((const block_q4_K *)(w + stride * (row0 + j)), nb, n, acts + r0, part[j]);
+                } else {
+                    q6k_row_avx2((const block_q6_K *)(w + stride * (row0 + j)), nb, n, acts + r0, part[j]);
+                }
+            }
+            int32_t lanes[8];
+            for (int j = 0; j < 8; j++) lanes[j] = j < rows ? -1 : 0;
+            const __m256i keep = _mm256_loadu_si256((const __m256i *)lanes);
+            for (int r = 0; r < n; r++) {
+                const __m256 v[8] = {part[0][r], part[1][r], part[2][r], part[3][r], part[4][r], part[5][r], part[6][r], part[7][r]};
+                _mm256_maskstore_ps(out + (size_t)(r0 + r) * out_stride + row0, keep, reduce8_avx2(v));
+            }
+        }
+    }
+}
+
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+/* the best form this CPU runs */
+static int cpu_isa(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni"))
+        return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return ISA_AVX2;
+    return ISA_PORTABLE;
 }
 #else
-static int cpu_has_avx512(void) { return 0; }
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+static int cpu_isa(void) { return ISA_PORTABLE; }
 #endif
 
 /* ---- a step's picks ---- */
@@ -359,8 +494,8 @@ static void group_picks(const int32_t *expert, int P, Groups *g) {
 }
 
 typedef struct {
-    int types[3], K, F, vector;
-    const uint64_t *addrs; /* [E, 3]: each expert's gate, up and down */
+    int types[3], K, F, isa; /* isa: the form that runs (ISA_*) */
+    const uint64_t *addrs;   /* [E, 3]: each expert's gate, up and down */
 } Shape;
 
 /* one matrix's weight rows [first, last) against the rows `acts` (one per pick of the expert; `views`: their
@@ -369,8 +504,12 @@ static void rows_of(const Shape *sh, int m, const uint8_t *w, int cols, int firs
                     block_q8_K *const *views, float *out, size_t out_stride) {
     const size_t stride = row_bytes(sh->types[m], cols);
 #ifdef HAVE_X86
-    if (sh->vector) {
+    if (sh->isa == ISA_AVX512) {
         rows_avx512(sh->types[m], w, stride, cols / QK, first, last, R, acts, views, out, out_stride);
+        return;
+    }
+    if (sh->isa == ISA_AVX2) {
+        rows_avx2(sh->types[m], w, stride, cols / QK, first, last, R, acts, out, out_stride);
         return;
     }
 #endif
@@ -481,17 +620,17 @@ static int run_step(const Shape *sh, const float *h, int T, const int32_t *rows,
 
 typedef struct {
     const uint64_t *addrs;    /* [E, 3]: each slot's gate, up and down */
-    int32_t types[3], K, F, k;
+    int32_t types[3], K, F, k, n_slots; /* n_slots: the rows of addrs */
     int64_t data_offset, src_offset, ne_offset;
 } OpInfo;
 
 static void *data_of(const OpInfo *o, const void *t) { return *(void *const *)((const char *)t + o->data_offset); }
 static const void *src_of(const OpInfo *o, const void *t, int i) { return ((const void *const *)((const char *)t + o->src_offset))[i]; }
 static int64_t ne_of(const OpInfo *o, const void *t, int i) { return ((const int64_t *)((const char *)t + o->ne_offset))[i]; }
-static int vector_runs = -1;
+static int best_isa = ISA_PORTABLE; /* (the graph nodes' form: the best this CPU runs) */
 
 static Shape shape_of(const OpInfo *o) {
-    Shape sh = {{o->types[0], o->types[1], o->types[2]}, o->K, o->F, vector_runs, o->addrs};
+    Shape sh = {{o->types[0], o->types[1], o->types[2]}, o->K, o->F, best_isa, o->addrs};
     return sh;
 }
 
@@ -515,7 +654,13 @@ typedef struct {
 
 static int place(const OpInfo *o, const void *slots_t, block_q8_K *hq, block_q8_K *act, Placed *pl) {
     const int P = (int)(ne_of(o, slots_t, 0) * ne_of(o, slots_t, 1)), B = P / o->k, nbK = o->K / QK, nbF = o->F / QK;
-    group_picks(data_of(o, slots_t), P, &pl->g);
+    const int32_t *slot = data_of(o, slots_t);
+    for (int p = 0; p < P; p++)
+        if (slot[p] < 0 || slot[p] >= o->n_slots) { /* (as ggml's mul_mat_id asserts its ids: not a read of addrs[-3]) */
+            fprintf(stderr, "cpu expert kernel: pick %d's slot %d outside [0, %d)\n", p, slot[p], o->n_slots);
+            abort();
+        }
+    group_picks(slot, P, &pl->g);
     for (int i = 0; i < P; i++) {
         const size_t row = (size_t)(pl->g.order[i] / o->k);
         if (hq) pl->h_of[i] = hq + row * nbK, pl->h_view[i] = hq + (B + row) * nbK;
@@ -550,14 +695,15 @@ static void op_down(void *dst, int ith, int nth, void *userdata) {
 
 static int supported(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
 
-/* picks(h, T, K, F, rows, experts, P, addrs, E, types, out, threads, vector) — addresses of C-contiguous
+/* picks(h, T, K, F, rows, experts, P, addrs, E, types, out, threads, isa) — addresses of C-contiguous
    arrays the caller keeps alive: h float32 [T, K], rows and experts int32 [P], addrs uint64 [E, 3] (each
-   expert's gate, up and down in their store form), out float32 [P, K]. The GIL is let go while it runs. */
+   expert's gate, up and down in their store form), out float32 [P, K]; isa the form (0 portable, 1 AVX2,
+   2 AVX-512, -1 the best this CPU runs). The GIL is let go while it runs. */
 static PyObject *picks(PyObject *self, PyObject *args) {
     unsigned long long h, rows, experts, addrs, out;
-    int T, K, F, P, E, tg, tu, td, threads, vector;
+    int T, K, F, P, E, tg, tu, td, threads, isa;
     if (!PyArg_ParseTuple(args, "KiiiKKiKi(iii)Kii", &h, &T, &K, &F, &rows, &experts, &P, &addrs, &E, &tg, &tu, &td, &out,
-                          &threads, &vector))
+                          &threads, &isa))
         return NULL;
     if (!supported(tg) || !supported(tu) || !supported(td)) {
         PyErr_Format(PyExc_ValueError, "cpu expert kernel: types %d, %d, %d (it has Q4_K and Q6_K)", tg, tu, td);
@@ -568,8 +714,9 @@ static PyObject *picks(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "cpu expert kernel: rows of K and F columns, multiples of 256, at most 1024 picks, and their arrays");
         return NULL;
     }
-    if (vector && !cpu_has_avx512()) {
-        PyErr_SetString(PyExc_ValueError, "cpu expert kernel: this CPU has no AVX-512 (F, BW, VL, VNNI)");
+    if (isa < 0) isa = best_isa;
+    if (isa > best_isa) {
+        PyErr_Format(PyExc_ValueError, "cpu expert kernel: this CPU runs forms up to %d (0 portable, 1 AVX2, 2 AVX-512), not %d", best_isa, isa);
         return NULL;
     }
     const int32_t *r = (const int32_t *)(uintptr_t)rows, *x = (const int32_t *)(uintptr_t)experts;
@@ -578,7 +725,7 @@ static PyObject *picks(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "cpu expert kernel: pick %d's row %d or expert %d out of range", p, r[p], x[p]);
             return NULL;
         }
-    const Shape sh = {{tg, tu, td}, K, F, vector, (const uint64_t *)(uintptr_t)addrs};
+    const Shape sh = {{tg, tu, td}, K, F, isa, (const uint64_t *)(uintptr_t)addrs};
     int failed;
     Py_BEGIN_ALLOW_THREADS failed = run_step(&sh, (const float *)(uintptr_t)h, T, r, x, P, (float *)(uintptr_t)out, threads);
     Py_END_ALLOW_THREADS if (failed) return PyErr_NoMemory();
@@ -599,11 +746,11 @@ static PyObject *op_bytes(PyObject *self, PyObject *args) {
                          (Py_ssize_t)(2 * sizeof(block_q8_K) * (size_t)P * (F / QK) + 2 * sizeof(float) * (size_t)P * F));
 }
 
-static PyObject *has_vector(PyObject *self, PyObject *unused) { return PyBool_FromLong(cpu_has_avx512()); }
+static PyObject *isa(PyObject *self, PyObject *unused) { return PyLong_FromLong(best_isa); }
 
 static PyMethodDef methods[] = {
     {"picks", picks, METH_VARARGS, "a step's expert picks' outputs (see the module's C source)"},
-    {"has_vector", has_vector, METH_NOARGS, "whether this CPU runs the AVX-512 kernel"},
+    {"isa", isa, METH_NOARGS, "the best form this CPU runs: 0 portable, 1 AVX2, 2 AVX-512"},
     {"graph_ops", graph_ops, METH_NOARGS, "the graph nodes' functions' addresses: quantize, gate_up, down"},
     {"op_bytes", op_bytes, METH_VARARGS, "op_bytes(B, K, P, F): the quantize and gate_up nodes' output bytes"},
     {NULL, NULL, 0, NULL},
@@ -612,7 +759,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_batched_experts", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__batched_experts(void) {
-    vector_runs = cpu_has_avx512(); /* (the graph nodes' form: the vector one wherever it runs) */
+    best_isa = cpu_isa();
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "MAX_PICKS", MAX_PICKS)) Py_CLEAR(m);
     return m;

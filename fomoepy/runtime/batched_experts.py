@@ -30,9 +30,18 @@ KERNEL_TYPES = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationTy
 _QK = 256
 
 
+PORTABLE, AVX2, AVX512 = 0, 1, 2  # the kernel's forms (one arithmetic; their float sums differ in order)
+
+
+def best_form() -> int:
+    """The fastest form of the kernel this CPU runs (PORTABLE where it is not built)."""
+    return _kernel.isa() if _kernel is not None else PORTABLE
+
+
 def vector_kernel() -> bool:
-    """Whether the AVX-512 kernel is built and this CPU runs it (the engine's condition for using it)."""
-    return _kernel is not None and _kernel.has_vector()
+    """Whether the kernel is built and this CPU runs a vector form of it (AVX2 or AVX-512: the engine's
+    condition for using it)."""
+    return best_form() >= AVX2
 
 
 def handles(types: tuple[int, int, int], n_embd: int, n_ff: int) -> bool:
@@ -40,21 +49,24 @@ def handles(types: tuple[int, int, int], n_embd: int, n_ff: int) -> bool:
     return _kernel is not None and set(map(int, types)) <= KERNEL_TYPES and n_embd % _QK == 0 and n_ff % _QK == 0 and n_embd > 0 and n_ff > 0
 
 
-def serves(layers) -> bool:
-    """Whether the kernel computes the decode steps of these layers' experts (LayerExperts) on this CPU."""
-    return vector_kernel() and all(handles(tuple(p.qtype for p in layer.parts), int(layer.parts[0].shape[1]), int(layer.parts[0].shape[0]))
+def serves(layers, form: int = AVX2) -> bool:
+    """Whether the kernel can compute the decode steps of these layers' experts (LayerExperts) on this CPU in
+    `form` or a faster one."""
+    return best_form() >= max(form, AVX2) and all(handles(tuple(p.qtype for p in layer.parts), int(layer.parts[0].shape[1]), int(layer.parts[0].shape[0]))
                                    for layer in layers)  # fmt: skip
 
 
 def pick_outputs(h: np.ndarray, rows: np.ndarray, experts: np.ndarray, addresses: np.ndarray, types: tuple[int, int, int],
-                 n_ff: int, threads: int, out: np.ndarray | None = None, vector: bool = True) -> np.ndarray:  # fmt: skip
+                 n_ff: int, threads: int, out: np.ndarray | None = None, form: int | None = None) -> np.ndarray:  # fmt: skip
     """out[p] = down_e(silu(gate_e · h[rows[p]]) ⊙ (up_e · h[rows[p]])) for each pick p, e = experts[p]:
     `addresses` [E, 3] uint64 the store-form bytes of each expert's gate, up and down (kept alive by the
-    caller), h [T, n_embd] float32. vector=False runs the portable C form (tests)."""
+    caller), h [T, n_embd] float32. form: PORTABLE, AVX2 or AVX512 (tests); None, the best this CPU runs."""
     h = np.ascontiguousarray(h, dtype=F32)
     rows = np.ascontiguousarray(rows, dtype=np.int32)
     experts = np.ascontiguousarray(experts, dtype=np.int32)
     addresses = np.ascontiguousarray(addresses, dtype=np.uint64)
+    if h.ndim != 2 or rows.ndim != 1 or experts.shape != rows.shape:  # (the C reads P of each: a shorter one is read past its end)
+        raise ValueError(f"pick_outputs: h must be [T, n_embd], rows and experts [P] each, got {h.shape}, {rows.shape}, {experts.shape}")
     P, n_embd = rows.shape[0], h.shape[1]
     if out is None:
         out = np.empty((P, n_embd), F32)
@@ -64,7 +76,7 @@ def pick_outputs(h: np.ndarray, rows: np.ndarray, experts: np.ndarray, addresses
         raise ValueError("pick_outputs: addresses must be [experts, 3] (gate, up, down)")
     MATMUL.call(_kernel.picks, contiguous_address(h), h.shape[0], n_embd, n_ff, contiguous_address(rows) if P else 0,
                   contiguous_address(experts) if P else 0, P, contiguous_address(addresses) if addresses.size else 0,
-                  addresses.shape[0], tuple(int(t) for t in types), contiguous_address(out) if P else 1, threads, int(vector))  # fmt: skip
+                  addresses.shape[0], tuple(int(t) for t in types), contiguous_address(out) if P else 1, threads, -1 if form is None else int(form))  # fmt: skip
     return out
 
 
@@ -73,7 +85,7 @@ class _OpInfo(ctypes.Structure):
     types and sizes, and where a ggml_tensor keeps its data, sources and sizes (the bindings' struct)."""
 
     _fields_ = [("addrs", ctypes.c_void_p), ("types", ctypes.c_int32 * 3), ("K", ctypes.c_int32), ("F", ctypes.c_int32),
-                ("k", ctypes.c_int32), ("data_offset", ctypes.c_int64), ("src_offset", ctypes.c_int64),
+                ("k", ctypes.c_int32), ("n_slots", ctypes.c_int32), ("data_offset", ctypes.c_int64), ("src_offset", ctypes.c_int64),
                 ("ne_offset", ctypes.c_int64)]  # fmt: skip
 
 
@@ -89,7 +101,7 @@ class GraphExperts:
         self.table, self.qtypes, self.n_embd, self.n_ff = table, tuple(int(t) for t in qtypes), n_embd, n_ff
         self._ggml = ggml
         self._ops = [ggml.ggml_custom_op_t(address) for address in _kernel.graph_ops()]
-        self._infos: list = []  # one per k (the nodes' userdata, alive as long as this)
+        self._infos: dict[int, _OpInfo] = {}  # one per k (the nodes' userdata, alive as long as this; shared by every graph of that k)
 
     def node_bytes(self, B: int, k: int) -> int:
         """Room for the nodes' outputs in a graph's context for B rows of k picks each."""
@@ -102,9 +114,10 @@ class GraphExperts:
         ggml, T = self._ggml, self._ggml.ggml_tensor
         if B * k > MAX_PICKS:
             raise ValueError(f"the batched kernel's nodes take at most {MAX_PICKS} picks, got {B} rows of {k}")
-        info = _OpInfo(self.table.ctypes.data, (ctypes.c_int32 * 3)(*self.qtypes), self.n_embd, self.n_ff, k, T.data.offset,
-                       T.src.offset, T.ne.offset)  # fmt: skip
-        self._infos.append(info)
+        info = self._infos.get(k)
+        if info is None:  # (one a k, not one a graph built: a server builds graphs as its batches' spans move, for good)
+            info = self._infos[k] = _OpInfo(self.table.ctypes.data, (ctypes.c_int32 * 3)(*self.qtypes), self.n_embd, self.n_ff, k,
+                                            self.table.shape[0], T.data.offset, T.src.offset, T.ne.offset)  # fmt: skip
         if not ggml.ggml_is_contiguous(h):
             h = ggml.ggml_cont(ctx, h)
         quantized, activations = _kernel.op_bytes(B, self.n_embd, B * k, self.n_ff)

@@ -127,7 +127,10 @@ def _expert_parts_bytes(experts: list, D: int, k: int, B: int) -> int:
     """Room for _expert_rows' concatenations of its products' outputs, where it takes B rows in parts."""
     if _kernel(experts):  # (its nodes' outputs, in parts of at most MAX_PICKS picks, and their concatenations)
         n = min(B, MAX_PICKS // k)
-        return -(-B // n) * experts.node_bytes(n, k) + 2 * _F * D * k * B
+        m = -(-B // n)
+        # the i-th concatenation's output holds i + 1 parts: Σ (i + 1)·n rows, quadratic in m (as below, B·(m - 1)
+        # bounds it for m ≥ 2); at least the 2·B rows counted before
+        return m * experts.node_bytes(n, k) + _F * D * k * B * max(2, m - 1)
     together = rows_kept_together(experts) if B > 1 else None
     return 0 if together is None or B <= together else _F * D * k * B * (-(-B // together) - 1)
 
