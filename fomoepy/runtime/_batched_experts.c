@@ -72,13 +72,18 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-/* Q4_K's 12 bytes of scales and mins → 8 scales then 8 mins, each 6 bits (ggml's get_scale_min_k4) */
-static void q4k_scales(const uint8_t *s, uint8_t out[16]) {
-    for (int j = 0; j < 4; j++) out[j] = s[j] & 63, out[8 + j] = s[j + 4] & 63;
-    for (int j = 4; j < 8; j++) {
-        out[j] = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        out[8 + j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
+/* Q4_K's 12 bytes of scales and mins → 8 scales then 8 mins, each 6 bits, as bytes (ggml's kmask scheme,
+   a word at a time) */
+static inline void q4k_scales(const uint8_t *s, uint8_t out[16]) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_low = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_low;
+    u[0] &= k1;
+    memcpy(out, u, 16);
 }
 
 /* x[cols] → Q8_K blocks: per 256, the value of largest magnitude maps to -127 (ggml's quantize_row_q8_K) */
@@ -177,22 +182,17 @@ static void q6k_rows_c(const block_q6_K *x, int nb, int R, block_q8_K *const *y,
 static const int16_t SPREAD_Q4K[4][32] = {{I16(0), I16(2)}, {I16(1), I16(3)}, {I16(4), I16(6)}, {I16(5), I16(7)}};
 static const int16_t SPREAD_Q6K[2][32] = {{I8(0), I8(1), I8(2), I8(3)}, {I8(4), I8(5), I8(6), I8(7)}};
 
-/* Q4_K's scales and mins (q4k_scales) as two 16-byte... as one 16-byte vector by words (ggml's kmask scheme) */
-static inline void q4k_scales_fast(const uint8_t *s, uint8_t out[16]) {
-    uint32_t u[4];
-    memcpy(u, s, 12);
-    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t mins_low = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = mins_low;
-    u[0] &= k1;
-    memcpy(out, u, 16);
-}
-
-/* One weight row against R activation rows (y: their q4k_view blocks): each row's sum as 8 float lanes
-   (part[r]), reduced with seven other weight rows' by reduce8 */
 #define INLINE __attribute__((always_inline)) inline
+/* a row body compiled for 1 to 4 rows (a step's experts are mostly picked by so few: their sums then kept
+   in registers, by hand 0.38 → 0.30 ms a bench-model layer's decode row), and for any R */
+#define BY_ROW_COUNT(body, x, nb, R, y, part) \
+    switch (R) {                              \
+    case 1: body(x, nb, 1, y, part); break;   \
+    case 2: body(x, nb, 2, y, part); break;   \
+    case 3: body(x, nb, 3, y, part); break;   \
+    case 4: body(x, nb, 4, y, part); break;   \
+    default: body(x, nb, R, y, part);         \
+    }
 AVX512 static INLINE void q4k_row_body(const block_q4_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
     const __m512i m4 = _mm512_set1_epi8(15);
     __m512i spreads[4];
@@ -203,7 +203,7 @@ AVX512 static INLINE void q4k_row_body(const block_q4_K *x, int nb, int R, block
         for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
         for (int i = 0; i < nb; i++) {
             uint8_t sm[16];
-            q4k_scales_fast(x[i].scales, sm);
+            q4k_scales(x[i].scales, sm);
             const __m128i sc8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm));
             const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
             __m512i q[4], s[4];
@@ -271,62 +271,11 @@ AVX512 static INLINE void q6k_row_body(const block_q6_K *x, int nb, int R, block
     }
 }
 
-/* the bodies compiled for 1 to 4 rows (a step's experts are mostly picked by so few: their sums then kept
-   in registers, by hand 0.38 → 0.30 ms a bench-model layer's decode row), and for any R */
-AVX512 static void q4k_row_avx512(const block_q4_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
-    switch (R) {
-    case 1: q4k_row_body(x, nb, 1, y, part); break;
-    case 2: q4k_row_body(x, nb, 2, y, part); break;
-    case 3: q4k_row_body(x, nb, 3, y, part); break;
-    case 4: q4k_row_body(x, nb, 4, y, part); break;
-    default: q4k_row_body(x, nb, R, y, part);
-    }
+AVX512 static void q4k_row_avx512(const void *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
+    BY_ROW_COUNT(q4k_row_body, x, nb, R, y, part)
 }
-AVX512 static void q6k_row_avx512(const block_q6_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
-    switch (R) {
-    case 1: q6k_row_body(x, nb, 1, y, part); break;
-    case 2: q6k_row_body(x, nb, 2, y, part); break;
-    case 3: q6k_row_body(x, nb, 3, y, part); break;
-    case 4: q6k_row_body(x, nb, 4, y, part); break;
-    default: q6k_row_body(x, nb, R, y, part);
-    }
-}
-
-/* eight weight rows' 8-lane sums → their eight totals, each by the same tree (adjacent lanes, then pairs,
-   then the two halves), whatever the other rows hold */
-AVX512 static __m256 reduce8(const __m256 *v) {
-    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-#define PART_ROWS 64 /* activation rows whose partial sums a call keeps at a time */
-
-/* weight rows [first, last) of a matrix of `type` against R activation rows (acts; views: their q4k_view) */
-AVX512 static void rows_avx512(int type, const uint8_t *w, size_t stride, int nb, int first, int last, int R, block_q8_K *const *acts,
-                               block_q8_K *const *views, float *out, size_t out_stride) {
-    __m256 part[8][PART_ROWS];
-    for (int r0 = 0; r0 < R; r0 += PART_ROWS) {
-        const int n = R - r0 < PART_ROWS ? R - r0 : PART_ROWS;
-        for (int row0 = first; row0 < last; row0 += 8) {
-            const int rows = last - row0 < 8 ? last - row0 : 8;
-            for (int j = 0; j < 8; j++) {
-                if (j >= rows) { /* (a short chunk: the absent rows' sums zero) */
-                    for (int r = 0; r < n; r++) part[j][r] = _mm256_setzero_ps();
-                } else if (type == TYPE_Q4_K) {
-                    q4k_row_avx512((const block_q4_K *)(w + stride * (row0 + j)), nb, n, views + r0, part[j]);
-                } else {
-                    q6k_row_avx512((const block_q6_K *)(w + stride * (row0 + j)), nb, n, acts + r0, part[j]);
-                }
-            }
-            const __mmask8 keep = (__mmask8)((1u << rows) - 1);
-            for (int r = 0; r < n; r++) {
-                const __m256 v[8] = {part[0][r], part[1][r], part[2][r], part[3][r], part[4][r], part[5][r], part[6][r], part[7][r]};
-                _mm256_mask_storeu_ps(out + (size_t)(r0 + r) * out_stride + row0, keep, reduce8(v));
-            }
-        }
-    }
+AVX512 static void q6k_row_avx512(const void *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
+    BY_ROW_COUNT(q6k_row_body, x, nb, R, y, part)
 }
 
 /* ---- AVX2 (with FMA and F16C): the same scheme on 256-bit registers, for CPUs without AVX-512 ----
@@ -343,7 +292,7 @@ AVX2 static INLINE void q4k_row_body_avx2(const block_q4_K *x, int nb, int R, bl
         for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
         for (int i = 0; i < nb; i++) {
             uint8_t sm[16];
-            q4k_scales_fast(x[i].scales, sm);
+            q4k_scales(x[i].scales, sm);
             const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
             __m256i q[8], s[8];
             for (int g = 0; g < 4; g++) {
@@ -404,51 +353,47 @@ AVX2 static INLINE void q6k_row_body_avx2(const block_q6_K *x, int nb, int R, bl
     }
 }
 
-AVX2 static void q4k_row_avx2(const block_q4_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
-    switch (R) {
-    case 1: q4k_row_body_avx2(x, nb, 1, y, part); break;
-    case 2: q4k_row_body_avx2(x, nb, 2, y, part); break;
-    default: q4k_row_body_avx2(x, nb, R, y, part);
-    }
+AVX2 static void q4k_row_avx2(const void *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
+    BY_ROW_COUNT(q4k_row_body_avx2, x, nb, R, y, part)
 }
-AVX2 static void q6k_row_avx2(const block_q6_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
-    switch (R) {
-    case 1: q6k_row_body_avx2(x, nb, 1, y, part); break;
-    case 2: q6k_row_body_avx2(x, nb, 2, y, part); break;
-    default: q6k_row_body_avx2(x, nb, R, y, part);
-    }
+AVX2 static void q6k_row_avx2(const void *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
+    BY_ROW_COUNT(q6k_row_body_avx2, x, nb, R, y, part)
 }
 
-AVX2 static __m256 reduce8_avx2(const __m256 *v) { /* (reduce8's tree) */
+/* eight weight rows' 8-lane sums → their eight totals, each by the same tree (adjacent lanes, then pairs,
+   then the two halves), whatever the other rows hold */
+AVX2 static __m256 reduce8(const __m256 *v) {
     const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
     const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* rows_avx512's loop on AVX2 (the Q4_K rows against the activations in natural order) */
-AVX2 static void rows_avx2(int type, const uint8_t *w, size_t stride, int nb, int first, int last, int R, block_q8_K *const *acts,
-                           float *out, size_t out_stride) {
+#define PART_ROWS 64 /* activation rows whose partial sums a call keeps at a time */
+
+/* one weight row against n activation rows, a form's: 8 float lanes each into part[r] */
+typedef void (*row_fn)(const void *x, int nb, int n, block_q8_K *const *y, __m256 *part);
+
+/* weight rows [first, last) against R activation rows, eight weight rows at a time, each one's sums by `row`
+   against `y` (the activations in the order the form's row function takes them) */
+AVX2 static void rows_vector(row_fn row, const uint8_t *w, size_t stride, int nb, int first, int last, int R, block_q8_K *const *y,
+                             float *out, size_t out_stride) {
     __m256 part[8][PART_ROWS];
     for (int r0 = 0; r0 < R; r0 += PART_ROWS) {
         const int n = R - r0 < PART_ROWS ? R - r0 : PART_ROWS;
         for (int row0 = first; row0 < last; row0 += 8) {
             const int rows = last - row0 < 8 ? last - row0 : 8;
             for (int j = 0; j < 8; j++) {
-                if (j >= rows) {
+                if (j < rows) row(w + stride * (row0 + j), nb, n, y + r0, part[j]);
+                else /* (a short chunk: the absent rows' sums zero) */
                     for (int r = 0; r < n; r++) part[j][r] = _mm256_setzero_ps();
-                } else if (type == TYPE_Q4_K) {
-                    q4k_row_avx2((const block_q4_K *)(w + stride * (row0 + j)), nb, n, acts + r0, part[j]);
-                } else {
-                    q6k_row_avx2((const block_q6_K *)(w + stride * (row0 + j)), nb, n, acts + r0, part[j]);
-                }
             }
             int32_t lanes[8];
             for (int j = 0; j < 8; j++) lanes[j] = j < rows ? -1 : 0;
             const __m256i keep = _mm256_loadu_si256((const __m256i *)lanes);
             for (int r = 0; r < n; r++) {
                 const __m256 v[8] = {part[0][r], part[1][r], part[2][r], part[3][r], part[4][r], part[5][r], part[6][r], part[7][r]};
-                _mm256_maskstore_ps(out + (size_t)(r0 + r) * out_stride + row0, keep, reduce8_avx2(v));
+                _mm256_maskstore_ps(out + (size_t)(r0 + r) * out_stride + row0, keep, reduce8(v));
             }
         }
     }
@@ -504,12 +449,10 @@ static void rows_of(const Shape *sh, int m, const uint8_t *w, int cols, int firs
                     block_q8_K *const *views, float *out, size_t out_stride) {
     const size_t stride = row_bytes(sh->types[m], cols);
 #ifdef HAVE_X86
-    if (sh->isa == ISA_AVX512) {
-        rows_avx512(sh->types[m], w, stride, cols / QK, first, last, R, acts, views, out, out_stride);
-        return;
-    }
-    if (sh->isa == ISA_AVX2) {
-        rows_avx2(sh->types[m], w, stride, cols / QK, first, last, R, acts, out, out_stride);
+    if (sh->isa != ISA_PORTABLE) { /* (AVX-512's Q4_K rows take the activations' q4k_view, AVX2's their order) */
+        const int q4k = sh->types[m] == TYPE_Q4_K, avx512 = sh->isa == ISA_AVX512;
+        const row_fn row = avx512 ? (q4k ? q4k_row_avx512 : q6k_row_avx512) : (q4k ? q4k_row_avx2 : q6k_row_avx2);
+        rows_vector(row, w, stride, cols / QK, first, last, R, q4k && avx512 ? views : acts, out, out_stride);
         return;
     }
 #endif

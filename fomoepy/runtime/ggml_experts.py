@@ -266,16 +266,18 @@ class GgmlExperts:
             if early:  # the tier's picks while the reads go on
                 y[in_tier] = batched_experts.pick_outputs(h, _pick_rows(T, k)[in_tier], slots[in_tier], table, qtypes, n_ff, threads)
         finally:  # even when that failed: the cache marks the admitted experts ready once their reads land
-            staged = self._install_admitted(layer, [e for e, s in held.items() if s < 0], slot_of, experts)
+            self._install_admitted(layer, [e for e, s in held.items() if s < 0], slot_of, experts)  # (the rest: from their reads)
         if not early:
             in_tier = []
-        # the rest: those installed now (their slots) and those read but not kept (where their bytes lie)
-        extra = {e: i + table.shape[0] for i, e in enumerate(staged)}
-        where = np.concatenate([table, np.array([[contiguous_address(part) for part in experts.fetched[e]] for e in staged],
-                                                np.uint64).reshape(-1, 3)])  # fmt: skip
+        # the rest: from the slots of those in the tier or installed now, and where the reads of those not kept
+        # lie; the call's address table holds just their experts (not a copy of the tier's every step)
         done = set(in_tier)
         rest = [p for p in range(T * k) if p not in done]
-        index = np.array([slot_of[id_list[p]] if id_list[p] in slot_of else extra[id_list[p]] for p in rest], np.int32)
+        needed = list(dict.fromkeys(id_list[p] for p in rest))
+        where = np.array([table[slot_of[e]] if e in slot_of else [contiguous_address(part) for part in experts.fetched[e]] for e in needed],
+                         np.uint64)  # fmt: skip
+        row_of = {e: i for i, e in enumerate(needed)}
+        index = np.array([row_of[id_list[p]] for p in rest], np.int32)
         y[rest] = batched_experts.pick_outputs(h, _pick_rows(T, k)[rest], index, where, qtypes, n_ff, threads)
         return weighted_sum(y.reshape(T, k, -1), weights)
 
