@@ -9,6 +9,7 @@ a caller may keep to continue a conversation. The daemon drives the same steps f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 from collections.abc import Iterator, Sequence
@@ -327,8 +328,9 @@ def open_engine(args: argparse.Namespace):
     options = EngineOptions.from_args(args)  # every flag checked before anything is loaded or written
     if options.trace:
         check_output(options.trace, "--trace")
-    resolve_model(args)
-    return Engine(args.model, EngineOptions.from_args(args))
+    if resolve_model(args):  # the demo model: its store was chosen (and prepared) just now
+        options = dataclasses.replace(options, store=tuple(args.store))
+    return Engine(args.model, options)
 
 
 def resolve_model(args: argparse.Namespace) -> bool:

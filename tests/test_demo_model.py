@@ -24,6 +24,7 @@ from fomoepy.devtools.bpe_train import encoder, train_vocab
 from fomoepy.devtools.bpe_vocab import SPECIAL_TOKENS, Vocab, byte_level_bpe
 from fomoepy.devtools.gguf_export import k_quant_mix, write_qwen3moe
 from fomoepy.engine import Engine
+from fomoepy.experts.store_reader import ExpertStore
 from fomoepy.sampling import SamplingParams
 
 Q = GGMLQuantizationType
@@ -46,6 +47,19 @@ def test_demo_files_ship_with_the_package():
     assert demo_check_path().is_file()
     text = demo_heldout_path().read_text(encoding="utf-8")
     assert 20_000 <= len(text.encode("utf-8")) <= 50_000
+
+
+def test_no_model_opens_the_demo_model_over_its_prepared_store(tmp_path, monkeypatch):
+    """`fomoe generate` with no MODEL: the demo model, its experts read from the store prepared on first use."""
+    from fomoepy.cli import build_parser
+    from fomoepy.engine import open_engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = build_parser().parse_args(["generate", "-p", "def", "--backend", "reference"])
+    engine = open_engine(args)
+    (store,) = engine.options.store
+    assert store.startswith(str(tmp_path / "fomoepy" / "stores"))
+    assert isinstance(engine.source, ExpertStore), "its experts are read from the store, not the GGUF"
 
 
 def test_demo_model_is_a_small_qwen3moe_in_a_q4_k_m_like_mix(demo):
