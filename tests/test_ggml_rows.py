@@ -16,6 +16,7 @@ import pytest
 
 from fomoepy import quants
 from fomoepy.runtime.ggml_matmul import (
+    APART_BELOW_ROWS,
     SUPPORTED_TYPES,
     QuantMatrix,
     mul_mat,
@@ -49,3 +50,19 @@ def test_the_probe_tells_a_gemm_that_sums_otherwise_from_one_that_keeps_rows():
     # llamafile's F32 GEMM sums a row in another order than the one-row product: the probe must see it
     # (a probe that always answered "keeps rows" would let the integer types through unchecked)
     assert rows_apart_from(0) == 2
+
+
+@pytest.mark.parametrize("qtype", [ggml.GGML_TYPE_Q8_0, ggml.GGML_TYPE_Q4_0])  # rows keep their bits in llamafile's GEMMs
+def test_a_few_sequences_rows_take_one_row_products_which_are_faster_there(qtype):
+    # below APART_BELOW_ROWS a decode batch's product is B one-row products (x as [K, 1, B]) even where
+    # one several-row product would give the same bits: llamafile's GEMM is the slower at a few rows
+    from fomoepy.runtime.ggml_dense import Graph, apart_bytes, product
+
+    w = weight(np.random.default_rng(1), qtype)
+    for B, apart in ((2, True), (4, True), (7, True), (16, rows_differ_together(qtype, 16))):
+        g = Graph(16, apart_bytes(w, B) + 4 * N * B, 1)
+        node = product(g, w, g.input(K, B), B, apart=True)
+        while node.contents.op != ggml.GGML_OP_MUL_MAT:
+            node = node.contents.src[0]
+        assert node.contents.src[1].contents.ne[1] == (1 if apart else B), f"{B} rows"
+    assert APART_BELOW_ROWS <= 16

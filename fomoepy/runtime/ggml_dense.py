@@ -36,7 +36,7 @@ import ggml
 import numpy as np
 
 from fomoepy.errors import FomoeError
-from fomoepy.runtime.ggml_matmul import QuantMatrix, rows_differ_together, top_k_nodes
+from fomoepy.runtime.ggml_matmul import QuantMatrix, rows_go_apart, top_k_nodes
 from fomoepy.runtime.pinned import host_address
 from fomoepy.timing import MATMUL
 
@@ -211,9 +211,10 @@ def product(g: Graph, w, x, B: int, apart: bool):
     """w · x for x [K, B] → [N, B]. apart: each column a one-row product of its own: ggml takes another
     kernel for a product of several rows than for one (llamafile's GEMMs, from two rows on, may sum in
     another order than its one-row dot products), so the rows of several sequences are multiplied as B
-    products of one row each (x as [K, 1, B], w broadcast over the B) to get the bits each gets alone; a
-    prefill's rows (one sequence) are not."""
-    if not apart or B == 1 or not rows_differ_together(getattr(w, "qtype", ggml.GGML_TYPE_F32), B):
+    products of one row each (x as [K, 1, B], w broadcast over the B) to get the bits each gets alone, and
+    below APART_BELOW_ROWS rows whatever the type, where they are faster so (rows_go_apart); a prefill's
+    rows (one sequence) are not."""
+    if not apart or not rows_go_apart(getattr(w, "qtype", ggml.GGML_TYPE_F32), B):
         return ggml.ggml_mul_mat(g.ctx, g.weight(w), x)
     # the copy: a reshape is a view, which takes its source's data address when it is made, and an
     # input's is set only when the graph runs

@@ -156,6 +156,19 @@ def top_ids_of_product(x: np.ndarray, w: QuantMatrix, k: int, threads: int) -> n
     return top_ids(mul_mat(x, w, threads), k)
 
 
+# Below this many rows a product of several sequences' rows is taken apart whatever its type's bits do:
+# llamafile's Q8_0 GEMM (whose rows keep their bits) is slower than one-row dot products at a decode
+# batch's few rows. Measured (bench/batch_step.py's model's Q8_0 output head, 2 threads, AMD EPYC family 26):
+# 1.81 / 2.39 / 4.10 / 7.37 ms apart at 2 / 4 / 8 / 16 rows against 2.95 / 4.30 / 3.95 / 5.55 ms as one GEMM.
+APART_BELOW_ROWS = 8
+
+
+def rows_go_apart(qtype: int, rows: int) -> bool:
+    """Whether a product of `rows` rows of several sequences is taken as one-row products (x as [K, 1, B]):
+    where one product would give a row other bits than alone (rows_differ_together), or is slower."""
+    return rows > 1 and (rows < APART_BELOW_ROWS or rows_differ_together(qtype, rows))
+
+
 def rows_differ_together(qtype: int, rows: int) -> bool:
     """Whether ggml may compute a product of `rows` rows with `qtype` weights otherwise than each row alone:
     llamafile's GEMMs from two rows on (where their sums differ: the float ones), ggml's tiled K-quant GEMM
@@ -203,11 +216,12 @@ def first_rows_apart(product: Callable[[np.ndarray], np.ndarray], x: np.ndarray)
 def rows_apart(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
     """x [B, K] · wᵀ → [B, N], each row a one-row product of its own: the bits each row gets alone. ggml
     takes another kernel for a product of several rows than for one (llamafile's GEMMs, from two rows on,
-    may sum in another order), so where the weights' type is one it takes (rows_differ_together) the rows
-    of several sequences are B products of one row each: x as [K, 1, B], w broadcast over the B."""
+    may sum in another order), so where the weights' type is one it takes (rows_differ_together), or where
+    one product of a few rows is slower (rows_go_apart), the rows of several sequences are B products of
+    one row each: x as [K, 1, B], w broadcast over the B."""
     x = np.ascontiguousarray(x, dtype=F32)
     B = x.shape[0]
-    if B == 1 or not rows_differ_together(w.qtype, B):
+    if not rows_go_apart(w.qtype, B):
         return mul_mat(x, w, threads)
     g = _Graph(3)
     try:
