@@ -30,6 +30,9 @@ Python code they stand in for serves (the same results, more host time per step)
   once for all the rows that picked it (fomoepy.runtime.batched_experts); OpenMP (-fopenmp), ggml's CPU runtime.
   Without it, or on a CPU without AVX-512, ggml's products serve: the same arithmetic, its float sums in
   another order (so not the same bits), and slower.
+- fomoepy/runtime/_dense_rows.c: a decode batch's Q8_0 dense products, each weight block read once for all its
+  rows, each row's bits its lone one-row product's (fomoepy.runtime.dense_rows). Without it, or on a CPU
+  without AVX-512, ggml's one-row products serve: the same bits, slower.
 """
 
 from setuptools import Extension, setup
@@ -57,5 +60,6 @@ setup(
         optional("fomoepy.experts._acquire"),
         optional("fomoepy.runtime._ggml_rounds", "-ffp-contract=off"),
         optional("fomoepy.runtime._batched_experts", "-O3", "-fopenmp"),
+        optional("fomoepy.runtime._dense_rows", "-O3"),
     ]
 )

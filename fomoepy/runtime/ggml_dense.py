@@ -36,6 +36,7 @@ import ggml
 import numpy as np
 
 from fomoepy.errors import FomoeError
+from fomoepy.runtime import dense_rows
 from fomoepy.runtime.ggml_matmul import QuantMatrix, rows_go_apart, top_k_nodes
 from fomoepy.runtime.pinned import host_address
 from fomoepy.timing import MATMUL
@@ -212,8 +213,11 @@ def product(g: Graph, w, x, B: int, apart: bool):
     kernel for a product of several rows than for one (llamafile's GEMMs, from two rows on, may sum in
     another order than its one-row dot products), so the rows of several sequences are multiplied as B
     products of one row each (x as [K, 1, B], w broadcast over the B) to get the bits each gets alone, and
-    below APART_BELOW_ROWS rows whatever the type, where they are faster so (rows_go_apart); a prefill's
-    rows (one sequence) are not."""
+    below APART_BELOW_ROWS rows whatever the type, where they are faster so (rows_go_apart); Q8_0 weights by
+    fomoepy's kernel where it agrees with ggml (dense_rows: the same bits, each block read once for the B
+    rows). A prefill's rows (one sequence) are not taken apart."""
+    if apart and B > 1 and dense_rows.handles(w):  # Q8_0: each block read once for the B rows, each row's bits its lone ones
+        return dense_rows.node(g.ctx, g.weight(w), x if ggml.ggml_is_contiguous(x) else ggml.ggml_cont(g.ctx, x), B)
     if not apart or not rows_go_apart(getattr(w, "qtype", ggml.GGML_TYPE_F32), B):
         return ggml.ggml_mul_mat(g.ctx, g.weight(w), x)
     # the copy: a reshape is a view, which takes its source's data address when it is made, and an

@@ -35,6 +35,7 @@ import numpy as np
 
 from fomoepy.errors import FomoeError
 from fomoepy.experts.routing import top_ids
+from fomoepy.runtime import dense_rows
 from fomoepy.timing import MATMUL
 
 F32 = np.float32
@@ -221,6 +222,8 @@ def rows_apart(x: np.ndarray, w: QuantMatrix, threads: int) -> np.ndarray:
     one row each: x as [K, 1, B], w broadcast over the B."""
     x = np.ascontiguousarray(x, dtype=F32)
     B = x.shape[0]
+    if B > 1 and dense_rows.handles(w):  # Q8_0: fomoepy's kernel, each row its one-row product's bits
+        return dense_rows.products(w, x, threads)
     if not rows_go_apart(w.qtype, B):
         return mul_mat(x, w, threads)
     g = _Graph(3)
