@@ -35,13 +35,13 @@ def lone(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
 
 
 @pytest.mark.parametrize("B", [2, 3, 5, 8, 9, 11, 13, 16, 17])  # every count of pairs (1-9), an odd batch's last pair of one row
-@pytest.mark.parametrize("shape", [(63, 256), (5, 96), (130, 1024)])  # weight rows (N) and columns (K)
+@pytest.mark.parametrize("shape", [(63, 256), (5, 96), (130, 1024), (1, 32)])  # weight rows (N) and columns (K); one row, one block
 def test_each_rows_result_is_its_lone_one_row_products_bits(shape, B):
     rng = np.random.default_rng([B, *shape])
     w = q8_0_weight(rng, *shape)
     x = (rng.standard_normal((B, shape[1])) * 3.0).astype(np.float32)
     want = lone(x, w)
-    for threads in (1, 3):
+    for threads in (1, 3):  # (3: more threads than (1, 32)'s one weight row)
         assert np.array_equal(dense_rows.products(w, x, threads), want), f"{threads} threads"
 
 
@@ -64,3 +64,21 @@ def test_the_engine_takes_the_kernel_here():
     assert dense_rows.handles(q8_0_weight(rng, 8, 64))
     q4_0 = quants.quantize(rng.standard_normal((8, 64)).astype(np.float32), quants.GGMLQuantizationType.Q4_0)
     assert not dense_rows.handles(QuantMatrix.of(np.frombuffer(q4_0.tobytes(), np.uint8), int(quants.GGMLQuantizationType.Q4_0), (8, 64)))
+
+
+def test_a_product_of_a_view_that_is_not_contiguous_fits_the_room_apart_bytes_counts():
+    # product() copies such an x (ggml_cont) before the kernel's node quantizes it: both fit in apart_bytes
+    # (K > 4·N: the F32 copy and the Q8_0 one outgrow the room counted for ggml's one-row products)
+    import ggml
+
+    from fomoepy.runtime.ggml_dense import APART_TENSORS, Graph, apart_bytes, product
+
+    N, K, B = 1, 1024, 7
+    rng = np.random.default_rng(5)
+    w = q8_0_weight(rng, N, K)
+    g = Graph(3 + APART_TENSORS, apart_bytes(w, B) + 4 * B * K, 1)  # the input, the weight, x computed (room counted), product's
+    rows = ggml.ggml_scale(g.ctx, g.input(B, K), 1.0)  # [B, K] computed: a view of an input would take no data pointer
+    y = product(g, w, ggml.ggml_transpose(g.ctx, rows), B, apart=True)  # x [K, B], not contiguous
+    g.finish([(y, (B, N))])
+    x = rng.standard_normal((B, K)).astype(np.float32)
+    assert np.array_equal(g.run(np.ascontiguousarray(x.T))[0], lone(x, w))

@@ -139,10 +139,10 @@ def test_a_tokens_graph_leaves_the_trace_and_cars_record_the_layer_path_leaves(s
     assert whole == apart and len(whole) > 0
 
 
-def run_batch(prompts: list[int], n_decode: int) -> tuple:
+def run_batch(prompts: list[int], n_decode: int, path: str = "qwen3moe_q6_k.gguf") -> tuple:
     """Prefill a random prompt of each length, one sequence each, then decode n_decode batched steps of
     all of them → (each step's logits [B, V], each sequence's KV caches, expert counts)."""
-    engine = Engine(ORACLE / "qwen3moe_q6_k.gguf", EngineOptions(backend="cpu", threads=2, n_ctx=4 * KV_CHUNK))
+    engine = Engine(ORACLE / path, EngineOptions(backend="cpu", threads=2, n_ctx=4 * KV_CHUNK))
     rng = np.random.default_rng(12)
     states = [engine.new_state() for _ in prompts]
     for state, n in zip(states, prompts):
@@ -155,7 +155,8 @@ def run_batch(prompts: list[int], n_decode: int) -> tuple:
     return logits, caches, counts, hits
 
 
-def test_a_batched_step_is_one_graph_and_each_row_gets_the_layer_paths_bits(monkeypatch, spinning):
+@pytest.mark.parametrize("path", ["qwen3moe_q6_k.gguf", "qwen3moe_q4_k_m.gguf"])  # F16 dense weights; Q8_0 ones (dense_rows' node)
+def test_a_batched_step_is_one_graph_and_each_row_gets_the_layer_paths_bits(monkeypatch, spinning, path):
     # three sequences at different positions: the first crosses its first chunk's end (its caches grow)
     # and a span, the third a span, at different steps; each step one graph (DecodeBatch), its experts
     # never computed apart; against the layer-by-layer batched step, bit for bit
@@ -177,11 +178,11 @@ def test_a_batched_step_is_one_graph_and_each_row_gets_the_layer_paths_bits(monk
     with monkeypatch.context() as m:
         m.setattr(Transformer, "_batch_in_one_call", counted)
         m.setattr(GgmlExperts, "compute", prefill_only)
-        whole = run_batch(prompts, 6)
+        whole = run_batch(prompts, 6, path)
     assert calls["batch"] == 6
     with monkeypatch.context() as m:
         m.setattr(ResidentStep, "in_graph", lambda self, layer: None)  # every layer's graphs and experts apart
-        apart = run_batch(prompts, 6)
+        apart = run_batch(prompts, 6, path)
     assert all(np.array_equal(a, b) for a, b in zip(whole[0], apart[0]))
     assert all(np.array_equal(a, b) for pair in zip(whole[1], apart[1]) for a, b in zip(*pair))
     assert np.array_equal(whole[2], apart[2]) and whole[2].sum() > 0
@@ -190,9 +191,9 @@ def test_a_batched_step_is_one_graph_and_each_row_gets_the_layer_paths_bits(monk
     with monkeypatch.context() as m:
         m.setattr(ggml_decode, "MAX_PICKS", 8)  # (this model's rows pick 4 experts each: parts of 2 rows)
         m.setattr(batched_experts, "MAX_PICKS", 8)
-        parts = run_batch(prompts, 6)
+        parts = run_batch(prompts, 6, path)
         m.setattr(ResidentStep, "in_graph", lambda self, layer: None)
-        parts_apart = run_batch(prompts, 6)
+        parts_apart = run_batch(prompts, 6, path)
     for got in (parts, parts_apart):
         assert all(np.array_equal(a, b) for a, b in zip(whole[0], got[0]))
 
