@@ -11,7 +11,8 @@ from fomoepy import quants
 from fomoepy.runtime import dense_rows
 from fomoepy.runtime.ggml_matmul import QuantMatrix, fresh_mul_mat
 
-pytestmark = pytest.mark.skipif(not dense_rows.runs(), reason="the kernel is not built or this CPU lacks AVX-512 (VNNI)")
+pytestmark = pytest.mark.skipif(not dense_rows.runs(), reason="the kernel is not built or this CPU lacks AVX2")
+FORMS = [form for form in (dense_rows.AVX2, dense_rows.AVX512) if form <= dense_rows.best_form()]  # each the CPU runs
 
 Q8_0 = dense_rows.Q8_0
 BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # ggml's block_q8_0, 34 bytes
@@ -34,18 +35,20 @@ def lone(x: np.ndarray, w: QuantMatrix) -> np.ndarray:
     return np.stack([fresh_mul_mat(x[i : i + 1], w, 1)[0] for i in range(len(x))])
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("B", [2, 3, 5, 8, 9, 11, 13, 16, 17])  # every count of pairs (1-9), an odd batch's last pair of one row
 @pytest.mark.parametrize("shape", [(63, 256), (5, 96), (130, 1024), (1, 32)])  # weight rows (N) and columns (K); one row, one block
-def test_each_rows_result_is_its_lone_one_row_products_bits(shape, B):
+def test_each_rows_result_is_its_lone_one_row_products_bits(shape, B, form):
     rng = np.random.default_rng([B, *shape])
     w = q8_0_weight(rng, *shape)
     x = (rng.standard_normal((B, shape[1])) * 3.0).astype(np.float32)
     want = lone(x, w)
     for threads in (1, 3):  # (3: more threads than (1, 32)'s one weight row)
-        assert np.array_equal(dense_rows.products(w, x, threads), want), f"{threads} threads"
+        assert np.array_equal(dense_rows.products(w, x, threads, form), want), f"{threads} threads"
 
 
-def test_extreme_quants_and_zero_scales_and_rows_keep_ggmls_bits():
+@pytest.mark.parametrize("form", FORMS)
+def test_extreme_quants_and_zero_scales_and_rows_keep_ggmls_bits(form):
     # -128 (whose absolute value wraps to 128 unsigned), zero blocks and zero scales, a zero row, a huge row
     rng = np.random.default_rng(7)
     w = q8_0_weight(rng, 37, 512, extremes=True)
@@ -53,7 +56,7 @@ def test_extreme_quants_and_zero_scales_and_rows_keep_ggmls_bits():
     x[1] = 0.0
     x[2] *= 1e4  # (its scales near the top of float16)
     x[3, :64] = 0.0  # two zero blocks: scale 0
-    assert np.array_equal(dense_rows.products(w, x, 2), lone(x, w))
+    assert np.array_equal(dense_rows.products(w, x, 2, form), lone(x, w))
 
 
 def test_the_engine_takes_the_kernel_here():

@@ -9,12 +9,11 @@
    was most of a bench-model step's dense time (its 34.8 MB output head: 4.1 ms at 8 rows on 2 threads,
    0.83 at one, by hand on this 2-vCPU AMD EPYC).
 
-   Here a 512-bit register holds two rows' blocks (row r in its low eight lanes, row r + 1 in its high
-   eight), the weight block is broadcast to both halves, its absolute value, its sign mask and its scale
-   made once for every pair of rows, and each pair's scales are laid out once a call. The arithmetic per
-   row and lane is ggml's AVX2 one (arch/x86/quants.c):
+   Here each weight block is loaded once, its absolute value and its scale made once for all the rows,
+   and the rows' blocks and scales are laid out once a call, in pairs. The arithmetic per row and lane is
+   ggml's AVX2 one (arch/x86/quants.c):
 
-       q_j   = Σ_{k=4j..4j+3} |w_k| · sign(w_k)·a_k      (exact int32, VNNI's dpbusd as ggml's)
+       q_j   = Σ_{k=4j..4j+3} |w_k| · sign(w_k)·a_k      (exact int32: VNNI's dpbusd, or maddubs then madd)
        d     = fp32(w.d) · fp32(a.d)                     (one float32 product)
        acc_j = fma(d, float(q_j), acc_j)                 block after block
        out   = hsum_float_8(acc)                          (ggml's order: halves, then pairs, then the last two)
@@ -24,9 +23,11 @@
    they are the ones it would use. The engine asks ggml once whether its one-row products agree with this
    on this CPU and build (dense_rows.agrees) and otherwise keeps ggml's one-row products.
 
-   The AVX-512 form (F, BW, VL, VNNI) only, chosen at run time and compiled with a target attribute so the
-   module builds for any x86-64; elsewhere ggml's products serve, as before. Threads: a custom node of
-   ggml's graph runs on each of its threads, each taking a range of weight rows. */
+   Two forms, chosen at run time and compiled with target attributes so the module builds for any x86-64:
+   AVX-512 (F, BW, VL, VNNI: two rows to a register, the weight block broadcast to both halves) and AVX2
+   (with FMA and F16C: a row to a register); elsewhere ggml's one-row products serve, as before. Both give
+   ggml's bits (tests/test_dense_rows.py runs each form the CPU has). Threads: a custom node of ggml's
+   graph runs on each of its threads, each taking a range of weight rows. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,14 +46,18 @@ typedef struct { uint16_t d; int8_t qs[QK8_0]; } block_q8_0; /* 34 bytes, as ggm
    (tests/test_ggml_abi.py holds it to the library's), so no ggml header is needed. */
 typedef struct {
     int64_t data_offset, src_offset, ne_offset;
+    int64_t form; /* FORM_AVX2 or FORM_AVX512 */
 } OpInfo;
 
 static void *data_of(const OpInfo *o, const void *t) { return *(void *const *)((const char *)t + o->data_offset); }
 static const void *src_of(const OpInfo *o, const void *t, int i) { return ((const void *const *)((const char *)t + o->src_offset))[i]; }
 static int64_t ne_of(const OpInfo *o, const void *t, int i) { return ((const int64_t *)((const char *)t + o->ne_offset))[i]; }
 
+enum { FORM_NONE = 0, FORM_AVX2 = 1, FORM_AVX512 = 2 }; /* the kernel's forms: the same bits, each ggml's */
+
 #if HAVE_X86
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 /* Two rows' activations per block: their 64 quants and their scales spread over the lanes (16 floats). */
 typedef struct {
@@ -60,7 +65,7 @@ typedef struct {
     float d[16];
 } PairBlock;
 
-AVX512 static float hsum_float_8(__m256 x) { /* ggml's */
+AVX2 static inline float hsum_float_8(__m256 x) { /* ggml's */
     __m128 res = _mm256_extractf128_ps(x, 1);
     res = _mm_add_ps(res, _mm256_castps256_ps128(x));
     res = _mm_add_ps(res, _mm_movehl_ps(res, res));
@@ -68,14 +73,17 @@ AVX512 static float hsum_float_8(__m256 x) { /* ggml's */
     return _mm_cvtss_f32(res);
 }
 
-AVX512 static float fp16_to_fp32(uint16_t h) { return _cvtsh_ss(h); }
+AVX2 static inline float fp16_to_fp32(uint16_t h) { return _cvtsh_ss(h); }
 
-/* One weight row (w, `nb` blocks) against NP ≤ 8 pairs of rows (block b of pair p at pairs[b * stride + p]: a
-   block's pairs side by side) → out[r * ldo] for the 2·NP
-   rows r < n_rows. Inlined with a constant NP: the accumulators stay in registers. One weight row at a time:
-   by hand, two or four rows' blocks interleaved ran four times slower on this EPYC (its loads' streams). */
-AVX512 static inline __attribute__((always_inline)) void tile(int NP, const block_q8_0 *w, int nb, const PairBlock *pairs, int stride,
-                                                              int n_rows, float *out, int64_t ldo) {
+/* One weight row (w, `nb` blocks) against NP pairs of rows (block b of pair p at pairs[b * stride + p]: a
+   block's pairs side by side) → out[r * ldo] for the 2·NP rows r < n_rows. Inlined with a constant NP:
+   the accumulators stay in registers. One weight row at a time: by hand, two or four rows' blocks
+   interleaved ran four times slower on this EPYC (its loads' streams).
+   AVX-512: a register holds a pair (row 2p in its low eight lanes, 2p + 1 in its high eight), the weight
+   block broadcast to both halves, VNNI's dpbusd for the integer dot products (ggml's, where it has VNNI);
+   NP ≤ 8. */
+AVX512 static inline __attribute__((always_inline)) void tile512(int NP, const block_q8_0 *w, int nb, const PairBlock *pairs, int stride,
+                                                                 int n_rows, float *out, int64_t ldo) {
     __m512 acc[8];
     for (int p = 0; p < NP; ++p) acc[p] = _mm512_setzero_ps();
     const __m512i zero = _mm512_setzero_si512();
@@ -101,28 +109,54 @@ AVX512 static inline __attribute__((always_inline)) void tile(int NP, const bloc
     }
 }
 
-/* Weight rows [i0, i1) of the product for every row: each weight row against the pairs eight at a time
-   (a batch past sixteen rows takes the row again from the cache). */
-AVX512 static void product_rows(const block_q8_0 *w, int nb, const PairBlock *pairs, int B, float *out, int64_t ldo, int64_t i0, int64_t i1) {
-    const int n_pairs = (B + 1) / 2;
-    for (int64_t i = i0; i < i1; ++i)
-        for (int p0 = 0; p0 < n_pairs; p0 += 8) {
-            const block_q8_0 *row = w + i * nb;
-            const PairBlock *pp = pairs + p0;
-            float *o = out + (int64_t)(2 * p0) * ldo + i;
-            const int rows = B - 2 * p0;
-            switch (n_pairs - p0) {
-#define CASE(NP) case NP: tile(NP, row, nb, pp, n_pairs, rows, o, ldo); break;
-            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
-#undef CASE
-            default: tile(8, row, nb, pp, n_pairs, rows, o, ldo); break;
+/* AVX2: a register a row, the integer dot products as ggml's without VNNI (maddubs, then madd with ones:
+   the same integers, no pair of products reaching int16's bound since no activation is -128); NP ≤ 4
+   (sixteen registers). */
+AVX2 static inline __attribute__((always_inline)) void tile256(int NP, const block_q8_0 *w, int nb, const PairBlock *pairs, int stride,
+                                                               int n_rows, float *out, int64_t ldo) {
+    __m256 acc[8];
+    for (int r = 0; r < 2 * NP; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; ++b) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)w[b].qs);
+        const __m256i ax = _mm256_sign_epi8(wv, wv);
+        const __m256 dw = _mm256_set1_ps(fp16_to_fp32(w[b].d));
+        for (int p = 0; p < NP; ++p) {
+            const PairBlock *a = pairs + (int64_t)b * stride + p;
+            for (int h = 0; h < 2; ++h) {
+                const __m256i sy = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a->qs + h * QK8_0)), wv);
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(ax, sy)));
+                const __m256 d = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d + 8 * h));
+                acc[2 * p + h] = _mm256_fmadd_ps(d, q, acc[2 * p + h]);
             }
         }
+    }
+    for (int r = 0; r < 2 * NP && r < n_rows; ++r) out[(int64_t)r * ldo] = hsum_float_8(acc[r]);
 }
+
+/* Weight rows [i0, i1) of the product for every row: each weight row against the pairs MAX_NP at a time (a
+   batch past 2·MAX_NP rows takes the row again from the cache). */
+#define PRODUCT_ROWS(NAME, TILE, MAX_NP, TARGET, ...)                                                                       \
+    TARGET static void NAME(const block_q8_0 *w, int nb, const PairBlock *pairs, int B, float *out, int64_t ldo, int64_t i0, \
+                            int64_t i1) {                                                                                    \
+        const int n_pairs = (B + 1) / 2;                                                                                     \
+        for (int64_t i = i0; i < i1; ++i)                                                                                    \
+            for (int p0 = 0; p0 < n_pairs; p0 += MAX_NP) {                                                                   \
+                const block_q8_0 *row = w + i * nb;                                                                          \
+                const PairBlock *pp = pairs + p0;                                                                            \
+                float *o = out + (int64_t)(2 * p0) * ldo + i;                                                                \
+                const int rows = B - 2 * p0;                                                                                 \
+                switch (n_pairs - p0) { __VA_ARGS__ default: TILE(MAX_NP, row, nb, pp, n_pairs, rows, o, ldo); break; }       \
+            }                                                                                                                \
+    }
+#define CASE512(NP) case NP: tile512(NP, row, nb, pp, n_pairs, rows, o, ldo); break;
+#define CASE256(NP) case NP: tile256(NP, row, nb, pp, n_pairs, rows, o, ldo); break;
+PRODUCT_ROWS(product_rows512, tile512, 8, AVX512, CASE512(1) CASE512(2) CASE512(3) CASE512(4) CASE512(5) CASE512(6) CASE512(7))
+PRODUCT_ROWS(product_rows256, tile256, 4, AVX2, CASE256(1) CASE256(2) CASE256(3))
 
 /* The B rows' Q8_0 blocks (x: B rows of nb blocks) laid out in pairs, a block's pairs side by side (an odd
    B's last pair padded with zeros: computed, never written). */
-static void pack_pairs(const block_q8_0 *x, int B, int nb, PairBlock *pairs) {
+AVX2 static void pack_pairs(const block_q8_0 *x, int B, int nb, PairBlock *pairs) {
     const int n_pairs = (B + 1) / 2;
     for (int p = 0; p < n_pairs; ++p)
         for (int b = 0; b < nb; ++b) {
@@ -141,16 +175,19 @@ static void pack_pairs(const block_q8_0 *x, int B, int nb, PairBlock *pairs) {
         }
 }
 
-static int cpu_runs(void) {
+static int cpu_form(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) return FORM_NONE;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni"))
+        return FORM_AVX512;
+    return FORM_AVX2;
 }
 
 /* The graph node: src[0] the weights, Q8_0 [K, N] (rows contiguous), src[1] the rows' activations
-   quantized by ggml, Q8_0 [K, B]; dst float32 [N, B]. Each thread its share of the weight rows, each
-   packing the rows' pairs for itself (about 2·B·K bytes, 16 KB at 8 rows of 1024: less than a barrier
-   between two nodes would cost). */
+   quantized by ggml, Q8_0 [K, B]; dst float32 [N, B]; the form the userdata names (one the CPU runs:
+   dense_rows checks it). Each thread its share of the weight rows, each packing the rows' pairs for
+   itself (about 2·B·K bytes, 16 KB at 8 rows of 1024: less than a barrier between two nodes would cost). */
 static void op_product(void *dst, int ith, int nth, void *userdata) {
     const OpInfo *o = userdata;
     const void *wt = src_of(o, dst, 0), *xt = src_of(o, dst, 1);
@@ -161,18 +198,21 @@ static void op_product(void *dst, int ith, int nth, void *userdata) {
     PairBlock *pairs = aligned_alloc(64, sizeof(PairBlock) * (size_t)((B + 1) / 2) * (size_t)nb);
     if (!pairs) abort(); /* (ggml's own nodes abort on a failed allocation as well) */
     pack_pairs(data_of(o, xt), (int)B, nb, pairs);
-    product_rows(data_of(o, wt), nb, pairs, (int)B, data_of(o, dst), N, i0, i1);
+    if (o->form == FORM_AVX512)
+        product_rows512(data_of(o, wt), nb, pairs, (int)B, data_of(o, dst), N, i0, i1);
+    else
+        product_rows256(data_of(o, wt), nb, pairs, (int)B, data_of(o, dst), N, i0, i1);
     free(pairs);
 }
 #else
-static int cpu_runs(void) { return 0; }
+static int cpu_form(void) { return FORM_NONE; }
 static void op_product(void *dst, int ith, int nth, void *userdata) { (void)dst, (void)ith, (void)nth, (void)userdata; abort(); }
 #endif
 
-/* runs() → whether this CPU runs the kernel (AVX-512 F, BW, VL, VNNI with F16C and FMA) */
-static PyObject *runs(PyObject *self, PyObject *args) {
+/* form() → the fastest form this CPU runs: 0 none, 1 AVX2 (with FMA, F16C), 2 AVX-512 (F, BW, VL, VNNI) */
+static PyObject *form(PyObject *self, PyObject *args) {
     (void)self, (void)args;
-    return PyBool_FromLong(cpu_runs());
+    return PyLong_FromLong(cpu_form());
 }
 
 /* graph_op() → the node's function (a ggml_custom_op_t) as an address */
@@ -182,7 +222,7 @@ static PyObject *graph_op(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"runs", runs, METH_NOARGS, "whether this CPU runs the kernel (AVX-512 F, BW, VL, VNNI)"},
+    {"form", form, METH_NOARGS, "the fastest form this CPU runs: 0 none, 1 AVX2, 2 AVX-512"},
     {"graph_op", graph_op, METH_NOARGS, "the graph node's function, as an address"},
     {NULL, NULL, 0, NULL},
 };
