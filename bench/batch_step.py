@@ -8,9 +8,10 @@ ggml threads (1 by default, as batch.py's recorded runs). B sequences, each afte
 its own, decode together: `Transformer.forward_batch` with B rows, blocks of `--steps` steps, the
 row counts interleaved, `--repeats` blocks each. Per B it prints the fastest block's step time (the
 least disturbed by other work on the machine; medians beside) and, of it:
-- products: seconds inside ggml's graph computations and fomoepy's batched expert kernel (every product of
-  the step: q/k/v, output, router, routed experts, output head; norms and RoPE ride in the same graphs),
-  fomoepy.timing.MATMUL (`--expert-kernel ggml`: the routed experts by ggml's products, as before the kernel);
+- products: seconds inside ggml's graph computations, whose nodes include fomoepy's batched expert kernel
+  and its Q8_0 dense kernel (every product of the step: q/k/v, output, router, routed experts, output
+  head; norms and RoPE ride in the same graphs), fomoepy.timing.MATMUL (`--expert-kernel ggml`: the
+  routed experts by ggml's products, as before the kernel);
 - host: the rest (Python, numpy attention over each sequence's KV cache, routing, sums);
 - per row: the step over B.
 
