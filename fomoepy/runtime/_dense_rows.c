@@ -41,23 +41,17 @@
 
 #define QK8_0 32
 typedef struct { uint16_t d; int8_t qs[QK8_0]; } block_q8_0; /* 34 bytes, as ggml's */
-#define QK_K 256
-typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } block_q4_K;   /* 144 bytes */
-typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } block_q6_K; /* 210 */
-typedef struct { float d; int8_t qs[QK_K]; int16_t bsums[16]; } block_q8_K;                   /* 292 */
-enum { TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14 }; /* ggml's type numbers */
 
 /* Where a ggml_tensor keeps its data pointer, sources and sizes: offsets from the Python bindings' struct
    (tests/test_ggml_abi.py holds it to the library's), so no ggml header is needed. */
 typedef struct {
-    int64_t data_offset, src_offset, ne_offset, type_offset;
-    int64_t form; /* FORM_AVX2 or FORM_AVX512 (Q8_0; the K-quants have the AVX2 form) */
+    int64_t data_offset, src_offset, ne_offset;
+    int64_t form; /* FORM_AVX2 or FORM_AVX512 */
 } OpInfo;
 
 static void *data_of(const OpInfo *o, const void *t) { return *(void *const *)((const char *)t + o->data_offset); }
 static const void *src_of(const OpInfo *o, const void *t, int i) { return ((const void *const *)((const char *)t + o->src_offset))[i]; }
 static int64_t ne_of(const OpInfo *o, const void *t, int i) { return ((const int64_t *)((const char *)t + o->ne_offset))[i]; }
-static int type_of(const OpInfo *o, const void *t) { return *(const int32_t *)((const char *)t + o->type_offset); }
 
 enum { FORM_NONE = 0, FORM_AVX2 = 1, FORM_AVX512 = 2 }; /* the kernel's forms: the same bits, each ggml's */
 
@@ -181,135 +175,6 @@ AVX2 static void pack_pairs(const block_q8_0 *x, int B, int nb, PairBlock *pairs
         }
 }
 
-/* ---- Q4_K and Q6_K weights against Q8_K rows: ggml's AVX2 one-row arithmetic, each superblock decoded once ----
-
-   Per superblock and row, as ggml_vec_dot_q4_K_q8_K / ggml_vec_dot_q6_K_q8_K (AVX2) compute it:
-       sumi_l = Σ_chunks sc(chunk, l) · Σ_{k=4l..4l+3} q_k · a_k   (exact int32: maddubs, then madd with the scale)
-       Q4_K:  m_j = mins[2j]·(b[4j]+b[4j+1]) + mins[2j+1]·(b[4j+2]+b[4j+3])   (b: the row's bsums; j < 4)
-              acc_l = fma(a.d·w.d, float(sumi_l), acc_l);  accm_j = fma(-a.d·w.dmin, float(m_j), accm_j)
-              out = hsum_float_8(acc) + ((accm_0 + accm_2) + (accm_1 + accm_3))
-       Q6_K:  sumi_l −= 32·(b[2l]·sc[2l] + b[2l+1]·sc[2l+1]);  acc_l = fma(a.d·w.d, float(sumi_l), acc_l);
-              out = hsum_float_8(acc)
-   The superblock's quants and scales are laid out once (8 chunks of 32 quants and each chunk's scale
-   vector); every row of the group (up to 8) takes them from there. */
-
-typedef struct {
-    __m256i q[8], sc[8];      /* each 32-value chunk's quants (unsigned) and its scales as ggml's madd takes them */
-    __m128i mins;             /* Q4_K: the 8 mins as int16 */
-    __m256i scales16;         /* Q6_K: the 16 scales as int16 */
-    float d, dmin;
-} DecodedK;
-
-static const uint8_t k4_shuffle[256] = { /* ggml's get_scale_shuffle_k4: int16 scale i in every lane */
-#define R2(a, b) a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b
-    R2(0, 1), R2(2, 3), R2(4, 5), R2(6, 7), R2(8, 9), R2(10, 11), R2(12, 13), R2(14, 15)
-#undef R2
-};
-static const uint8_t k6_shuffle[128] = { /* ggml's get_scale_shuffle: bytes 2i ×8, then 2i+1 ×8 */
-#define R8(a) a, a, a, a, a, a, a, a
-    R8(0), R8(1), R8(2), R8(3), R8(4), R8(5), R8(6), R8(7), R8(8), R8(9), R8(10), R8(11), R8(12), R8(13), R8(14), R8(15)
-#undef R8
-};
-
-AVX2 static void decode_q4_K(const block_q4_K *x, DecodedK *k) {
-    uint32_t utmp[4];
-    memcpy(utmp, x->scales, 12);
-    utmp[3] = ((utmp[2] >> 4) & 0x0f0f0f0f) | (((utmp[1] >> 6) & 0x03030303) << 4);
-    const uint32_t uaux = utmp[1] & 0x3f3f3f3f;
-    utmp[1] = (utmp[2] & 0x0f0f0f0f) | (((utmp[0] >> 6) & 0x03030303) << 4);
-    utmp[2] = uaux;
-    utmp[0] &= 0x3f3f3f3f;
-    const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32((int)utmp[3], (int)utmp[2], (int)utmp[1], (int)utmp[0]));
-    k->mins = _mm256_extracti128_si256(mins_and_scales, 1);
-    const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-    const __m256i scales = _mm256_set_m128i(sc128, sc128);
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    for (int j = 0; j < QK_K / 64; ++j) {
-        const __m256i bits = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j));
-        k->q[2 * j] = _mm256_and_si256(bits, m4);
-        k->q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-        k->sc[2 * j] = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)k4_shuffle + 2 * j));
-        k->sc[2 * j + 1] = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)k4_shuffle + 2 * j + 1));
-    }
-    k->d = fp16_to_fp32(x->d);
-    k->dmin = fp16_to_fp32(x->dmin);
-}
-
-AVX2 static void decode_q6_K(const block_q6_K *x, DecodedK *k) {
-    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
-    const __m128i scales = _mm_loadu_si128((const __m128i *)x->scales);
-    k->scales16 = _mm256_cvtepi8_epi16(scales);
-    for (int j = 0; j < QK_K / 128; ++j) {
-        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * j));
-        const __m256i b2 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * j + 32));
-        const __m256i bh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * j));
-        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4);
-        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(bh, _mm256_set1_epi8(12)), 2);
-        const __m256i h2 = _mm256_and_si256(bh, _mm256_set1_epi8(48));
-        const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(bh, _mm256_set1_epi8(-64)), 2);
-        k->q[4 * j + 0] = _mm256_or_si256(_mm256_and_si256(b1, m15), h0);
-        k->q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(b2, m15), h1);
-        k->q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), h2);
-        k->q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), h3);
-        for (int c = 0; c < 4; ++c)
-            k->sc[4 * j + c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)k6_shuffle + 4 * j + c)));
-    }
-    k->d = fp16_to_fp32(x->d);
-    k->dmin = 0.0f; /* (no mins) */
-}
-
-/* One weight row (nb superblocks of `type`) against R ≤ 8 rows (x[r * nb + s]) → out[r * ldo]. */
-AVX2 static void kquant_row(int type, const void *w, int nb, const block_q8_K *x, int64_t x_stride, int R, float *out, int64_t ldo) {
-    __m256 acc[8];
-    __m128 accm[8];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
-    DecodedK k;
-    for (int s = 0; s < nb; ++s) {
-        if (type == TYPE_Q4_K)
-            decode_q4_K((const block_q4_K *)w + s, &k);
-        else
-            decode_q6_K((const block_q6_K *)w + s, &k);
-        __m256i sumi[8];
-        for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c)
-            for (int r = 0; r < R; ++r) {
-                const __m256i a = _mm256_loadu_si256((const __m256i *)(x[r * x_stride + s].qs + 32 * c));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(k.sc[c], _mm256_maddubs_epi16(k.q[c], a)));
-            }
-        for (int r = 0; r < R; ++r) {
-            const block_q8_K *a = x + r * x_stride + s;
-            const __m256i bsums = _mm256_loadu_si256((const __m256i *)a->bsums);
-            if (type == TYPE_Q4_K) {
-                const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(bsums, 0), _mm256_extracti128_si256(bsums, 1));
-                const float dmin = -a->d * k.dmin;
-                accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(k.mins, q8s)), accm[r]);
-            } else {
-                sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(bsums, k.scales16), 5));
-            }
-            const float d = a->d * k.d;
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) {
-        float v = hsum_float_8(acc[r]);
-        if (type == TYPE_Q4_K) {
-            __m128 m = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
-            m = _mm_add_ss(m, _mm_movehdup_ps(m));
-            v += _mm_cvtss_f32(m);
-        }
-        out[(int64_t)r * ldo] = v;
-    }
-}
-
-/* Weight rows [i0, i1) for every row, the rows eight at a time. */
-AVX2 static void kquant_rows(int type, const void *w, int nb, const block_q8_K *x, int B, float *out, int64_t ldo, int64_t i0, int64_t i1) {
-    const size_t row_bytes = (size_t)nb * (type == TYPE_Q4_K ? sizeof(block_q4_K) : sizeof(block_q6_K));
-    for (int64_t i = i0; i < i1; ++i)
-        for (int r0 = 0; r0 < B; r0 += 8)
-            kquant_row(type, (const char *)w + i * row_bytes, nb, x + (int64_t)r0 * nb, nb, B - r0 < 8 ? B - r0 : 8,
-                       out + (int64_t)r0 * ldo + i, ldo);
-}
-
 static int cpu_form(void) {
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) return FORM_NONE;
@@ -327,14 +192,9 @@ static void op_product(void *dst, int ith, int nth, void *userdata) {
     const OpInfo *o = userdata;
     const void *wt = src_of(o, dst, 0), *xt = src_of(o, dst, 1);
     const int64_t K = ne_of(o, wt, 0), N = ne_of(o, wt, 1), B = ne_of(o, xt, 1);
+    const int nb = (int)(K / QK8_0);
     const int64_t i0 = N * ith / nth, i1 = N * (ith + 1) / nth;
     if (i0 >= i1) return;
-    const int type = type_of(o, wt);
-    if (type != TYPE_Q8_0) { /* Q4_K, Q6_K against the rows' Q8_K (dense_rows checks the type) */
-        kquant_rows(type, data_of(o, wt), (int)(K / QK_K), data_of(o, xt), (int)B, data_of(o, dst), N, i0, i1);
-        return;
-    }
-    const int nb = (int)(K / QK8_0);
     PairBlock *pairs = aligned_alloc(64, sizeof(PairBlock) * (size_t)((B + 1) / 2) * (size_t)nb);
     if (!pairs) abort(); /* (ggml's own nodes abort on a failed allocation as well) */
     pack_pairs(data_of(o, xt), (int)B, nb, pairs);

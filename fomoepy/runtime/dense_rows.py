@@ -24,10 +24,8 @@ try:  # optional (setup.py)
 except ImportError:
     _kernel = None
 
-Q8_0, Q4_K, Q6_K, Q8_K = ggml.GGML_TYPE_Q8_0, ggml.GGML_TYPE_Q4_K, ggml.GGML_TYPE_Q6_K, ggml.GGML_TYPE_Q8_K
-# the weight types the kernel takes: (the type the rows are quantized to, as ggml's one-row product has them;
-# the columns' block)
-TYPES = {Q8_0: (Q8_0, 32), Q4_K: (Q8_K, 256), Q6_K: (Q8_K, 256)}
+Q8_0 = ggml.GGML_TYPE_Q8_0
+_QK8_0 = 32
 
 
 NONE, AVX2, AVX512 = 0, 1, 2  # the kernel's forms (each gives ggml's one-row bits)
@@ -37,12 +35,11 @@ class _OpInfo(ctypes.Structure):
     """The node's userdata (OpInfo in _dense_rows.c): where a ggml_tensor keeps its data, sources and sizes,
     and the form the node runs."""
 
-    _fields_ = [("data_offset", ctypes.c_int64), ("src_offset", ctypes.c_int64), ("ne_offset", ctypes.c_int64), ("type_offset", ctypes.c_int64),
-                ("form", ctypes.c_int64)]  # fmt: skip
+    _fields_ = [("data_offset", ctypes.c_int64), ("src_offset", ctypes.c_int64), ("ne_offset", ctypes.c_int64), ("form", ctypes.c_int64)]
 
 
 _T = ggml.ggml_tensor
-_INFOS = {form: _OpInfo(_T.data.offset, _T.src.offset, _T.ne.offset, _T.type.offset, form) for form in (AVX2, AVX512)}  # (alive for the process)
+_INFOS = {form: _OpInfo(_T.data.offset, _T.src.offset, _T.ne.offset, form) for form in (AVX2, AVX512)}  # (alive for the process)
 _OP = ggml.ggml_custom_op_t(_kernel.graph_op()) if _kernel is not None else None
 
 
@@ -57,43 +54,36 @@ def runs() -> bool:
 
 
 def handles(w) -> bool:
-    """Whether the kernel takes products with w (a QuantMatrix: Q8_0, Q4_K or Q6_K, rows of whole blocks) here."""
-    qtype = getattr(w, "qtype", None)
-    return qtype in TYPES and w.n_cols % TYPES[qtype][1] == 0 and agrees(qtype)
+    """Whether the kernel takes products with w (a QuantMatrix: Q8_0, rows of whole blocks) here."""
+    return getattr(w, "qtype", None) == Q8_0 and w.n_cols % _QK8_0 == 0 and agrees()
 
 
 def node(ctx, weight, x, B: int, form: int | None = None):
     """weight (a Q8_0 [K, N] leaf) · x ([K, B] float32) → [N, B] float32: x quantized by ggml (a copy to
-    Q8_0 or Q8_K: the function ggml's own products quantize with), then the kernel's node on every graph
-    thread, in `form` (None: the best this CPU runs; the K-quants have the AVX2 form)."""
+    Q8_0: the function ggml's own products quantize with), then the kernel's node on every graph thread, in
+    `form` (None: the best this CPU runs)."""
     form = best_form() if form is None else form
     if not AVX2 <= form <= best_form():
         raise ValueError(f"dense_rows: form {form} does not run here (the best here: {best_form()})")
-    K, N, qtype = int(weight.contents.ne[0]), int(weight.contents.ne[1]), int(weight.contents.type)
-    if qtype not in TYPES or K % TYPES[qtype][1]:
-        raise ValueError(f"dense_rows: no kernel for a [{N}, {K}] weight of type {qtype}")
-    quantized = ggml.ggml_cpy(ctx, x, ggml.ggml_new_tensor_2d(ctx, TYPES[qtype][0], K, B))
+    K, N = int(weight.contents.ne[0]), int(weight.contents.ne[1])
+    quantized = ggml.ggml_cpy(ctx, x, ggml.ggml_new_tensor_2d(ctx, Q8_0, K, B))
     args = (ctypes.POINTER(_T) * 2)(weight, quantized)
     info = ctypes.cast(ctypes.pointer(_INFOS[form]), ctypes.c_void_p)
     return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, N, B, 1, 1, args, 2, _OP, ggml.GGML_N_TASKS_MAX, info)
 
 
 @functools.cache
-def agrees(qtype: int = Q8_0) -> bool:
-    """Whether the kernel runs here and gives each row of a probe (a [63, 512] weight of `qtype`: a last
-    group of three weight rows, two blocks or superblocks a row; 5 rows: a last pair of one) the bits ggml's
-    one-row product gives it, asked of ggml itself: a CPU or build whose one-row product sums otherwise
-    keeps ggml's."""
+def agrees() -> bool:
+    """Whether the kernel runs here and gives each row of a probe (a Q8_0 [63, 256] weight: a last group of
+    three weight rows; 5 rows: a last pair of one) the bits ggml's one-row product gives it, asked of ggml
+    itself: a CPU or build whose one-row product sums otherwise keeps ggml's."""
     if not runs():
         return False
-    from fomoepy import quants
-    from fomoepy.runtime.ggml_matmul import QuantMatrix, fresh_mul_mat
+    from fomoepy.runtime.ggml_matmul import QuantMatrix, fresh_mul_mat, probe_inputs
 
-    rng = np.random.default_rng(qtype)
-    raw = quants.quantize((rng.standard_normal((63, 512)) * 0.05).astype(np.float32), quants.GGMLQuantizationType(qtype))
-    w = QuantMatrix.of(np.frombuffer(raw.tobytes(), np.uint8), qtype, (63, 512))
-    x = rng.standard_normal((5, 512)).astype(np.float32)
-    got = products(w, x, threads=2)
+    raw, x = probe_inputs(Q8_0)
+    w = QuantMatrix.of(raw[: 63 * ggml.ggml_row_size(Q8_0, 256)], Q8_0, (63, 256))
+    got = products(w, x[:5], threads=2)
     return all(np.array_equal(got[i], fresh_mul_mat(x[i : i + 1], w, 1)[0]) for i in range(5))
 
 
