@@ -321,3 +321,32 @@ def test_a_batched_trace_replays_to_the_engines_own_counters(tmp_path):
     counted = ("hits", "misses", "admitted", "evicted", "demoted")
     for tier in ("device", "host"):
         assert {c: measured[tier][c] for c in counted} == {c: replay[tier][c] for c in counted}, tier
+
+
+@pytest.mark.parametrize("dense", ["Q4_K", "Q6_K"])
+def test_k_quant_dense_weights_keep_each_rows_lone_bits_in_a_batch(tmp_path, dense):
+    # a Q4_K_M model's attention and output weights are K-quants where their rows are long enough (no
+    # oracle model has them): a batched step's products with them are ggml's one-row products, apart from
+    # two rows on (rows_go_apart), so nine sequences at nine positions each get their lone bits, past the
+    # eight rows from which ggml's tiled K-quant GEMM would sum otherwise
+    from gguf import GGMLQuantizationType
+
+    from fomoepy.devtools.make_test_model import make_model
+
+    path = tmp_path / f"dense-{dense}.gguf"
+    make_model(path, preset="tiny-qwen3moe-q4km", dense_type=GGMLQuantizationType[dense])
+    e = Engine(path, EngineOptions(backend="cpu", threads=2))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, e.spec.n_vocab, 2 + i).tolist() for i in range(9)]
+    wants = [alone(e, p, 3, SamplingParams.greedy())[1] for p in prompts]
+    gens = [e.start(p, 3, SamplingParams.greedy()) for p in prompts]
+    for g in gens:
+        g.sampler = Recording(g.sampler)
+        while g.pending:
+            e.prefill(g)
+    while not gens[0].finished:
+        e.decode(gens)
+    e.close()
+    for g, want in zip(gens, wants):
+        assert len(g.sampler.logits) == len(want) == 3
+        assert all(np.array_equal(a, b) for a, b in zip(g.sampler.logits, want))
