@@ -167,17 +167,24 @@ def test_nine_rows_that_pick_the_same_experts_each_get_their_lone_bits_on_the_cp
     e = Engine(path, EngineOptions(backend="cpu", threads=1, ram_cache=third))
     prompt = np.load(ORACLE / f"{name}.tokens.npy").tolist()[:6]
     _, want_logits = alone(e, prompt, 4, SamplingParams.greedy())
-    gens = [e.start(prompt, 4, SamplingParams.greedy()) for _ in range(9)]
-    for g in gens:  # each prompt alone, then every decode step of the nine together, at one position
+    got = together(e, [prompt] * 9, 4)  # every decode step of the nine together, at one position
+    e.close()
+    for logits in got:
+        assert len(logits) == len(want_logits) == 4
+        assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits))
+
+
+def together(e, prompts, n):
+    """Each prompt prefilled alone, then every decode step of all of them together (greedy, n tokens each)
+    → each sequence's logits, step by step."""
+    gens = [e.start(p, n, SamplingParams.greedy()) for p in prompts]
+    for g in gens:
         g.sampler = Recording(g.sampler)
         while g.pending:
             e.prefill(g)
     while not gens[0].finished:
         e.decode(gens)
-    e.close()
-    for g in gens:
-        assert len(g.sampler.logits) == len(want_logits) == 4
-        assert all(np.array_equal(a, b) for a, b in zip(g.sampler.logits, want_logits))
+    return [g.sampler.logits for g in gens]
 
 
 def test_a_full_context_refuses_the_batched_step_before_any_state_moves():
@@ -339,14 +346,8 @@ def test_k_quant_dense_weights_keep_each_rows_lone_bits_in_a_batch(tmp_path, den
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, e.spec.n_vocab, 2 + i).tolist() for i in range(9)]
     wants = [alone(e, p, 3, SamplingParams.greedy())[1] for p in prompts]
-    gens = [e.start(p, 3, SamplingParams.greedy()) for p in prompts]
-    for g in gens:
-        g.sampler = Recording(g.sampler)
-        while g.pending:
-            e.prefill(g)
-    while not gens[0].finished:
-        e.decode(gens)
+    got = together(e, prompts, 3)
     e.close()
-    for g, want in zip(gens, wants):
-        assert len(g.sampler.logits) == len(want) == 3
-        assert all(np.array_equal(a, b) for a, b in zip(g.sampler.logits, want))
+    for logits, want in zip(got, wants):
+        assert len(logits) == len(want) == 3
+        assert all(np.array_equal(a, b) for a, b in zip(logits, want))
