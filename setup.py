@@ -32,7 +32,7 @@ Python code they stand in for serves (the same results, more host time per step)
   another order (so not the same bits), and slower.
 - fomoepy/runtime/_dense_rows.c: a decode batch's Q8_0 dense products, each weight block read once for all its
   rows, each row's bits its lone one-row product's (fomoepy.runtime.dense_rows). Without it, or on a CPU
-  without AVX-512, ggml's one-row products serve: the same bits, slower.
+  without AVX2, ggml's one-row products serve: the same bits, slower.
 """
 
 from setuptools import Extension, setup

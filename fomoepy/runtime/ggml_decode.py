@@ -99,26 +99,23 @@ def _expert_rows(g: Graph, x2, h, logits, k: int, experts: list, B: int, into: t
     # (the B rows' picks as one list: get_rows takes a 2-D list as one per matrix of its table)
     slots = ggml.ggml_reshape_2d(g.ctx, ggml.ggml_get_rows(g.ctx, table, ggml.ggml_reshape_1d(g.ctx, ids, k * B)), k, B)
     rows = ggml.ggml_reshape_3d(g.ctx, h, D, 1, B)
-    if _kernel(experts):  # fomoepy's batched kernel: each row's bits its own in any batch
-        together = MAX_PICKS // k  # (its nodes' picks at most)
-    else:
-        together = rows_kept_together(experts) if B > 1 else None
-    if _kernel(experts) and B <= together:
-        y = experts.nodes(g.ctx, h, slots, B, k)
-    elif together is None or B <= together:
-        y = expert_outputs(g.ctx, experts, rows, slots)  # [D, k, B]
-    else:  # several products, none of more rows than ggml keeps each row's bits in (every row may pick one expert)
-        parts = []
-        for first in range(0, B, together):
-            n = min(together, B - first)
-            part_rows = ggml.ggml_view_3d(g.ctx, rows, D, 1, n, rows.contents.nb[1], rows.contents.nb[2], first * rows.contents.nb[2])
-            part_slots = ggml.ggml_view_2d(g.ctx, slots, k, n, slots.contents.nb[1], first * slots.contents.nb[1])
-            if _kernel(experts):
-                part_h = ggml.ggml_view_2d(g.ctx, h, D, n, h.contents.nb[1], first * h.contents.nb[1])
-                parts.append(experts.nodes(g.ctx, part_h, part_slots, n, k))
-            else:
-                parts.append(expert_outputs(g.ctx, experts, part_rows, part_slots))
-        y = functools.reduce(lambda a, b: ggml.ggml_concat(g.ctx, a, b, 2), parts)  # [D, k, B]
+    kernel = _kernel(experts)  # fomoepy's batched kernel: each row's bits its own in any batch
+    # the most rows one product takes: the kernel's nodes' picks at most, or as many as ggml keeps each row's
+    # bits in (every row may pick one expert); past that, several products
+    together = MAX_PICKS // k if kernel else (rows_kept_together(experts) if B > 1 else None) or B
+
+    def outputs(first: int, n: int):
+        """Rows first..first+n-1's expert outputs [D, k, n] (all B rows: the tensors themselves, no views)."""
+        part_slots = slots if n == B else ggml.ggml_view_2d(g.ctx, slots, k, n, slots.contents.nb[1], first * slots.contents.nb[1])
+        if kernel:
+            part_h = h if n == B else ggml.ggml_view_2d(g.ctx, h, D, n, h.contents.nb[1], first * h.contents.nb[1])
+            return experts.nodes(g.ctx, part_h, part_slots, n, k)
+        part_rows = rows if n == B else ggml.ggml_view_3d(g.ctx, rows, D, 1, n, rows.contents.nb[1], rows.contents.nb[2],
+                                                          first * rows.contents.nb[2])  # fmt: skip
+        return expert_outputs(g.ctx, experts, part_rows, part_slots)
+
+    parts = [outputs(first, min(together, B - first)) for first in range(0, B, together)]
+    y = functools.reduce(lambda a, b: ggml.ggml_concat(g.ctx, a, b, 2), parts)  # [D, k, B]
     moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, B))
     return ggml.ggml_add(g.ctx, x2, moe)
 

@@ -231,11 +231,10 @@ def product(g: Graph, w, x, B: int, apart: bool):
 
 def apart_bytes(w, B: int) -> int:
     """Room for product(w, ..., apart=True)'s intermediates: the copy of x, the product and its copy; for
-    Q8_0 weights (dense_rows' node) also x quantized to Q8_0 (34 bytes a 32 columns), beside a copy of x
-    where x is not contiguous."""
+    Q8_0 weights (dense_rows' node) also x quantized to Q8_0, beside a copy of x where x is not contiguous."""
     if B <= 1:
         return 0
-    quantized = B * -(-w.n_cols // 32) * 34 if getattr(w, "qtype", None) == dense_rows.Q8_0 else 0
+    quantized = B * ggml.ggml_row_size(dense_rows.Q8_0, w.n_cols) if getattr(w, "qtype", None) == dense_rows.Q8_0 else 0
     return 4 * B * (w.n_cols + 2 * w.n_rows) + quantized
 
 
