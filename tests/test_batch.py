@@ -152,19 +152,20 @@ def test_a_batched_request_is_its_lone_run_bit_for_bit(engine):
         assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits))
 
 
+@pytest.mark.parametrize("kernel", ["auto", "ggml"])  # fomoepy's batched expert kernel where it serves; ggml's products
 @pytest.mark.parametrize("tier", ["every expert", "a third of them"])
 @pytest.mark.parametrize("name", MODELS)
-def test_nine_rows_that_pick_the_same_experts_each_get_their_lone_bits_on_the_cpu_backend(name, tier):
+def test_nine_rows_that_pick_the_same_experts_each_get_their_lone_bits_on_the_cpu_backend(name, tier, kernel):
     # nine sequences of one prompt: every expert a step computes is picked by all nine rows, and every
     # dense product has nine rows, past the eight from which ggml's tiled K-quant GEMM takes them (and
     # sums otherwise than each row's own product): the batch keeps its products under that (ggml_matmul.
     # rows_apart_from, ggml_slots.picks_apart_from), so each row is still its lone run's, bit for bit.
-    # Every expert in the tier: the decode graph's products (repacked slots); a third: the MoE step's
-    # (plain slots, misses staged)
+    # Every expert in the tier: the decode graph's products (repacked slots under ggml's, past eight rows in
+    # parts); a third: the MoE step's (plain slots, misses staged)
     path = ORACLE / f"{name}.gguf"
     full = Engine(path)
     third = None if tier == "every expert" else sum(l.expert_nbytes for l in full.source.layers) * full.spec.moe.n_expert // 3
-    e = Engine(path, EngineOptions(backend="cpu", threads=1, ram_cache=third))
+    e = Engine(path, EngineOptions(backend="cpu", threads=1, ram_cache=third, expert_kernel=kernel))
     prompt = np.load(ORACLE / f"{name}.tokens.npy").tolist()[:6]
     _, want_logits = alone(e, prompt, 4, SamplingParams.greedy())
     got = together(e, [prompt] * 9, 4)  # every decode step of the nine together, at one position
@@ -330,19 +331,21 @@ def test_a_batched_trace_replays_to_the_engines_own_counters(tmp_path):
         assert {c: measured[tier][c] for c in counted} == {c: replay[tier][c] for c in counted}, tier
 
 
+@pytest.mark.parametrize("kernel", ["auto", "ggml"])  # the experts by fomoepy's batched kernel where it serves; by ggml's
 @pytest.mark.parametrize("dense", ["Q4_K", "Q6_K"])
-def test_k_quant_dense_weights_keep_each_rows_lone_bits_in_a_batch(tmp_path, dense):
+def test_k_quant_dense_weights_keep_each_rows_lone_bits_in_a_batch(tmp_path, dense, kernel):
     # a Q4_K_M model's attention and output weights are K-quants where their rows are long enough (no
     # oracle model has them): a batched step's products with them are ggml's one-row products, apart from
     # two rows on (rows_go_apart), so nine sequences at nine positions each get their lone bits, past the
-    # eight rows from which ggml's tiled K-quant GEMM would sum otherwise
+    # eight rows from which ggml's tiled K-quant GEMM would sum otherwise (under ggml's expert products the
+    # decode graph takes the nine rows' experts in two products)
     from gguf import GGMLQuantizationType
 
     from fomoepy.devtools.make_test_model import make_model
 
     path = tmp_path / f"dense-{dense}.gguf"
     make_model(path, preset="tiny-qwen3moe-q4km", dense_type=GGMLQuantizationType[dense])
-    e = Engine(path, EngineOptions(backend="cpu", threads=2))
+    e = Engine(path, EngineOptions(backend="cpu", threads=2, expert_kernel=kernel))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, e.spec.n_vocab, 2 + i).tolist() for i in range(9)]
     wants = [alone(e, p, 3, SamplingParams.greedy())[1] for p in prompts]
