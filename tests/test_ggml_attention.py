@@ -13,7 +13,13 @@ from float32_bounds import U
 from fomoepy.engine import Engine, EngineOptions
 from fomoepy.experts.device import Phase
 from fomoepy.model.state import KV_CHUNK, KVCache
-from fomoepy.runtime.ggml_attention import BUCKET, Attention, KVMemory, span
+from fomoepy.runtime.ggml_attention import (
+    BUCKET,
+    Attention,
+    KVMemory,
+    batch_spans,
+    span,
+)
 
 F32 = np.float32
 H, HKV, HD = 16, 4, 64
@@ -101,3 +107,27 @@ def test_a_decode_rows_one_graph_layer_is_the_op_by_op_path_across_a_span_and_a_
     (fused_logits, fused_kv), (ops_logits, ops_kv) = runs
     assert all(np.array_equal(a, b) for a, b in zip(fused_logits, ops_logits))
     assert all(np.array_equal(a, b) for pair in zip(fused_kv, ops_kv) for a, b in zip(*pair))
+
+
+@pytest.mark.parametrize("n_past", [0, 63, 64, 200])
+def test_a_decode_rows_bits_are_the_same_over_any_span_of_whole_buckets(monkeypatch, n_past):
+    # a batched step reads every sequence over the batch's widest span (batch_spans): past the row's
+    # position are exact zero weights, summed in whole SIMD blocks, whatever the cache holds there
+    rng = np.random.default_rng(n_past)
+    k, v = caches(rng, 8 * BUCKET, KVMemory())
+    k[n_past + 1 :] *= 50  # old rows: finite, and far from the row's own
+    v[n_past + 1 :] = rng.uniform(-1e30, 1e30, v[n_past + 1 :].shape)
+    q = rng.standard_normal((1, H, HD)).astype(F32)
+    own = Attention()(q, k, v, n_past, 2)
+    for wider in range(span(n_past + 1, 8 * BUCKET) + BUCKET, 8 * BUCKET + 1, BUCKET):
+        monkeypatch.setattr("fomoepy.runtime.ggml_attention.span", lambda n, capacity, wider=wider: wider)
+        assert np.array_equal(Attention()(q, k, v, n_past, 2), own), wider
+
+
+def test_a_batch_reads_its_widest_whole_span_where_each_cache_holds_it():
+    # own spans 64, 128, 192; a capacity of 150 (n_ctx) neither reads 192 nor lends its 150 to the others
+    assert batch_spans([10, 100, 130], [256, 256, 256]) == [192, 192, 192]
+    assert batch_spans([10, 100, 130], [256, 128, 512]) == [192, 128, 192]  # 128 holds no more
+    assert batch_spans([10, 140], [256, 150]) == [64, 150]
+    assert batch_spans([10, 40], [150, 150]) == [64, 64]
+    assert batch_spans([7], [40]) == [40]

@@ -271,3 +271,30 @@ def test_a_step_record_asked_for_after_load_turns_the_one_graph_token_off(spinni
     engine.decode_token(state, 2)
     assert len(engine.experts.records) == engine.spec.n_layer
     engine.close()
+
+
+def test_a_batch_reads_every_sequence_over_its_widest_span_in_one_graph_with_each_ones_lone_bits(monkeypatch, spinning, tmp_path):
+    # three sequences in three BUCKETs decode together; the first crosses into its second BUCKET midway.
+    # Each reads the batch's widest span (batch_spans: 192 throughout), so one graph serves every step
+    # (the first's own span changes midway), and each row gets the bits it gets alone over its own span
+    from fomoepy.devtools.make_test_model import make_model
+
+    path = tmp_path / "hd64.gguf"
+    make_model(path, preset="tiny-qwen3moe-q4km", head_dim=64)
+    built = []
+    monkeypatch.setattr(ggml_cpu, "DecodeBatch", lambda *a, **k: built.append(1) or ggml_decode.DecodeBatch(*a, **k))
+    engine = Engine(path, EngineOptions(backend="cpu", threads=2))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, engine.spec.n_vocab, n) for n in (BUCKET - 3, BUCKET + 9, 2 * BUCKET + 2)]
+    steps = rng.integers(0, engine.spec.n_vocab, (6, 3))
+    states = [engine.new_state() for _ in prompts]
+    for state, prompt in zip(states, prompts):
+        engine.eval(state, prompt)
+    together = [engine.model.forward_batch(row, states) for row in steps]
+    assert len(built) == 1
+    for b, prompt in enumerate(prompts):
+        state = engine.new_state()
+        engine.eval(state, prompt)
+        alone = [engine.eval(state, [int(row[b])], phase=Phase.DECODE)[-1] for row in steps]
+        assert all(np.array_equal(a, t[b]) for a, t in zip(alone, together)), b
+    engine.close()

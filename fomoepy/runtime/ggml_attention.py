@@ -10,10 +10,15 @@ sees both as [capacity, Hkv, hd] arrays and writes them by position as any cache
 A graph reads the cache up to `span(n_kv, capacity)`: the next multiple of BUCKET positions, so one
 built graph serves BUCKET decode steps (building a layer's costs ~0.3 ms, about a step's attention).
 Positions past a query's own are masked to -inf: their weights are exact zeros, so nothing stored there
-reaches the query. Its bits do depend on the span (ggml's dot products sum whole SIMD blocks first and
-the tail alone), and the span on a state's size and position only: the op-by-op path, a decode
-layer's graph and a batched step read the same span for the same row. Each output element is one
-thread's dot product, and each softmax row one thread's, whatever the thread count.
+reaches the query. Nor do they change its bits while the span is whole BUCKETs: each score is a dot
+product over the head's dims alone; the softmax's max ignores -inf, and its sum and the second
+product's add exact zeros (a weight of zero times a finite value: a cache's zeros and old rows are
+finite) in whole SIMD blocks of 16, with no tail to sum apart. So a batched step reads every sequence
+of it over one span, the batch's widest (`batch_spans`), and its graph serves until that span, the
+batch's size or a cache's capacity changes, not every time one sequence crosses a BUCKET (a batch graph
+is ~6 ms to build at 8 sequences). A span that is not whole BUCKETs (a cache's capacity of another
+size: n_ctx) is read only by its own sequence. Each output element is one thread's dot product, and
+each softmax row one thread's, whatever the thread count.
 """
 
 from __future__ import annotations
@@ -51,6 +56,19 @@ class KVMemory:
 def span(n_kv: int, capacity: int) -> int:
     """Positions a graph reads: n_kv rounded up to a whole BUCKET, at most the cache's capacity."""
     return min(capacity, -(-n_kv // BUCKET) * BUCKET)
+
+
+def batch_spans(n_kvs: list[int], capacities: list[int]) -> list[int]:
+    """The positions each sequence of a batched decode step reads, its n_kv positions in a cache of its
+    capacity: the widest of their spans that is whole BUCKETs, where a sequence's own span is whole
+    BUCKETs and its capacity holds that many (the same bits as its own span: see the module's docstring),
+    else its own span."""
+    own = [span(n, c) for n, c in zip(n_kvs, capacities)]
+    whole = [s for s in own if s % BUCKET == 0]
+    if not whole:
+        return own
+    widest = max(whole)
+    return [widest if s % BUCKET == 0 and widest <= c else s for s, c in zip(own, capacities)]
 
 
 def readable(k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

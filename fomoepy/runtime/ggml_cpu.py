@@ -23,6 +23,7 @@ from fomoepy.runtime.cpu import CpuBackend
 from fomoepy.runtime.ggml_attention import (
     Attention,
     KVMemory,
+    batch_spans,
     cache_addresses,
     causal_mask,
     span,
@@ -189,10 +190,11 @@ class GgmlBackend(CpuBackend):
         layer's KVCache of that sequence), through every layer and the output head in one graph
         (DecodeBatch) → logits [B, V], every layer's routing (ids [L, B, k] int64, weights [L, B, k], probs
         [L, B, E]); row b's bits are decode_token's for
-        it alone. A graph is kept for the batch's spans, strides and layers: one serves while no sequence
-        crosses a span (every BUCKET steps of each)."""
+        it alone. A graph is kept for the batch's spans, strides and layers: every sequence reads the batch's
+        widest span (batch_spans: the bits of its own), so one serves until that span, the batch's size or
+        a cache's capacity changes, whichever sequences join or leave."""
         group = a.n_head // a.n_head_kv
-        spans = [span(p + 1, seq[0].capacity) for p, seq in zip(positions, caches)]
+        spans = batch_spans([p + 1 for p in positions], [seq[0].capacity for seq in caches])
         shape = ("batch", tuple(spans), tuple((seq[0].k.strides, seq[0].v.strides) for seq in caches), id(layers))
         graph = self._tokens.get(shape)
         if graph is None or graph[0] is not layers:
