@@ -24,8 +24,9 @@ Python code they stand in for serves (the same results, more host time per step)
   (ExpertStreamer.start_acquire) in one C call; without it the Python method, its definition.
 - fomoepy/runtime/_ggml_rounds.c: the cpu backend's decode round (a row's copy, its picks' slots, ggml's
   graph, the outputs set at their places) in one call, and the weighted sum of a step's picks' outputs in
-  one loop; without it the same graphs run from numpy, and numpy sums (the same bits). -ffp-contract=off:
-  the sum rounds each product to float32 before adding it, as numpy's does.
+  one loop, also as one node of a decode graph with the residual added; without it the same graphs run
+  from numpy, numpy sums, and the graphs take ggml's nodes (the same bits). -ffp-contract=off: the sum
+  rounds each product to float32 before adding it, as numpy's and ggml's do.
 - fomoepy/runtime/_batched_experts.c: the cpu backend's decode-step experts, each expert's K-quant weights decoded
   once for all the rows that picked it (fomoepy.runtime.batched_experts); OpenMP (-fopenmp), ggml's CPU runtime.
   Without it, or on a CPU without AVX-512, ggml's products serve: the same arithmetic, its float sums in

@@ -301,6 +301,34 @@ def test_the_weighted_sum_in_c_has_numpys_bits_and_leaves_what_it_cannot_take_to
     assert np.array_equal(ggml_slots.weighted_sum(y.astype(np.float64), w), np.add.reduce(y.astype(np.float64) * w[:, :, None], axis=1))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_fused_weighted_sum_node_has_the_bits_of_ggmls_product_and_sums_then_the_residual(threads):
+    """A decode graph's experts' weighted sum and its residual (weighted_sum_added_node: one node of
+    _ggml_rounds) against the ggml nodes it stands for (weighted_sum_nodes' MUL and ADDs, then the ADD of
+    x), bit for bit: rows of 1000 (no whole vector), 1 to 10 picks, a row or several, on any thread count."""
+    import ggml
+
+    from fomoepy.runtime.ggml_dense import Graph
+
+    if ggml_slots._rounds is None:
+        pytest.skip("fomoepy.runtime._ggml_rounds is not built (no C compiler at install)")
+    rng = np.random.default_rng(threads)
+    K = 1000
+    for T, k in [(1, 8), (3, 1), (9, 10), (2, 4)]:
+        y = (rng.standard_normal((T, k, K)) * rng.choice([1e-3, 1.0, 1e3], (T, k, 1))).astype(F32)
+        w = rng.dirichlet(np.ones(k), size=T).astype(F32)
+        x = (rng.standard_normal((T, K)) * 10).astype(F32)
+        got_graph = Graph(8, 4 * K * T * (2 * k + 4) + 4096, threads)
+        node = ggml_slots.weighted_sum_added_node(got_graph.ctx, got_graph.input(K, k, T), got_graph.input(k, T), got_graph.input(K, T))
+        assert ggml.ggml_op_name(node.contents.op) == b"CUSTOM"
+        got_graph.finish([(node, (T, K))])
+        want_graph = Graph(8 + 2 * k, 4 * K * T * (2 * k + 4) + 4096, threads)
+        ys, ws, xs = want_graph.input(K, k, T), want_graph.input(1, k, T), want_graph.input(K, T)
+        want_graph.finish([(ggml.ggml_add(want_graph.ctx, xs, ggml_slots.weighted_sum_nodes(want_graph.ctx, ys, ws)), (T, K))])
+        got, want = got_graph.run(y, w, x, last=True)[0], want_graph.run(y, w, x, last=True)[0]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (T, k)
+
+
 def _vm_flags(address: int) -> set[str]:
     """The kernel's flags of the mapping that holds `address` (/proc/self/smaps)."""
     inside = False

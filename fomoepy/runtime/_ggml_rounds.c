@@ -1,6 +1,6 @@
 /* A decode round of the cpu backend's routed experts in one C call (fomoepy.runtime.ggml_slots' one-row
    round graphs and ggml_reads' in-place ones: RoundCall), and a step's weighted sum of its picks' outputs
-   (weighted_sum).
+   (weighted_sum; and as a decode graph's node, op_weighted_sum).
 
    A round is: the token's row copied into the graph's input, its picks' slots (and read buffers) set
    into the graph's id arrays, ggml's graph computation, and each pick's output copied into the step's
@@ -219,8 +219,65 @@ static PyObject *weighted_sum(PyObject *module, PyObject *const *args, Py_ssize_
     return Py_NewRef(fits ? Py_True : Py_False);
 }
 
+/* The same sum as a node of a decode graph (ggml_slots.weighted_sum_added_node), the residual added after it:
+   dst [K, T] = x + (((y_0·w_0 + y_1·w_1) + y_2·w_2) + …) for y [K, k, T] (pick j of row t at y[:, j, t]),
+   w [k, T], x [K, T]: ggml's MUL then its k-1 ADDs and the residual's ADD, each rounded to float32 as those
+   nodes round it (products unfused: -ffp-contract=off), so a row gets their bits. Those k+1 nodes were
+   k+1 of the graph's barriers, and the MUL broadcast a weight per element (ggml takes a source row of one
+   element a call at a time): by hand, bench model, 8 rows on 2 threads, its 8 MULs were ~0.5 ms of a
+   17 ms step. Each thread takes a share of every row's elements (each element one thread's: the same
+   bits on any count). The tensors' rows are contiguous (ggml_slots checks); their strides are read from
+   the tensors (offsets of ggml_tensor's fields from the bindings' struct, held to the library's by
+   tests/test_ggml_abi.py, so no ggml header is needed). */
+typedef struct {
+    int64_t data_offset, src_offset, ne_offset, nb_offset;
+} OpInfo;
+
+static const char *data_of(const OpInfo *o, const void *t) { return *(char *const *)((const char *)t + o->data_offset); }
+static const void *src_of(const OpInfo *o, const void *t, int i) { return ((const void *const *)((const char *)t + o->src_offset))[i]; }
+static int64_t ne_of(const OpInfo *o, const void *t, int i) { return ((const int64_t *)((const char *)t + o->ne_offset))[i]; }
+static size_t nb_of(const OpInfo *o, const void *t, int i) { return ((const size_t *)((const char *)t + o->nb_offset))[i]; }
+
+/* (elementwise only: any vector width gives the same bits; the clones let the compiler use the CPU's) */
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void weighted_rows(const float *const *y, const float *w, int64_t k,
+                                                                                      const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float acc = y[0][i] * w[0];
+        for (int64_t j = 1; j < k; j++) {
+            float p = y[j][i] * w[j];
+            acc = acc + p;
+        }
+        out[i] = x[i] + acc;
+    }
+}
+
+#define MAX_K 64 /* picks a row at most (ggml_slots refuses more) */
+
+static void op_weighted_sum(void *dst, int ith, int nth, void *userdata) {
+    const OpInfo *o = userdata;
+    const void *yt = src_of(o, dst, 0), *wt = src_of(o, dst, 1), *xt = src_of(o, dst, 2);
+    const int64_t K = ne_of(o, yt, 0), k = ne_of(o, yt, 1), T = ne_of(o, yt, 2);
+    const int64_t i0 = K * ith / nth, i1 = K * (ith + 1) / nth;
+    if (i0 >= i1) return;
+    for (int64_t t = 0; t < T; t++) {
+        const float *y[MAX_K];
+        for (int64_t j = 0; j < k; j++) y[j] = (const float *)(data_of(o, yt) + j * nb_of(o, yt, 1) + t * nb_of(o, yt, 2)) + i0;
+        float w[MAX_K];
+        for (int64_t j = 0; j < k; j++) w[j] = ((const float *)(data_of(o, wt) + t * nb_of(o, wt, 1)))[j];
+        weighted_rows(y, w, k, (const float *)(data_of(o, xt) + t * nb_of(o, xt, 1)) + i0,
+                      (float *)(data_of(o, dst) + t * nb_of(o, dst, 1)) + i0, i1 - i0);
+    }
+}
+
+/* weighted_sum_op() → the node's function (a ggml_custom_op_t), as an address */
+static PyObject *weighted_sum_op(PyObject *module, PyObject *args) {
+    (void)module, (void)args;
+    return PyLong_FromVoidPtr((void *)op_weighted_sum);
+}
+
 static PyMethodDef functions[] = {
     {"weighted_sum", (PyCFunction)(void (*)(void))weighted_sum, METH_FASTCALL, "weighted_sum(y, w, out) -> whether it wrote out"},
+    {"weighted_sum_op", weighted_sum_op, METH_NOARGS, "the weighted sum's graph node function, as an address"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -232,6 +289,6 @@ PyMODINIT_FUNC PyInit__ggml_rounds(void) {
     Py_XDECREF(errors);
     if (!round_failed) return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddType(m, &RoundCallType) < 0) Py_CLEAR(m);
+    if (m && (PyModule_AddType(m, &RoundCallType) < 0 || PyModule_AddIntConstant(m, "MAX_K", MAX_K) < 0)) Py_CLEAR(m);
     return m;
 }

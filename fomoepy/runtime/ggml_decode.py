@@ -54,7 +54,7 @@ from fomoepy.runtime.ggml_matmul import top_k_nodes
 from fomoepy.runtime.ggml_slots import (
     expert_outputs,
     rows_kept_together,
-    weighted_sum_nodes,
+    weighted_sum_added_node,
 )
 
 _F = 4  # bytes of a float32
@@ -116,8 +116,7 @@ def _expert_rows(g: Graph, x2, h, logits, k: int, experts: list, B: int, into: t
 
     parts = [outputs(first, min(together, B - first)) for first in range(0, B, together)]
     y = functools.reduce(lambda a, b: ggml.ggml_concat(g.ctx, a, b, 2), parts)  # [D, k, B]
-    moe = weighted_sum_nodes(g.ctx, y, ggml.ggml_reshape_3d(g.ctx, weights, 1, k, B))
-    return ggml.ggml_add(g.ctx, x2, moe)
+    return weighted_sum_added_node(g.ctx, y, weights, x2)
 
 
 def _expert_parts_bytes(experts: list, D: int, k: int, B: int) -> int:

@@ -478,6 +478,31 @@ def weighted_sum_nodes(ctx, y, w, into: tuple | None = None):
     return out if k > 1 else placed(ggml.ggml_cont(ctx, out), result)
 
 
+class _SumInfo(ctypes.Structure):
+    """The fused node's userdata (OpInfo in _ggml_rounds.c): where a ggml_tensor keeps its data, sources,
+    sizes and strides (the bindings' struct)."""
+
+    _fields_ = [("data_offset", ctypes.c_int64), ("src_offset", ctypes.c_int64), ("ne_offset", ctypes.c_int64), ("nb_offset", ctypes.c_int64)]
+
+
+_T = ggml.ggml_tensor
+_SUM_INFO = _SumInfo(_T.data.offset, _T.src.offset, _T.ne.offset, _T.nb.offset)  # (alive for the process)
+_SUM_OP = ggml.ggml_custom_op_t(_rounds.weighted_sum_op()) if _rounds is not None else None
+
+
+def weighted_sum_added_node(ctx, y, w, x):
+    """x + Σ_j y[:, j, :]·w[j, :] of y [K, k, T], w [k, T], x [K, T] → [K, T]: weighted_sum_nodes, then x added,
+    as one node of _ggml_rounds with those nodes' bits (each product and sum rounded as theirs, in their
+    order), where it is built and each tensor's rows are contiguous float32; else those nodes."""
+    K, k, T = (int(n) for n in list(y.contents.ne)[:3])
+    fused = _SUM_OP is not None and k <= _rounds.MAX_K and all(t.contents.type == ggml.GGML_TYPE_F32 and t.contents.nb[0] == 4 for t in (y, w, x))
+    if not fused:
+        return ggml.ggml_add(ctx, x, weighted_sum_nodes(ctx, y, ggml.ggml_reshape_3d(ctx, w, 1, k, T)))
+    args = (ctypes.POINTER(_T) * 3)(y, w, x)
+    info = ctypes.cast(ctypes.pointer(_SUM_INFO), ctypes.c_void_p)
+    return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, K, T, 1, 1, args, 3, _SUM_OP, ggml.GGML_N_TASKS_MAX, info)
+
+
 def weighted_sum(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """y [T, k, K], w [T, k] → Σ_j y[:, j] · w[:, j] [T, K], j = 0, 1, …, k-1 in turn: the graph's ops (each
     product y·w rounded to float32, then added one pick after another) as two numpy calls, not 2k-1
