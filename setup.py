@@ -31,6 +31,10 @@ Python code they stand in for serves (the same results, more host time per step)
   once for all the rows that picked it (fomoepy.runtime.batched_experts); OpenMP (-fopenmp), ggml's CPU runtime.
   Without it, or on a CPU without AVX-512, ggml's products serve: the same arithmetic, its float sums in
   another order (so not the same bits), and slower.
+- fomoepy/runtime/_row_attention.c: every decode row's attention over its own KV cache, a batch's rows in one graph
+  node (fomoepy.runtime.row_attention). -O3 -ffp-contract=off: its vector forms round as its scalar loop.
+  Without it, ggml's attention nodes serve decode rows (the bits of prefill's; a batch then takes five
+  nodes a sequence and layer).
 - fomoepy/runtime/_dense_rows.c: a decode batch's Q8_0 dense products, each weight block read once for all its
   rows, each row's bits its lone one-row product's (fomoepy.runtime.dense_rows). Without it, or on a CPU
   without AVX2, ggml's one-row products serve: the same bits, slower.
@@ -62,5 +66,6 @@ setup(
         optional("fomoepy.runtime._ggml_rounds", "-ffp-contract=off"),
         optional("fomoepy.runtime._batched_experts", "-O3", "-fopenmp"),
         optional("fomoepy.runtime._dense_rows", "-O3"),
+        optional("fomoepy.runtime._row_attention", "-O3", "-ffp-contract=off"),
     ]
 )

@@ -15,7 +15,13 @@ from fomoepy.experts.device import Phase
 from fomoepy.experts.resident_step import ResidentStep
 from fomoepy.model.state import KV_CHUNK, KVCache
 from fomoepy.model.transformer import Transformer
-from fomoepy.runtime import batched_experts, ggml_cpu, ggml_decode, ggml_threads
+from fomoepy.runtime import (
+    batched_experts,
+    ggml_cpu,
+    ggml_decode,
+    ggml_threads,
+    row_attention,
+)
 from fomoepy.runtime.ggml_attention import BUCKET
 from fomoepy.runtime.ggml_experts import GgmlExperts
 
@@ -40,9 +46,19 @@ def spinning(monkeypatch):
     monkeypatch.setattr(ggml_threads, "spins", lambda: True)  # (read when the backend is made)
 
 
+@pytest.fixture(params=["node", "ggml"])
+def attention(request, monkeypatch):
+    """A decode row's attention by row_attention's node (where built), or by ggml's nodes (where it is not)."""
+    if request.param == "node" and not row_attention.runs():
+        pytest.skip("fomoepy.runtime._row_attention is not built")
+    if request.param == "ggml":
+        monkeypatch.setattr(row_attention, "runs", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("path, embedded", [("qwen3moe_q6_k.gguf", True), ("qwen3moe_q4_k_m.gguf", True), ("qwen3moe_q8_0.gguf", True),
                                              ("qwen3moe_q4_k_m.gguf", False)])  # fmt: skip
-def test_one_graph_a_token_and_the_experts_apart_give_the_same_bits(monkeypatch, spinning, path, embedded):
+def test_one_graph_a_token_and_the_experts_apart_give_the_same_bits(monkeypatch, spinning, attention, path, embedded):
     # from KV_CHUNK - 3: the decode steps cross the first chunk's end (the caches grow) and a span; the
     # models' token embeddings are F16, Q8_0 and F32, each looked up in the token's graph (get_rows),
     # and a Q8_0 one by fomoepy's decoder before it (a type ggml's rows are not known to match)
@@ -84,7 +100,7 @@ def test_one_graph_a_token_and_the_experts_apart_give_the_same_bits(monkeypatch,
     assert np.array_equal(whole[3], apart[3]) and whole[4] == apart[4] > 0  # tokens counted, hits (the token's bookkeeping)
 
 
-def test_sequences_taking_turns_through_one_token_graph_each_get_their_bits_alone(spinning):
+def test_sequences_taking_turns_through_one_token_graph_each_get_their_bits_alone(spinning, attention):
     # three sequences take turns, two within one span (through the same kept token graph) and one in
     # the next: a graph keeps its cache addresses and row inputs from one call to the next, so a turn
     # must rebind them, the kept row's mask move back as well as forward, and the first span's graph
@@ -156,7 +172,7 @@ def run_batch(prompts: list[int], n_decode: int, path: str = "qwen3moe_q6_k.gguf
 
 
 @pytest.mark.parametrize("path", ["qwen3moe_q6_k.gguf", "qwen3moe_q4_k_m.gguf"])  # F16 dense weights; Q8_0 ones (dense_rows' node)
-def test_a_batched_step_is_one_graph_and_each_row_gets_the_layer_paths_bits(monkeypatch, spinning, path):
+def test_a_batched_step_is_one_graph_and_each_row_gets_the_layer_paths_bits(monkeypatch, spinning, attention, path):
     # three sequences at different positions: the first crosses its first chunk's end (its caches grow)
     # and a span, the third a span, at different steps; each step one graph (DecodeBatch), its experts
     # never computed apart; against the layer-by-layer batched step, bit for bit
@@ -273,10 +289,11 @@ def test_a_step_record_asked_for_after_load_turns_the_one_graph_token_off(spinni
     engine.close()
 
 
-def test_a_batch_reads_every_sequence_over_its_widest_span_in_one_graph_with_each_ones_lone_bits(monkeypatch, spinning, tmp_path):
+def test_a_batch_reads_every_sequence_over_its_widest_span_in_one_graph_with_each_ones_lone_bits(monkeypatch, spinning, attention, tmp_path):
     # three sequences in three BUCKETs decode together; the first crosses into its second BUCKET midway.
-    # Each reads the batch's widest span (batch_spans: 192 throughout), so one graph serves every step
-    # (the first's own span changes midway), and each row gets the bits it gets alone over its own span
+    # By ggml's attention nodes each reads the batch's widest span (batch_spans: 192 throughout), so one
+    # graph serves every step (the first's own span changes midway), and each row gets the bits it gets
+    # alone over its own span; by row_attention's node a graph serves any positions
     from fomoepy.devtools.make_test_model import make_model
 
     path = tmp_path / "hd64.gguf"

@@ -1,5 +1,7 @@
 """Attention over a KV cache in ggml: softmax(q·Kᵀ·scale + mask)·V as llama.cpp computes it without
-flash attention (two products and ggml's fused softmax), for the cpu backend.
+flash attention (two products and ggml's fused softmax), for the cpu backend: a prefill's rows, and a
+decode row's where fomoepy.runtime.row_attention's node is not built (where it is, every decode row
+takes that node instead, on every path, so a row's bits are the same alone or in a batch).
 
 ggml's products reduce along the contiguous axis of both operands, so the second product, which sums
 over positions, needs each head's values position by position. The cpu backend's KV memory

@@ -18,7 +18,7 @@ import numpy as np
 
 from fomoepy.experts.routing import Routing
 from fomoepy.model.gguf_file import GGUFFile, TensorInfo
-from fomoepy.runtime import ggml_threads
+from fomoepy.runtime import ggml_threads, row_attention
 from fomoepy.runtime.cpu import CpuBackend
 from fomoepy.runtime.ggml_attention import (
     Attention,
@@ -33,6 +33,7 @@ from fomoepy.runtime.ggml_decode import (
     DecodeBatch,
     DecodeToken,
     LayerGraph,
+    row_node,
 )
 from fomoepy.runtime.ggml_dense import (
     AttentionGraphs,
@@ -87,6 +88,7 @@ class GgmlBackend(CpuBackend):
         self.zeros = KVMemory()  # KV caches laid out for ggml's attention
         self._spins = ggml_threads.spins()  # (OpenMP read its policy when ggml was loaded: it stays)
         self._attend = Attention()
+        self._attend_row = row_attention.RowAttention()
         self._layers: dict[int, tuple] = {}  # id(a layer's attn_q) -> (attn_q, {(span, strides): its LayerGraph})
         self._tokens: dict[tuple, DecodeToken] = {}  # a lone row's whole-token graphs by span, strides and layers
         self._row_inputs: tuple = (None, None)  # ((position, span, group), (position [1] int32, its mask)) of the last row
@@ -128,9 +130,12 @@ class GgmlBackend(CpuBackend):
         return 1 if x.size <= _SMALL_ELEMENTWISE else self.threads
 
     def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int) -> np.ndarray:
-        """ggml's attention over the cache (fomoepy.runtime.ggml_attention): llama.cpp's products and
-        softmax, the nodes of a decode layer's graph, so a row gets the same bits either way."""
+        """Attention over the cache as the graphs take it, so a row gets the same bits either way: a decode
+        row's by row_attention's node, more rows' by ggml's (fomoepy.runtime.ggml_attention: llama.cpp's
+        products and softmax)."""
         threads = self._small_threads() if q.shape[0] == 1 else self.threads
+        if row_node(q.shape[0]):  # a decode row: row_attention's node, as its graphs take it
+            return self._attend_row(q, k_cache, v_cache, n_past, threads)
         return self._attend(q, k_cache, v_cache, n_past, threads)
 
     def route(self, logits: np.ndarray, gating: str, k: int) -> Routing:
@@ -155,7 +160,7 @@ class GgmlBackend(CpuBackend):
         graph = graphs.get(key)
         if graph is None:  # a span's graph serves BUCKET steps; the one before it stays for a sequence served in turn
             graph = _kept(graphs, key, LayerGraph(w, a, eps, self._small_threads(), cache.k, cache.v, n, 1, k, ahead))
-        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache))
+        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache)
         return x2, h, _routing(*routing)
 
     def decode_token(self, token: int, embedding, layers: list, caches: list, a, eps: float, output_norm, output, n_past: int,
@@ -190,19 +195,23 @@ class GgmlBackend(CpuBackend):
         layer's KVCache of that sequence), through every layer and the output head in one graph
         (DecodeBatch) → logits [B, V], every layer's routing (ids [L, B, k] int64, weights [L, B, k], probs
         [L, B, E]); row b's bits are decode_token's for
-        it alone. A graph is kept for the batch's spans, strides and layers: every sequence reads the batch's
-        widest span (batch_spans: the bits of its own), so one serves until that span, the batch's size or
-        a cache's capacity changes, whichever sequences join or leave."""
+        it alone. A graph is kept for the batch's size and layers: each layer's attention is one node for all
+        the rows (row_attention), their caches and positions given per run. Where that node is not built,
+        a graph is kept for the batch's spans, strides and layers: every sequence reads the batch's widest
+        span (batch_spans: the bits of its own), so one serves until that span, the batch's size or a
+        cache's capacity changes, whichever sequences join or leave."""
         group = a.n_head // a.n_head_kv
-        spans = batch_spans([p + 1 for p in positions], [seq[0].capacity for seq in caches])
-        shape = ("batch", tuple(spans), tuple((seq[0].k.strides, seq[0].v.strides) for seq in caches), id(layers))
+        if row_attention.runs():  # (the rows' caches and positions a table of the graph's, set per run)
+            spans, shape = None, ("batch", len(caches), id(layers))
+        else:
+            spans = batch_spans([p + 1 for p in positions], [seq[0].capacity for seq in caches])
+            shape = ("batch", tuple(spans), tuple((seq[0].k.strides, seq[0].v.strides) for seq in caches), id(layers))
         graph = self._tokens.get(shape)
         if graph is None or graph[0] is not layers:
             graph = _kept(self._tokens, shape, (layers, DecodeBatch([(w, e[0]) for w, e in layers], caches, spans, a, eps, output_norm, output,
                                                                     self.threads, k)))  # fmt: skip
-        masks = [causal_mask(p, 1, group, n) for p, n in zip(positions, spans)]
-        logits, ids, weights, probs = graph[1](np.ascontiguousarray(x, dtype=F32), positions, masks,
-                                               [[cache_addresses(c) for c in seq] for seq in caches], [e[1] for _, e in layers])  # fmt: skip
+        masks = [] if spans is None else [causal_mask(p, 1, group, n) for p, n in zip(positions, spans)]
+        logits, ids, weights, probs = graph[1](np.ascontiguousarray(x, dtype=F32), positions, masks, caches, [e[1] for _, e in layers])
         return logits, (ids.astype(np.int64), weights, probs)
 
     def prefill_layer(self, x: np.ndarray, w, a, eps: float, cache, n_past: int, k: int) -> tuple:
@@ -213,7 +222,7 @@ class GgmlBackend(CpuBackend):
         n = span(n_past + T, cache.capacity)
         graph = LayerGraph(w, a, eps, self.threads, cache.k, cache.v, n, T, k)
         inputs = (np.arange(n_past, n_past + T, dtype=np.int32), causal_mask(n_past, T, a.n_head // a.n_head_kv, n))
-        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache_addresses(cache), last=True)
+        x2, h, *routing = graph(np.ascontiguousarray(x, dtype=F32), n_past, inputs, cache, last=True)
         return x2, h, _routing(*routing)
 
     def _step_inputs(self, a, cache, n_past: int) -> tuple:

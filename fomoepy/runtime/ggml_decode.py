@@ -6,7 +6,7 @@ at a time:
 
     xn = rms_norm(x)·attn_norm;  q, k, v = Wq·xn, Wk·xn, Wv·xn;  q, k = rope(rms_norm(q, k per head)·norms)
     K[p..], V[p..] = k, v                              (the rows' keys and values into the KV cache)
-    attn = softmax(q·Kᵀ/√hd + causal mask)·V           (fomoepy.runtime.ggml_attention)
+    attn = softmax(q·Kᵀ/√hd + causal mask)·V           (ggml_attention; a decode row's: row_attention)
     x' = x + Wo·attn;  h = rms_norm(x')·ffn_norm;  routing = softmax top-k of Wr·h   (ggml_dense)
     x'' = x' + Σ_j w_j · down_j(silu(gate_j·h) ⊙ up_j·h)                      (ggml_slots)
 
@@ -33,9 +33,11 @@ import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait p
 import ggml
 import numpy as np
 
+from fomoepy.runtime import row_attention
 from fomoepy.runtime.batched_experts import MAX_PICKS, GraphExperts
 from fomoepy.runtime.ggml_attention import (
     attention_nodes,
+    cache_addresses,
     cache_inputs,
     kv_memory_layout,
 )
@@ -63,13 +65,25 @@ _F = 4  # bytes of a float32
 EMBEDDED_TYPES = frozenset((ggml.GGML_TYPE_F32, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_Q8_0))
 
 
+def row_node(T: int) -> bool:
+    """Whether T rows of one sequence take their attention in row_attention's node: a decode row, where the
+    node is built (every decode row of the cpu backend takes it then: the same bits on every path)."""
+    return T == 1 and row_attention.runs()
+
+
 def _attention_part(g: Graph, w, a, eps: float, x, pos, mask, k_cache: np.ndarray, v_cache: np.ndarray, n: int, T: int):
     """One layer's nodes for T rows up to the router's logits; the inputs it adds, in order: K and V (the
-    caches' first n positions) and the rows' key and value destinations in them. → (writes, x', h, logits)."""
+    caches' first n positions) and the rows' key and value destinations in them, or for a decode row
+    (row_node) its row_attention table. → (writes, x', h, logits)."""
     H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
     group = H // Hkv
     if not kv_memory_layout(k_cache, v_cache):
         raise ValueError("a layer's graph writes into KV caches laid out by ggml_attention.KVMemory")
+    if row_node(T):  # a decode row: its key, value and attention in row_attention's node; one input, its table
+        q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, 1)
+        table = g.input(row_attention.TABLE, 1, qtype=ggml.GGML_TYPE_I64)
+        attn = row_attention.node(g.ctx, q, k_rot, v, table, Hkv, hd)
+        return (), *post_attention_nodes(g, w, eps, x, ggml.ggml_reshape_2d(g.ctx, attn, H * hd, 1))
     K, V = cache_inputs(g, k_cache, v_cache, n)
     q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, T)  # [hd, H, T], [hd, Hkv, T], [Hkv·hd, T]
     # the rows' keys [hd, Hkv, T] (position p's at p·hd, a head a capacity apart) and values, as
@@ -185,11 +199,14 @@ class LayerGraph:
             outputs.append((top_k_nodes(g.ctx, ggml.ggml_mul_mat(g.ctx, g.weight(ahead), h), k, T), (T, k)))
         g.finish(outputs, effects=writes)
         self._row_steps = (k_cache.strides[0], v_cache.strides[0])
+        self._table = np.zeros((1, row_attention.TABLE), np.int64) if row_node(T) else None
 
-    def __call__(self, x: np.ndarray, n_past: int, inputs: tuple, addresses: tuple[int, int], last: bool = False) -> list[np.ndarray]:
+    def __call__(self, x: np.ndarray, n_past: int, inputs: tuple, cache, last: bool = False) -> list[np.ndarray]:
         """x [T, D] at positions n_past.., inputs their ([T] int32 positions, causal_mask(n_past, T, group, n)),
-        addresses the caches' (ggml_attention.cache_addresses); last: the graph runs no more."""
-        k, v = addresses
+        cache the layer's KVCache; last: the graph runs no more."""
+        if self._table is not None:
+            return self.graph.run(x, *inputs, row_attention.fill(self._table, [cache], [n_past]), last=last)
+        k, v = cache_addresses(cache)
         return self.graph.run(x, *inputs, k, v, k + n_past * self._row_steps[0], v + n_past * self._row_steps[1], last=last)
 
 
@@ -226,17 +243,25 @@ class DecodeToken:
         g.finish([(logits, (1, V))], effects=tuple(writes))
         self._row_steps = (caches[0].k.strides[0], caches[0].v.strides[0])
         # the inputs, in order: x, position, mask, then each layer's K, V, its row's key and value
-        # destinations, slot table. The tables are set once; a token sets x and the destinations; the
-        # rest stay while the row's inputs and caches are the ones bound last (a sequence's steps within
-        # a span)
-        def of_layers(*parts: int) -> list:  # each layer's inputs at these places of its five, layer after layer
-            return g.inputs_at([3 + 5 * il + j for il in range(L) for j in parts])
+        # destinations, slot table (with row_attention's node: its table, slot table). The tables are set
+        # once; a token sets x and the destinations (the node's tables: positions); the rest stay while the
+        # row's inputs and caches are the ones bound last (a sequence's steps within a span)
+        self.node = row_node(1)
+        per = 2 if self.node else 5
 
-        g.set_inputs(of_layers(4), [table for _, _, table in layers])
+        def of_layers(*parts: int) -> list:  # each layer's inputs at these places of its `per`, layer after layer
+            return g.inputs_at([3 + per * il + j for il in range(L) for j in parts])
+
+        g.set_inputs(of_layers(per - 1), [table for _, _, table in layers])
         if self.token is not None:
             g.set_inputs(g.inputs_at([0]), [self.token])
-        self._per_token = (g.inputs_at([0]) if self.token is None else []) + of_layers(2, 3)
-        self._kept = g.inputs_at([1, 2]) + of_layers(0, 1)
+        if self.node:  # each layer's row: its cache's strides now (a graph is kept for them), addresses when bound
+            self._tables = np.zeros((L, 1, row_attention.TABLE), np.int64)
+            for table, cache in zip(self._tables, caches):
+                row_attention.fill(table, [cache], [0])
+            g.set_inputs(of_layers(0), list(self._tables))
+        self._per_token = (g.inputs_at([0]) if self.token is None else []) + ([] if self.node else of_layers(2, 3))
+        self._kept = g.inputs_at([1, 2]) + ([] if self.node else of_layers(0, 1))
         self._bound: tuple = (None, None)  # (inputs, addresses) the kept inputs were set to
 
     def __call__(self, x: np.ndarray, position: int, inputs: tuple, addresses: list[tuple[int, int]], threads: int | None = None):
@@ -245,16 +270,23 @@ class DecodeToken:
         another count than the graph's (the same bits). inputs' arrays may be the last call's, changed in
         place."""
         if inputs is not self._bound[0] or addresses != self._bound[1]:
-            self.graph.set_inputs(self._kept, [*inputs, *(address for pair in addresses for address in pair)])
+            if self.node:
+                self.graph.set_inputs(self._kept, list(inputs))
+                self._tables[:, 0, :2] = addresses
+            else:
+                self.graph.set_inputs(self._kept, [*inputs, *(address for pair in addresses for address in pair)])
             self._bound = (inputs, addresses)  # (held: their memory stays while the graph reads it)
-        dk, dv = self._row_steps
         if self.token is None:
             per_token = [x]
         else:
             self.token[0] = x
             per_token = []
-        for k, v in addresses:
-            per_token += (k + position * dk, v + position * dv)
+        if self.node:
+            self._tables[:, 0, 2] = position
+        else:
+            dk, dv = self._row_steps
+            for k, v in addresses:
+                per_token += (k + position * dk, v + position * dv)
         self.graph.set_inputs(self._per_token, per_token)
         logits = self.graph.compute(threads)[0]
         return logits, *(r.copy() for r in self.routing)
@@ -266,12 +298,15 @@ class DecodeBatch:
     sequence's keys and values into its own caches and its attention over them on its own; otherwise the
     nodes of DecodeToken, row by row, so each row gets the bits it gets alone (a product of several
     sequences' rows is taken apart where ggml's several-row kernel sums otherwise: ggml_dense.product).
-    caches[b][il]: sequence b's KVCache of layer il; spans[b] the positions its graph reads. Run with every
-    sequence's cache addresses and each layer's slot table → logits [B, V] and every layer's routing,
-    ids [L, B, k] int32, weights [L, B, k], probs [L, B, E]."""
+    Each layer's attention is one row_attention node for all the rows (their caches and positions in a
+    table set per run: one graph serves any positions and caches); where that node is not built, spans
+    (spans[b] the positions sequence b's graph reads, its cache's strides fixed at build) give each
+    sequence ggml's attention nodes. caches[b][il]: sequence b's KVCache of layer il. Run with every
+    sequence's caches and each layer's slot table → logits [B, V] and every layer's routing, ids [L, B, k]
+    int32, weights [L, B, k], probs [L, B, E]."""
 
-    def __init__(self, layers: list[tuple], caches: list[list], spans: list[int], a, eps: float, output_norm, output, threads: int,
-                 k: int):  # fmt: skip
+    def __init__(self, layers: list[tuple], caches: list[list], spans: list[int] | None, a, eps: float, output_norm, output,
+                 threads: int, k: int):  # fmt: skip
         w0 = layers[0][0]
         D, V, E, L, B = w0.attn_q.n_cols, output.n_rows, w0.ffn_gate_inp.n_rows, len(layers), len(caches)
         H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
@@ -279,47 +314,63 @@ class DecodeBatch:
         for seq in caches:
             if not all(kv_memory_layout(c.k, c.v) for c in seq):
                 raise ValueError("a batch's graph writes into KV caches laid out by ggml_attention.KVMemory")
+        self.node = spans is None
         # room: every layer as a lone row's of each sequence (the dense parts counted B times over: more than
         # the B-row products need), the concatenations of the rows' attention, the head's B rows
-        size = sum(_layer_bytes(w, a, n, 1, k, experts) for w, experts in layers for n in spans)
+        size = sum(_layer_bytes(w, a, 1 if self.node else n, 1, k, experts) for w, experts in layers for n in spans or [1] * B)
         size += L * _F * H * hd * B * B + _F * 4 * B * (D + V) + sum(pre_attention_bytes(w, a, B, True) + post_attention_bytes(w, B, True)
                                                                      for w, _ in layers)  # fmt: skip
         size += sum(_expert_parts_bytes(experts, D, k, B) for _, experts in layers)
         g = self.graph = Graph(L * B * (128 + 2 * k) + 16 * B + 16, _room(size), threads)
         self.routing = (np.empty((L, B, k), np.int32), np.empty((L, B, k), np.float32), np.empty((L, B, E), np.float32))
         x, pos = g.input(D, B), g.input(B, qtype=ggml.GGML_TYPE_I32)
-        masks = [g.input(n, group) for n in spans]
+        masks = [] if self.node else [g.input(n, group) for n in spans]
         writes = []
         for il, (w, experts) in enumerate(layers):
             q, k_rot, v = pre_attention_nodes(g, w, a, eps, x, pos, B, apart=True)  # [hd, H, B], [hd, Hkv, B], [Hkv·hd, B]
-            attn = None
-            for b, (seq, n) in enumerate(zip(caches, spans)):
-                cache = seq[il]
-                keys, values = cache_inputs(g, cache.k, cache.v, n)
-                k_b = ggml.ggml_view_3d(g.ctx, k_rot, hd, Hkv, 1, k_rot.contents.nb[1], k_rot.contents.nb[2], b * k_rot.contents.nb[2])
-                v_b = ggml.ggml_view_2d(g.ctx, v, Hkv * hd, 1, v.contents.nb[1], b * v.contents.nb[1])
-                writes += [g.write_into(k_b, hd, Hkv, 1, nb=(_F, cache.k.strides[1], cache.k.strides[0])),
-                           g.write_into(v_b, 1, Hkv * hd, nb=(_F, cache.v.strides[2]))]  # fmt: skip
-                # row b's query heads as a lone row's: each kv head's group of them, [hd, group, Hkv]
-                q_b = ggml.ggml_view_3d(g.ctx, q, hd, group, Hkv, hd * _F, group * hd * _F, b * q.contents.nb[2])
-                a_b = ggml.ggml_reshape_2d(g.ctx, attention_nodes(g, q_b, keys, values, masks[b], hd), H * hd, 1)
-                attn = a_b if attn is None else ggml.ggml_concat(g.ctx, attn, a_b, 1)  # [H·hd, b + 1]
+            if self.node:  # (the layer's table: each row's cache and position)
+                table = g.input(row_attention.TABLE, B, qtype=ggml.GGML_TYPE_I64)
+                attn = ggml.ggml_reshape_2d(g.ctx, row_attention.node(g.ctx, q, k_rot, v, table, Hkv, hd), H * hd, B)
+            else:
+                attn = None
+                for b, (seq, n) in enumerate(zip(caches, spans)):
+                    cache = seq[il]
+                    keys, values = cache_inputs(g, cache.k, cache.v, n)
+                    k_b = ggml.ggml_view_3d(g.ctx, k_rot, hd, Hkv, 1, k_rot.contents.nb[1], k_rot.contents.nb[2], b * k_rot.contents.nb[2])
+                    v_b = ggml.ggml_view_2d(g.ctx, v, Hkv * hd, 1, v.contents.nb[1], b * v.contents.nb[1])
+                    writes += [g.write_into(k_b, hd, Hkv, 1, nb=(_F, cache.k.strides[1], cache.k.strides[0])),
+                               g.write_into(v_b, 1, Hkv * hd, nb=(_F, cache.v.strides[2]))]  # fmt: skip
+                    # row b's query heads as a lone row's: each kv head's group of them, [hd, group, Hkv]
+                    q_b = ggml.ggml_view_3d(g.ctx, q, hd, group, Hkv, hd * _F, group * hd * _F, b * q.contents.nb[2])
+                    a_b = ggml.ggml_reshape_2d(g.ctx, attention_nodes(g, q_b, keys, values, masks[b], hd), H * hd, 1)
+                    attn = a_b if attn is None else ggml.ggml_concat(g.ctx, attn, a_b, 1)  # [H·hd, b + 1]
             x2, h, logits = post_attention_nodes(g, w, eps, x, attn, B, apart=True)
             x = _expert_rows(g, x2, h, logits, k, experts, B, tuple(r[il] for r in self.routing))
         logits = product(g, output, normed(g, x, eps, output_norm), B, True)
         g.finish([(logits, (B, V))], effects=tuple(writes))
         self._row_steps = [(seq[0].k.strides[0], seq[0].v.strides[0]) for seq in caches]
+        self._tables = np.zeros((L, B, row_attention.TABLE), np.int64)  # (the node's: each layer's rows' caches and positions)
+        self._filled: list = []  # the caches' addresses the tables were filled for
 
-    def __call__(self, x: np.ndarray, positions: list[int], masks: list[np.ndarray], addresses: list[list[tuple[int, int]]],
-                 tables: list[np.ndarray]):  # fmt: skip
-        """x [B, D], row b at positions[b] with its causal mask, addresses[b][il] sequence b's layer-il cache
-        addresses, each layer's slot table → logits [B, V], ids, weights, probs (fresh arrays)."""
+    def __call__(self, x: np.ndarray, positions: list[int], masks: list[np.ndarray], caches: list[list], tables: list[np.ndarray]):
+        """x [B, D], row b at positions[b] (with its causal mask, for ggml's attention nodes), caches[b][il]
+        sequence b's layer-il KVCache, each layer's slot table → logits [B, V], ids, weights, probs (fresh
+        arrays)."""
         inputs = [x, np.array(positions, np.int32), *masks]
-        for il, table in enumerate(tables):
-            for b, (dk, dv) in enumerate(self._row_steps):
-                k, v = addresses[b][il]
-                inputs += (k, v, k + positions[b] * dk, v + positions[b] * dv)
-            inputs.append(table)
+        if self.node:
+            addresses = [cache_addresses(c) for seq in caches for c in seq]  # (a cache's move when it grows)
+            if addresses != self._filled:
+                for il, table in enumerate(self._tables):
+                    row_attention.fill(table, [seq[il] for seq in caches], positions)
+                self._filled = addresses
+            self._tables[:, :, 2] = positions
+            for table, slots in zip(self._tables, tables):
+                inputs += (table, slots)
+        else:
+            for il, slots in enumerate(tables):
+                for b, (dk, dv) in enumerate(self._row_steps):
+                    k, v = cache_addresses(caches[b][il])
+                    inputs += (k, v, k + positions[b] * dk, v + positions[b] * dv)
+                inputs.append(slots)
         logits = self.graph.run(*inputs)[0]
         return logits, *(r.copy() for r in self.routing)
-
