@@ -43,6 +43,26 @@ def test_a_kept_graphs_results_stay_the_callers_after_its_next_run():
     assert np.array_equal(got, kept) and not np.array_equal(again, kept)
 
 
+def test_a_kept_graph_hands_its_last_results_memory_out_again_only_when_nothing_holds_it():
+    # run after run, a dropped result's memory is the next one's (warm, mapped); a result the caller holds,
+    # or a view of, is never written again
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal((1, 256)).astype(F32) for _ in range(4)]
+    want = [rms_norm_rows(x, 1e-6, 1).copy() for x in inputs]
+    held = rms_norm_rows(inputs[0], 1e-6, 1)
+    second = rms_norm_rows(inputs[1], 1e-6, 1)
+    assert second is not held and np.array_equal(held, want[0]) and np.array_equal(second, want[1])
+    address = second.ctypes.data
+    del second
+    third = rms_norm_rows(inputs[2], 1e-6, 1)
+    assert third.ctypes.data == address and np.array_equal(third, want[2])
+    row = third[0]  # a view holds its base
+    del third
+    fourth = rms_norm_rows(inputs[3], 1e-6, 1)
+    assert fourth.ctypes.data != address and np.array_equal(row, want[2][0]) and np.array_equal(fourth, want[3])
+    assert np.array_equal(held, want[0])
+
+
 @pytest.mark.parametrize("rotary_dim", [64, 32])  # 32 of 64: the dims past it pass through unchanged
 def test_rope_neox_rotates_pairs_i_and_i_plus_half_by_pos_times_base_to_the_minus_2i_over_d(rotary_dim):
     # ggml computes θ_i = pos·s^i with s = base^(-2/d) rounded to float32 and multiplied in i times, each
