@@ -8,11 +8,13 @@ ggml threads (1 by default, as batch.py's recorded runs). B sequences, each afte
 its own, decode together: `Transformer.forward_batch` with B rows, blocks of `--steps` steps, the
 row counts interleaved, `--repeats` blocks each. Per B it prints the fastest block's step time (the
 least disturbed by other work on the machine; medians beside) and, of it:
-- products: seconds inside ggml's graph computations, whose nodes include fomoepy's batched expert kernel
-  and its Q8_0 dense kernel (every product of the step: q/k/v, output, router, routed experts, output
-  head; norms and RoPE ride in the same graphs), fomoepy.timing.MATMUL (`--expert-kernel ggml`: the
-  routed experts by ggml's products, as before the kernel);
-- host: the rest (Python, numpy attention over each sequence's KV cache, routing, sums);
+- products: seconds inside ggml's graph computations, whose nodes include fomoepy's batched expert kernel,
+  its Q8_0 dense kernel and its decode rows' attention (every product of the step: q/k/v, output,
+  router, routed experts, output head; norms, RoPE and attention ride in the same graphs; where ggml's
+  threads spin, as they do with a free core each, the whole step is one graph), fomoepy.timing.MATMUL
+  (`--expert-kernel ggml`: the routed experts by ggml's products, as before the kernel);
+- host: the rest (Python: the step's inputs, its routing's bookkeeping, its results handed out; where
+  the step is a graph a layer, what runs between them);
 - per row: the step over B.
 
 Then two bounds on the aggregate speed-up over one sequence at a time, B·t(1)/t(B):
