@@ -55,8 +55,12 @@ _GROUPED_FROM_MANY_THREADS = {False: None, True: 512}
 # layer 0, random picks, ms against ggml's products over plain slots at 8 / 32 / 64 / 128 / 256 tokens:
 # 2 threads 1.65 / 5.47 / 9.32 / 17.55 / 36.31 against 3.20 / 10.82 / 13.55 / 17.37 / 27.18; 1 thread
 # 2.45 / 7.79 / 16.62 / 32.06 / 64.82 against 3.36 / 15.82 / 25.29 / 38.21 / 47.24 (ggml's GEMM kernels
-# take the longer ones). The daemon's prompt chunks are 64 tokens (--prefill-chunk).
-KERNEL_PROMPT_ROWS = 64
+# take the longer ones). Since the kernel's bodies keep 5 to 8 rows' sums in registers (fortieth stop) it
+# takes 128 tokens too (a layer of random picks at 2 threads, by hand: 64 tokens 6.4 ms, 128 12.0; a
+# bench-model prompt of 128 tokens 198.7 → 175.4 ms, medians of three alternating runs) but not 256 (two
+# calls of 128: 378 against ggml's 371 ms a prompt). The daemon's prompt chunks are 64 tokens
+# (--prefill-chunk).
+KERNEL_PROMPT_ROWS = 128
 
 
 def grouped_from(threads: int, repacked: bool = False) -> int | None:
