@@ -16,6 +16,7 @@ import struct
 import sys
 import tempfile
 import threading
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 
@@ -99,12 +100,15 @@ def send(s: socket.socket, **request) -> None:
     s.sendall(encode_frame(request))
 
 
-_inboxes: dict[int, list[dict]] = {}
+# each decoder's messages read but not yet returned, gone with the decoder (keyed by id, a new decoder at a
+# freed one's address took over its leftovers: a queue-limit test then counted one socket's message as the
+# next one's, a rare flake)
+_inboxes: weakref.WeakKeyDictionary[FrameDecoder, list[dict]] = weakref.WeakKeyDictionary()
 
 
 def read_until(s: socket.socket, dec: FrameDecoder, pred) -> list[dict]:
     """Messages up to and including the first that satisfies `pred`; later ones stay for the next call."""
-    inbox = _inboxes.setdefault(id(dec), [])
+    inbox = _inboxes.setdefault(dec, [])
     while True:
         for i, m in enumerate(inbox):
             if pred(m):
