@@ -188,7 +188,7 @@ static const int16_t SPREAD_Q6K[2][32] = {{I8(0), I8(1), I8(2), I8(3)}, {I8(4), 
    mostly picked by few: by hand 0.38 → 0.30 ms a bench-model layer's decode row with 1 to 4; a prompt's by
    more: with 5 to 8 as well, a 32-token prompt's layer of random picks 4.0 → 3.4 ms on 2 threads), more
    rows eight at a time (the weight row's superblocks decoded again for each eight: a few per cent of their
-   rows' work) */
+   rows' work); so a body takes R <= 8 rows */
 #define BY_ROW_COUNT(body, x, nb, R, y, part)                       \
     for (int r0_ = 0; r0_ < (R); r0_ += 8) {                        \
         switch ((R) - r0_ < 8 ? (R) - r0_ : 8) {                    \
@@ -207,37 +207,34 @@ AVX512 static INLINE void q4k_row_body(const block_q4_K *x, int nb, int R, block
     __m512i spreads[4];
     for (int g = 0; g < 4; g++) spreads[g] = _mm512_loadu_si512(SPREAD_Q4K[g]);
     __m512 acc[8];
-    for (int r0 = 0; r0 < R; r0 += 8) { /* (eight rows' sums in registers at a time) */
-        const int n = R - r0 < 8 ? R - r0 : 8;
-        for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
-        for (int i = 0; i < nb; i++) {
-            uint8_t sm[16];
-            q4k_scales(x[i].scales, sm);
-            const __m128i sc8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm));
-            const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
-            __m512i q[4], s[4];
-            for (int half = 0; half < 2; half++) { /* 128 weights: sub-blocks 4h, 4h+2 (low nibbles); 4h+1, 4h+3 */
-                const __m512i b = _mm512_loadu_si512(x[i].qs + 64 * half);
-                q[2 * half] = _mm512_and_si512(b, m4);
-                q[2 * half + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
-            }
-            for (int g = 0; g < 4; g++) s[g] = _mm512_permutexvar_epi16(spreads[g], _mm512_castsi128_si512(sc8));
-            const float xd = _cvtsh_ss(x[i].d), xm = _cvtsh_ss(x[i].dmin);
-            for (int r = 0; r < n; r++) {
-                const block_q8_K *a = &y[r0 + r][i];
-                __m512i si = _mm512_setzero_si512();
-                for (int g = 0; g < 4; g++)
-                    si = _mm512_dpwssd_epi32(si, _mm512_maddubs_epi16(q[g], _mm512_loadu_si512(a->qs + 64 * g)), s[g]);
-                /* the mins take each sub-block's sum of 32 quants (the view's bsums) */
-                const __m128i mins = _mm_madd_epi16(m8, _mm_loadu_si128((const __m128i *)a->bsums));
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a->d * xd), _mm512_cvtepi32_ps(si), acc[r]);
-                /* (the mins' four lanes taken from the first four of the same sum) */
-                acc[r] = _mm512_sub_ps(acc[r], _mm512_zextps128_ps512(_mm_mul_ps(_mm_set1_ps(a->d * xm), _mm_cvtepi32_ps(mins))));
-            }
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        uint8_t sm[16];
+        q4k_scales(x[i].scales, sm);
+        const __m128i sc8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm));
+        const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+        __m512i q[4], s[4];
+        for (int half = 0; half < 2; half++) { /* 128 weights: sub-blocks 4h, 4h+2 (low nibbles); 4h+1, 4h+3 */
+            const __m512i b = _mm512_loadu_si512(x[i].qs + 64 * half);
+            q[2 * half] = _mm512_and_si512(b, m4);
+            q[2 * half + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
         }
-        for (int r = 0; r < n; r++)
-            part[r0 + r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+        for (int g = 0; g < 4; g++) s[g] = _mm512_permutexvar_epi16(spreads[g], _mm512_castsi128_si512(sc8));
+        const float xd = _cvtsh_ss(x[i].d), xm = _cvtsh_ss(x[i].dmin);
+        for (int r = 0; r < R; r++) {
+            const block_q8_K *a = &y[r][i];
+            __m512i si = _mm512_setzero_si512();
+            for (int g = 0; g < 4; g++)
+                si = _mm512_dpwssd_epi32(si, _mm512_maddubs_epi16(q[g], _mm512_loadu_si512(a->qs + 64 * g)), s[g]);
+            /* the mins take each sub-block's sum of 32 quants (the view's bsums) */
+            const __m128i mins = _mm_madd_epi16(m8, _mm_loadu_si128((const __m128i *)a->bsums));
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a->d * xd), _mm512_cvtepi32_ps(si), acc[r]);
+            /* (the mins' four lanes taken from the first four of the same sum) */
+            acc[r] = _mm512_sub_ps(acc[r], _mm512_zextps128_ps512(_mm_mul_ps(_mm_set1_ps(a->d * xm), _mm_cvtepi32_ps(mins))));
+        }
     }
+    for (int r = 0; r < R; r++)
+        part[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
 }
 
 AVX512 static INLINE void q6k_row_body(const block_q6_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
@@ -247,37 +244,34 @@ AVX512 static INLINE void q6k_row_body(const block_q6_K *x, int nb, int R, block
     const __m512i down_high = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
     const __m512i spread_low = _mm512_loadu_si512(SPREAD_Q6K[0]), spread_high = _mm512_loadu_si512(SPREAD_Q6K[1]);
     __m512 acc[8];
-    for (int r0 = 0; r0 < R; r0 += 8) {
-        const int n = R - r0 < 8 ? R - r0 : 8;
-        for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
-        for (int i = 0; i < nb; i++) {
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
-            __m512i q[4], s[4];
-            for (int half = 0; half < 2; half++) {
-                const __m512i ql = _mm512_loadu_si512(x[i].ql + 64 * half);
-                const __m256i qh1 = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * half));
-                const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(qh1), qh1, 1);
-                q[2 * half] = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi16(qh, up_low), m48));
-                q[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
-                                                  _mm512_and_si512(_mm512_srlv_epi16(qh, down_high), m48));
-                const __m128i half_scales = half ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16);
-                s[2 * half] = _mm512_permutexvar_epi16(spread_low, _mm512_castsi128_si512(half_scales));
-                s[2 * half + 1] = _mm512_permutexvar_epi16(spread_high, _mm512_castsi128_si512(half_scales));
-            }
-            const float xd = _cvtsh_ss(x[i].d);
-            for (int r = 0; r < n; r++) {
-                const block_q8_K *a = &y[r0 + r][i];
-                __m512i si = _mm512_setzero_si512();
-                for (int g = 0; g < 4; g++)
-                    si = _mm512_dpwssd_epi32(si, _mm512_maddubs_epi16(q[g], _mm512_loadu_si512(a->qs + 64 * g)), s[g]);
-                const __m256i offs = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->bsums)), 5);
-                si = _mm512_sub_epi32(si, _mm512_zextsi256_si512(offs));
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a->d * xd), _mm512_cvtepi32_ps(si), acc[r]);
-            }
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+        __m512i q[4], s[4];
+        for (int half = 0; half < 2; half++) {
+            const __m512i ql = _mm512_loadu_si512(x[i].ql + 64 * half);
+            const __m256i qh1 = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * half));
+            const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(qh1), qh1, 1);
+            q[2 * half] = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi16(qh, up_low), m48));
+            q[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+                                              _mm512_and_si512(_mm512_srlv_epi16(qh, down_high), m48));
+            const __m128i half_scales = half ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16);
+            s[2 * half] = _mm512_permutexvar_epi16(spread_low, _mm512_castsi128_si512(half_scales));
+            s[2 * half + 1] = _mm512_permutexvar_epi16(spread_high, _mm512_castsi128_si512(half_scales));
         }
-        for (int r = 0; r < n; r++)
-            part[r0 + r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+        const float xd = _cvtsh_ss(x[i].d);
+        for (int r = 0; r < R; r++) {
+            const block_q8_K *a = &y[r][i];
+            __m512i si = _mm512_setzero_si512();
+            for (int g = 0; g < 4; g++)
+                si = _mm512_dpwssd_epi32(si, _mm512_maddubs_epi16(q[g], _mm512_loadu_si512(a->qs + 64 * g)), s[g]);
+            const __m256i offs = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->bsums)), 5);
+            si = _mm512_sub_epi32(si, _mm512_zextsi256_si512(offs));
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a->d * xd), _mm512_cvtepi32_ps(si), acc[r]);
+        }
     }
+    for (int r = 0; r < R; r++)
+        part[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
 }
 
 AVX512 static void q4k_row_avx512(const void *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
@@ -296,70 +290,64 @@ AVX512 static void q6k_row_avx512(const void *x, int nb, int R, block_q8_K *cons
 AVX2 static INLINE void q4k_row_body_avx2(const block_q4_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[8];
-    for (int r0 = 0; r0 < R; r0 += 8) {
-        const int n = R - r0 < 8 ? R - r0 : 8;
-        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
-        for (int i = 0; i < nb; i++) {
-            uint8_t sm[16];
-            q4k_scales(x[i].scales, sm);
-            const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
-            __m256i q[8], s[8];
-            for (int g = 0; g < 4; g++) {
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * g));
-                q[2 * g] = _mm256_and_si256(b, m4);
-                q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
-                s[2 * g] = _mm256_set1_epi16(sm[2 * g]);
-                s[2 * g + 1] = _mm256_set1_epi16(sm[2 * g + 1]);
-            }
-            const float xd = _cvtsh_ss(x[i].d), xm = _cvtsh_ss(x[i].dmin);
-            for (int r = 0; r < n; r++) {
-                const block_q8_K *a = &y[r0 + r][i];
-                __m256i si = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++)
-                    si = _mm256_add_epi32(si, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(a->qs + 32 * j))), s[j]));
-                const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)a->bsums), _mm_loadu_si128((const __m128i *)(a->bsums + 8)));
-                const __m128 mins = _mm_mul_ps(_mm_set1_ps(a->d * xm), _mm_cvtepi32_ps(_mm_madd_epi16(m8, pairs)));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a->d * xd), _mm256_cvtepi32_ps(si), acc[r]);
-                acc[r] = _mm256_sub_ps(acc[r], _mm256_insertf128_ps(_mm256_setzero_ps(), mins, 0));
-            }
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        uint8_t sm[16];
+        q4k_scales(x[i].scales, sm);
+        const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+        __m256i q[8], s[8];
+        for (int g = 0; g < 4; g++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * g));
+            q[2 * g] = _mm256_and_si256(b, m4);
+            q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+            s[2 * g] = _mm256_set1_epi16(sm[2 * g]);
+            s[2 * g + 1] = _mm256_set1_epi16(sm[2 * g + 1]);
         }
-        for (int r = 0; r < n; r++) part[r0 + r] = acc[r];
+        const float xd = _cvtsh_ss(x[i].d), xm = _cvtsh_ss(x[i].dmin);
+        for (int r = 0; r < R; r++) {
+            const block_q8_K *a = &y[r][i];
+            __m256i si = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++)
+                si = _mm256_add_epi32(si, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(a->qs + 32 * j))), s[j]));
+            const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)a->bsums), _mm_loadu_si128((const __m128i *)(a->bsums + 8)));
+            const __m128 mins = _mm_mul_ps(_mm_set1_ps(a->d * xm), _mm_cvtepi32_ps(_mm_madd_epi16(m8, pairs)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a->d * xd), _mm256_cvtepi32_ps(si), acc[r]);
+            acc[r] = _mm256_sub_ps(acc[r], _mm256_insertf128_ps(_mm256_setzero_ps(), mins, 0));
+        }
     }
+    for (int r = 0; r < R; r++) part[r] = acc[r];
 }
 
 AVX2 static INLINE void q6k_row_body_avx2(const block_q6_K *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
     const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
     __m256 acc[8];
-    for (int r0 = 0; r0 < R; r0 += 8) {
-        const int n = R - r0 < 8 ? R - r0 : 8;
-        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
-        for (int i = 0; i < nb; i++) {
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
-            __m256i q[8], s[8];
-            for (int half = 0; half < 2; half++) { /* elements 0-31, 32-63, 64-95, 96-127 of the half */
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * half));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * half + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * half));
-                q[4 * half] = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
-                q[4 * half + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
-                q[4 * half + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
-                q[4 * half + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
-                                                  _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
-                for (int j = 0; j < 4; j++) /* 32 elements: groups of 16 with scales 8·half + 2j, + 1 */
-                    s[4 * half + j] = _mm256_set_m128i(_mm_set1_epi16(x[i].scales[8 * half + 2 * j + 1]), _mm_set1_epi16(x[i].scales[8 * half + 2 * j]));
-            }
-            const float xd = _cvtsh_ss(x[i].d);
-            for (int r = 0; r < n; r++) {
-                const block_q8_K *a = &y[r0 + r][i];
-                __m256i si = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++)
-                    si = _mm256_add_epi32(si, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(a->qs + 32 * j))), s[j]));
-                const __m256i offs = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->bsums)), 5);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a->d * xd), _mm256_cvtepi32_ps(_mm256_sub_epi32(si, offs)), acc[r]);
-            }
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+        __m256i q[8], s[8];
+        for (int half = 0; half < 2; half++) { /* elements 0-31, 32-63, 64-95, 96-127 of the half */
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * half));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * half + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * half));
+            q[4 * half] = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
+            q[4 * half + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
+            q[4 * half + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
+            q[4 * half + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                              _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
+            for (int j = 0; j < 4; j++) /* 32 elements: groups of 16 with scales 8·half + 2j, + 1 */
+                s[4 * half + j] = _mm256_set_m128i(_mm_set1_epi16(x[i].scales[8 * half + 2 * j + 1]), _mm_set1_epi16(x[i].scales[8 * half + 2 * j]));
         }
-        for (int r = 0; r < n; r++) part[r0 + r] = acc[r];
+        const float xd = _cvtsh_ss(x[i].d);
+        for (int r = 0; r < R; r++) {
+            const block_q8_K *a = &y[r][i];
+            __m256i si = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++)
+                si = _mm256_add_epi32(si, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(a->qs + 32 * j))), s[j]));
+            const __m256i offs = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->bsums)), 5);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a->d * xd), _mm256_cvtepi32_ps(_mm256_sub_epi32(si, offs)), acc[r]);
+        }
     }
+    for (int r = 0; r < R; r++) part[r] = acc[r];
 }
 
 AVX2 static void q4k_row_avx2(const void *x, int nb, int R, block_q8_K *const *y, __m256 *part) {
