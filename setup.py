@@ -43,6 +43,7 @@ Python code they stand in for serves (the same results, more host time per step)
 from setuptools import Extension, setup
 
 WARNINGS = ["-Wall", "-Wno-missing-braces"]
+FIELDS = ("fomoepy/runtime/_ggml_fields.h",)  # the graph nodes' reads of ggml_tensor fields
 
 
 def optional(module: str, *flags: str, depends: tuple[str, ...] = (), more: tuple[str, ...] = ()) -> Extension:
@@ -63,9 +64,9 @@ setup(
         optional("fomoepy.runtime._host_memory"),
         optional("fomoepy.experts._reads"),
         optional("fomoepy.experts._acquire"),
-        optional("fomoepy.runtime._ggml_rounds", "-ffp-contract=off"),
-        optional("fomoepy.runtime._batched_experts", "-O3", "-fopenmp"),
-        optional("fomoepy.runtime._dense_rows", "-O3"),
-        optional("fomoepy.runtime._row_attention", "-O3", "-ffp-contract=off"),
+        optional("fomoepy.runtime._ggml_rounds", "-ffp-contract=off", depends=FIELDS),
+        optional("fomoepy.runtime._batched_experts", "-O3", "-fopenmp", depends=FIELDS),
+        optional("fomoepy.runtime._dense_rows", "-O3", depends=FIELDS),
+        optional("fomoepy.runtime._row_attention", "-O3", "-ffp-contract=off", depends=FIELDS),
     ]
 )

@@ -33,6 +33,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_ggml_fields.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -551,8 +552,8 @@ static int run_step(const Shape *sh, const float *h, int T, const int32_t *rows,
 
    ggml calls a custom node's function on each of its threads (ith of nth) and puts a barrier between
    nodes. The nodes read their inputs' data through ggml_tensor fields whose offsets the caller gives
-   (OpInfo: from the Python bindings' struct, which tests/test_ggml_abi.py holds to the library's), so
-   this file needs no ggml header.
+   (OpInfo: from the Python bindings' struct, which tests/test_ggml_abi.py holds to the library's; read
+   by _ggml_fields.h), so this file needs no ggml header.
    - quantize:  src0 h [K, B] float32 → dst: B rows of Q8_K blocks, then their q4k_view;
    - gate_up:   src0 the rows' Q8_K, src1 each pick's expert [k, B] int32 → dst: the picks' activations
                 (Q8_K, by grouped pick), their q4k_view, then gate and up scratch [P, F] float32 each;
@@ -564,9 +565,6 @@ typedef struct {
     int64_t data_offset, src_offset, ne_offset;
 } OpInfo;
 
-static void *data_of(const OpInfo *o, const void *t) { return *(void *const *)((const char *)t + o->data_offset); }
-static const void *src_of(const OpInfo *o, const void *t, int i) { return ((const void *const *)((const char *)t + o->src_offset))[i]; }
-static int64_t ne_of(const OpInfo *o, const void *t, int i) { return ((const int64_t *)((const char *)t + o->ne_offset))[i]; }
 static int best_isa = ISA_PORTABLE; /* (the graph nodes' form: the best this CPU runs) */
 
 static Shape shape_of(const OpInfo *o) {

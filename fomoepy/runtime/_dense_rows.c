@@ -31,6 +31,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_ggml_fields.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,16 +43,13 @@
 #define QK8_0 32
 typedef struct { uint16_t d; int8_t qs[QK8_0]; } block_q8_0; /* 34 bytes, as ggml's */
 
-/* Where a ggml_tensor keeps its data pointer, sources and sizes: offsets from the Python bindings' struct
-   (tests/test_ggml_abi.py holds it to the library's), so no ggml header is needed. */
+/* The node's userdata: where a ggml_tensor keeps its data pointer, sources and sizes (_ggml_fields.h
+   reads them), and the form it runs. */
 typedef struct {
     int64_t data_offset, src_offset, ne_offset;
     int64_t form; /* FORM_AVX2 or FORM_AVX512 */
 } OpInfo;
 
-static void *data_of(const OpInfo *o, const void *t) { return *(void *const *)((const char *)t + o->data_offset); }
-static const void *src_of(const OpInfo *o, const void *t, int i) { return ((const void *const *)((const char *)t + o->src_offset))[i]; }
-static int64_t ne_of(const OpInfo *o, const void *t, int i) { return ((const int64_t *)((const char *)t + o->ne_offset))[i]; }
 
 enum { FORM_NONE = 0, FORM_AVX2 = 1, FORM_AVX512 = 2 }; /* the kernel's forms: the same bits, each ggml's */
 

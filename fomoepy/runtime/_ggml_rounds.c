@@ -17,6 +17,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_ggml_fields.h"
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -227,16 +228,11 @@ static PyObject *weighted_sum(PyObject *module, PyObject *const *args, Py_ssize_
    element a call at a time): by hand, bench model, 8 rows on 2 threads, its 8 MULs were ~0.5 ms of a
    17 ms step. Each thread takes a share of every row's elements (each element one thread's: the same
    bits on any count). The tensors' rows are contiguous (ggml_slots checks); their strides are read from
-   the tensors (offsets of ggml_tensor's fields from the bindings' struct, held to the library's by
-   tests/test_ggml_abi.py, so no ggml header is needed). */
+   the tensors (_ggml_fields.h, at the offsets of ggml_tensor's fields the userdata gives). */
 typedef struct {
     int64_t data_offset, src_offset, ne_offset, nb_offset;
 } OpInfo;
 
-static const char *data_of(const OpInfo *o, const void *t) { return *(char *const *)((const char *)t + o->data_offset); }
-static const void *src_of(const OpInfo *o, const void *t, int i) { return ((const void *const *)((const char *)t + o->src_offset))[i]; }
-static int64_t ne_of(const OpInfo *o, const void *t, int i) { return ((const int64_t *)((const char *)t + o->ne_offset))[i]; }
-static size_t nb_of(const OpInfo *o, const void *t, int i) { return ((const size_t *)((const char *)t + o->nb_offset))[i]; }
 
 /* (elementwise only: any vector width gives the same bits; the clones let the compiler use the CPU's) */
 __attribute__((target_clones("avx512f", "avx2", "default"))) static void weighted_rows(const float *const *y, const float *w, int64_t k,
@@ -261,11 +257,11 @@ static void op_weighted_sum(void *dst, int ith, int nth, void *userdata) {
     if (i0 >= i1) return;
     for (int64_t t = 0; t < T; t++) {
         const float *y[MAX_K];
-        for (int64_t j = 0; j < k; j++) y[j] = (const float *)(data_of(o, yt) + j * nb_of(o, yt, 1) + t * nb_of(o, yt, 2)) + i0;
+        for (int64_t j = 0; j < k; j++) y[j] = (const float *)((const char *)data_of(o, yt) + j * nb_of(o, yt, 1) + t * nb_of(o, yt, 2)) + i0;
         float w[MAX_K];
-        for (int64_t j = 0; j < k; j++) w[j] = ((const float *)(data_of(o, wt) + t * nb_of(o, wt, 1)))[j];
-        weighted_rows(y, w, k, (const float *)(data_of(o, xt) + t * nb_of(o, xt, 1)) + i0,
-                      (float *)(data_of(o, dst) + t * nb_of(o, dst, 1)) + i0, i1 - i0);
+        for (int64_t j = 0; j < k; j++) w[j] = ((const float *)((const char *)data_of(o, wt) + t * nb_of(o, wt, 1)))[j];
+        weighted_rows(y, w, k, (const float *)((const char *)data_of(o, xt) + t * nb_of(o, xt, 1)) + i0,
+                      (float *)((char *)data_of(o, dst) + t * nb_of(o, dst, 1)) + i0, i1 - i0);
     }
 }
 

@@ -28,6 +28,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_ggml_fields.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -114,17 +115,14 @@ CLONES static void head_attention(const float *q, const float *keys, int64_t ks,
     for (int64_t d = 0; d < hd; d++) out[d] = dot(scores, values + d * vd, n) * inv;
 }
 
-/* Where a ggml_tensor keeps its data pointer, sources and sizes: offsets from the Python bindings' struct
-   (tests/test_ggml_abi.py holds them to the library's), so no ggml header is needed. */
+/* The node's userdata: where a ggml_tensor keeps its data pointer, sources and sizes (_ggml_fields.h
+   reads them), the kv heads and the scores' scale. */
 typedef struct {
     int64_t data_offset, src_offset, ne_offset;
     int64_t n_head_kv;
     float scale;
 } OpInfo;
 
-static char *data_of(const OpInfo *o, const void *t) { return *(char *const *)((const char *)t + o->data_offset); }
-static const void *src_of(const OpInfo *o, const void *t, int i) { return ((const void *const *)((const char *)t + o->src_offset))[i]; }
-static int64_t ne_of(const OpInfo *o, const void *t, int i) { return ((const int64_t *)((const char *)t + o->ne_offset))[i]; }
 
 /* The node: src[0] q [hd, H, B], src[1] the rows' keys [hd, Hkv, B], src[2] their values [hd·Hkv, B] (each
    contiguous float32), src[3] the table int64 [8, B]; dst [hd, H, B]. Work items are (row, kv head), each
