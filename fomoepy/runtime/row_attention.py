@@ -18,7 +18,13 @@ import fomoepy.runtime.ggml_threads  # noqa: F401  (before ggml: OpenMP's wait p
 import ggml
 import numpy as np
 
-from fomoepy.runtime.ggml_attention import cache_addresses, kv_memory_layout
+from fomoepy.runtime.ggml_attention import (
+    _address,
+    cache_addresses,
+    kv_memory_layout,
+    readable,
+)
+from fomoepy.runtime.ggml_dense import Graph
 
 try:  # optional (setup.py)
     from fomoepy.runtime import _row_attention as _kernel
@@ -65,11 +71,16 @@ def fill(table: np.ndarray, caches: list, positions, write: bool = True) -> np.n
     """table [B, TABLE] int64 ← row b's cache (a KVCache laid out by ggml_attention.KVMemory) and position;
     write: whether the node writes the rows' keys and values (the op-by-op path has written them)."""
     for row, cache, position in zip(table, caches, positions):
-        k, v = cache.k, cache.v
-        if not kv_memory_layout(k, v):
+        if not kv_memory_layout(cache.k, cache.v):
             raise ValueError("a decode row's attention node reads KV caches laid out by ggml_attention.KVMemory")
-        row[:] = (*cache_addresses(cache), position, write, k.strides[0] // _F, k.strides[1] // _F, v.strides[2] // _F, v.strides[1] // _F)
+        row[:] = _row(cache.k, cache.v, cache_addresses(cache), position, write)
     return table
+
+
+def _row(k: np.ndarray, v: np.ndarray, addresses: tuple[int, int], position: int, write: bool) -> tuple:
+    """A table row: keys k and values v (each position's key dims contiguous, each value dim's positions),
+    where they begin, the position, whether to write the row there, and their strides in floats."""
+    return (*addresses, position, write, k.strides[0] // _F, k.strides[1] // _F, v.strides[2] // _F, v.strides[1] // _F)
 
 
 class RowAttention:
@@ -82,9 +93,6 @@ class RowAttention:
 
     def __call__(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, threads: int) -> np.ndarray:
         """q [1, H, hd] at position n_past over caches [>= n_past + 1, Hkv, hd] → [1, H, hd]."""
-        from fomoepy.runtime.ggml_attention import _address, readable
-        from fomoepy.runtime.ggml_dense import Graph
-
         _, H, hd = q.shape
         Hkv = k_cache.shape[1]
         k, v = readable(k_cache, v_cache)  # (any layout: the table gives the strides)
@@ -95,6 +103,5 @@ class RowAttention:
             out = node(g.ctx, g.input(hd, H, 1), g.input(hd, Hkv, 1), g.input(Hkv * hd, 1), g.input(TABLE, 1, qtype=ggml.GGML_TYPE_I64), Hkv, hd)
             g.finish([(out, (1, H, hd))])
         q = np.ascontiguousarray(q, dtype=np.float32)
-        table = np.array([[_address(k), _address(v), n_past, 0, k.strides[0] // _F, k.strides[1] // _F, v.strides[2] // _F, v.strides[1] // _F]],
-                         np.int64)  # fmt: skip
+        table = np.array([_row(k, v, (_address(k), _address(v)), n_past, False)], np.int64)
         return g.run(q, q, q, table)[0]  # (the row's key and value not read: any memory stands for them)
